@@ -1,0 +1,1 @@
+"""Extensions to megatron-core for CPU/gloo GPT pretraining."""

@@ -1,0 +1,189 @@
+"""Train/valid/test GPT datasets from Megatron-LM style ``--data-path`` / ``--split`` flags.
+
+A thin layer over megatron-core: flags are parsed and validated by pure helpers here (errors
+name the flag), then ``BlendedMegatronDatasetBuilder`` builds ``GPTDataset`` (or, for
+``--mock-data``, ``MockGPTDataset``) splits. The builder is distributed-aware: under
+torch.distributed rank 0 builds (and caches) the indices first and the others load them after a
+barrier; without a process group it simply builds. Each sample is a window of
+``sequence_length + 1`` tokens, returned as ``tokens = window[:-1]`` and ``labels = window[1:]``.
+"""
+
+import contextlib
+import math
+import os
+from typing import Callable, Optional, Sequence
+
+Blend = tuple[list[str], Optional[list[float]]]
+
+
+def parse_data_path(data_path: Sequence[str]) -> Blend:
+    """``["prefA"]``, ``["prefA", "prefB"]`` or ``["0.3", "prefA", "0.7", "prefB"]`` -> blend.
+
+    Returns (prefixes, weights); weights is None when no weights were given (megatron-core then
+    weights by dataset size). Weights must all be given or all be absent, and be non-negative
+    with a positive sum.
+    """
+    items = [str(item).strip() for item in data_path]
+    if not items or any(not item for item in items):
+        raise ValueError(f"--data-path needs one or more dataset prefixes, got {list(data_path)}")
+
+    def as_weight(item: str) -> Optional[float]:
+        try:
+            return float(item)
+        except ValueError:
+            return None
+
+    if all(as_weight(item) is None for item in items):
+        return items, None
+    if len(items) % 2 or any(as_weight(w) is None for w in items[0::2]):
+        raise ValueError(
+            f"--data-path {' '.join(items)} mixes weights and prefixes; give either prefixes only "
+            f"(PREFIX [PREFIX ...]) or weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"
+        )
+    weights = [as_weight(w) for w in items[0::2]]
+    prefixes = items[1::2]
+    if any(as_weight(p) is not None for p in prefixes):
+        raise ValueError(f"--data-path {' '.join(items)}: a prefix looks like a number; "
+                         f"use weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)")
+    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--data-path weights {weights} must be finite, >= 0 and sum to > 0")
+    return prefixes, weights
+
+
+def parse_split(split: str) -> list[float]:
+    """``"969,30,1"`` -> normalised [train, valid, test] fractions; missing parts are 0."""
+    parts = [p.strip() for p in str(split).replace("/", ",").split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError as exc:
+        raise ValueError(f"--split {split!r} must be up to 3 comma-separated numbers, "
+                         f"e.g. 969,30,1") from exc
+    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values):
+        raise ValueError(f"--split {split!r} must be 1 to 3 non-negative numbers, e.g. 969,30,1")
+    values += [0.0] * (3 - len(values))
+    if sum(values) <= 0:
+        raise ValueError(f"--split {split!r} must have a positive sum, e.g. 969,30,1")
+    return [v / sum(values) for v in values]
+
+
+def get_missing_dataset_files(prefixes: Sequence[str]) -> list[str]:
+    """The ``PREFIX.bin`` / ``PREFIX.idx`` paths that do not exist."""
+    return [prefix + ext for prefix in prefixes for ext in (".bin", ".idx")
+            if not os.path.isfile(prefix + ext)]
+
+
+def validate_data_prefixes(prefixes: Sequence[str]) -> None:
+    """ValueError naming ``--data-path`` and every missing file."""
+    missing = get_missing_dataset_files(prefixes)
+    if missing:
+        raise ValueError(
+            f"--data-path: missing {', '.join(missing)}. Each prefix needs PREFIX.bin and "
+            f"PREFIX.idx (pass the prefix without extension, e.g. "
+            f"data/default/corpus_text_document; "
+            f"build them with tools/preprocess_data.py or tools/make_default_data.py)"
+        )
+
+
+def validate_num_samples(num_samples: Sequence[Optional[int]], weights) -> list[Optional[int]]:
+    """[train, valid, test] sample counts; None only where megatron-core allows it."""
+    num_samples = list(num_samples)
+    if len(num_samples) != 3 or any(n is not None and n < 0 for n in num_samples):
+        raise ValueError(f"num_samples must be [train, valid, test] counts >= 0 (or None), "
+                         f"got {num_samples}")
+    if weights is not None and any(n is None for n in num_samples):
+        raise ValueError(f"--data-path with weights needs a sample count for every split, "
+                         f"got num_samples={num_samples}; give counts or drop the weights")
+    return num_samples
+
+
+@contextlib.contextmanager
+def maybe_single_process_rank():
+    """Without a process group, let ``torch.distributed.get_rank()`` answer 0 meanwhile.
+
+    megatron-core 0.16.1's ``BlendedDataset._build_indices`` calls ``get_rank()`` unguarded on a
+    cache miss whenever ``path_to_cache`` is set, which raises in a single process (the other
+    dataset classes check ``is_initialized()`` first). A single process is rank 0, so we say so,
+    only for the duration of the build and only when no process group exists.
+    """
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        yield
+        return
+    original = torch.distributed.get_rank
+    torch.distributed.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        torch.distributed.get_rank = original
+
+
+def build_gpt_dataset_config(tokenizer, sequence_length: int, blend: Optional[Blend],
+                             split: str = "969,30,1", random_seed: int = 1234,
+                             path_to_cache: Optional[str] = None,
+                             reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                             eod_mask_loss: bool = False, create_attention_mask: bool = True):
+    """megatron-core ``GPTDatasetConfig``; ``blend=None`` means mock data."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    if sequence_length < 1:
+        raise ValueError(f"--seq-length must be >= 1, got {sequence_length}")
+    return GPTDatasetConfig(
+        random_seed=random_seed,
+        sequence_length=sequence_length,
+        blend=blend,
+        split=None if blend is None else split,
+        path_to_cache=path_to_cache,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+
+
+def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Optional[int]],
+                       data_path: Optional[Sequence[str]] = None, split: str = "969,30,1",
+                       mock_data: bool = False, random_seed: int = 1234,
+                       path_to_cache: Optional[str] = None,
+                       reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                       eod_mask_loss: bool = False, create_attention_mask: bool = True,
+                       is_built_on_rank: Optional[Callable[[], bool]] = None):
+    """Build (train, valid, test) datasets; a split with zero weight comes back as None.
+
+    Args:
+        tokenizer: from ``megatron_ext.tokenizer.build_tokenizer`` (needs vocab_size, eod, pad).
+        sequence_length: tokens per sample (each sample reads sequence_length + 1 tokens).
+        num_samples: [train, valid, test] samples to draw (epochs repeat as needed).
+        data_path: ``--data-path`` items (prefixes, or weight/prefix pairs); ignored if mock.
+        split: ``--split`` weights for train/valid/test documents of each prefix.
+        mock_data: ``--mock-data``: megatron-core's synthetic ``MockGPTDataset``.
+        path_to_cache: where megatron-core caches its index arrays; None means megatron-core's
+            default, a ``cache/`` folder next to the first prefix's files.
+        is_built_on_rank: whether this rank builds datasets (default: every rank).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    if mock_data:
+        blend, dataset_cls = None, MockGPTDataset
+    else:
+        if not data_path:
+            raise ValueError("--data-path is required unless --mock-data is set "
+                             "(e.g. --data-path data/default/corpus_text_document)")
+        blend, dataset_cls = parse_data_path(data_path), GPTDataset
+        validate_data_prefixes(blend[0])
+        parse_split(split)
+    sizes = validate_num_samples(num_samples, None if blend is None else blend[1])
+    config = build_gpt_dataset_config(
+        tokenizer, sequence_length, blend, split, random_seed, path_to_cache,
+        reset_position_ids, reset_attention_mask, eod_mask_loss, create_attention_mask,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        dataset_cls, sizes, is_built_on_rank or (lambda: True), config
+    )
+    with maybe_single_process_rank():
+        train, valid, test = builder.build()
+    return train, valid, test

@@ -1,0 +1,86 @@
+"""megatron_ext.tokenizer against sentencepiece and megatron-core's NullTokenizer directly."""
+
+import hashlib
+import os
+
+import pytest
+
+from megatron_ext.tokenizer import build_tokenizer
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SHIPPED_MODEL = os.path.join(REPO, "data", "default", "tokenizer.model")
+
+SAMPLE_TEXT = (
+    "Return the sum of *x* and *y*.\n\n"
+    "    >>> add(2, 40)\n    42\n"
+    "Unicode: naïve café, 数据, tab\there."
+)
+
+
+@pytest.fixture(scope="module")
+def sp_processor():
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=SHIPPED_MODEL)
+
+
+def test_null_tokenizer_matches_megatron_core():
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    reference = NullTokenizer(100)
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tokenizer.tokenize("5 17 99 0") == reference.text_to_ids("5 17 99 0") == [5, 17, 99, 0]
+    assert tokenizer.eod == reference.eod == 100
+    assert tokenizer.vocab_size == reference.vocab_size == 101
+    assert tokenizer.pad == tokenizer.eod
+    assert tokenizer.detokenize([5, 17, 99]) == "5 17 99"
+    assert tokenizer.identity() == {"type": "NullTokenizer", "model_sha256": None,
+                                    "vocab_size": 101}
+
+
+def test_null_tokenizer_errors():
+    with pytest.raises(ValueError, match="--vocab-size"):
+        build_tokenizer("NullTokenizer")
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=10)
+    with pytest.raises(ValueError, match="--vocab-size"):
+        tokenizer.tokenize("3 11")
+    with pytest.raises(ValueError, match="integer ids"):
+        tokenizer.tokenize("hello world")
+
+
+def test_sentencepiece_ids_match_sentencepiece(sp_processor):
+    tokenizer = build_tokenizer("SentencePieceTokenizer", SHIPPED_MODEL)
+    ids = tokenizer.tokenize(SAMPLE_TEXT)
+    assert ids == sp_processor.encode(SAMPLE_TEXT)
+    assert tokenizer.detokenize(ids) == SAMPLE_TEXT  # identity normalisation keeps whitespace
+    assert tokenizer.vocab_size == sp_processor.get_piece_size() == 8192
+    assert sp_processor.id_to_piece(tokenizer.eod) == "</s>"
+    assert sp_processor.id_to_piece(tokenizer.pad) == "<pad>"
+    assert tokenizer.pad != tokenizer.eod
+    assert 0 <= tokenizer.eod < tokenizer.vocab_size
+    assert sp_processor.unk_id() not in ids  # byte fallback: nothing maps to <unk>
+
+
+def test_sentencepiece_identity_and_alias():
+    tokenizer = build_tokenizer("GPTSentencePieceTokenizer", SHIPPED_MODEL)
+    with open(SHIPPED_MODEL, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    assert tokenizer.identity() == {"type": "GPTSentencePieceTokenizer", "model_sha256": sha,
+                                    "vocab_size": 8192}
+    assert dict(tokenizer.unique_identifiers)["model_sha256"] == sha
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(tokenizer_type="SentencePieceTokenizer"), "--tokenizer-model"),
+        (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="/nonexistent.model"),
+         "--tokenizer-model"),
+        (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=SHIPPED_MODEL,
+              vocab_size=1000), "--vocab-size"),
+        (dict(tokenizer_type="GPT2BPETokenizer"), "--tokenizer-type"),
+    ],
+)
+def test_build_tokenizer_errors_name_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        build_tokenizer(**kwargs)
