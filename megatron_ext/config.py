@@ -1,0 +1,464 @@
+"""Typed job configuration, with Megatron-LM's flag names, validated in one place.
+
+Each section is a small dataclass; each field's ``help`` is its flag's help text. The flag of a
+field is ``--`` + its name with dashes (``tensor_model_parallel_size`` ->
+``--tensor-model-parallel-size``). Config files (YAML or TOML) use the same names, with dashes or
+underscores; flags given on the command line override them; unknown keys are an error.
+
+``validate(cfg, world_size)`` checks every rule that a layout, a batch or a model shape must
+satisfy and reports all problems at once, each naming the flags, the values and the fix. It is
+pure: it runs before any process group, file or model is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field carrying its flag's help text."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split: TP x PP x DP, virtual pipeline stages, optimizer sharding."""
+
+    tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (ranks of a TP group are consecutive, inside a node).")
+    pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (stages span nodes).")
+    num_layers_per_virtual_pipeline_stage: int | None = _f(None, "Layers per virtual pipeline stage (interleaved 1F1B).")
+    num_virtual_stages_per_pipeline_rank: int | None = _f(None, "Virtual pipeline stages per pipeline rank (interleaved 1F1B).")
+    microbatch_group_size_per_vp_stage: int | None = _f(None, "Contiguous micro-batches per virtual stage in the interleaved schedule (default: PP).")
+    use_distributed_optimizer: bool = _f(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs CUDA: megatron-core's CPU norm does not support it).")
+    overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduce with the backward pass.")
+    distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, in minutes.")
+
+
+@dataclass
+class ModelConfig:
+    """GPT shape. GPT-2 style by default; Llama style with RMSNorm, --swiglu, rope, GQA."""
+
+    num_layers: int = _f(4, "Number of transformer layers.")
+    hidden_size: int = _f(128, "Hidden size.")
+    ffn_hidden_size: int | None = _f(None, "MLP hidden size (default 4 x hidden, or Llama's 8/3 x hidden rounded with --swiglu).")
+    num_attention_heads: int = _f(4, "Attention heads.")
+    group_query_attention: bool = _f(False, "Use grouped-query attention (with --num-query-groups).")
+    num_query_groups: int | None = _f(None, "Key/value head groups under --group-query-attention.")
+    seq_length: int = _f(256, "Sequence length of a training sample.")
+    max_position_embeddings: int | None = _f(None, "Positions of the learned absolute embedding (default: --seq-length).")
+    position_embedding_type: str = _f("learned_absolute", "learned_absolute or rope.", choices=["learned_absolute", "rope"])
+    rotary_base: int = _f(10000, "RoPE theta.")
+    rotary_percent: float = _f(1.0, "Fraction of each head's dimensions rotated by RoPE.")
+    normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = _f(1e-5, "Epsilon of the norms.")
+    swiglu: bool = _f(False, "SwiGLU MLP (Llama).")
+    disable_bias_linear: bool = _f(False, "No biases in linear layers (Llama).")
+    untie_embeddings_and_output_weights: bool = _f(False, "Separate output layer instead of the tied input embedding.")
+    init_method_std: float = _f(0.02, "Std of the normal initialisation.")
+    hidden_dropout: float = _f(0.0, "Dropout on hidden states.")
+    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.")
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP.")
+    transformer_impl: str = _f("auto", "Layer spec: local (torch), transformer_engine, or auto (TE when importable and CUDA is used).", choices=["auto", "local", "transformer_engine"])
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    data_path: list[str] = _f([], "Indexed dataset prefixes, optionally weighted: 'w1 prefix1 w2 prefix2'.", nargs="*")
+    split: str = _f("969,30,1", "Train,valid,test split weights of each dataset.")
+    mock_data: bool = _f(False, "Synthetic data (megatron-core MockGPTDataset), no files.")
+    tokenizer_type: str = _f("SentencePieceTokenizer", "NullTokenizer, SentencePieceTokenizer or GPTSentencePieceTokenizer.")
+    tokenizer_model: str | None = _f(None, "Tokenizer model file (sentencepiece .model).")
+    vocab_size: int | None = _f(None, "Vocabulary size for NullTokenizer (EOD is the id vocab_size).")
+    data_cache_path: str | None = _f(None, "Where megatron-core caches its sample indices (default: beside the data).")
+
+
+@dataclass
+class TrainingConfig:
+    """Batch, schedule, optimizer and loss."""
+
+    micro_batch_size: int = _f(1, "Samples per micro-batch per DP rank.")
+    global_batch_size: int | None = _f(None, "Samples per step over all DP ranks (default: micro-batch x DP).")
+    train_iters: int = _f(100, "Training steps.")
+    seed: int = _f(1234, "Random seed (initial weights depend only on it and each parameter's name and shape).")
+    optimizer: str = _f("adam", "adam (AdamW, decoupled weight decay) or sgd.", choices=["adam", "sgd"])
+    lr: float = _f(3e-4, "Peak learning rate.")
+    min_lr: float = _f(0.0, "Learning rate at the end of the decay.")
+    lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
+    lr_decay_iters: int | None = _f(None, "Decay steps (default: --train-iters).")
+    lr_decay_style: str = _f("cosine", "constant, linear, cosine or inverse-square-root.", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    weight_decay: float = _f(0.01, "Weight decay.")
+    adam_beta1: float = _f(0.9, "Adam beta1.")
+    adam_beta2: float = _f(0.999, "Adam beta2.")
+    adam_eps: float = _f(1e-8, "Adam epsilon.")
+    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
+    calculate_per_token_loss: bool = _f(True, "Token-sum loss: divide by valid tokens of the whole global batch (default on).")
+    no_calculate_per_token_loss: bool = _f(False, "Opt out: mean of per-micro-batch means (reproduces older Megatron-LM runs).")
+    eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
+    eval_iters: int = _f(2, "Validation batches per evaluation.")
+    bf16: bool = _f(False, "bf16 mixed precision (GPU).")
+
+
+@dataclass
+class LoggingConfig:
+    """What is printed and recorded."""
+
+    log_interval: int = _f(1, "Print a log line every N steps.")
+    tensorboard_dir: str | None = _f(None, "Write TensorBoard scalars here.")
+    wandb_project: str | None = _f(None, "Weights & Biases project (WANDB_MODE=offline works).")
+    wandb_exp_name: str | None = _f(None, "Weights & Biases run name.")
+    wandb_save_dir: str | None = _f(None, "Weights & Biases directory.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints."""
+
+    save: str | None = _f(None, "Directory to save checkpoints to.")
+    save_interval: int | None = _f(None, "Save every N steps (and at the end).")
+    load: str | None = _f(None, "Directory to resume from.")
+
+
+@dataclass
+class JobConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        return {k: v for section in self.sections() for k, v in dataclasses.asdict(section).items()}
+
+    def sections(self) -> list[Any]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+SECTION_TYPES: dict[str, type] = {
+    "parallel": ParallelConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def get_field_section() -> dict[str, str]:
+    """Field name -> section name, over every section."""
+    return {f.name: s for s, cls in SECTION_TYPES.items() for f in dataclasses.fields(cls)}
+
+
+class ConfigError(ValueError):
+    """Every problem found in one configuration, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def build_job_config(values: dict[str, Any]) -> JobConfig:
+    """Build a JobConfig from flat ``{field_name: value}``; unknown names are an error."""
+    where = get_field_section()
+    unknown = sorted(k for k in values if k not in where)
+    if unknown:
+        raise ConfigError([f"unknown setting '{k}' (no flag --{k.replace('_', '-')})" for k in unknown])
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTION_TYPES}
+    for k, v in values.items():
+        per_section[where[k]][k] = v
+    return JobConfig(**{s: SECTION_TYPES[s](**kw) for s, kw in per_section.items()})
+
+
+# ----------------------------------------------------------------------------- derived values
+
+
+def get_data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+    p = cfg.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+
+def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
+    """Virtual stages per pipeline rank, or None without interleaving."""
+    p, m = cfg.parallel, cfg.model
+    if p.num_virtual_stages_per_pipeline_rank is not None:
+        return p.num_virtual_stages_per_pipeline_rank
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        return m.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+    return None
+
+
+def get_global_batch_size(cfg: JobConfig, world_size: int) -> int:
+    t = cfg.training
+    return t.global_batch_size or t.micro_batch_size * get_data_parallel_size(cfg, world_size)
+
+
+def get_num_microbatches(cfg: JobConfig, world_size: int) -> int:
+    """Micro-batches per step on each DP rank."""
+    dp = get_data_parallel_size(cfg, world_size)
+    return get_global_batch_size(cfg, world_size) // (cfg.training.micro_batch_size * dp)
+
+
+def get_padded_vocab_size(vocab_size: int, cfg: JobConfig) -> int:
+    """Megatron-LM's rule: pad to a multiple of make_vocab_size_divisible_by x TP."""
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def get_num_query_groups(cfg: JobConfig) -> int:
+    m = cfg.model
+    return m.num_query_groups if m.group_query_attention and m.num_query_groups else m.num_attention_heads
+
+
+def uses_per_token_loss(cfg: JobConfig) -> bool:
+    return cfg.training.calculate_per_token_loss and not cfg.training.no_calculate_per_token_loss
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
+    """Raise ConfigError listing every problem; pure (no process group, no file written)."""
+    problems = (
+        _check_positive(cfg)
+        + _check_layout(cfg, world_size)
+        + _check_model(cfg, world_size)
+        + _check_batch(cfg, world_size)
+        + _check_schedule(cfg)
+        + _check_data(cfg)
+        + _check_device(cfg, cuda)
+    )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_positive(cfg: JobConfig) -> list[str]:
+    names = [
+        ("tensor_model_parallel_size", cfg.parallel), ("pipeline_model_parallel_size", cfg.parallel),
+        ("num_layers", cfg.model), ("hidden_size", cfg.model), ("num_attention_heads", cfg.model),
+        ("seq_length", cfg.model), ("micro_batch_size", cfg.training), ("train_iters", cfg.training),
+        ("log_interval", cfg.logging),
+    ]
+    return [
+        f"--{n.replace('_', '-')} must be a positive integer, got {getattr(s, n)}"
+        for n, s in names if not (isinstance(getattr(s, n), int) and getattr(s, n) > 0)
+    ]
+
+
+def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
+    p, m = cfg.parallel, cfg.model
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp <= 0 or pp <= 0 or m.num_layers <= 0:
+        return []
+    out = []
+    if world_size % (tp * pp):
+        out.append(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}: launch a multiple of {tp * pp} "
+            f"processes or change TP/PP"
+        )
+    lps, vps = p.num_layers_per_virtual_pipeline_stage, p.num_virtual_stages_per_pipeline_rank
+    if lps is not None and vps is not None and lps * vps * pp != m.num_layers:
+        out.append(
+            f"--num-layers-per-virtual-pipeline-stage {lps} and --num-virtual-stages-per-pipeline-rank "
+            f"{vps} disagree: with --pipeline-model-parallel-size {pp} they give {lps * vps * pp} layers, "
+            f"--num-layers is {m.num_layers}; give only one of the two"
+        )
+    elif lps is not None and (lps <= 0 or m.num_layers % (pp * lps)):
+        out.append(
+            f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            f"--num-layers-per-virtual-pipeline-stage {lps} = {pp * lps}: choose a layers-per-stage "
+            f"that divides {m.num_layers // pp if m.num_layers % pp == 0 else m.num_layers} "
+        )
+    elif vps is not None and (vps <= 0 or m.num_layers % (pp * vps)):
+        out.append(
+            f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            f"--num-virtual-stages-per-pipeline-rank {vps} = {pp * vps}"
+        )
+    elif m.num_layers % pp:
+        out.append(
+            f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}: "
+            f"use a multiple of {pp} layers"
+        )
+    vpp = get_virtual_pipeline_size(cfg) if not out else None
+    if vpp is not None and vpp > 1 and pp == 1:
+        out.append(
+            f"interleaved schedule ({vpp} virtual stages per pipeline rank) needs "
+            f"--pipeline-model-parallel-size > 1, got 1: drop --num-layers-per-virtual-pipeline-stage"
+        )
+    return out
+
+
+def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    out = []
+    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        out.append(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+            f"{m.num_attention_heads}"
+        )
+    if tp > 0 and m.num_attention_heads % tp:
+        out.append(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}: use a TP size that divides the heads"
+        )
+    if m.group_query_attention:
+        g = m.num_query_groups
+        if not g or g <= 0:
+            out.append("--group-query-attention needs --num-query-groups N (N > 0)")
+        else:
+            if m.num_attention_heads % g:
+                out.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {g}")
+            if tp > 0 and g % tp:
+                out.append(f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {tp}")
+    ffn = m.ffn_hidden_size
+    if ffn is not None and tp > 0 and ffn % tp:
+        out.append(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+    if m.position_embedding_type == "learned_absolute":
+        max_pos = m.max_position_embeddings or m.seq_length
+        if max_pos < m.seq_length:
+            out.append(
+                f"--seq-length {m.seq_length} exceeds --max-position-embeddings {max_pos}: raise "
+                f"--max-position-embeddings or use --position-embedding-type rope"
+            )
+    for name in ("hidden_dropout", "attention_dropout"):
+        v = getattr(m, name)
+        if not 0.0 <= v < 1.0:
+            out.append(f"--{name.replace('_', '-')} must be in [0, 1), got {v}")
+    return out
+
+
+def _check_batch(cfg: JobConfig, world_size: int) -> list[str]:
+    p, t = cfg.parallel, cfg.training
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp <= 0 or pp <= 0 or world_size % (tp * pp) or t.micro_batch_size <= 0:
+        return []
+    dp = world_size // (tp * pp)
+    gbs = get_global_batch_size(cfg, world_size)
+    if gbs % (t.micro_batch_size * dp):
+        return [
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x "
+            f"data-parallel size {dp} = {t.micro_batch_size * dp}: use a multiple of "
+            f"{t.micro_batch_size * dp}"
+        ]
+    out = []
+    vpp = get_virtual_pipeline_size(cfg)
+    if vpp is not None and vpp > 1 and pp > 1:
+        out += _check_interleaved_microbatches(
+            get_num_microbatches(cfg, world_size), pp, p.microbatch_group_size_per_vp_stage or pp,
+            gbs, t.micro_batch_size, dp,
+        )
+    return out
+
+
+def _check_interleaved_microbatches(m: int, pp: int, n: int, gbs: int, mbs: int, dp: int) -> list[str]:
+    """megatron-core's interleaved-schedule rule, which it checks only mid-schedule."""
+    what = (
+        f"{m} micro-batches per step (--global-batch-size {gbs} / (--micro-batch-size {mbs} x "
+        f"data-parallel {dp}))"
+    )
+    if not pp <= n <= m:
+        return [
+            f"interleaved schedule: {what} must be at least --pipeline-model-parallel-size {pp} "
+            f"(and at least --microbatch-group-size-per-vp-stage {n}): raise --global-batch-size to "
+            f"{max(pp, n) * mbs * dp} or more"
+        ]
+    if 0 < m % n < pp:
+        return [
+            f"interleaved schedule: {what} leaves a last group of {m % n} < PP {pp} when grouped by "
+            f"{n}: use a multiple of {n} micro-batches (--global-batch-size a multiple of {n * mbs * dp})"
+        ]
+    return []
+
+
+def _check_schedule(cfg: JobConfig) -> list[str]:
+    t = cfg.training
+    out = []
+    if t.min_lr > t.lr:
+        out.append(f"--min-lr {t.min_lr} is larger than --lr {t.lr}")
+    decay = t.lr_decay_iters or t.train_iters
+    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > decay:
+        out.append(
+            f"--lr-warmup-iters {t.lr_warmup_iters} must lie in [0, --lr-decay-iters {decay}]"
+        )
+    if t.eval_interval < 0 or t.eval_iters < 0:
+        out.append("--eval-interval and --eval-iters must be >= 0")
+    if t.clip_grad < 0:
+        out.append(f"--clip-grad must be >= 0, got {t.clip_grad}")
+    c = cfg.checkpoint
+    if c.save_interval is not None and (c.save_interval <= 0 or not c.save):
+        out.append("--save-interval needs --save DIR and a positive interval")
+    return out
+
+
+def _check_data(cfg: JobConfig) -> list[str]:
+    d = cfg.data
+    out = []
+    if d.mock_data and d.data_path:
+        out.append("--mock-data and --data-path are exclusive: give one")
+    if not d.mock_data and not d.data_path:
+        out.append("no data: give --data-path PREFIX (an indexed .bin/.idx pair) or --mock-data")
+    if d.tokenizer_type == "NullTokenizer":
+        if not d.vocab_size or d.vocab_size <= 0:
+            out.append("--tokenizer-type NullTokenizer needs --vocab-size N")
+    elif d.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        if not d.tokenizer_model:
+            out.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE")
+        elif not os.path.isfile(d.tokenizer_model):
+            out.append(f"--tokenizer-model {d.tokenizer_model}: no such file")
+    else:
+        out.append(
+            f"--tokenizer-type {d.tokenizer_type} is not supported: use NullTokenizer or "
+            f"SentencePieceTokenizer"
+        )
+    for prefix in _get_data_prefixes(d.data_path):
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            out.append(f"--data-path {prefix}: missing {', '.join(missing)}")
+    split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
+    try:
+        weights = [float(s) for s in split]
+        if not weights or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError
+    except ValueError:
+        out.append(f"--split '{d.split}' must be comma-separated non-negative weights like 969,30,1")
+        weights = []
+    if cfg.training.eval_interval > 0 and weights and not d.mock_data and (len(weights) < 2 or weights[1] == 0):
+        out.append(
+            f"--eval-interval {cfg.training.eval_interval} needs a validation split, but --split "
+            f"'{d.split}' gives it no weight"
+        )
+    return out
+
+
+def _get_data_prefixes(data_path: list[str]) -> list[str]:
+    """Prefixes of a Megatron-LM style --data-path (with or without weights)."""
+    if len(data_path) % 2 == 0 and data_path:
+        try:
+            [float(w) for w in data_path[0::2]]
+            return list(data_path[1::2])
+        except ValueError:
+            pass
+    return list(data_path)
+
+
+def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
+    out = []
+    if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size > 1 and not cuda:
+        out.append(
+            "--sequence-parallel needs CUDA (megatron-core's torch norm on the local spec does not "
+            "support it): drop --sequence-parallel on CPU"
+        )
+    if cfg.training.bf16 and not cuda:
+        out.append("--bf16 is for GPUs; CPU training runs in fp32: drop --bf16")
+    if cfg.model.transformer_impl == "transformer_engine" and not cuda:
+        out.append("--transformer-impl transformer_engine needs CUDA: use local or auto on CPU")
+    return out

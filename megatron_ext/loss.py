@@ -1,0 +1,63 @@
+"""Token-sum language-model loss.
+
+Invariant: a micro-batch's loss is the SUM of token cross-entropies over its valid tokens
+(label != ignore index and loss mask 1) together with the integer COUNT of those tokens. With
+``calculate_per_token_loss`` (our default) megatron-core's ``finalize_model_grads`` broadcasts the
+count from the last pipeline stage, all-reduces it over DP and scales every gradient by
+1 / (valid tokens of the whole global batch): the step's gradient is that of the global mean over
+valid tokens, whatever the micro-batch, padding and DP split. A zero count is fine: the sum is 0
+and megatron-core divides by the global count only (by clamp(count, 1) in the opt-out mode).
+
+Only the last pipeline stage calls this. ``TokenLoss`` is our named type; megatron-core's
+``(loss, num_tokens, report)`` tuple exists only at the boundary, in ``to_megatron``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class TokenLoss(NamedTuple):
+    """Sum of token losses and count of valid tokens of one micro-batch."""
+
+    loss_sum: torch.Tensor  # [] fp32, carries the graph
+    num_tokens: torch.Tensor  # [] int
+
+    def to_megatron(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """megatron-core's 3-tuple: (loss, num_tokens, {name: [sum, count] for reporting})."""
+        report = torch.stack([self.loss_sum.detach().float(), self.num_tokens.float()])
+        return self.loss_sum, self.num_tokens, {"lm loss": report}
+
+
+def get_valid_mask(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """[b, s] bool: positions that count (label not ignored, loss mask set)."""
+    valid = labels != IGNORE_INDEX
+    if loss_mask is not None:
+        valid = valid & (loss_mask > 0)
+    return valid
+
+
+def compute_token_loss(per_token_loss: torch.Tensor, valid: torch.Tensor) -> TokenLoss:
+    """``per_token_loss`` [b, s] (megatron-core GPTModel output with labels) -> TokenLoss."""
+    per_token_loss = per_token_loss.float()
+    # where(), not multiply: an ignored position may hold inf/NaN from a padded label.
+    loss_sum = torch.where(valid, per_token_loss, torch.zeros_like(per_token_loss)).sum()
+    return TokenLoss(loss_sum, valid.sum().to(torch.int))
+
+
+def reduce_reported_loss(reports: list[dict[str, torch.Tensor]], key: str = "lm loss") -> torch.Tensor:
+    """[sum, count] over this rank's micro-batches (float64 to keep the count exact)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for r in reports:
+        total += r[key].to(torch.float64)
+    return total
+
+
+def get_mean_loss(total: torch.Tensor) -> float:
+    """Global sum / global count; NaN-free when no token counted (returns 0)."""
+    count = float(total[1])
+    return float(total[0]) / count if count > 0 else 0.0

@@ -1,0 +1,170 @@
+"""megatron-core GPTModel chunks (one per virtual pipeline stage), GPT-2 or Llama style.
+
+Invariant: every chunk starts from the layout-independent initial weights of
+``init_weights.py``, then is wrapped in megatron-core's DistributedDataParallel (chunk 0 alone
+owns bucketing, as Megatron-LM does for the interleaved schedule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.config import JobConfig, get_num_query_groups, get_virtual_pipeline_size, uses_per_token_loss
+from megatron_ext.init_weights import apply_layout_independent_init
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlacement:
+    """Where one rank sits in the pipeline (read from megatron-core once, by the caller)."""
+
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    vp_size: int | None
+
+    def is_first(self, vp_stage: int) -> bool:
+        return self.pp_rank == 0 and vp_stage == 0
+
+    def is_last(self, vp_stage: int) -> bool:
+        return self.pp_rank == self.pp_size - 1 and vp_stage == (self.vp_size or 1) - 1
+
+
+def get_ffn_hidden_size(cfg: JobConfig) -> int:
+    m = cfg.model
+    if m.ffn_hidden_size:
+        return m.ffn_hidden_size
+    if m.swiglu:  # Llama: 2/3 of 4h, rounded up to a multiple of 64
+        return int(64 * ((int(8 * m.hidden_size / 3) + 63) // 64))
+    return 4 * m.hidden_size
+
+
+def build_transformer_config(cfg: JobConfig, device: torch.device):
+    """megatron-core TransformerConfig for this job."""
+    from megatron.core.transformer import TransformerConfig
+
+    m, p = cfg.model, cfg.parallel
+    interleaved = (get_virtual_pipeline_size(cfg) or 1) > 1
+    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=get_ffn_hidden_size(cfg),
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=get_num_query_groups(cfg),
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=not m.disable_bias_linear,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=get_virtual_pipeline_size(cfg),
+        microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
+        sequence_parallel=p.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=cfg.training.bf16,
+        calculate_per_token_loss=uses_per_token_loss(cfg),
+        # megatron-core draws its own (layout-dependent) init, which ours then overwrites; its
+        # draw cannot be skipped: perform_initialization=False also skips setting the TP
+        # attributes (tensor_model_parallel, partition_dim) that grad norms and checkpoints need.
+        use_cpu_initialization=False,
+        perform_initialization=True,
+        # Fusions stay at megatron-core's defaults (off): they need CUDA kernels.
+        gradient_accumulation_fusion=False,
+        # Freeing a sent activation's storage early is safe with NCCL's stream ordering; with
+        # gloo's asynchronous sends it corrupted gradients under the interleaved schedule
+        # (measured: 40% relative error at PP2 x VPP2), so the CPU keeps the storage.
+        deallocate_pipeline_outputs=device.type == "cuda",
+        # Megatron-LM's defaults for the interleaved schedule. The batched path must not be
+        # used there with PP=2: both neighbours are the same rank, and a batch holding a
+        # forward and a backward message to it is matched in posting order, which swaps them.
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
+    )
+
+
+def use_transformer_engine(cfg: JobConfig, device: torch.device) -> bool:
+    impl = cfg.model.transformer_impl
+    if impl == "local" or device.type != "cuda":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        if impl == "transformer_engine":
+            raise ValueError("--transformer-impl transformer_engine: transformer_engine is not installed")
+        return False
+    return True
+
+
+def build_layer_spec(cfg: JobConfig, device: torch.device):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_transformer_engine(cfg, device):
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+
+
+def build_model_chunks(
+    cfg: JobConfig, placement: StagePlacement, padded_vocab_size: int, device: torch.device
+) -> list[torch.nn.Module]:
+    """Unwrapped GPTModel chunks of this rank, initialised layout-independently."""
+    from megatron.core.models.gpt import GPTModel
+
+    tf_config = build_transformer_config(cfg, device)
+    spec = build_layer_spec(cfg, device)
+    m = cfg.model
+    num_chunks = placement.vp_size or 1
+    chunks = []
+    for vp_stage in range(num_chunks):
+        chunk = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size,
+            max_sequence_length=m.max_position_embeddings or m.seq_length,
+            pre_process=placement.is_first(vp_stage),
+            post_process=placement.is_last(vp_stage),
+            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type,
+            rotary_base=m.rotary_base,
+            rotary_percent=m.rotary_percent,
+            vp_stage=vp_stage if placement.vp_size else None,
+        )
+        chunks.append(chunk.to(device))
+    apply_layout_independent_init(
+        chunks,
+        seed=cfg.training.seed,
+        std=m.init_method_std,
+        num_layers=m.num_layers,
+        tp_rank=placement.tp_rank,
+        tp_size=placement.tp_size,
+        gated_mlp=m.swiglu,
+    )
+    return chunks
+
+
+def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(
+            config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0)
+        )
+        for i, chunk in enumerate(chunks)
+    ]

@@ -1,0 +1,110 @@
+"""Process groups: the one module that reads megatron-core's global ``parallel_state``.
+
+Invariant: ranks of a TP group are consecutive (one node holds whole TP groups), pipeline
+stages span nodes, data parallel is what is left (megatron-core's default order
+``tp-cp-ep-dp-pp``). Everything downstream receives a ``ParallelContext`` with its groups
+passed in explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config import JobConfig, get_virtual_pipeline_size
+from megatron_ext.model import StagePlacement
+from megatron_ext.platform import apply_cpu_platform, get_distributed_backend
+
+
+@dataclasses.dataclass
+class ParallelContext:
+    """This rank's place in the layout and the groups it talks over."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    vp_size: int | None
+    tp_group: Any
+    pp_group: Any
+    dp_group: Any
+    mp_group: Any  # TP x PP ranks sharing one DP rank: the ranks of one pipeline replica
+
+    @property
+    def placement(self) -> StagePlacement:
+        return StagePlacement(self.pp_rank, self.pp_size, self.tp_rank, self.tp_size, self.vp_size)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The last rank: last pipeline stage, where the loss is known."""
+        return self.rank == self.world_size - 1
+
+
+def init_distributed(device: torch.device, timeout_minutes: int) -> None:
+    """Join the torchrun world (env:// rendezvous) on gloo (CPU) or NCCL (CUDA)."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=get_distributed_backend(device),
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+
+
+def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelContext:
+    """megatron-core's model-parallel groups for this job, and the RNG tracker seeds."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    apply_cpu_platform(device)
+    vp = get_virtual_pipeline_size(cfg)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+        distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
+        create_gloo_process_groups=device.type == "cuda",
+    )
+    # Dropout streams: megatron-core's convention (TP ranks differ, DP replicas agree).
+    model_parallel_cuda_manual_seed(cfg.training.seed)
+    torch.manual_seed(cfg.training.seed)
+    return ParallelContext(
+        device=device,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        vp_size=vp if vp and vp > 1 else None,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        mp_group=ps.get_model_parallel_group(),
+    )
+
+
+def destroy_parallel_context() -> None:
+    """Tear down megatron-core's groups (the default group stays, so a next layout can follow)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()

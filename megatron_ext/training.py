@@ -1,0 +1,218 @@
+"""One training step on megatron-core's schedules, evaluation, and the training loop.
+
+A step: zero the DDP grad buffers -> ``get_forward_backward_func()`` over the step's m
+micro-batches (interleaved 1F1B with VPP, 1F1B with PP, none without) -> megatron-core's
+``finalize_model_grads`` (DP reduce, tied-embedding sync, token-count scaling) -> optimizer step
+(clipping inside) -> LR schedule. The loss is reported as global sum / global count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.batches import Microbatch, build_chunk_iterators, fetch_step_microbatches, get_microbatch_indices
+from megatron_ext.config import JobConfig
+from megatron_ext.logger import IterationStats, MetricWriter, format_iteration_line, format_validation_line
+from megatron_ext.loss import compute_token_loss, get_mean_loss, get_valid_mask, reduce_reported_loss
+from megatron_ext.parallel import ParallelContext
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a resume needs besides weights and optimizer state."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss_sum_count: torch.Tensor  # [2] float64, this rank's [sum, count] (zeros off the last stage)
+    grad_norm: float | None
+    update_successful: bool
+
+
+def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor):
+    return compute_token_loss(output_tensor, valid).to_megatron()
+
+
+def forward_step(data_iterator, model):
+    """megatron-core forward_step_func: one micro-batch through one model chunk."""
+    mb: Microbatch = next(data_iterator)
+    labels = mb["labels"]
+    output = model(
+        input_ids=mb["tokens"],
+        position_ids=mb["position_ids"],
+        attention_mask=None,
+        labels=labels.clamp(min=0),  # ignored positions are masked out of the loss
+    )
+    return output, functools.partial(_loss_func, get_valid_mask(labels, mb.get("loss_mask")))
+
+
+def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
+    """Wire megatron-core's per-step hooks into the (shared) TransformerConfig."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync if len(model) > 1 else no_sync[0]
+
+
+def run_forward_backward(
+    model: list[torch.nn.Module], microbatches: list[Microbatch], seq_length: int,
+    forward_only: bool = False, forward_step_func: Callable = forward_step,
+) -> list[dict[str, torch.Tensor]]:
+    """The schedule over the step's micro-batches; returns the last stage's loss reports."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not forward_only:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+    iterators = build_chunk_iterators(microbatches, len(model))
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=microbatches[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def train_step(
+    model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
+    seq_length: int, global_batch_size: int, ctx: ParallelContext,
+) -> StepResult:
+    optimizer.zero_grad()
+    reports = run_forward_backward(model, microbatches, seq_length)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=global_batch_size)
+    local = reduce_reported_loss(reports) if ctx.is_last_stage else torch.zeros(2, dtype=torch.float64)
+    return StepResult(local, grad_norm, bool(update_successful))
+
+
+def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Global [sum, count] on the last stage (one all-reduce over its DP group)."""
+    total = local.clone()
+    if ctx.is_last_stage and ctx.dp_size > 1:
+        dist.all_reduce(total, group=ctx.dp_group)
+    return total
+
+
+def evaluate(
+    model: list[torch.nn.Module], dataset: Any, cfg: JobConfig, ctx: ParallelContext,
+    global_batch_size: int, start_sample: int,
+) -> float:
+    """Token-mean validation loss over ``--eval-iters`` global batches."""
+    for chunk in model:
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(cfg.training.eval_iters):
+            indices = get_microbatch_indices(
+                start_sample + i * global_batch_size, global_batch_size,
+                cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size,
+            )
+            reports = run_forward_backward(
+                model, fetch_step_microbatches(dataset, indices), cfg.model.seq_length, forward_only=True
+            )
+            if ctx.is_last_stage:
+                total += reduce_reported_loss(reports)
+    for chunk in model:
+        chunk.train()
+    return get_mean_loss(reduce_loss_over_dp(total, ctx))
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """Everything the loop needs, built by the entry point."""
+
+    cfg: JobConfig
+    ctx: ParallelContext
+    model: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    train_ds: Any
+    valid_ds: Any
+    global_batch_size: int
+    writer: MetricWriter
+    state: TrainState = dataclasses.field(default_factory=TrainState)
+    log: Callable[[str], None] = print
+
+
+def train(run: TrainingRun) -> list[float]:
+    """Train to ``--train-iters``; returns the logged losses (global token means) on every rank
+    of the last stage (empty elsewhere)."""
+    cfg, ctx, state = run.cfg, run.ctx, run.state
+    t = cfg.training
+    history: list[float] = []
+    acc = torch.zeros(2, dtype=torch.float64)
+    acc_time, acc_iters = 0.0, 0
+    while state.iteration < t.train_iters:
+        indices = get_microbatch_indices(
+            state.consumed_samples, run.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size
+        )
+        microbatches = fetch_step_microbatches(run.train_ds, indices)
+        start = time.perf_counter()
+        result = train_step(
+            run.model, run.optimizer, run.scheduler, microbatches, cfg.model.seq_length,
+            run.global_batch_size, ctx,
+        )
+        acc_time += time.perf_counter() - start
+        acc_iters += 1
+        state.iteration += 1
+        state.consumed_samples += run.global_batch_size
+        state.skipped_iterations += int(not result.update_successful)
+        acc += result.loss_sum_count
+        if state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters:
+            loss = get_mean_loss(reduce_loss_over_dp(acc, ctx))
+            if ctx.is_last_stage:
+                history.append(loss)
+            _log_iteration(run, loss, result, acc_time / acc_iters)
+            acc.zero_()
+            acc_time, acc_iters = 0.0, 0
+        if t.eval_interval and state.iteration % t.eval_interval == 0 and run.valid_ds is not None:
+            eval_start = (state.iteration // t.eval_interval - 1) * t.eval_iters * run.global_batch_size
+            val = evaluate(run.model, run.valid_ds, cfg, ctx, run.global_batch_size, eval_start)
+            if ctx.is_logging_rank:
+                run.log(format_validation_line(state.iteration, val))
+                run.writer.write({"lm loss validation": val}, state.iteration)
+    return history
+
+
+def _log_iteration(run: TrainingRun, loss: float, result: StepResult, seconds: float) -> None:
+    if not run.ctx.is_logging_rank:
+        return
+    cfg, state = run.cfg, run.state
+    lr = run.optimizer.param_groups[0]["lr"]
+    stats = IterationStats(
+        iteration=state.iteration,
+        train_iters=cfg.training.train_iters,
+        consumed_samples=state.consumed_samples,
+        ms_per_iteration=seconds * 1000.0,
+        tokens_per_second=run.global_batch_size * cfg.model.seq_length / max(seconds, 1e-9),
+        learning_rate=lr,
+        global_batch_size=run.global_batch_size,
+        lm_loss=loss,
+        grad_norm=result.grad_norm,
+        skipped_iterations=state.skipped_iterations,
+        nan_iterations=state.nan_iterations,
+    )
+    run.log(format_iteration_line(stats))
+    run.writer.write(
+        {"lm loss": loss, "learning rate": lr, "grad norm": result.grad_norm or 0.0,
+         "tokens/s": stats.tokens_per_second},
+        state.iteration,
+    )

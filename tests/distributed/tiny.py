@@ -1,0 +1,117 @@
+"""A tiny GPT job for distributed tests: synthetic learnable data, any layout, full gradients.
+
+The data is a fixed random first-order Markov chain over a small vocabulary (so the model can
+learn it within a few steps), with a deterministic fraction of labels masked per sample so that
+valid-token counts differ between micro-batches and DP ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config import build_job_config, get_global_batch_size
+from megatron_ext.loss import IGNORE_INDEX
+from megatron_ext.model import build_model_chunks, wrap_with_ddp
+from megatron_ext.optim import build_optimizer, build_scheduler
+from megatron_ext.parallel import ParallelContext, build_parallel_context, destroy_parallel_context
+from megatron_ext.training import TrainingRun, configure_model_hooks
+from megatron_ext.logger import MetricWriter
+
+VOCAB = 128
+
+
+class MarkovDataset:
+    """Samples of a random Markov chain; sample i is a pure function of (seed, i)."""
+
+    def __init__(self, seq_length: int, num_samples: int = 10_000, seed: int = 0, mask_every: int = 0):
+        rng = np.random.default_rng(seed)
+        logits = rng.normal(size=(VOCAB, VOCAB)) * 3.0
+        self.probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+        self.seq_length, self.n, self.seed, self.mask_every = seq_length, num_samples, seed, mask_every
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        rng = np.random.default_rng([self.seed, i])
+        seq = np.empty(self.seq_length + 1, dtype=np.int64)
+        seq[0] = rng.integers(VOCAB)
+        u = rng.random(self.seq_length)
+        cdf = self.probs.cumsum(1)
+        for t in range(self.seq_length):
+            seq[t + 1] = min(int(np.searchsorted(cdf[seq[t]], u[t])), VOCAB - 1)
+        loss_mask = np.ones(self.seq_length, dtype=np.float32)
+        if self.mask_every:
+            # uneven valid counts: sample i loses its first (i * 7) % seq_length labels
+            loss_mask[: (i * 7) % self.seq_length] = 0.0
+        return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask,
+                "position_ids": np.arange(self.seq_length)}
+
+
+def tiny_values(**overrides) -> dict:
+    values = dict(
+        num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+        make_vocab_size_divisible_by=32, micro_batch_size=2, global_batch_size=8,
+        train_iters=20, lr=3e-3, min_lr=3e-3, lr_decay_style="constant", clip_grad=1.0,
+        weight_decay=0.0, mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1,
+        log_interval=1, seed=1234,
+    )
+    values.update(overrides)
+    return values
+
+
+def build_tiny_run(values: dict, dataset) -> TrainingRun:
+    cfg = build_job_config(values)
+    device = torch.device("cpu")
+    ctx = build_parallel_context(cfg, device)
+    gbs = get_global_batch_size(cfg, dist.get_world_size())
+    model = wrap_with_ddp(cfg, build_model_chunks(cfg, ctx.placement, VOCAB, device))
+    optimizer = build_optimizer(cfg, model, device)
+    scheduler = build_scheduler(cfg, optimizer, gbs)
+    configure_model_hooks(model, optimizer)
+    return TrainingRun(cfg=cfg, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+                       train_ds=dataset, valid_ds=None, global_batch_size=gbs,
+                       writer=MetricWriter(cfg, enabled=False), log=lambda s: None)
+
+
+def _gather_dp_shards(model, ctx: ParallelContext) -> None:
+    """Distributed optimizer: each DP rank holds the reduced grads of its shard only; all-gather
+    the shards so every rank's buffer holds the full reduced gradient."""
+    for chunk in model:
+        for buffer in chunk.buffers:
+            for bucket in buffer.buckets:
+                data = bucket.grad_data
+                shard = data.numel() // ctx.dp_size
+                mine = data[ctx.dp_rank * shard:(ctx.dp_rank + 1) * shard].clone()
+                dist.all_gather_into_tensor(data, mine, group=ctx.dp_group)
+
+
+def gather_full_grads(run: TrainingRun) -> dict[str, torch.Tensor]:
+    """{global parameter name: full gradient} of this rank's parameters (after finalize)."""
+    from megatron_ext.init_weights import get_global_name, get_layer_offset
+
+    ctx, cfg = run.ctx, run.cfg
+    if cfg.parallel.use_distributed_optimizer and ctx.dp_size > 1:
+        _gather_dp_shards(run.model, ctx)
+    out = {}
+    for chunk in run.model:
+        module = chunk.module
+        offset = get_layer_offset(module)
+        for local_name, param in module.named_parameters():
+            name = get_global_name(local_name, offset)
+            if module.share_embeddings_and_output_weights and name == "output_layer.weight":
+                name = "embedding.word_embeddings.weight"
+            grad = param.main_grad.detach().clone()
+            if getattr(param, "tensor_model_parallel", False) and ctx.tp_size > 1:
+                parts = [torch.empty_like(grad) for _ in range(ctx.tp_size)]
+                dist.all_gather(parts, grad, group=ctx.tp_group)
+                dim = param.partition_dim
+                if cfg.model.swiglu and "linear_fc1" in name:
+                    halves = [p.chunk(2, dim=dim) for p in parts]
+                    grad = torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+                else:
+                    grad = torch.cat(parts, dim=dim)
+            out[name] = grad
+    return out
