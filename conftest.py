@@ -2,10 +2,11 @@
 
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+from megatron_ext.platform import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402

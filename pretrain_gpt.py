@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
-# megatron-core warns at import time that Transformer Engine / Apex are absent: expected on CPU.
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+from megatron_ext.platform import quiet_known_warnings, select_device
+
+quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Apex on CPU
 
 import torch  # noqa: E402
 
@@ -26,7 +26,6 @@ from megatron_ext.logger import MetricWriter  # noqa: E402
 from megatron_ext.model import build_model_chunks, wrap_with_ddp  # noqa: E402
 from megatron_ext.optim import build_optimizer, build_scheduler  # noqa: E402
 from megatron_ext.parallel import build_parallel_context, init_distributed  # noqa: E402
-from megatron_ext.platform import select_device  # noqa: E402
 from megatron_ext.tokenizer import build_tokenizer  # noqa: E402
 from megatron_ext.training import TrainingRun, configure_model_hooks, train  # noqa: E402
 

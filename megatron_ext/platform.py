@@ -239,6 +239,23 @@ def remove_cpu_platform() -> None:
         _ACTIVE = None
 
 
+def quiet_known_warnings() -> None:
+    """Silence the warnings megatron-core and torch print on every CPU run, all expected here:
+    no Transformer Engine/Apex, CUDA tuning advice, deprecated gloo collective names, and the
+    non-leaf ``.grad`` access megatron-core's schedules make."""
+    import warnings
+
+    for pattern in (
+        ".*Transformer Engine and Apex are not installed.*",
+        ".*Apex is not installed.*",
+        ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+        ".*is deprecated. Please use `torch.distributed.*",
+        ".*The .grad attribute of a Tensor that is not a leaf Tensor.*",
+        ".*full scope is deprecated.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def select_device() -> torch.device:
     """The device this process trains on: its local CUDA device if there is one, else the CPU."""
     if torch.cuda.is_available():

@@ -150,6 +150,8 @@ class TrainingRun:
     writer: MetricWriter
     state: TrainState = dataclasses.field(default_factory=TrainState)
     log: Callable[[str], None] = print
+    # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
+    records: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
 def train(run: TrainingRun) -> list[float]:
@@ -180,6 +182,10 @@ def train(run: TrainingRun) -> list[float]:
             loss = get_mean_loss(reduce_loss_over_dp(acc, ctx))
             if ctx.is_last_stage:
                 history.append(loss)
+                run.records.append({
+                    "iteration": state.iteration, "loss": loss, "grad_norm": result.grad_norm,
+                    "lr": run.optimizer.param_groups[0]["lr"],
+                })
             _log_iteration(run, loss, result, acc_time / acc_iters)
             acc.zero_()
             acc_time, acc_iters = 0.0, 0
