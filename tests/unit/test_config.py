@@ -1,0 +1,126 @@
+"""Config: flags and files parse into typed sections; every layout rule has its own message;
+all problems are reported at once; nothing is created while validating."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from megatron_ext.arguments import load_config_file, parse_args
+from megatron_ext.config import (
+    ConfigError, build_job_config, get_num_microbatches, get_padded_vocab_size,
+    get_virtual_pipeline_size, validate,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128)
+
+
+def _problems(world_size: int, **values) -> list[str]:
+    cfg = build_job_config({**MOCK, **values})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size)
+    return err.value.problems
+
+
+def test_valid_layout_passes_and_derives_sizes():
+    cfg = build_job_config({**MOCK, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                            "num_layers": 8, "num_layers_per_virtual_pipeline_stage": 2,
+                            "micro_batch_size": 2, "global_batch_size": 16})
+    validate(cfg, 8)
+    assert get_virtual_pipeline_size(cfg) == 2
+    assert get_num_microbatches(cfg, 8) == 16 // (2 * 2)
+
+
+@pytest.mark.parametrize(
+    "world, values, expected",
+    [
+        (6, dict(tensor_model_parallel_size=4), "world size 6 is not divisible by --tensor-model-parallel-size 4"),
+        (4, dict(pipeline_model_parallel_size=4, num_layers=6), "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
+        (4, dict(pipeline_model_parallel_size=2, num_layers=6, num_layers_per_virtual_pipeline_stage=2),
+         "--num-layers-per-virtual-pipeline-stage 2"),
+        (2, dict(tensor_model_parallel_size=2, num_attention_heads=3, hidden_size=96),
+         "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
+        (4, dict(global_batch_size=6, micro_batch_size=2), "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 4"),
+        (2, dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1,
+                 global_batch_size=1, micro_batch_size=1), "interleaved schedule: 1 micro-batches"),
+        (2, dict(pipeline_model_parallel_size=2, num_layers=8, num_layers_per_virtual_pipeline_stage=1,
+                 microbatch_group_size_per_vp_stage=4, global_batch_size=5, micro_batch_size=1),
+         "leaves a last group of 1 < PP 2"),
+        (1, dict(num_layers=4, num_layers_per_virtual_pipeline_stage=2), "needs --pipeline-model-parallel-size > 1"),
+        (2, dict(pipeline_model_parallel_size=2, num_layers=8, num_layers_per_virtual_pipeline_stage=2,
+                 num_virtual_stages_per_pipeline_rank=3), "disagree"),
+        (2, dict(tensor_model_parallel_size=2, group_query_attention=True, num_query_groups=1),
+         "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+        (1, dict(seq_length=512, max_position_embeddings=256), "--seq-length 512 exceeds --max-position-embeddings 256"),
+        (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), "--sequence-parallel needs CUDA"),
+    ],
+)
+def test_each_layout_rule_names_flags_and_values(world, values, expected):
+    problems = _problems(world, **values)
+    assert any(expected in p for p in problems), problems
+
+
+def test_all_problems_are_reported_at_once():
+    problems = _problems(6, tensor_model_parallel_size=4, num_attention_heads=3, hidden_size=96,
+                         min_lr=1.0, lr=0.1)
+    assert len(problems) >= 3, problems
+
+
+def test_data_rules():
+    assert any("--mock-data and --data-path are exclusive" in p
+               for p in _problems(1, data_path=["x"]))
+    cfg = build_job_config({"tokenizer_type": "NullTokenizer", "vocab_size": 16, "data_path": ["/nope/prefix"]})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert any("/nope/prefix: missing /nope/prefix.bin" in p for p in err.value.problems)
+    cfg = build_job_config({"mock_data": True, "tokenizer_type": "NullTokenizer"})
+    with pytest.raises(ConfigError, match="NullTokenizer needs --vocab-size"):
+        validate(cfg, 1)
+
+
+def test_validation_creates_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = build_job_config({**MOCK, "tensor_model_parallel_size": 3, "save": str(tmp_path / "ckpt"),
+                            "save_interval": 5, "tensorboard_dir": str(tmp_path / "tb")})
+    with pytest.raises(ConfigError):
+        validate(cfg, 4)
+    assert os.listdir(tmp_path) == []
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
+def test_unknown_keys_are_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("tensor-model-parallel-size: 2\nno-such-flag: 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'no_such_flag'"):
+        load_config_file(str(path))
+    with pytest.raises(ConfigError, match="unknown setting"):
+        build_job_config({"tensor_model_parallel_sizee": 2})
+
+
+def test_flags_override_config_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('tensor-model-parallel-size = 2\nlr = 0.5\ndata-path = "a b"\nmock-data = false\n')
+    cfg = parse_args(["--config", str(path), "--lr", "0.25", "--use-distributed-optimizer"])
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.training.lr == 0.25
+    assert cfg.parallel.use_distributed_optimizer is True
+    assert cfg.data.data_path == ["a", "b"]
+
+
+def test_padded_vocab_follows_megatron_rule():
+    cfg = build_job_config({"tensor_model_parallel_size": 2, "make_vocab_size_divisible_by": 128})
+    assert get_padded_vocab_size(8193, cfg) == 8448  # multiple of 256 at or above 8193
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.*"))))
+def test_every_shipped_config_parses_and_validates(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = parse_args(["--config", path])
+    p = cfg.parallel
+    world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * 2
+    validate(cfg, int(os.environ.get("CONFIG_TEST_WORLD", world)))

@@ -1,0 +1,81 @@
+"""CPU platform layer: pinned to the megatron-core it was checked against; maps CUDA devices to
+the CPU while active; a no-op for a CUDA device; leaves no trace when removed."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext import platform
+
+
+def test_megatron_core_version_is_the_checked_one():
+    installed = platform.get_megatron_core_version()
+    assert installed == platform.CHECKED_MEGATRON_CORE_VERSION, (
+        f"megatron-core {installed} is installed but megatron_ext/platform.py was checked against "
+        f"{platform.CHECKED_MEGATRON_CORE_VERSION}: re-check the CUDA call sites listed in "
+        f"shared/design/megatron-core-on-cpu.md, then update CHECKED_MEGATRON_CORE_VERSION"
+    )
+
+
+def test_cuda_call_sites_still_exist_where_checked():
+    """The call sites the layer answers; if a release moves them, this fails loudly."""
+    import inspect
+
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import random
+
+    assert 'device="cuda"' in inspect.getsource(schedules.forward_backward_pipelining_with_interleaving)
+    assert "torch.cuda.current_device()" in inspect.getsource(p2p_communication)
+    assert "'torch.cuda.FloatTensor'" in inspect.getsource(optimizer.Float16OptimizerWithFloat16Params)
+    assert "device='cuda'" in inspect.getsource(clip_grads.get_grad_norm_fp32)
+    assert hasattr(random, "_get_cuda_rng_state") and hasattr(random, "_set_cuda_rng_state")
+    assert hasattr(random, "CudaRNGStatesTracker")
+
+
+def test_device_mapping_and_removal():
+    handle = platform.apply_cpu_platform(torch.device("cpu"))
+    try:
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+        assert torch.ones(1).to("cuda:0").device.type == "cpu"
+        assert torch.nn.Parameter(torch.zeros(1)).type() == "torch.cuda.FloatTensor"
+        assert torch.ones(1, dtype=torch.float64).type(torch.float32).dtype == torch.float32
+    finally:
+        platform.remove_cpu_platform()
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+    assert torch.cuda.Stream is not platform._NullStream
+    try:
+        torch.zeros(1, device="cuda")
+        raised = False
+    except (RuntimeError, AssertionError):
+        raised = True
+    assert raised, "after removal, CUDA devices must not silently map to the CPU"
+
+
+def test_noop_for_cuda_device():
+    before = (torch.cuda.current_device, torch.cuda.synchronize)
+    handle = platform.apply_cpu_platform(torch.device("cuda", 0))
+    assert handle.active is False and handle.mode is None
+    assert (torch.cuda.current_device, torch.cuda.synchronize) == before
+
+
+def test_rng_tracker_forks_named_cpu_states():
+    platform.apply_cpu_platform(torch.device("cpu"))
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        tracker.reset()
+        tracker.add("a", 7)
+        torch.manual_seed(0)
+        outer = torch.get_rng_state()
+        with tracker.fork("a"):
+            first = torch.rand(3)
+        assert torch.equal(torch.get_rng_state(), outer), "fork must restore the outer state"
+        with tracker.fork("a"):
+            second = torch.rand(3)
+        expected = torch.rand(6, generator=torch.Generator().manual_seed(7))
+        assert torch.equal(torch.cat([first, second]), expected)
+    finally:
+        platform.remove_cpu_platform()
