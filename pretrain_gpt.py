@@ -76,7 +76,16 @@ def main(argv: list[str] | None = None) -> list[float]:
     run.writer.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    write_exit_marker()
     return history
+
+
+def write_exit_marker() -> None:
+    """Tell launch/torchrun.sh this rank finished cleanly (torchrun's own code cannot say so
+    after a SIGTERM)."""
+    marker_dir = os.environ.get("MEGATRON_EXT_EXIT_MARKER_DIR")
+    if marker_dir and os.path.isdir(marker_dir):
+        open(os.path.join(marker_dir, f"rank{os.environ.get('RANK', '0')}.ok"), "w").close()
 
 
 def _print_summary(cfg: JobConfig, ctx, vocab: int, model) -> None:
@@ -95,5 +104,6 @@ if __name__ == "__main__":
     try:
         main()
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same problems
+            print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)

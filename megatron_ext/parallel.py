@@ -68,12 +68,24 @@ def init_distributed(device: torch.device, timeout_minutes: int) -> None:
     )
 
 
+def check_tp_inside_node(tp_size: int) -> None:
+    """TP groups are consecutive ranks; they stay inside a node only if TP divides the processes
+    per node (torchrun's LOCAL_WORLD_SIZE). Checked at start-up: only the launcher knows it."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local and local % tp_size:
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp_size} does not divide the {local} processes per node "
+            f"(--nproc-per-node): TP groups would span nodes; use a TP size that divides {local}"
+        )
+
+
 def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelContext:
     """megatron-core's model-parallel groups for this job, and the RNG tracker seeds."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     apply_cpu_platform(device)
+    check_tp_inside_node(cfg.parallel.tensor_model_parallel_size)
     vp = get_virtual_pipeline_size(cfg)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,

@@ -149,7 +149,7 @@ class TrainingRun:
     global_batch_size: int
     writer: MetricWriter
     state: TrainState = dataclasses.field(default_factory=TrainState)
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = functools.partial(print, flush=True)
     # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
     records: list[dict[str, float]] = dataclasses.field(default_factory=list)
 

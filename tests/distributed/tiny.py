@@ -25,11 +25,13 @@ VOCAB = 128
 class MarkovDataset:
     """Samples of a random Markov chain; sample i is a pure function of (seed, i)."""
 
-    def __init__(self, seq_length: int, num_samples: int = 10_000, seed: int = 0, mask_every: int = 0):
+    def __init__(self, seq_length: int, num_samples: int = 10_000, seed: int = 0, mask_every: int = 0,
+                 empty_samples: tuple[int, ...] = ()):
         rng = np.random.default_rng(seed)
         logits = rng.normal(size=(VOCAB, VOCAB)) * 3.0
         self.probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
         self.seq_length, self.n, self.seed, self.mask_every = seq_length, num_samples, seed, mask_every
+        self.empty_samples = set(empty_samples)  # samples with no valid label at all
 
     def __len__(self) -> int:
         return self.n
@@ -46,6 +48,8 @@ class MarkovDataset:
         if self.mask_every:
             # uneven valid counts: sample i loses its first (i * 7) % seq_length labels
             loss_mask[: (i * 7) % self.seq_length] = 0.0
+        if i in self.empty_samples:
+            loss_mask[:] = 0.0
         return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask,
                 "position_ids": np.arange(self.seq_length)}
 

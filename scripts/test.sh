@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install everything, then run the whole test suite (unit + forked gloo worlds + torchrun).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh test
+export OMP_NUM_THREADS=1
+python -m pytest tests -q "$@"
