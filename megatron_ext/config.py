@@ -116,6 +116,7 @@ class LoggingConfig:
     wandb_project: str | None = _f(None, "Weights & Biases project (WANDB_MODE=offline works).")
     wandb_exp_name: str | None = _f(None, "Weights & Biases run name.")
     wandb_save_dir: str | None = _f(None, "Weights & Biases directory.")
+    pp_timeline: str | None = _f(None, "Record a per-rank pipeline timeline (forward/backward/optimizer spans) under this directory.")
 
 
 @dataclass
@@ -124,7 +125,12 @@ class CheckpointConfig:
 
     save: str | None = _f(None, "Directory to save checkpoints to.")
     save_interval: int | None = _f(None, "Save every N steps (and at the end).")
-    load: str | None = _f(None, "Directory to resume from.")
+    load: str | None = _f(None, "Directory to resume from (its newest complete checkpoint).")
+    keep_last: int | None = _f(None, "Keep only the newest N complete checkpoints (never deletes the newest).")
+    no_load_optim: bool = _f(False, "Load model weights only (fresh optimizer).")
+    exit_signal_handler: bool = _f(False, "On SIGTERM/SIGINT: all ranks agree at the next step boundary, save, exit 0.")
+    exit_interval: int | None = _f(None, "Save and exit after the step whose number is a multiple of N.")
+    exit_duration_in_mins: float | None = _f(None, "Save and exit once the run has lasted this many minutes.")
 
 
 @dataclass

@@ -8,6 +8,7 @@ micro-batches (interleaved 1F1B with VPP, 1F1B with PP, none without) -> megatro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -152,6 +153,11 @@ class TrainingRun:
     log: Callable[[str], None] = functools.partial(print, flush=True)
     # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
     records: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # Called after every step (after logging and evaluation), in order; the loop stops after the
+    # step when any returns True (checkpoint-and-exit). Every rank must return the same answer.
+    after_step: list[Callable[["TrainingRun"], bool]] = dataclasses.field(default_factory=list)
+    # Wraps each step's schedule call (e.g. a pipeline timeline tracer); identity by default.
+    schedule_context: Callable[[int], Any] = lambda iteration: contextlib.nullcontext()
 
 
 def train(run: TrainingRun) -> list[float]:
@@ -168,10 +174,11 @@ def train(run: TrainingRun) -> list[float]:
         )
         microbatches = fetch_step_microbatches(run.train_ds, indices)
         start = time.perf_counter()
-        result = train_step(
-            run.model, run.optimizer, run.scheduler, microbatches, cfg.model.seq_length,
-            run.global_batch_size, ctx,
-        )
+        with run.schedule_context(state.iteration + 1):
+            result = train_step(
+                run.model, run.optimizer, run.scheduler, microbatches, cfg.model.seq_length,
+                run.global_batch_size, ctx,
+            )
         acc_time += time.perf_counter() - start
         acc_iters += 1
         state.iteration += 1
@@ -195,6 +202,9 @@ def train(run: TrainingRun) -> list[float]:
             if ctx.is_logging_rank:
                 run.log(format_validation_line(state.iteration, val))
                 run.writer.write({"lm loss validation": val}, state.iteration)
+        stop = [hook(run) for hook in run.after_step]
+        if any(stop):
+            break
     return history
 
 
