@@ -60,6 +60,14 @@ def init_distributed(device: torch.device, timeout_minutes: int) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if "MASTER_ADDR" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # `python pretrain_gpt.py ...` without torchrun: a one-process world on loopback.
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group(
         backend=get_distributed_backend(device),
         timeout=datetime.timedelta(minutes=timeout_minutes),

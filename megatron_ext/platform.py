@@ -110,21 +110,27 @@ class _NullEvent:
         return True
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
+def _make_noop(name: str) -> Callable[..., None]:
+    # One function object per replaced name: torch._dynamo keys its rules by function object
+    # and asserts when one object stands for names with different rules.
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    noop.__name__ = noop.__qualname__ = f"cpu_{name}"
+    return noop
 
 
 def _cuda_stand_ins() -> dict[str, Any]:
     return {
         "current_device": lambda: 0,
-        "synchronize": _noop,
-        "empty_cache": _noop,
+        "synchronize": _make_noop("synchronize"),
+        "empty_cache": _make_noop("empty_cache"),
         "Stream": _NullStream,
         "Event": _NullEvent,
         "current_stream": lambda *a, **k: _NullStream(),
         "default_stream": lambda *a, **k: _NullStream(),
         "stream": lambda *a, **k: contextlib.nullcontext(),
-        "set_device": _noop,
+        "set_device": _make_noop("set_device"),
     }
 
 
