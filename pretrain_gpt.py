@@ -19,9 +19,10 @@ import torch  # noqa: E402
 
 from megatron_ext.arguments import parse_args  # noqa: E402
 from megatron_ext.config import (  # noqa: E402
-    ConfigError, JobConfig, get_global_batch_size, get_padded_vocab_size, validate,
+    ConfigError, JobConfig, get_global_batch_size, get_padded_vocab_size, uses_variable_lengths, validate,
 )
-from megatron_ext.datasets import build_gpt_datasets  # noqa: E402
+from megatron_ext.datasets import build_gpt_datasets, parse_split  # noqa: E402
+from megatron_ext.packed_dataset import build_packed_datasets  # noqa: E402
 from megatron_ext.logger import MetricWriter  # noqa: E402
 from megatron_ext.model import build_model_chunks, wrap_with_ddp  # noqa: E402
 from megatron_ext.optim import build_optimizer, build_scheduler  # noqa: E402
@@ -39,6 +40,13 @@ def build_data(cfg: JobConfig, tokenizer, global_batch_size: int):
         1,
     ]
     d = cfg.data
+    if uses_variable_lengths(cfg):
+        strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
+        train_ds, valid_ds, _ = build_packed_datasets(
+            d.data_path[-1], parse_split(d.split), cfg.model.seq_length, strategy, t.seed,
+            num_samples, d.data_cache_path,
+        )
+        return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
         tokenizer, cfg.model.seq_length, num_samples, data_path=d.data_path, split=d.split,
         mock_data=d.mock_data, random_seed=t.seed, path_to_cache=d.data_cache_path,
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     run = TrainingRun(
         cfg=cfg, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
         train_ds=train_ds, valid_ds=valid_ds, global_batch_size=gbs,
-        writer=MetricWriter(cfg, enabled=ctx.is_logging_rank),
+        writer=MetricWriter(cfg, enabled=ctx.is_logging_rank), pad_id=tokenizer.pad,
     )
     history = train(run)
     run.writer.close()

@@ -37,35 +37,47 @@ def get_microbatch_indices(
     ]
 
 
-def collate(samples: Sequence[dict[str, Any]]) -> Microbatch:
-    """Stack megatron-core GPTDataset samples into one micro-batch of [b, s] tensors.
+def normalize_sample(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A dataset sample (megatron-core GPTDataset's numpy dict or ours) as 1-D torch tensors.
 
     Labels whose loss mask is 0 become IGNORE_INDEX, so the loss sees one notion of "invalid".
     """
-    def stack(key: str) -> torch.Tensor:
-        return torch.stack([torch.as_tensor(np.asarray(s[key])) for s in samples])
+    def get(key: str) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(sample[key]))
 
-    tokens = stack("tokens").long()
-    labels = stack("labels").long()
-    loss_mask = stack("loss_mask").float()
-    labels = torch.where(loss_mask > 0, labels, torch.full_like(labels, IGNORE_INDEX))
-    if "position_ids" in samples[0]:
-        position_ids = stack("position_ids").long()
-    else:
-        position_ids = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    tokens = get("tokens").long()
+    labels = get("labels").long()
+    loss_mask = get("loss_mask").float() if "loss_mask" in sample else (labels != IGNORE_INDEX).float()
+    out = {
+        "tokens": tokens,
+        "labels": torch.where(loss_mask > 0, labels, torch.full_like(labels, IGNORE_INDEX)),
+        "loss_mask": loss_mask,
+        "position_ids": get("position_ids").long() if "position_ids" in sample else torch.arange(len(tokens)),
+    }
+    if "cu_seqlens" in sample:
+        out["cu_seqlens"] = get("cu_seqlens").to(torch.int32)
+    return out
+
+
+def fetch_step_samples(dataset: Any, indices: list[list[int]]) -> list[list[dict[str, torch.Tensor]]]:
+    """The step's samples for this rank, unpadded, grouped by micro-batch (indices wrap around)."""
+    n = len(dataset)
+    return [[normalize_sample(dataset[i % n]) for i in mb] for mb in indices]
+
+
+def collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> Microbatch:
+    """One micro-batch, padded to its longest sample (no padding for fixed-length samples)."""
+    from megatron_ext.padding import collate_padded
+
+    normalized = [normalize_sample(s) for s in samples]
+    return collate_padded(normalized, max(len(s["tokens"]) for s in normalized), pad_id)
 
 
 def fetch_step_microbatches(dataset: Any, indices: list[list[int]]) -> list[Microbatch]:
-    """The step's micro-batches for this rank (indices wrap around the dataset's length)."""
-    n = len(dataset)
-    return [collate([dataset[i % n] for i in mb]) for mb in indices]
+    """The step's micro-batches, each padded to its own longest sample."""
+    return [collate(mb) for mb in fetch_step_samples(dataset, indices)]
 
 
 def build_chunk_iterators(microbatches: list[Microbatch], num_chunks: int) -> list[Iterator[Microbatch]]:
     """One iterator per virtual stage, each over the same micro-batches in order."""
     return [iter(microbatches) for _ in range(num_chunks)]
-
-
-def count_valid_tokens(microbatches: list[Microbatch]) -> int:
-    return int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches))

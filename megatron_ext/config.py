@@ -32,7 +32,7 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (ranks of a TP group are consecutive, inside a node).")
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (stages span nodes).")
-    num_layers_per_virtual_pipeline_stage: int | None = _f(None, "Layers per virtual pipeline stage (interleaved 1F1B).")
+    num_layers_per_virtual_pipeline_stage: int | None = _f(None, "Layers per virtual pipeline stage (interleaved 1F1B; 0 = off).")
     num_virtual_stages_per_pipeline_rank: int | None = _f(None, "Virtual pipeline stages per pipeline rank (interleaved 1F1B).")
     microbatch_group_size_per_vp_stage: int | None = _f(None, "Contiguous micro-batches per virtual stage in the interleaved schedule (default: PP).")
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
@@ -79,6 +79,11 @@ class DataConfig:
     tokenizer_model: str | None = _f(None, "Tokenizer model file (sentencepiece .model).")
     vocab_size: int | None = _f(None, "Vocabulary size for NullTokenizer (EOD is the id vocab_size).")
     data_cache_path: str | None = _f(None, "Where megatron-core caches its sample indices (default: beside the data).")
+    packed_sequences: bool = _f(False, "Pack whole documents into each sample (THD, cu_seqlens, no attention across documents; --micro-batch-size 1).")
+    packing_strategy: str = _f("best_fit", "Packer for --packed-sequences: sequential (corpus order) or best_fit (fewest pad tokens).", choices=["sequential", "best_fit"])
+    one_document_per_row: bool = _f(False, "One document per sample row, unpacked (variable-length rows, SFT-like), padded per step.")
+    sequence_padding: str | None = _f(None, "static (to --seq-length), negotiated (one MAX over the pipeline per step) or variable (megatron-core variable_seq_lengths handshake). Default: negotiated with packed/variable-length samples, else static.", choices=["static", "negotiated", "variable"])
+    pad_to_multiple_of: int = _f(64, "Round negotiated/variable lengths up to a multiple of this (--seq-length must be one).")
 
 
 @dataclass
@@ -195,9 +200,10 @@ def get_data_parallel_size(cfg: JobConfig, world_size: int) -> int:
 def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
     """Virtual stages per pipeline rank, or None without interleaving."""
     p, m = cfg.parallel, cfg.model
-    if p.num_virtual_stages_per_pipeline_rank is not None:
+    # 0 means "not set", so that a flag can switch off a config file's interleaving
+    if p.num_virtual_stages_per_pipeline_rank:
         return p.num_virtual_stages_per_pipeline_rank
-    if p.num_layers_per_virtual_pipeline_stage is not None:
+    if p.num_layers_per_virtual_pipeline_stage:
         return m.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
     return None
 
@@ -222,6 +228,16 @@ def get_padded_vocab_size(vocab_size: int, cfg: JobConfig) -> int:
 def get_num_query_groups(cfg: JobConfig) -> int:
     m = cfg.model
     return m.num_query_groups if m.group_query_attention and m.num_query_groups else m.num_attention_heads
+
+
+def uses_variable_lengths(cfg: JobConfig) -> bool:
+    return cfg.data.packed_sequences or cfg.data.one_document_per_row
+
+
+def get_sequence_padding(cfg: JobConfig) -> str:
+    if cfg.data.sequence_padding:
+        return cfg.data.sequence_padding
+    return "negotiated" if uses_variable_lengths(cfg) else "static"
 
 
 def uses_per_token_loss(cfg: JobConfig) -> bool:
@@ -271,7 +287,8 @@ def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
             f"--pipeline-model-parallel-size {pp} = {tp * pp}: launch a multiple of {tp * pp} "
             f"processes or change TP/PP"
         )
-    lps, vps = p.num_layers_per_virtual_pipeline_stage, p.num_virtual_stages_per_pipeline_rank
+    lps = p.num_layers_per_virtual_pipeline_stage or None  # 0: not set
+    vps = p.num_virtual_stages_per_pipeline_rank or None
     if lps is not None and vps is not None and lps * vps * pp != m.num_layers:
         out.append(
             f"--num-layers-per-virtual-pipeline-stage {lps} and --num-virtual-stages-per-pipeline-rank "
@@ -429,6 +446,7 @@ def _check_data(cfg: JobConfig) -> list[str]:
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             out.append(f"--data-path {prefix}: missing {', '.join(missing)}")
+    out += _check_packing(cfg)
     split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
     try:
         weights = [float(s) for s in split]
@@ -442,6 +460,34 @@ def _check_data(cfg: JobConfig) -> list[str]:
             f"--eval-interval {cfg.training.eval_interval} needs a validation split, but --split "
             f"'{d.split}' gives it no weight"
         )
+    return out
+
+
+def _check_packing(cfg: JobConfig) -> list[str]:
+    d, m, t = cfg.data, cfg.model, cfg.training
+    out = []
+    if d.packed_sequences and d.one_document_per_row:
+        out.append("--packed-sequences and --one-document-per-row are exclusive: give one")
+    if uses_variable_lengths(cfg):
+        flag = "--packed-sequences" if d.packed_sequences else "--one-document-per-row"
+        if d.mock_data:
+            out.append(f"{flag} needs documents: give --data-path (not --mock-data)")
+        if len(_get_data_prefixes(d.data_path)) > 1:
+            out.append(f"{flag} reads one indexed dataset: give a single --data-path prefix")
+    if d.packed_sequences and t.micro_batch_size != 1:
+        out.append(
+            f"--packed-sequences packs one sequence per micro-batch (THD): use --micro-batch-size 1 "
+            f"(got {t.micro_batch_size}) and raise --global-batch-size instead"
+        )
+    if get_sequence_padding(cfg) != "static":
+        k = d.pad_to_multiple_of
+        if k <= 0 or m.seq_length % k:
+            out.append(
+                f"--seq-length {m.seq_length} is not a multiple of --pad-to-multiple-of {k}: padded "
+                f"lengths are rounded up to the multiple and must never exceed --seq-length"
+            )
+        if cfg.parallel.sequence_parallel and k % cfg.parallel.tensor_model_parallel_size:
+            out.append(f"--pad-to-multiple-of {k} must be a multiple of --tensor-model-parallel-size with --sequence-parallel")
     return out
 
 

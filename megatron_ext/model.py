@@ -12,7 +12,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.config import JobConfig, get_num_query_groups, get_virtual_pipeline_size, uses_per_token_loss
+from megatron_ext.config import (
+    JobConfig, get_num_query_groups, get_sequence_padding, get_virtual_pipeline_size, uses_per_token_loss,
+)
 from megatron_ext.init_weights import apply_layout_independent_init
 
 
@@ -72,6 +74,8 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         params_dtype=dtype,
         bf16=cfg.training.bf16,
         calculate_per_token_loss=uses_per_token_loss(cfg),
+        # megatron-core's shape handshake before every P2P message (--sequence-padding variable)
+        variable_seq_lengths=get_sequence_padding(cfg) == "variable",
         # megatron-core draws its own (layout-dependent) init, which ours then overwrites; its
         # draw cannot be skipped: perform_initialization=False also skips setting the TP
         # attributes (tensor_model_parallel, partition_dim) that grad norms and checkpoints need.
@@ -110,9 +114,27 @@ def build_layer_spec(cfg: JobConfig, device: torch.device):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_ext.varlen_attention import VarlenDotProductAttention
+
     if use_transformer_engine(cfg, device):
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    # megatron-core's local DotProductAttention rejects packed (THD) inputs; ours honours them.
+    spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+    return spec
+
+
+def check_packed_sequence_support(chunks: list[torch.nn.Module]) -> None:
+    """Packed sequences need a core attention that consumes cu_seqlens (ours or TE's)."""
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if name.endswith("core_attention"):
+                kind = type(module).__name__
+                if not (getattr(module, "supports_packed_sequences", False) or kind.startswith("TE")):
+                    raise ValueError(
+                        f"--packed-sequences: {name} is {kind}, which does not honour cu_seqlens; "
+                        f"use the local spec (--transformer-impl local) or Transformer Engine"
+                    )
 
 
 def build_model_chunks(
@@ -141,6 +163,8 @@ def build_model_chunks(
             vp_stage=vp_stage if placement.vp_size else None,
         )
         chunks.append(chunk.to(device))
+    if cfg.data.packed_sequences:
+        check_packed_sequence_support(chunks)
     apply_layout_independent_init(
         chunks,
         seed=cfg.training.seed,

@@ -17,8 +17,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ext.batches import Microbatch, build_chunk_iterators, fetch_step_microbatches, get_microbatch_indices
-from megatron_ext.config import JobConfig
+from megatron_ext.batches import Microbatch, build_chunk_iterators, fetch_step_samples, get_microbatch_indices
+from megatron_ext.config import JobConfig, get_sequence_padding
+from megatron_ext.padding import build_step_microbatches
 from megatron_ext.logger import IterationStats, MetricWriter, format_iteration_line, format_validation_line
 from megatron_ext.loss import compute_token_loss, get_mean_loss, get_valid_mask, reduce_reported_loss
 from megatron_ext.parallel import ParallelContext
@@ -45,8 +46,25 @@ def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor):
     return compute_token_loss(output_tensor, valid).to_megatron()
 
 
+def get_packed_seq_params(mb: Microbatch):
+    """megatron-core PackedSeqParams (THD) of a packed micro-batch, else None."""
+    if "cu_seqlens" not in mb:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = mb["cu_seqlens"].to(device=mb["tokens"].device, dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+        max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"],
+    )
+
+
 def forward_step(data_iterator, model):
-    """megatron-core forward_step_func: one micro-batch through one model chunk."""
+    """megatron-core forward_step_func: one micro-batch through one model chunk.
+
+    Every virtual stage has its own iterator over the step's micro-batches, so a packed
+    micro-batch's boundaries reach every stage with it (never through the P2P activations).
+    """
     mb: Microbatch = next(data_iterator)
     labels = mb["labels"]
     output = model(
@@ -54,6 +72,7 @@ def forward_step(data_iterator, model):
         position_ids=mb["position_ids"],
         attention_mask=None,
         labels=labels.clamp(min=0),  # ignored positions are masked out of the loss
+        packed_seq_params=get_packed_seq_params(mb),
     )
     return output, functools.partial(_loss_func, get_valid_mask(labels, mb.get("loss_mask")))
 
@@ -112,23 +131,29 @@ def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tens
     return total
 
 
-def evaluate(
-    model: list[torch.nn.Module], dataset: Any, cfg: JobConfig, ctx: ParallelContext,
-    global_batch_size: int, start_sample: int,
-) -> float:
+def get_step_microbatches(run: "TrainingRun", dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
+    """Fetch this rank's micro-batches of the step starting at ``first_sample`` and pad them
+    (``--sequence-padding``); returns them and the schedule's seq_length."""
+    cfg, ctx = run.cfg, run.ctx
+    indices = get_microbatch_indices(
+        first_sample, run.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size
+    )
+    return build_step_microbatches(
+        fetch_step_samples(dataset, indices), get_sequence_padding(cfg), ctx.mp_group,
+        cfg.data.pad_to_multiple_of, cfg.model.seq_length, run.pad_id,
+    )
+
+
+def evaluate(run: "TrainingRun", start_sample: int) -> float:
     """Token-mean validation loss over ``--eval-iters`` global batches."""
+    cfg, ctx, model = run.cfg, run.ctx, run.model
     for chunk in model:
         chunk.eval()
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for i in range(cfg.training.eval_iters):
-            indices = get_microbatch_indices(
-                start_sample + i * global_batch_size, global_batch_size,
-                cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size,
-            )
-            reports = run_forward_backward(
-                model, fetch_step_microbatches(dataset, indices), cfg.model.seq_length, forward_only=True
-            )
+            microbatches, length = get_step_microbatches(run, run.valid_ds, start_sample + i * run.global_batch_size)
+            reports = run_forward_backward(model, microbatches, length, forward_only=True)
             if ctx.is_last_stage:
                 total += reduce_reported_loss(reports)
     for chunk in model:
@@ -149,6 +174,7 @@ class TrainingRun:
     valid_ds: Any
     global_batch_size: int
     writer: MetricWriter
+    pad_id: int = 0
     state: TrainState = dataclasses.field(default_factory=TrainState)
     log: Callable[[str], None] = functools.partial(print, flush=True)
     # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
@@ -167,20 +193,19 @@ def train(run: TrainingRun) -> list[float]:
     t = cfg.training
     history: list[float] = []
     acc = torch.zeros(2, dtype=torch.float64)
-    acc_time, acc_iters = 0.0, 0
+    acc_time, acc_iters, acc_real, acc_slots = 0.0, 0, 0, 0
     while state.iteration < t.train_iters:
-        indices = get_microbatch_indices(
-            state.consumed_samples, run.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size
-        )
-        microbatches = fetch_step_microbatches(run.train_ds, indices)
         start = time.perf_counter()
+        microbatches, length = get_step_microbatches(run, run.train_ds, state.consumed_samples)
         with run.schedule_context(state.iteration + 1):
             result = train_step(
-                run.model, run.optimizer, run.scheduler, microbatches, cfg.model.seq_length,
+                run.model, run.optimizer, run.scheduler, microbatches, length,
                 run.global_batch_size, ctx,
             )
         acc_time += time.perf_counter() - start
         acc_iters += 1
+        acc_real += sum(mb["num_real_tokens"] for mb in microbatches)
+        acc_slots += sum(mb["tokens"].numel() for mb in microbatches)
         state.iteration += 1
         state.consumed_samples += run.global_batch_size
         state.skipped_iterations += int(not result.update_successful)
@@ -193,12 +218,12 @@ def train(run: TrainingRun) -> list[float]:
                     "iteration": state.iteration, "loss": loss, "grad_norm": result.grad_norm,
                     "lr": run.optimizer.param_groups[0]["lr"],
                 })
-            _log_iteration(run, loss, result, acc_time / acc_iters)
+            _log_iteration(run, loss, result, acc_time / acc_iters, length, 1.0 - acc_real / max(acc_slots, 1))
             acc.zero_()
-            acc_time, acc_iters = 0.0, 0
+            acc_time, acc_iters, acc_real, acc_slots = 0.0, 0, 0, 0
         if t.eval_interval and state.iteration % t.eval_interval == 0 and run.valid_ds is not None:
             eval_start = (state.iteration // t.eval_interval - 1) * t.eval_iters * run.global_batch_size
-            val = evaluate(run.model, run.valid_ds, cfg, ctx, run.global_batch_size, eval_start)
+            val = evaluate(run, eval_start)
             if ctx.is_logging_rank:
                 run.log(format_validation_line(state.iteration, val))
                 run.writer.write({"lm loss validation": val}, state.iteration)
@@ -208,7 +233,9 @@ def train(run: TrainingRun) -> list[float]:
     return history
 
 
-def _log_iteration(run: TrainingRun, loss: float, result: StepResult, seconds: float) -> None:
+def _log_iteration(
+    run: TrainingRun, loss: float, result: StepResult, seconds: float, seq_length: int, padding: float
+) -> None:
     if not run.ctx.is_logging_rank:
         return
     cfg, state = run.cfg, run.state
@@ -218,13 +245,16 @@ def _log_iteration(run: TrainingRun, loss: float, result: StepResult, seconds: f
         train_iters=cfg.training.train_iters,
         consumed_samples=state.consumed_samples,
         ms_per_iteration=seconds * 1000.0,
-        tokens_per_second=run.global_batch_size * cfg.model.seq_length / max(seconds, 1e-9),
+        # slots (padded tokens) per second; the padding fraction says how many were real
+        tokens_per_second=run.global_batch_size * seq_length / max(seconds, 1e-9),
         learning_rate=lr,
         global_batch_size=run.global_batch_size,
         lm_loss=loss,
         grad_norm=result.grad_norm,
         skipped_iterations=state.skipped_iterations,
         nan_iterations=state.nan_iterations,
+        seq_length=seq_length,
+        padding_fraction=padding,
     )
     run.log(format_iteration_line(stats))
     run.writer.write(

@@ -119,3 +119,32 @@ def gather_full_grads(run: TrainingRun) -> dict[str, torch.Tensor]:
                     grad = torch.cat(parts, dim=dim)
             out[name] = grad
     return out
+
+
+class PackedMarkovDataset:
+    """Packed samples of Markov documents with real-looking skewed lengths (lognormal), each
+    sample shorter than or equal to ``seq_length``; sample i is a pure function of (seed, i)."""
+
+    def __init__(self, seq_length: int, seed: int = 0, num_samples: int = 10_000, median: float = 12.0,
+                 full: bool = False):
+        self.docs = MarkovDataset(seq_length, seed=seed)
+        self.seq_length, self.seed, self.n, self.median, self.full = seq_length, seed, num_samples, median, full
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get_documents(self, i: int) -> list[np.ndarray]:
+        rng = np.random.default_rng([self.seed, 7, i])
+        budget = self.seq_length if self.full else int(rng.integers(self.seq_length // 3, self.seq_length + 1))
+        docs, used, k = [], 0, 0
+        while used < budget:
+            n = int(min(budget - used, max(2, rng.lognormal(np.log(self.median), 0.8))))
+            seq = self.docs[i * 1000 + k]["tokens"]
+            docs.append(np.resize(seq, n))  # a document of n tokens
+            used, k = used + n, k + 1
+        return docs
+
+    def __getitem__(self, i: int) -> dict:
+        from megatron_ext.packed_dataset import build_packed_sample
+
+        return build_packed_sample(self.get_documents(i))

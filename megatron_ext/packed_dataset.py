@@ -1,0 +1,156 @@
+"""Samples that know their documents, over megatron-core's ``IndexedDataset``.
+
+Storage stays megatron-core's ``.bin/.idx``; the sample index is ours (``packing.py``), cached
+beside the data (or under ``--data-cache-path``), since ``GPTDataset``'s fixed windows do not know
+document boundaries. A sample is one bin of whole documents (or pieces of over-long ones):
+
+- ``tokens``  [L]  the documents' tokens, concatenated, L <= seq_length (unpadded);
+- ``labels``  [L]  the next token of the same document; the last position of each document
+  predicts nothing (IGNORE_INDEX): no document learns to predict the next one's first token;
+- ``loss_mask`` [L], ``position_ids`` [L] (restarting at 0 for each document);
+- ``cu_seqlens`` [n_docs + 1] int32: document boundaries (0, ..., L).
+
+With ``one_per_row`` each sample is one document (pieces of at most ``seq_length`` tokens), for
+batches of variable-length rows (SFT-like); ``cu_seqlens`` then holds one document.
+Samples beyond one epoch wrap around with a new shuffle per epoch (seeded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from megatron_ext.loss import IGNORE_INDEX
+from megatron_ext.packing import PackingIndex, build_packing_index, split_documents
+
+
+def get_split_ranges(num_docs: int, weights: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous document ranges for train/valid/test from split weights (Megatron-style)."""
+    w = np.asarray(list(weights) + [0.0] * (3 - len(weights)), dtype=np.float64)[:3]
+    w = w / w.sum()
+    bounds = np.concatenate([[0], np.round(np.cumsum(w) * num_docs)]).astype(np.int64)
+    bounds[-1] = num_docs
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
+
+
+def _cache_path(prefix: str, cache_dir: str | None, key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    base = os.path.join(cache_dir, os.path.basename(prefix)) if cache_dir else prefix
+    return f"{base}_packed_{digest}.npz"
+
+
+def load_or_build_index(
+    prefix: str, doc_lengths: np.ndarray, doc_range: tuple[int, int], seq_length: int,
+    strategy: str, cache_dir: str | None,
+) -> PackingIndex:
+    """The packing index of documents ``doc_range``; cached on disk, written atomically.
+
+    Under torch.distributed, global rank 0 builds and writes it first; the others then read it.
+    """
+    import torch.distributed as dist
+
+    key = {"prefix": os.path.abspath(prefix), "num_docs": int(len(doc_lengths)),
+           "range": list(doc_range), "seq": seq_length, "strategy": strategy, "v": 1}
+    path = _cache_path(prefix, cache_dir, key)
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        if not os.path.exists(path):
+            ids = np.arange(*doc_range, dtype=np.int64)
+            index = _build(ids, doc_lengths[doc_range[0]:doc_range[1]], seq_length, strategy)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}.npz"
+            np.savez(tmp, **{k: getattr(index, k) for k in ("piece_doc", "piece_start", "piece_len", "bin_offsets")})
+            os.replace(tmp, path)
+    if distributed:
+        dist.barrier()
+    with np.load(path) as z:
+        index = PackingIndex(z["piece_doc"], z["piece_start"], z["piece_len"], z["bin_offsets"])
+    check_index_matches_documents(index, doc_lengths, path)
+    return index
+
+
+def _build(ids: np.ndarray, lengths: np.ndarray, seq_length: int, strategy: str) -> PackingIndex:
+    if strategy == "one_per_row":
+        piece_doc, piece_start, piece_len = split_documents(ids, lengths, seq_length)
+        return PackingIndex(piece_doc, piece_start, piece_len, np.arange(len(piece_doc) + 1, dtype=np.int64))
+    return build_packing_index(ids, lengths, seq_length, strategy)
+
+
+def check_index_matches_documents(index: PackingIndex, doc_lengths: np.ndarray, path: str) -> None:
+    """A cached index must describe these documents: ids in range, pieces inside each document."""
+    if len(index.piece_doc) and (index.piece_doc.max() >= len(doc_lengths) or index.piece_doc.min() < 0):
+        raise ValueError(f"packing index {path} names documents the dataset does not have: delete it")
+    if np.any(index.piece_start + index.piece_len > doc_lengths[index.piece_doc]):
+        raise ValueError(f"packing index {path} does not match the dataset's documents: delete it")
+
+
+class PackedDocumentDataset:
+    """Packed (or one-document-per-row) samples of one split of an indexed dataset."""
+
+    def __init__(self, indexed, index: PackingIndex, seq_length: int, seed: int, num_samples: int):
+        self.indexed = indexed
+        self.index = index
+        self.seq_length = seq_length
+        self.seed = seed
+        self.num_samples = max(num_samples, index.num_bins)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _bin(self, i: int) -> int:
+        epoch, j = divmod(i, self.index.num_bins)
+        if epoch not in self._perms:
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.index.num_bins)
+        return int(self._perms[epoch][j])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        b = self._bin(i)
+        lo, hi = self.index.bin_offsets[b], self.index.bin_offsets[b + 1]
+        pieces = [
+            self.indexed.get(int(d), offset=int(s), length=int(n))
+            for d, s, n in zip(self.index.piece_doc[lo:hi], self.index.piece_start[lo:hi], self.index.piece_len[lo:hi])
+        ]
+        return build_packed_sample(pieces)
+
+
+def build_packed_sample(pieces: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """Concatenate documents into one sample with per-document labels, positions, boundaries."""
+    lengths = np.asarray([len(p) for p in pieces], dtype=np.int64)
+    tokens = torch.from_numpy(np.concatenate(pieces).astype(np.int64))
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    for s, e in zip(cu[:-1], cu[1:]):
+        labels[s:e - 1] = tokens[s + 1:e]
+    position_ids = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]).astype(np.int64))
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": (labels != IGNORE_INDEX).float(),
+        "position_ids": position_ids,
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+    }
+
+
+def build_packed_datasets(
+    prefix: str, split: Sequence[float], seq_length: int, strategy: str, seed: int,
+    num_samples: Sequence[int], cache_dir: str | None,
+):
+    """(train, valid, test) packed datasets of one indexed dataset; None for an empty split."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    indexed = IndexedDataset(prefix)
+    doc_lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
+    out = []
+    for k, doc_range in enumerate(get_split_ranges(len(doc_lengths), split)):
+        if doc_range[1] <= doc_range[0]:
+            out.append(None)
+            continue
+        index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir)
+        out.append(PackedDocumentDataset(indexed, index, seq_length, seed + k, num_samples[k]))
+    return tuple(out)

@@ -1,0 +1,166 @@
+"""Packing documents into sequences of at most ``--seq-length`` tokens (pure, no I/O).
+
+Invariants of a packing index over documents d_0..d_{n-1} of lengths len_i:
+- every token of every document is in exactly one bin, once; a document longer than
+  ``seq_length`` is split into consecutive pieces of at most ``seq_length`` tokens (never
+  dropped); pieces of one document keep their order; no piece is empty;
+- a bin's pieces sum to at most ``seq_length`` tokens.
+
+Strategies (measured on the embedded corpus, seq 2048: see ``bench/varlen.py``):
+- ``sequential``: pieces in corpus order; a piece that does not fit the open bin closes it.
+  Keeps neighbouring documents together; wastes the tail of each bin.
+- ``best_fit``: best-fit decreasing: pieces by length, longest first, each into the open bin with
+  the least room that still fits (a sum tree over remaining room: O(n log S)). Fewer pad
+  tokens; bins mix documents from across the split.
+
+An index is three int64 arrays: ``piece_doc``, ``piece_start``, ``piece_len`` (one row per
+piece, in bin order) and ``bin_offsets`` [num_bins + 1] into them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+STRATEGIES = ("sequential", "best_fit")
+
+
+@dataclasses.dataclass
+class PackingIndex:
+    piece_doc: np.ndarray  # [P] document id of each piece
+    piece_start: np.ndarray  # [P] token offset of the piece inside its document
+    piece_len: np.ndarray  # [P] tokens in the piece (> 0)
+    bin_offsets: np.ndarray  # [B + 1] pieces of bin b: bin_offsets[b]:bin_offsets[b + 1]
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.bin_offsets) - 1
+
+    def bin_lengths(self) -> np.ndarray:
+        sums = np.concatenate([[0], np.cumsum(self.piece_len)])
+        return sums[self.bin_offsets[1:]] - sums[self.bin_offsets[:-1]]
+
+    def efficiency(self, seq_length: int) -> float:
+        """Real tokens / slots when every bin is padded to ``seq_length``."""
+        return float(self.piece_len.sum()) / max(1, self.num_bins * seq_length)
+
+
+def split_documents(doc_ids: np.ndarray, doc_lengths: np.ndarray, seq_length: int):
+    """Pieces (doc, start, len) of at most ``seq_length`` tokens, in document order."""
+    doc_ids = np.asarray(doc_ids, dtype=np.int64)
+    doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
+    keep = doc_lengths > 0
+    doc_ids, doc_lengths = doc_ids[keep], doc_lengths[keep]
+    num_pieces = (doc_lengths + seq_length - 1) // seq_length
+    piece_doc = np.repeat(doc_ids, num_pieces)
+    first = np.repeat(np.cumsum(num_pieces) - num_pieces, num_pieces)
+    k = np.arange(len(piece_doc)) - first  # piece number within its document
+    piece_start = k * seq_length
+    piece_len = np.minimum(seq_length, np.repeat(doc_lengths, num_pieces) - piece_start)
+    return piece_doc, piece_start.astype(np.int64), piece_len.astype(np.int64)
+
+
+def pack_sequential(piece_len: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, bin_offsets): pieces kept in order, a new bin when the next piece does not fit."""
+    starts = [0]
+    used = 0
+    for i, n in enumerate(piece_len.tolist()):
+        if used + n > seq_length:
+            starts.append(i)
+            used = 0
+        used += n
+    starts.append(len(piece_len))
+    if len(piece_len) == 0:
+        starts = [0]
+    return np.arange(len(piece_len)), np.asarray(starts, dtype=np.int64)
+
+
+def pack_best_fit(piece_len: np.ndarray, seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, bin_offsets) by best-fit decreasing.
+
+    Bins are grouped by remaining room: ``by_room[r]`` holds the bins with r tokens of room, and
+    a sum tree over r finds the smallest r >= n that holds a bin in O(log seq_length).
+    """
+    order_desc = np.argsort(-piece_len, kind="stable")
+    size = 1
+    while size < seq_length + 1:
+        size *= 2
+    tree = np.zeros(2 * size, dtype=np.int64)
+    by_room: list[list[int]] = [[] for _ in range(seq_length + 1)]
+    bins: list[list[int]] = []
+
+    def set_count(r: int, c: int) -> None:
+        i = r + size
+        tree[i] = c
+        i //= 2
+        while i:
+            tree[i] = tree[2 * i] + tree[2 * i + 1]
+            i //= 2
+
+    def first_at_least(n: int) -> int:
+        """Smallest r >= n with a bin, or -1."""
+        return _leftmost(tree, 1, 0, size, n)
+
+    for p in order_desc.tolist():
+        n = int(piece_len[p])
+        r = first_at_least(n)
+        if r < 0:
+            bins.append([p])
+            rest = seq_length - n
+        else:
+            b = by_room[r].pop()
+            set_count(r, len(by_room[r]))
+            bins[b].append(p)
+            rest = r - n
+            by_room[rest].append(b)
+            set_count(rest, len(by_room[rest]))
+            continue
+        by_room[rest].append(len(bins) - 1)
+        set_count(rest, len(by_room[rest]))
+    order = np.asarray([p for b in bins for p in b], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum([len(b) for b in bins])]).astype(np.int64)
+    return order, offsets
+
+
+def _leftmost(tree: np.ndarray, node: int, lo: int, hi: int, n: int) -> int:
+    if hi <= n or tree[node] == 0:
+        return -1
+    if hi - lo == 1:
+        return lo
+    mid = (lo + hi) // 2
+    left = _leftmost(tree, 2 * node, lo, mid, n)
+    return left if left >= 0 else _leftmost(tree, 2 * node + 1, mid, hi, n)
+
+
+def build_packing_index(
+    doc_ids: np.ndarray, doc_lengths: np.ndarray, seq_length: int, strategy: str
+) -> PackingIndex:
+    """Pack the given documents (ids and token counts) with ``strategy``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"--packing-strategy {strategy}: use one of {', '.join(STRATEGIES)}")
+    piece_doc, piece_start, piece_len = split_documents(doc_ids, doc_lengths, seq_length)
+    pack = pack_sequential if strategy == "sequential" else pack_best_fit
+    order, offsets = pack(piece_len, seq_length)
+    return PackingIndex(piece_doc[order], piece_start[order], piece_len[order], offsets)
+
+
+def check_packing_index(index: PackingIndex, doc_lengths: dict[int, int], seq_length: int) -> None:
+    """Raise ValueError unless ``index`` covers each document's tokens exactly once, in order
+    within the document, with bins of at most ``seq_length`` tokens and no empty piece."""
+    if np.any(index.piece_len <= 0):
+        raise ValueError("packing index has an empty piece")
+    if np.any(index.bin_lengths() > seq_length):
+        raise ValueError(f"packing index has a bin longer than --seq-length {seq_length}")
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for d, s, n in zip(index.piece_doc.tolist(), index.piece_start.tolist(), index.piece_len.tolist()):
+        pieces.setdefault(d, []).append((s, n))
+    for d, length in doc_lengths.items():
+        spans = sorted(pieces.get(d, []))
+        pos = 0
+        for s, n in spans:
+            if s != pos:
+                raise ValueError(f"document {d}: tokens {pos}..{s} are missing or repeated")
+            pos = s + n
+        if pos != length:
+            raise ValueError(f"document {d}: index covers {pos} of its {length} tokens")

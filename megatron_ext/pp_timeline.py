@@ -1,0 +1,396 @@
+"""Per-rank pipeline timeline: start/end of every forward and backward per (micro-batch, virtual
+stage), and of the step's tail (grad finalize + optimizer), as JSON lines.
+
+Invariant: events are only appended to an in-memory list while a step runs (no sync, no file IO,
+no device work); the step's lines are written to ``DIR/rank<N>.jsonl`` in one write when the step
+ends. Cost per event: two ``time.time()`` calls and a list append (~1 us), negligible next to a
+micro-batch, so the trace can be left on.
+
+How it hooks: inside :meth:`PipelineTimeline.trace_step` (a context manager around one training
+step) megatron-core's ``schedules.forward_step`` and ``schedules.backward_step`` are replaced by
+timing wrappers and restored on exit. Every schedule (no pipelining, 1F1B, interleaved) resolves
+these module globals at call time. ``forward_step`` is given ``current_microbatch`` and
+``vp_stage`` (None without VPP: chunk 0); ``backward_step`` is not told its micro-batch, so the
+forward's output tensor (the object the schedule hands back to ``backward_step``) is mapped to
+its (chunk, micro-batch).
+
+Clock: ``time.time()`` in every rank, so traces of ranks on one host share one clock and the
+renderer can align them. Across nodes it is only as good as NTP (typically 0.1-1 ms): fine for
+a picture, not for cross-node dependency checks.
+
+Records (one JSON object per line), per step:
+  {"kind": "step", "step", "rank", "pp_rank", "pp_size", "vp_size", "pipeline" (one id per
+   pipeline replica: dp_rank * tp_size + tp_rank), "num_microbatches", "start", "end"}  -- the whole step (the context manager's enter -> exit)
+  {"kind": "F" | "B", "step", "chunk", "mb", "start", "end"}  -- one forward / backward compute
+  {"kind": "optimizer", "step", "start", "end"}  -- last backward's end -> step end: megatron-core's
+   finalize_model_grads (DP grad reduce, tied-embedding sync), the optimizer step (clipping
+   inside) and the LR schedule. It cannot be separated further without editing ``train_step``.
+Forward spans cover megatron-core's ``forward_step`` (set_input_tensor, our forward_step_func,
+the loss on the last stage); backward spans cover ``backward_step``. P2P communication happens
+between them and shows as idle time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Iterator
+
+SCHEDULE_MODULE = "megatron.core.pipeline_parallel.schedules"
+
+
+class PipelineTimeline:
+    """Records one rank's forward/backward spans per training step (see the module docstring)."""
+
+    def __init__(self, out_dir: str, rank: int, pp_rank: int, pp_size: int, vp_size: int | None,
+                 pipeline_id: int = 0):
+        self.path = os.path.join(out_dir, f"rank{rank}.jsonl")
+        self.meta = {"rank": rank, "pp_rank": pp_rank, "pp_size": pp_size, "vp_size": vp_size or 1,
+                     "pipeline": pipeline_id}
+        os.makedirs(out_dir, exist_ok=True)
+        open(self.path, "w").close()  # a new run starts a new trace
+        self._events: list[tuple[str, int, int, float, float]] = []
+        self._pending: dict[int, tuple[Any, int, int]] = {}  # id(output) -> (output, chunk, mb)
+        self._num_microbatches = 0
+        self._active = False
+
+    @contextlib.contextmanager
+    def trace_step(self, iteration: int) -> Iterator[None]:
+        """Wraps one training step (``TrainingRun.schedule_context``)."""
+        import importlib
+
+        if self._active:
+            raise RuntimeError("PipelineTimeline.trace_step is not re-entrant")
+        schedules = importlib.import_module(SCHEDULE_MODULE)
+        orig_forward, orig_backward = schedules.forward_step, schedules.backward_step
+        schedules.forward_step = self._wrap_forward(orig_forward)
+        schedules.backward_step = self._wrap_backward(orig_backward)
+        self._active = True
+        start = time.time()
+        try:
+            yield
+        finally:
+            end = time.time()
+            schedules.forward_step, schedules.backward_step = orig_forward, orig_backward
+            self._active = False
+            self._flush(iteration, start, end)
+
+    def _wrap_forward(self, orig):
+        events, pending = self._events, self._pending
+
+        def forward_step(*args, **kwargs):
+            t0 = time.time()
+            out = orig(*args, **kwargs)
+            t1 = time.time()
+            chunk = kwargs.get("vp_stage") or 0
+            mb = kwargs.get("current_microbatch")
+            if mb is None:  # every 0.16 call site passes it; schedules run a chunk's mbs in order
+                mb = sum(1 for e in events if e[0] == "F" and e[1] == chunk)
+            self._num_microbatches = args[3] if len(args) > 3 else kwargs.get("num_microbatches", 0)
+            events.append(("F", chunk, mb, t0, t1))
+            output = out[0]
+            key = output[0] if isinstance(output, list) else output
+            pending[id(key)] = (key, chunk, mb)  # keeps the object alive: its id stays unique
+            return out
+
+        return forward_step
+
+    def _wrap_backward(self, orig):
+        events, pending = self._events, self._pending
+
+        def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+            key = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
+            _, chunk, mb = pending.pop(id(key), (None, -1, -1))
+            t0 = time.time()
+            grad = orig(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+            events.append(("B", chunk, mb, t0, time.time()))
+            return grad
+
+        return backward_step
+
+    def _flush(self, iteration: int, start: float, end: float) -> None:
+        step = {"kind": "step", "step": iteration, **self.meta,
+                "num_microbatches": self._num_microbatches, "start": start, "end": end}
+        lines = [step]
+        lines += [{"kind": k, "step": iteration, "chunk": c, "mb": mb, "start": t0, "end": t1}
+                  for k, c, mb, t0, t1 in self._events]
+        backwards = [e[4] for e in self._events if e[0] == "B"]
+        if backwards:
+            lines.append({"kind": "optimizer", "step": iteration, "start": max(backwards), "end": end})
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps(line) + "\n" for line in lines))
+        self._events.clear()
+        self._pending.clear()
+
+
+def build_pp_timeline(out_dir: str, ctx: Any) -> PipelineTimeline:
+    """The tracer for this rank of a ``ParallelContext``; set
+    ``run.schedule_context = build_pp_timeline(dir, ctx).trace_step``."""
+    # ranks of one pipeline replica share (dp_rank, tp_rank)
+    pipeline_id = ctx.dp_rank * ctx.tp_size + ctx.tp_rank
+    return PipelineTimeline(out_dir, ctx.rank, ctx.pp_rank, ctx.pp_size, ctx.vp_size, pipeline_id)
+
+
+def read_timeline(trace_dir: str) -> dict[int, dict[int, list[dict]]]:
+    """{step: {rank: [records]}} from every ``rank<N>.jsonl`` under ``trace_dir``."""
+    out: dict[int, dict[int, list[dict]]] = {}
+    names = sorted(n for n in os.listdir(trace_dir) if n.startswith("rank") and n.endswith(".jsonl"))
+    if not names:
+        raise ValueError(f"{trace_dir}: no rank<N>.jsonl files (was the run started with --pp-timeline {trace_dir}?)")
+    for name in names:
+        rank = int(name[len("rank"):-len(".jsonl")])
+        with open(os.path.join(trace_dir, name)) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    out.setdefault(rec["step"], {}).setdefault(rank, []).append(rec)
+    return out
+
+
+# ---- analysis of recorded (or simulated) timelines: pure functions, no process group ----
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One forward ("F") or backward ("B") of micro-batch ``mb`` on model chunk ``chunk``."""
+
+    kind: str
+    chunk: int
+    mb: int
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStep:
+    """One rank's records of one step."""
+
+    rank: int
+    pp_rank: int
+    pp_size: int
+    vp_size: int
+    pipeline: int
+    num_microbatches: int
+    start: float
+    end: float
+    ops: list[Op]  # by start time
+    optimizer: tuple[float, float] | None
+
+
+def parse_rank_step(records: list[dict]) -> RankStep:
+    (meta,) = [r for r in records if r["kind"] == "step"]
+    ops = sorted((Op(r["kind"], r["chunk"], r["mb"], r["start"], r["end"])
+                  for r in records if r["kind"] in ("F", "B")), key=lambda op: op.start)
+    opt = [(r["start"], r["end"]) for r in records if r["kind"] == "optimizer"]
+    return RankStep(meta["rank"], meta["pp_rank"], meta["pp_size"], meta["vp_size"], meta.get("pipeline", 0),
+                    meta["num_microbatches"], meta["start"], meta["end"], ops, opt[0] if opt else None)
+
+
+def get_bubble_theory(pp_size: int, num_microbatches: int, vp_size: int = 1) -> float:
+    """Pipeline bubble relative to the ideal (bubble-free) compute time: (p-1)/(m v)."""
+    return (pp_size - 1) / (num_microbatches * vp_size)
+
+
+def get_schedule_order(pp_rank: int, pp_size: int, vp_size: int, num_microbatches: int,
+                       group_size: int | None = None) -> list[tuple[str, int, int]]:
+    """The (kind, chunk, mb) sequence megatron-core's schedule runs on one pipeline rank.
+
+    1F1B (v = 1): w = min(p - r - 1, m) warm-up forwards, m - w (F, B) pairs, w cool-down
+    backwards; the no-pipelining schedule (p = 1) is the same with w = 0. Interleaved
+    (Narayanan et al. 2021, megatron-core's schedule table): forward k runs table entry k, where
+    micro-batches go in groups of g (``microbatch_group_size_per_vp_stage``, default p) through
+    every chunk in order before the next group; backward k runs table entry k on the mirrored
+    chunk v-1-c; w = min(2 (p - r - 1) + (v - 1) g, m v).
+    """
+    p, r, v, m = pp_size, pp_rank, vp_size, num_microbatches
+    if v == 1:
+        table = [(mb, 0) for mb in range(m)]
+        warmup = min(p - r - 1, m)
+    else:
+        g = group_size or p
+        table = [(mb, c) for lo in range(0, m, g)
+                 for c in range(v) for mb in range(lo, m if lo + g >= m else lo + g)]
+        warmup = min(2 * (p - r - 1) + (v - 1) * g, m * v)
+    fwd = [("F", c, mb) for mb, c in table]
+    bwd = [("B", v - 1 - c, mb) for mb, c in table]
+    order = fwd[:warmup]
+    for k in range(len(table) - warmup):
+        order += [fwd[warmup + k], bwd[k]]
+    return order + bwd[len(table) - warmup:]
+
+
+def get_max_in_flight(ops: list[Op]) -> int:
+    """Most (micro-batch, chunk) pairs forwarded but not yet backwarded at once: the number of
+    activation sets a rank holds, which bounds its activation memory."""
+    live = peak = 0
+    for op in ops:
+        live += 1 if op.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def get_in_flight_bound(pp_rank: int, pp_size: int, vp_size: int, num_microbatches: int,
+                        group_size: int | None = None) -> int:
+    """1F1B: stage r holds at most p - r micro-batches. Interleaved: warm-up + 1 chunk-micro-batches
+    (each 1/v of the stage's layers), 2 (p - r - 1) + (v - 1) g + 1, at most m v."""
+    p, r, v, m = pp_size, pp_rank, vp_size, num_microbatches
+    if v == 1:
+        return min(p - r, m)
+    return min(2 * (p - r - 1) + (v - 1) * (group_size or p) + 1, m * v)
+
+
+def check_rank_step(rs: RankStep, group_size: int | None = None) -> list[str]:
+    """Problems with one rank's recorded step: counts, per-chunk order, dependencies, overlap,
+    the exact megatron-core order, and the in-flight (activation memory) bound."""
+    where = f"rank {rs.rank} (pp {rs.pp_rank})"
+    m, v = rs.num_microbatches, rs.vp_size
+    problems = []
+    for kind in "FB":
+        for c in range(v):
+            mbs = [op.mb for op in rs.ops if op.kind == kind and op.chunk == c]
+            if sorted(mbs) != list(range(m)):
+                problems.append(f"{where}: chunk {c} {kind} micro-batches {sorted(mbs)}, expected 0..{m - 1}")
+            elif mbs != list(range(m)):
+                problems.append(f"{where}: chunk {c} {kind} out of micro-batch order: {mbs}")
+    ends = {(op.kind, op.chunk, op.mb): op.end for op in rs.ops}
+    for op in rs.ops:
+        if op.kind == "B" and op.start < ends.get(("F", op.chunk, op.mb), float("inf")):
+            problems.append(f"{where}: B chunk {op.chunk} mb {op.mb} starts before its forward ended")
+    for a, b in zip(rs.ops, rs.ops[1:]):
+        if b.start < a.end:
+            problems.append(f"{where}: {b.kind}{b.chunk}.{b.mb} starts before {a.kind}{a.chunk}.{a.mb} ended")
+    order = [(op.kind, op.chunk, op.mb) for op in rs.ops]
+    expected = get_schedule_order(rs.pp_rank, rs.pp_size, v, m, group_size)
+    if order != expected:
+        i = next((i for i, (a, b) in enumerate(zip(order, expected)) if a != b), min(len(order), len(expected)))
+        problems.append(f"{where}: op {i} is {order[i:i + 3]}, megatron-core's schedule runs {expected[i:i + 3]}")
+    bound = get_in_flight_bound(rs.pp_rank, rs.pp_size, v, m, group_size)
+    if get_max_in_flight(rs.ops) > bound:
+        problems.append(f"{where}: {get_max_in_flight(rs.ops)} micro-batch chunks in flight, bound {bound}")
+    return problems
+
+
+def check_pipeline_dependencies(steps: list[RankStep], tolerance: float = 0.0) -> list[str]:
+    """Across the ranks of one pipeline (one clock): F of micro-batch i on virtual stage s starts
+    after F of i ended on s-1; B on s starts after B ended on s+1 (virtual stage s = c p + r)."""
+    p = steps[0].pp_size
+    num_stages = p * steps[0].vp_size
+    ends = {(op.kind, op.chunk * p + rs.pp_rank, op.mb): op.end for rs in steps for op in rs.ops}
+    problems = []
+    for rs in steps:
+        for op in rs.ops:
+            s = op.chunk * p + rs.pp_rank
+            dep = ("F", s - 1, op.mb) if op.kind == "F" else ("B", s + 1, op.mb)
+            if not 0 <= dep[1] < num_stages:
+                continue
+            if dep not in ends:
+                problems.append(f"rank {rs.rank}: {op.kind} stage {s} mb {op.mb}: no record of {dep}")
+            elif op.start + tolerance < ends[dep]:
+                problems.append(f"rank {rs.rank}: {op.kind} stage {s} mb {op.mb} starts "
+                                f"{(ends[dep] - op.start) * 1e3:.3f} ms before {dep} ended")
+    return problems
+
+
+def check_schedule(step_records: dict[int, list[dict]], group_size: int | None = None) -> list[str]:
+    """All problems of one recorded step ({rank: records}); empty when it is a valid schedule.
+    Cross-rank checks apply to each pipeline whose every stage was traced."""
+    steps = [parse_rank_step(recs) for _, recs in sorted(step_records.items())]
+    problems = [msg for rs in steps for msg in check_rank_step(rs, group_size)]
+    for pipeline in get_pipelines(steps).values():
+        if sorted(rs.pp_rank for rs in pipeline) == list(range(pipeline[0].pp_size)):
+            problems += check_pipeline_dependencies(pipeline)
+    return problems
+
+
+def get_pipelines(steps: list[RankStep]) -> dict[int, list[RankStep]]:
+    out: dict[int, list[RankStep]] = {}
+    for rs in steps:
+        out.setdefault(rs.pipeline, []).append(rs)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BubbleStats:
+    rank: int
+    pp_rank: int
+    span: float  # seconds, first forward -> last backward of the rank's pipeline (all its ranks)
+    busy: float  # seconds of forward + backward on this rank
+    theory: float  # (p-1)/(m v)
+
+    @property
+    def idle_over_span(self) -> float:
+        return (self.span - self.busy) / self.span
+
+    @property
+    def idle_over_busy(self) -> float:
+        """The bubble relative to ideal compute, comparable to (p-1)/(m v)."""
+        return (self.span - self.busy) / self.busy
+
+
+def get_bubble_stats(step_records: dict[int, list[dict]]) -> list[BubbleStats]:
+    """Per rank: idle time inside its pipeline's compute span. With uniform stages and free P2P,
+    idle/busy = (p-1)/(m v) on every rank and idle/span = (p-1)/(m v + p - 1)."""
+    steps = [parse_rank_step(recs) for _, recs in sorted(step_records.items())]
+    out = []
+    for pipeline in get_pipelines(steps).values():
+        t0 = min(op.start for rs in pipeline for op in rs.ops)
+        t1 = max(op.end for rs in pipeline for op in rs.ops)
+        for rs in pipeline:
+            out.append(BubbleStats(rs.rank, rs.pp_rank, t1 - t0, sum(op.end - op.start for op in rs.ops),
+                                   get_bubble_theory(rs.pp_size, rs.num_microbatches, rs.vp_size)))
+    return sorted(out, key=lambda b: b.rank)
+
+
+def simulate_schedule(pp_size: int, vp_size: int, num_microbatches: int, t_forward: float,
+                      t_backward: float, hop: float = 0.0, group_size: int | None = None) -> dict[int, list[Op]]:
+    """Discrete-event model of megatron-core's schedule: every rank runs ``get_schedule_order``;
+    an op starts when its rank is free and its input is there (a forward's activation or a
+    backward's gradient arrives ``hop`` seconds after the neighbouring stage finished it).
+    ``t_forward`` / ``t_backward`` are per chunk. Returns {pp_rank: ops}."""
+    p, v, m = pp_size, vp_size, num_microbatches
+    orders = {r: get_schedule_order(r, p, v, m, group_size) for r in range(p)}
+    pos = dict.fromkeys(range(p), 0)
+    free = dict.fromkeys(range(p), 0.0)
+    done: dict[tuple[str, int, int], tuple[int, float]] = {}  # (kind, stage, mb) -> (rank, end)
+    ops: dict[int, list[Op]] = {r: [] for r in range(p)}
+    remaining = sum(len(o) for o in orders.values())
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, c, mb = orders[r][pos[r]]
+                s = c * p + r
+                if kind == "F":
+                    dep = ("F", s - 1, mb) if s > 0 else None
+                else:
+                    dep = ("B", s + 1, mb) if s < p * v - 1 else ("F", s, mb)
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0 if dep is None else done[dep][1] + (hop if done[dep][0] != r else 0.0)
+                start = max(free[r], ready)
+                end = start + (t_forward if kind == "F" else t_backward)
+                free[r] = end
+                done[(kind, s, mb)] = (r, end)
+                ops[r].append(Op(kind, c, mb, start, end))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("simulate_schedule: deadlock (orders are inconsistent)")
+    return ops
+
+
+def to_records(ops_by_rank: dict[int, list[Op]], pp_size: int, vp_size: int, num_microbatches: int,
+               step: int = 1) -> dict[int, list[dict]]:
+    """Simulated ops in the trace's record format ({rank: records}), e.g. to check or plot them."""
+    out = {}
+    for r, ops in ops_by_rank.items():
+        end = max(op.end for op in ops)
+        meta = {"kind": "step", "step": step, "rank": r, "pp_rank": r, "pp_size": pp_size, "vp_size": vp_size,
+                "pipeline": 0, "num_microbatches": num_microbatches, "start": 0.0, "end": end}
+        out[r] = [meta] + [{"kind": op.kind, "step": step, "chunk": op.chunk, "mb": op.mb, "start": op.start,
+                            "end": op.end} for op in ops]
+    return out
