@@ -76,6 +76,9 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         calculate_per_token_loss=uses_per_token_loss(cfg),
         # megatron-core's shape handshake before every P2P message (--sequence-padding variable)
         variable_seq_lengths=get_sequence_padding(cfg) == "variable",
+        # (megatron-core rejects variable_seq_lengths with its default MoE dispatcher even
+        # without experts; the dispatcher is unused in a dense model)
+        moe_token_dispatcher_type="alltoall",
         # megatron-core draws its own (layout-dependent) init, which ours then overwrites; its
         # draw cannot be skipped: perform_initialization=False also skips setting the TP
         # attributes (tensor_model_parallel, partition_dim) that grad norms and checkpoints need.

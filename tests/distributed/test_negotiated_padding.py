@@ -1,0 +1,194 @@
+"""Negotiated padding: the pipeline agrees on one length per step with one collective, and
+padding changes neither the loss nor the gradients (reference: one process, no padding at all).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ext.config import build_job_config
+from megatron_ext.init_weights import get_global_name, get_layer_offset
+from megatron_ext.loss import IGNORE_INDEX
+from megatron_ext.model import build_model_chunks
+from megatron_ext.packed_dataset import build_packed_sample
+from megatron_ext.padding import negotiate_step_length
+from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
+from megatron_ext.training import get_packed_seq_params, get_step_microbatches, run_forward_backward, train
+from tests.distributed.harness import run_ranks
+from tests.distributed.tiny import VOCAB, PackedMarkovDataset, build_tiny_run, gather_full_grads, tiny_values
+
+pytestmark = pytest.mark.distributed
+
+SEQ, MULTIPLE, GBS = 64, 16, 8
+PAR = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
+
+
+class ExplicitDataset:
+    """Packed samples from explicit document lengths (edge cases)."""
+
+    def __init__(self, lengths: list[list[int]]):
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict:
+        rng = np.random.default_rng(i)
+        return build_packed_sample([rng.integers(0, VOCAB, n) for n in self.lengths[i]])
+
+
+DATASETS = {
+    "skewed": lambda: PackedMarkovDataset(SEQ),
+    # every micro-batch shorter than the multiple (step length = 16)
+    "all shorter than the multiple": lambda: ExplicitDataset([[3, 4], [5], [2, 2, 2], [7], [9], [4, 4], [6], [3]]),
+    # one micro-batch exactly at --seq-length; others whose last (and only) document grows
+    "one at seq-length": lambda: ExplicitDataset([[SEQ], [10], [30, 3], [1, 1], [40], [2], [63], [17]]),
+}
+MODES = ("negotiated", "static", "variable")
+
+
+def _values(**kw) -> dict:
+    return tiny_values(seq_length=SEQ, micro_batch_size=1, global_batch_size=GBS, packed_sequences=True,
+                       pad_to_multiple_of=MULTIPLE, train_iters=1, **kw)
+
+
+def _reference(rank: int, world_size: int) -> dict:
+    """One process, the whole global batch, every sample at its own length: no padding at all."""
+    out = {}
+    for name, make in DATASETS.items():
+        cfg = build_job_config(_values())
+        ctx = build_parallel_context(cfg, torch.device("cpu"))
+        (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
+        ds, total, count = make(), 0.0, 0
+        for i in range(GBS):
+            s = ds[i]
+            mb = {k: v[None] if k != "cu_seqlens" else v for k, v in s.items()}
+            mb["max_seqlen"] = int((s["cu_seqlens"][1:] - s["cu_seqlens"][:-1]).max())
+            logits = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
+                           packed_seq_params=get_packed_seq_params(mb))[0]
+            total = total + F.cross_entropy(logits.float(), s["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
+            count += int((s["labels"] != IGNORE_INDEX).sum())
+        (total / count).backward()
+        offset = get_layer_offset(model)
+        out[name] = {"loss": float(total) / count,
+                     "grads": {get_global_name(n, offset): p.grad.clone() for n, p in model.named_parameters()}}
+        destroy_parallel_context()
+    return out
+
+
+def _count_collectives(fn):
+    """Run fn() counting torch.distributed collectives by (caller module, op)."""
+    counts: collections.Counter = collections.Counter()
+    names = ["all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+             "barrier", "all_gather_object", "reduce"]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def wrap(n):
+        def counted(*args, **kwargs):
+            caller = next(f for f in inspect.stack()[1:] if not f.filename.endswith(("c10d_logger.py", "distributed_c10d.py")))
+            module = caller.frame.f_globals.get("__name__", "?")
+            counts[(module, n)] += 1
+            return originals[n](*args, **kwargs)
+        return counted
+
+    for n in names:
+        setattr(dist, n, wrap(n))
+    try:
+        fn()
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    return counts
+
+
+def _layouts(rank: int, world_size: int) -> dict:
+    out = {}
+    # 1. agreement: each rank proposes its own maximum; a pipeline replica (TP x PP ranks) agrees.
+    ctx = build_parallel_context(build_job_config(_values(**PAR)), torch.device("cpu"))
+    local_max = [5, 33, 17, 9, 60, 2, 31, 47][rank]
+    agreed = negotiate_step_length(local_max, ctx.mp_group, MULTIPLE, SEQ)
+    out["agreement"] = (dist.get_process_group_ranks(ctx.mp_group), local_max, agreed)
+    destroy_parallel_context()
+    # 2. gradients and loss in every mode and data set; 3. collectives of one step
+    for name, make in DATASETS.items():
+        for mode in MODES if name == "skewed" else ("negotiated",):
+            run = build_tiny_run(_values(sequence_padding=mode, **PAR), make())
+            mbs, length = get_step_microbatches(run, run.train_ds, 0)
+            run_forward_backward(run.model, mbs, length)
+            grads = gather_full_grads(run)
+            counts = _count_collectives(lambda: train(run))
+            keep = run.ctx.tp_rank == 0 and run.ctx.dp_rank == 0
+            finite = all(torch.isfinite(p.main_grad).all() for c in run.model for p in c.parameters())
+            out[(name, mode)] = {"grads": grads if keep else {}, "losses": [r["loss"] for r in run.records],
+                                 "length": length, "counts": counts, "finite": finite}
+            destroy_parallel_context()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_ranks(_reference, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_layouts, 8)
+
+
+def test_pipeline_ranks_agree_on_the_rounded_global_max(ranks):
+    groups = {}
+    for r in ranks:
+        members, local, agreed = r["agreement"]
+        groups.setdefault(tuple(members), []).append((local, agreed))
+    assert len(groups) == 2  # two DP replicas of TP2 x PP2
+    for members, pairs in groups.items():
+        expected = min(SEQ, -(-max(l for l, _ in pairs) // MULTIPLE) * MULTIPLE)
+        assert {a for _, a in pairs} == {expected}, (members, pairs)
+        assert expected <= SEQ
+
+
+def _merged(ranks, key):
+    grads, losses = {}, []
+    for r in ranks:
+        grads.update(r[key]["grads"])
+        losses = losses or r[key]["losses"]
+    return grads, losses
+
+
+@pytest.mark.parametrize("key", [("skewed", m) for m in MODES] + [(n, "negotiated") for n in list(DATASETS)[1:]])
+def test_padding_changes_neither_loss_nor_gradients(key, ranks, reference):
+    grads, losses = _merged(ranks, key)
+    ref = reference[key[0]]
+    assert all(r[key]["finite"] for r in ranks), "NaN or inf in a gradient"
+    assert set(grads) == set(ref["grads"])
+    for name, g in ref["grads"].items():
+        rel = float((grads[name] - g).norm() / g.norm().clamp_min(1e-30))
+        assert rel <= 1e-5, f"{key} {name}: {rel:.2e}"
+    assert losses[0] == pytest.approx(ref["loss"], rel=1e-5)
+
+
+def test_edge_case_lengths(ranks):
+    assert {r[("all shorter than the multiple", "negotiated")]["length"] for r in ranks} == {MULTIPLE}
+    # each DP replica negotiates over its own pipeline: the one holding the 64-token sample pads
+    # to --seq-length, the other to its own rounded max (17 -> 32)
+    assert {r[("one at seq-length", "negotiated")]["length"] for r in ranks} == {SEQ, 32}
+    assert {r[("skewed", "static")]["length"] for r in ranks} == {SEQ}
+
+
+def test_exactly_one_extra_collective_per_step(ranks):
+    """Negotiated minus static: one all-reduce, from megatron_ext.padding, on every rank; and the
+    full list of collectives our code issues in a (logging) step."""
+    for r in ranks:
+        neg, static = r[("skewed", "negotiated")]["counts"], r[("skewed", "static")]["counts"]
+        diff = neg - static
+        assert diff == collections.Counter({("megatron_ext.padding", "all_reduce"): 1}), diff
+        ours = {k: v for k, v in neg.items() if k[0].startswith("megatron_ext")}
+        allowed = {("megatron_ext.padding", "all_reduce"), ("megatron_ext.training", "all_reduce")}
+        assert set(ours) <= allowed and all(v == 1 for v in ours.values()), ours
