@@ -18,6 +18,7 @@ quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Ap
 import torch  # noqa: E402
 
 from megatron_ext.arguments import parse_args  # noqa: E402
+from megatron_ext.checkpointing import CheckpointMeta, setup_checkpointing  # noqa: E402
 from megatron_ext.config import (  # noqa: E402
     ConfigError, JobConfig, get_global_batch_size, get_padded_vocab_size, uses_variable_lengths, validate,
 )
@@ -27,6 +28,7 @@ from megatron_ext.logger import MetricWriter  # noqa: E402
 from megatron_ext.model import build_model_chunks, wrap_with_ddp  # noqa: E402
 from megatron_ext.optim import build_optimizer, build_scheduler  # noqa: E402
 from megatron_ext.parallel import build_parallel_context, init_distributed  # noqa: E402
+from megatron_ext.pp_timeline import build_pp_timeline  # noqa: E402
 from megatron_ext.tokenizer import build_tokenizer  # noqa: E402
 from megatron_ext.training import TrainingRun, configure_model_hooks, train  # noqa: E402
 
@@ -46,6 +48,13 @@ def build_data(cfg: JobConfig, tokenizer, global_batch_size: int):
             d.data_path[-1], parse_split(d.split), cfg.model.seq_length, strategy, t.seed,
             num_samples, d.data_cache_path,
         )
+        if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:
+            index = train_ds.index
+            print(
+                f"> {strategy} samples: {index.num_bins} of <= {cfg.model.seq_length} tokens from "
+                f"{len(index.piece_len)} document pieces | packing efficiency (real tokens / slots "
+                f"at --seq-length): {index.efficiency(cfg.model.seq_length):.3f}", flush=True,
+            )
         return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
         tokenizer, cfg.model.seq_length, num_samples, data_path=d.data_path, split=d.split,
@@ -80,6 +89,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         train_ds=train_ds, valid_ds=valid_ds, global_batch_size=gbs,
         writer=MetricWriter(cfg, enabled=ctx.is_logging_rank), pad_id=tokenizer.pad,
     )
+    if cfg.logging.pp_timeline:
+        run.schedule_context = build_pp_timeline(cfg.logging.pp_timeline, ctx).trace_step
+    setup_checkpointing(run, CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab))
     history = train(run)
     run.writer.close()
     torch.distributed.barrier()

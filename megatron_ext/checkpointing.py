@@ -15,7 +15,7 @@ checkpoint. Every save goes through these phases:
 A crash in any phase leaves the previous complete checkpoint untouched. Loading takes the newest
 directory that carries ``complete.json`` (a ``.tmp-`` directory never counts), so a crash between
 phases 3 and 4 loses nothing either. ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>`` makes that rank
-SIGKILL itself at a named phase (``after_shards``, ``before_publish``, ``during_pointer_update``,
+SIGKILL itself at a named phase (optionally ``:<iteration>``: ``after_shards``, ``before_publish``, ``during_pointer_update``,
 ``before_retention``), for the crash tests.
 
 Content: every model chunk (``chunk.sharded_state_dict()`` per virtual stage; megatron-core keys
@@ -131,19 +131,28 @@ def _write_file_durably(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def maybe_inject_fault(phase: str, rank: int) -> None:
-    """SIGKILL this process when ``MEGATRON_EXT_CKPT_FAULT`` is ``<phase>:<rank>`` (tests only)."""
-    spec = os.environ.get(FAULT_ENV)
+def should_inject_fault(spec: str | None, phase: str, rank: int, iteration: int) -> bool:
+    """Whether ``spec`` = ``<phase>:<rank>[:<iteration>]`` names this point (pure)."""
     if not spec:
-        return
-    want_phase, _, want_rank = spec.partition(":")
-    if want_phase == phase and want_rank.strip() == str(rank):
+        return False
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in FAULT_PHASES:
+        raise ValueError(
+            f"{FAULT_ENV}={spec!r}: expected <phase>:<rank>[:<iteration>] with phase one of {FAULT_PHASES}"
+        )
+    return (parts[0] == phase and int(parts[1]) == rank
+            and (len(parts) == 2 or int(parts[2]) == iteration))
+
+
+def maybe_inject_fault(phase: str, rank: int, iteration: int) -> None:
+    """SIGKILL this process at a named save phase when ``MEGATRON_EXT_CKPT_FAULT`` says so."""
+    if should_inject_fault(os.environ.get(FAULT_ENV), phase, rank, iteration):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int) -> None:
     """Rank 0, after every rank wrote its shards: marker, rename, pointer (phases 3-4)."""
-    maybe_inject_fault("before_publish", rank)
+    maybe_inject_fault("before_publish", rank, iteration)
     _write_file_durably(
         os.path.join(tmp_dir, COMPLETE_MARKER),
         json.dumps({"iteration": iteration, "format_version": FORMAT_VERSION, "time": time.time()}),
@@ -158,7 +167,7 @@ def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, 
     _fsync_dir(root)
     tracker_tmp = os.path.join(root, f".{TRACKER_FILE}.tmp-{uuid.uuid4().hex[:8]}")
     _write_file_durably(tracker_tmp, str(iteration))
-    maybe_inject_fault("during_pointer_update", rank)
+    maybe_inject_fault("during_pointer_update", rank, iteration)
     os.replace(tracker_tmp, os.path.join(root, TRACKER_FILE))
     _fsync_dir(root)
 
@@ -221,9 +230,9 @@ def build_sharded_state_dict(
 
     state = build_model_sharded_state_dict(run.model)
     if include_optimizer:
-        model_flat = {k: v for chunk_sd in state.values() for k, v in chunk_sd.items()}
+        # megatron-core finds each parameter's ShardedTensor anywhere in the nested dict
         state["optimizer"] = run.optimizer.sharded_state_dict(
-            model_flat, is_loading=is_loading, metadata=dict(SHARDED_STATE_DICT_METADATA)
+            dict(state), is_loading=is_loading, metadata=dict(SHARDED_STATE_DICT_METADATA)
         )
         state["opt_param_scheduler"] = run.scheduler.state_dict()
     if include_rng:
@@ -259,11 +268,11 @@ def save_checkpoint(run, root: str, meta: CheckpointMeta, keep_last: int | None 
     start = time.perf_counter()
     state = build_sharded_state_dict(run, meta, is_loading=False, include_optimizer=True, include_rng=True)
     dist_checkpointing.save(state, tmp_dir, sharded_strategy=InProcessTorchDistSaveStrategy())
-    maybe_inject_fault("after_shards", rank)
+    maybe_inject_fault("after_shards", rank, iteration)
     dist.barrier()
     if rank == 0:
         publish_checkpoint(tmp_dir, final_dir, root, iteration, rank)
-        maybe_inject_fault("before_retention", rank)
+        maybe_inject_fault("before_retention", rank, iteration)
         apply_retention(root, keep_last, final_dir)
     dist.barrier()
     if run.ctx.is_logging_rank:
@@ -275,7 +284,9 @@ def save_checkpoint(run, root: str, meta: CheckpointMeta, keep_last: int | None 
 # ----------------------------------------------------------------------------- load
 
 
-def check_compatible(saved: dict[str, Any], cfg: JobConfig, meta: CheckpointMeta) -> list[str]:
+def check_compatible(
+    saved: dict[str, Any], cfg: JobConfig, meta: CheckpointMeta, load_optimizer: bool = True
+) -> list[str]:
     """Problems that make a checkpoint unusable for this run, each naming the flag and values."""
     problems = []
     args = saved.get("args", {})
@@ -286,6 +297,15 @@ def check_compatible(saved: dict[str, Any], cfg: JobConfig, meta: CheckpointMeta
                 f"--{name.replace('_', '-')}: the checkpoint was saved with {args[name]!r}, this run "
                 f"has {current[name]!r}; use the checkpoint's value or another --load directory"
             )
+    if load_optimizer and "use_distributed_optimizer" in args and (
+        args["use_distributed_optimizer"] != current["use_distributed_optimizer"]
+    ):
+        problems.append(
+            f"--use-distributed-optimizer: the checkpoint was saved with "
+            f"{args['use_distributed_optimizer']}, this run has {current['use_distributed_optimizer']}; "
+            f"their optimizer states differ in form: use the checkpoint's setting, or --no-load-optim "
+            f"to load the weights only"
+        )
     if saved.get("padded_vocab_size") not in (None, meta.padded_vocab_size):
         problems.append(
             f"vocabulary: the checkpoint's padded vocabulary is {saved['padded_vocab_size']}, this run's "
@@ -300,6 +320,23 @@ def check_compatible(saved: dict[str, Any], cfg: JobConfig, meta: CheckpointMeta
             f"this run uses {meta.tokenizer}"
         )
     return problems
+
+
+def load_full_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{checkpoint key: full unsharded tensor} for every tensor whose key starts with ``prefix``,
+    read in this process without a process group (for tools and tests). Layer-stacked keys
+    (``decoder.layers.*``) have the global layer index as dimension 0."""
+    from torch.distributed import checkpoint as dcp
+
+    reader = dcp.FileSystemReader(ckpt_dir)
+    metadata = reader.read_metadata()
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(md, "size")
+    }
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
 
 
 def read_checkpoint_common(ckpt_dir: str) -> dict[str, Any]:
@@ -383,7 +420,7 @@ def load_checkpoint(run, root: str, meta: CheckpointMeta, load_optimizer: bool =
         return None
     iteration, ckpt_dir = found
     common = read_checkpoint_common(ckpt_dir)
-    problems = check_compatible(common, run.cfg, meta)
+    problems = check_compatible(common, run.cfg, meta, load_optimizer)
     if problems:
         raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
     same_layout = common.get("layout") == get_layout(run)
@@ -405,3 +442,41 @@ def load_checkpoint(run, root: str, meta: CheckpointMeta, load_optimizer: bool =
         how = "same layout" if same_layout else f"resharded from {common.get('layout')}"
         run.log(f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how})")
     return iteration
+
+
+# ----------------------------------------------------------------------------- wiring
+
+
+def build_checkpoint_hook(cfg: JobConfig, meta: CheckpointMeta, decider=None):
+    """A ``TrainingRun.after_step`` hook: decide (agreed by all ranks) whether to stop, save on
+    ``--save-interval``, at ``--train-iters`` and before stopping; returns "stop"."""
+    from megatron_ext.signals import ExitDecider, describe_exit
+
+    c = cfg.checkpoint
+    if decider is None:
+        decider = ExitDecider(c.exit_signal_handler, c.exit_interval, c.exit_duration_in_mins)
+
+    def after_step(run) -> bool:
+        iteration = run.state.iteration
+        flags = decider.decide(iteration)
+        due = bool(c.save_interval) and iteration % c.save_interval == 0
+        if c.save and (due or flags or iteration == cfg.training.train_iters):
+            save_checkpoint(run, c.save, meta, c.keep_last)
+        if flags and run.ctx.is_logging_rank:
+            run.log(f"exiting after iteration {iteration}: {describe_exit(flags)}")
+        return bool(flags)
+
+    after_step.decider = decider
+    return after_step
+
+
+def setup_checkpointing(run, meta: CheckpointMeta) -> int | None:
+    """Entry-point wiring: resume from ``--load`` (if it holds a checkpoint), then register the
+    save/exit hook. Returns the loaded iteration or None."""
+    c = run.cfg.checkpoint
+    loaded = None
+    if c.load:
+        loaded = load_checkpoint(run, c.load, meta, load_optimizer=not c.no_load_optim)
+    if c.save or c.exit_signal_handler or c.exit_interval or c.exit_duration_in_mins:
+        run.after_step.append(build_checkpoint_hook(run.cfg, meta))
+    return loaded

@@ -11,7 +11,8 @@ document boundaries. A sample is one bin of whole documents (or pieces of over-l
 - ``cu_seqlens`` [n_docs + 1] int32: document boundaries (0, ..., L).
 
 With ``one_per_row`` each sample is one document (pieces of at most ``seq_length`` tokens), for
-batches of variable-length rows (SFT-like); ``cu_seqlens`` then holds one document.
+batches of variable-length rows (SFT-like), without ``cu_seqlens``: a row is one causal sequence,
+its padding at the end.
 Samples beyond one epoch wrap around with a new shuffle per epoch (seeded).
 """
 
@@ -92,8 +93,10 @@ def check_index_matches_documents(index: PackingIndex, doc_lengths: np.ndarray, 
 class PackedDocumentDataset:
     """Packed (or one-document-per-row) samples of one split of an indexed dataset."""
 
-    def __init__(self, indexed, index: PackingIndex, seq_length: int, seed: int, num_samples: int):
+    def __init__(self, indexed, index: PackingIndex, seq_length: int, seed: int, num_samples: int,
+                 one_per_row: bool = False):
         self.indexed = indexed
+        self.one_per_row = one_per_row
         self.index = index
         self.seq_length = seq_length
         self.seed = seed
@@ -116,7 +119,10 @@ class PackedDocumentDataset:
             self.indexed.get(int(d), offset=int(s), length=int(n))
             for d, s, n in zip(self.index.piece_doc[lo:hi], self.index.piece_start[lo:hi], self.index.piece_len[lo:hi])
         ]
-        return build_packed_sample(pieces)
+        sample = build_packed_sample(pieces)
+        if self.one_per_row:
+            del sample["cu_seqlens"]
+        return sample
 
 
 def build_packed_sample(pieces: list[np.ndarray]) -> dict[str, torch.Tensor]:
@@ -152,5 +158,7 @@ def build_packed_datasets(
             out.append(None)
             continue
         index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir)
-        out.append(PackedDocumentDataset(indexed, index, seq_length, seed + k, num_samples[k]))
+        out.append(PackedDocumentDataset(
+            indexed, index, seq_length, seed + k, num_samples[k], one_per_row=strategy == "one_per_row"
+        ))
     return tuple(out)

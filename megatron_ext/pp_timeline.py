@@ -394,3 +394,20 @@ def to_records(ops_by_rank: dict[int, list[Op]], pp_size: int, vp_size: int, num
         out[r] = [meta] + [{"kind": op.kind, "step": step, "chunk": op.chunk, "mb": op.mb, "start": op.start,
                             "end": op.end} for op in ops]
     return out
+
+
+def get_p2p_waits(step_records: dict[int, list[dict]]) -> list[float]:
+    """Seconds from a producer's end to its consumer's start on another rank, for every op whose
+    rank was idle waiting for that input (the P2P latency as the pipeline saw it)."""
+    steps = [parse_rank_step(recs) for _, recs in sorted(step_records.items())]
+    waits = []
+    for pipeline in get_pipelines(steps).values():
+        p = pipeline[0].pp_size
+        ends = {(op.kind, op.chunk * p + rs.pp_rank, op.mb): op.end for rs in pipeline for op in rs.ops}
+        for rs in pipeline:
+            for prev, op in zip(rs.ops, rs.ops[1:]):
+                s = op.chunk * p + rs.pp_rank
+                dep = ("F", s - 1, op.mb) if op.kind == "F" else ("B", s + 1, op.mb)
+                if dep in ends and dep[1] % p != rs.pp_rank and ends[dep] > prev.end:
+                    waits.append(op.start - ends[dep])
+    return waits

@@ -44,19 +44,38 @@ class ExplicitDataset:
         return build_packed_sample([rng.integers(0, VOCAB, n) for n in self.lengths[i]])
 
 
+class RowsDataset(ExplicitDataset):
+    """Unpacked variable-length rows (one document each, no boundaries): SFT-like samples."""
+
+    def __init__(self, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        super().__init__([[int(min(SEQ, max(2, rng.lognormal(np.log(12), 0.9))))] for _ in range(64)])
+
+    def __getitem__(self, i: int) -> dict:
+        sample = super().__getitem__(i)
+        del sample["cu_seqlens"]
+        return sample
+
+
 DATASETS = {
     "skewed": lambda: PackedMarkovDataset(SEQ),
     # every micro-batch shorter than the multiple (step length = 16)
     "all shorter than the multiple": lambda: ExplicitDataset([[3, 4], [5], [2, 2, 2], [7], [9], [4, 4], [6], [3]]),
     # one micro-batch exactly at --seq-length; others whose last (and only) document grows
     "one at seq-length": lambda: ExplicitDataset([[SEQ], [10], [30, 3], [1, 1], [40], [2], [63], [17]]),
+    # unpacked rows, two per micro-batch, padded at the end of each row
+    "unpacked rows": RowsDataset,
 }
+ROWS = dict(packed_sequences=False, one_document_per_row=True, micro_batch_size=2)
 MODES = ("negotiated", "static", "variable")
 
 
-def _values(**kw) -> dict:
-    return tiny_values(seq_length=SEQ, micro_batch_size=1, global_batch_size=GBS, packed_sequences=True,
-                       pad_to_multiple_of=MULTIPLE, train_iters=1, **kw)
+def _values(dataset: str = "", **kw) -> dict:
+    base = dict(seq_length=SEQ, micro_batch_size=1, global_batch_size=GBS, packed_sequences=True,
+                pad_to_multiple_of=MULTIPLE, train_iters=1)
+    if dataset == "unpacked rows":
+        base.update(ROWS)
+    return tiny_values(**{**base, **kw})
 
 
 def _reference(rank: int, world_size: int) -> dict:
@@ -70,7 +89,8 @@ def _reference(rank: int, world_size: int) -> dict:
         for i in range(GBS):
             s = ds[i]
             mb = {k: v[None] if k != "cu_seqlens" else v for k, v in s.items()}
-            mb["max_seqlen"] = int((s["cu_seqlens"][1:] - s["cu_seqlens"][:-1]).max())
+            if "cu_seqlens" in s:
+                mb["max_seqlen"] = int((s["cu_seqlens"][1:] - s["cu_seqlens"][:-1]).max())
             logits = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
                            packed_seq_params=get_packed_seq_params(mb))[0]
             total = total + F.cross_entropy(logits.float(), s["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
@@ -118,8 +138,8 @@ def _layouts(rank: int, world_size: int) -> dict:
     destroy_parallel_context()
     # 2. gradients and loss in every mode and data set; 3. collectives of one step
     for name, make in DATASETS.items():
-        for mode in MODES if name == "skewed" else ("negotiated",):
-            run = build_tiny_run(_values(sequence_padding=mode, **PAR), make())
+        for mode in MODES if name in ("skewed", "unpacked rows") else ("negotiated",):
+            run = build_tiny_run(_values(name, sequence_padding=mode, **PAR), make())
             mbs, length = get_step_microbatches(run, run.train_ds, 0)
             run_forward_backward(run.model, mbs, length)
             grads = gather_full_grads(run)
@@ -162,7 +182,10 @@ def _merged(ranks, key):
     return grads, losses
 
 
-@pytest.mark.parametrize("key", [("skewed", m) for m in MODES] + [(n, "negotiated") for n in list(DATASETS)[1:]])
+@pytest.mark.parametrize(
+    "key", [(n, m) for n in ("skewed", "unpacked rows") for m in MODES]
+    + [(n, "negotiated") for n in ("all shorter than the multiple", "one at seq-length")]
+)
 def test_padding_changes_neither_loss_nor_gradients(key, ranks, reference):
     grads, losses = _merged(ranks, key)
     ref = reference[key[0]]

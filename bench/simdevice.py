@@ -1,0 +1,146 @@
+"""A simulated accelerator: layers whose forward sleeps t_f and backward 2 t_f, t proportional to
+tokens, so that wall time on this 2-core machine reflects the schedule and the P2P, not CPU
+contention (a sleeping rank releases the CPU the way a rank waiting on a GPU kernel does).
+
+Invariant: the cost of a layer is a pure function of its input's token count
+(``seconds_per_token * tokens``, optionally ``+ attention_seconds_per_token2 * tokens**2`` per
+row), whatever schedule runs it; its activation is its input (saved for backward, counted by
+:class:`SavedTensorMeter`), so activation memory follows the schedule exactly.
+
+Pieces:
+- :class:`SimulatedCompute`: the autograd Function (sleep in forward and in backward).
+- :class:`SimLayer`: one layer with one scalar weight (so outputs need gradients).
+- :class:`SimChunk`: a megatron-core pipeline model chunk of SimLayers (``config``,
+  ``model_type``, ``set_input_tensor``): runs through ``get_forward_backward_func()``.
+- :class:`SimStage`: the same layers as a plain module, for ``torch.distributed.pipelining``.
+- :class:`SavedTensorMeter`: exact live / peak bytes of saved activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+
+
+SPIN_S = 0.0005  # time.sleep wakes ~0.1-0.3 ms late here: sleep to 0.5 ms before, then spin
+
+
+def busy_wait(seconds: float) -> None:
+    """Return ``seconds`` after the call, sleeping for all but the last 0.5 ms (a kernel launch
+    would also return on time; an unloaded rank overshoots by ~10 us instead of ~0.2 ms)."""
+    deadline = time.perf_counter() + seconds
+    remaining = seconds
+    while remaining > 0:
+        if remaining > SPIN_S:
+            time.sleep(remaining - SPIN_S)
+        remaining = deadline - time.perf_counter()
+
+
+class SimulatedCompute(torch.autograd.Function):
+    """y = x * w after ``seconds``; backward takes ``2 * seconds``. Saves x."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, seconds: float) -> torch.Tensor:
+        busy_wait(seconds)
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.seconds = weight.detach(), seconds
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        busy_wait(2 * ctx.seconds)
+        (x,) = ctx.saved_tensors
+        return grad * ctx.weight, (grad * x).sum().reshape(ctx.weight.shape), None
+
+
+class SimLayer(torch.nn.Module):
+    """One simulated layer on [..., h] activations: tokens = numel / h."""
+
+    def __init__(self, seconds_per_token: float, attention_seconds_per_token2: float = 0.0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+        self.seconds_per_token = seconds_per_token
+        self.attention_seconds_per_token2 = attention_seconds_per_token2
+
+    def get_seconds(self, x: torch.Tensor, seq_dim: int) -> float:
+        tokens = x.numel() // x.shape[-1]
+        rows = tokens // x.shape[seq_dim]
+        return self.seconds_per_token * tokens + self.attention_seconds_per_token2 * rows * x.shape[seq_dim] ** 2
+
+    def forward(self, x: torch.Tensor, seq_dim: int = 0) -> torch.Tensor:
+        return SimulatedCompute.apply(x, self.weight, self.get_seconds(x, seq_dim))
+
+
+class SimChunk(torch.nn.Module):
+    """A megatron-core model chunk of ``num_layers`` SimLayers on [s, b, h] activations.
+
+    The first virtual stage takes its input from the batch (no embedding), the others from
+    ``set_input_tensor`` (what the schedule received from the previous stage)."""
+
+    def __init__(self, config, num_layers: int, seconds_per_token: float, pre_process: bool):
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.pre_process = pre_process
+        self.layers = torch.nn.ModuleList(SimLayer(seconds_per_token) for _ in range(num_layers))
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
+        self.input_tensor = input_tensor[0]
+
+    def forward(self, batch: torch.Tensor | None) -> torch.Tensor:
+        x = batch if self.pre_process else self.input_tensor  # [s, b, h]
+        for layer in self.layers:
+            x = layer(x, seq_dim=0)
+        return x
+
+
+class SimStage(torch.nn.Module):
+    """The same layers for ``torch.distributed.pipelining`` (batch-first [b, s, h])."""
+
+    def __init__(self, num_layers: int, seconds_per_token: float):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(SimLayer(seconds_per_token) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, seq_dim=1)
+        return x
+
+
+class SavedTensorMeter:
+    """Exact bytes of tensors saved for backward (parameters excluded), live and peak.
+
+    A saved tensor counts from the moment autograd saves it until autograd frees it (after its
+    backward, or when the graph is dropped)."""
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+
+    def reset(self) -> None:
+        self.live = self.peak = 0
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator["SavedTensorMeter"]:
+        meter = self
+
+        class _Held:
+            __slots__ = ("tensor", "nbytes")
+
+            def __init__(self, tensor: torch.Tensor):
+                self.tensor = tensor
+                self.nbytes = 0 if isinstance(tensor, torch.nn.Parameter) else tensor.numel() * tensor.element_size()
+                meter.live += self.nbytes
+                meter.peak = max(meter.peak, meter.live)
+
+            def __del__(self):
+                meter.live -= self.nbytes
+
+        with torch.autograd.graph.saved_tensors_hooks(_Held, lambda held: held.tensor):
+            yield self

@@ -1,0 +1,98 @@
+"""Stop-and-save decisions at step boundaries: SIGTERM (Slurm preemption), --exit-interval,
+--exit-duration-in-mins.
+
+Invariant: every rank of the world takes the same decision after the same step, so that all of
+them save the same iteration and exit together. A signal reaches ranks at different moments (or
+only some of them), and wall clocks differ, so the handler only sets a flag, and at each step
+boundary one ``all_reduce(MAX)`` of a 2-element int tensor over the world combines the ranks' flags: bit 0
+"a signal arrived here", bit 1 "the time limit passed here". That all-reduce is the only
+per-step collective this feature adds, and it runs only with --exit-signal-handler or
+--exit-duration-in-mins. --exit-interval needs none: the iteration number is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SIGNAL_RECEIVED = 1
+DURATION_EXCEEDED = 2
+INTERVAL_REACHED = 4
+
+
+class ExitSignalHandler:
+    """Records that SIGTERM/SIGINT arrived; the handler does nothing else (no I/O, no collective)."""
+
+    def __init__(self, signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in signums}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+def get_local_exit_flags(
+    signal_received: bool, elapsed_minutes: float, duration_minutes: float | None
+) -> int:
+    """This rank's view, before agreement (pure)."""
+    flags = SIGNAL_RECEIVED if signal_received else 0
+    if duration_minutes is not None and elapsed_minutes >= duration_minutes:
+        flags |= DURATION_EXCEEDED
+    return flags
+
+
+def agree_on_flags(local_flags: int, group: Any = None) -> int:
+    """Bitwise OR of every rank's flags: one all-reduce MAX of a [2] int64 tensor, one bit each."""
+    bits = torch.tensor([(local_flags >> i) & 1 for i in range(2)], dtype=torch.int64)
+    dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
+    return int(sum(int(b) << i for i, b in enumerate(bits.tolist())))
+
+
+def get_interval_flag(iteration: int, exit_interval: int | None) -> int:
+    return INTERVAL_REACHED if exit_interval and iteration % exit_interval == 0 else 0
+
+
+def describe_exit(flags: int) -> str:
+    reasons = [
+        name for bit, name in (
+            (SIGNAL_RECEIVED, "exit signal received"),
+            (DURATION_EXCEEDED, "--exit-duration-in-mins reached"),
+            (INTERVAL_REACHED, "--exit-interval reached"),
+        ) if flags & bit
+    ]
+    return ", ".join(reasons)
+
+
+class ExitDecider:
+    """Answers "stop after this step?" identically on every rank."""
+
+    def __init__(self, exit_signal_handler: bool, exit_interval: int | None,
+                 exit_duration_in_mins: float | None, start_time: float | None = None):
+        self.handler = ExitSignalHandler() if exit_signal_handler else None
+        self.exit_interval = exit_interval
+        self.duration = exit_duration_in_mins
+        self.start_time = time.monotonic() if start_time is None else start_time
+
+    @property
+    def needs_agreement(self) -> bool:
+        return self.handler is not None or self.duration is not None
+
+    def decide(self, iteration: int) -> int:
+        """Flags agreed by all ranks (0: keep training). Collective when ``needs_agreement``."""
+        flags = get_interval_flag(iteration, self.exit_interval)
+        if self.needs_agreement:
+            local = get_local_exit_flags(
+                self.handler is not None and self.handler.received is not None,
+                (time.monotonic() - self.start_time) / 60.0, self.duration,
+            )
+            flags |= agree_on_flags(local)
+        return flags

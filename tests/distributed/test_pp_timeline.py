@@ -1,0 +1,100 @@
+"""Pipeline timeline on real 4-rank runs of the tiny model: the trace is a valid megatron-core
+schedule, and ``tools/pp_timeline.py`` renders it.
+
+Layouts (4 forked gloo ranks each, 2 training steps, the training loop's own ``schedule_context``
+hook as ``pretrain_gpt.py`` sets it): PP=4 1F1B with m=8; PP=4 x VPP=2 (8 layers) with m=8;
+PP=2 x VPP=2 x DP=2 with m=4 (two pipelines traced side by side).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.pp_timeline import build_pp_timeline, check_schedule, get_bubble_theory, read_timeline
+from megatron_ext.training import train
+from tests.distributed.harness import run_ranks
+from tests.distributed.tiny import MarkovDataset, build_tiny_run, tiny_values
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 2
+LAYOUTS = {
+    # name: (overrides, m, p, v)
+    "PP4": (dict(pipeline_model_parallel_size=4, global_batch_size=16), 8, 4, 1),
+    "PP4xVPP2": (dict(pipeline_model_parallel_size=4, num_layers=8, num_layers_per_virtual_pipeline_stage=1,
+                      global_batch_size=16), 8, 4, 2),
+    "PP2xVPP2xDP2": (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+                          global_batch_size=16), 4, 2, 2),
+}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _traced_runs(rank: int, world_size: int, root: str) -> None:
+    for name, (overrides, *_) in LAYOUTS.items():
+        run = build_tiny_run(tiny_values(train_iters=STEPS, **overrides), MarkovDataset(32))
+        run.schedule_context = build_pp_timeline(os.path.join(root, name), run.ctx).trace_step
+        train(run)
+        destroy_parallel_context()
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("pp_timeline"))
+    run_ranks(_traced_runs, 4, root)
+    return root
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_trace_is_valid_schedule(name, traces):
+    _, m, p, v = LAYOUTS[name]
+    steps = read_timeline(os.path.join(traces, name))
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step, by_rank in steps.items():
+        assert sorted(by_rank) == [0, 1, 2, 3]
+        for recs in by_rank.values():
+            (meta,) = [r for r in recs if r["kind"] == "step"]
+            assert (meta["num_microbatches"], meta["pp_size"], meta["vp_size"]) == (m, p, v)
+            # exactly m forwards and m backwards per virtual stage, one optimizer span after them
+            for kind in "FB":
+                assert len([r for r in recs if r["kind"] == kind]) == m * v
+            (opt,) = [r for r in recs if r["kind"] == "optimizer"]
+            assert meta["start"] <= opt["start"] <= opt["end"] == meta["end"]
+        assert check_schedule(by_rank) == [], f"{name} step {step}"
+
+
+def test_checker_catches_a_swapped_pair(traces):
+    """The checks are not vacuous: swapping two backwards of one rank's real trace is reported."""
+    by_rank = read_timeline(os.path.join(traces, "PP4"))[1]
+    recs = by_rank[1]
+    b = [r for r in recs if r["kind"] == "B"]
+    b[0]["mb"], b[1]["mb"] = b[1]["mb"], b[0]["mb"]
+    problems = check_schedule(by_rank)
+    assert any("out of micro-batch order" in msg for msg in problems), problems
+
+
+def test_render_png(traces, tmp_path):
+    name = "PP4xVPP2"
+    _, m, p, v = LAYOUTS[name]
+    out = tmp_path / "timeline.png"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "pp_timeline.py"), os.path.join(traces, name),
+         "--output", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    # one row per rank: "rank R pp R  idle/busy X  theory Y ..."
+    rows = re.findall(r"^rank\s+(\d+)\s+pp\s+(\d+)\s+v\s+(\d+)\s+m\s+(\d+)\s+bubble\s+([\d.]+)\s+theory\s+([\d.]+)",
+                      proc.stdout, re.M)
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3], proc.stdout
+    for _, pp, vv, mm, measured, theory in rows:
+        assert (int(vv), int(mm)) == (v, m)
+        assert float(theory) == pytest.approx(get_bubble_theory(p, m, v), abs=5e-4)
+        assert float(measured) >= 0.0

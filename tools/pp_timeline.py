@@ -1,0 +1,128 @@
+"""Render a ``--pp-timeline DIR`` trace as a Gantt chart and print the measured bubble per rank.
+
+    python tools/pp_timeline.py DIR --output timeline.png [--step N]
+
+One row per rank (one sub-row per virtual stage when VPP > 1); forwards light and backwards dark
+in one colour per micro-batch, labelled with the micro-batch id; the optimizer tail (grad
+finalize + optimizer step) hatched grey; idle time (the bubble, and P2P waits) white. Default
+step: the last one every rank recorded (warm-up excluded).
+
+Printed per rank: ``bubble`` = idle / busy inside its pipeline's compute span (first forward ->
+last backward over the pipeline's ranks), comparable to ``theory`` = (p-1)/(m v); also idle/span,
+comparable to (p-1)/(m v + p - 1). Measured exceeds theory by the P2P hops on the critical path
+and by uneven stages (e.g. the embedding / loss on the first / last stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron_ext.pp_timeline import get_bubble_stats, parse_rank_step, read_timeline  # noqa: E402
+
+
+def format_bubble_table(step_records: dict[int, list[dict]]) -> str:
+    """One line per rank: measured bubble beside (p-1)/(m v)."""
+    metas = {rank: parse_rank_step(recs) for rank, recs in step_records.items()}
+    lines = []
+    for b in get_bubble_stats(step_records):
+        rs = metas[b.rank]
+        p, v, m = rs.pp_size, rs.vp_size, rs.num_microbatches
+        lines.append(
+            f"rank {b.rank:3d}  pp {b.pp_rank:2d}  v {v}  m {m:3d}  bubble {b.idle_over_busy:.4f}  "
+            f"theory {b.theory:.4f}  |  idle/span {b.idle_over_span:.4f}  theory {(p - 1) / (m * v + p - 1):.4f}  "
+            f"|  span {b.span * 1e3:.1f} ms  busy {b.busy * 1e3:.1f} ms"
+        )
+    return "\n".join(lines)
+
+
+def render_timeline(step_records: dict[int, list[dict]], output: str, title: str = "") -> None:
+    """Gantt chart of one step of every rank, written to ``output`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
+
+    steps = [parse_rank_step(recs) for _, recs in sorted(step_records.items())]
+    t0 = min(op.start for rs in steps for op in rs.ops)  # the pipeline's first forward
+    v = max(rs.vp_size for rs in steps)
+    m = max(rs.num_microbatches for rs in steps)
+    cmap = plt.get_cmap("tab10" if m <= 10 else "tab20")
+
+    def colour(mb: int, kind: str):
+        base = to_rgb(cmap(mb % cmap.N))
+        if kind == "F":  # lighter
+            return tuple(0.45 * c + 0.55 for c in base)
+        return tuple(0.8 * c for c in base)  # darker
+
+    row_h = 1.0 / v
+    fig, ax = plt.subplots(figsize=(14, 0.9 + 0.75 * len(steps) * (1 if v == 1 else 1.3)))
+    yticks, ylabels = [], []
+    span_ms = (max(rs.end for rs in steps) - t0) * 1e3
+    for row, rs in enumerate(steps):
+        y0 = len(steps) - 1 - row  # rank 0 on top
+        yticks.append(y0 + 0.5)
+        ylabels.append(f"rank {rs.rank} (pp {rs.pp_rank})")
+        for op in rs.ops:
+            y = y0 + (v - 1 - op.chunk) * row_h  # chunk 0 on top within the rank's row
+            x, w = (op.start - t0) * 1e3, (op.end - op.start) * 1e3
+            ax.broken_barh([(x, w)], (y + 0.06 * row_h, 0.88 * row_h), facecolors=colour(op.mb, op.kind),
+                           edgecolor="black", linewidth=0.3)
+            if w > span_ms / 140:
+                ax.text(x + w / 2, y + 0.5 * row_h, f"{op.kind}{op.mb}", ha="center", va="center",
+                        fontsize=6 if v > 1 else 7, color="black" if op.kind == "F" else "white")
+        if rs.optimizer is not None:
+            x, w = (rs.optimizer[0] - t0) * 1e3, (rs.optimizer[1] - rs.optimizer[0]) * 1e3
+            ax.broken_barh([(x, w)], (y0 + 0.06, 0.88), facecolors="0.85", hatch="//", edgecolor="0.5",
+                           linewidth=0.3)
+        for c in range(1, v):
+            ax.axhline(y0 + c * row_h, color="0.85", linewidth=0.4)
+        ax.axhline(y0, color="black", linewidth=0.6)
+    ax.set_yticks(yticks, ylabels)
+    ax.set_ylim(0, len(steps))
+    ax.set_xlim(0, span_ms * 1.01)
+    ax.set_xlabel("ms since the first forward of the step")
+    legend = [Patch(facecolor=colour(0, "F"), edgecolor="black", label="forward (light)"),
+              Patch(facecolor=colour(0, "B"), edgecolor="black", label="backward (dark)"),
+              Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="grad finalize + optimizer"),
+              Patch(facecolor="white", edgecolor="black", label="idle (bubble, P2P wait)")]
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 if v == 1 else -0.09),
+              ncol=4, fontsize=8, frameon=False)
+    if v > 1:
+        title += f"  (sub-rows per rank: virtual stages 0..{v - 1}, top to bottom)"
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(output, dpi=130)
+    plt.close(fig)
+
+
+def get_default_step(steps: dict[int, dict[int, list[dict]]]) -> int:
+    """The last step recorded by every rank."""
+    num_ranks = max(len(by_rank) for by_rank in steps.values())
+    return max(s for s, by_rank in steps.items() if len(by_rank) == num_ranks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace_dir", help="the --pp-timeline directory (rank<N>.jsonl files)")
+    parser.add_argument("--output", default="timeline.png", help="PNG to write")
+    parser.add_argument("--step", type=int, default=None, help="step to draw (default: last complete)")
+    args = parser.parse_args(argv)
+    steps = read_timeline(args.trace_dir)
+    step = args.step if args.step is not None else get_default_step(steps)
+    if step not in steps:
+        raise SystemExit(f"--step {step}: not in the trace (recorded steps: {sorted(steps)})")
+    first = parse_rank_step(next(iter(steps[step].values())))
+    title = (f"step {step}: PP={first.pp_size}, VPP={first.vp_size}, m={first.num_microbatches}, "
+             f"{len(steps[step])} ranks")
+    render_timeline(steps[step], args.output, title)
+    print(f"{title}\n{format_bubble_table(steps[step])}\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
