@@ -53,7 +53,7 @@ def reduce_reported_loss(reports: list[dict[str, torch.Tensor]], key: str = "lm 
     """[sum, count] over this rank's micro-batches (float64 to keep the count exact)."""
     total = torch.zeros(2, dtype=torch.float64)
     for r in reports:
-        total += r[key].to(torch.float64)
+        total += r[key].detach().to(device="cpu", dtype=torch.float64)
     return total
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.loss import IGNORE_INDEX
+from megatron_ext.platform import get_collective_device
 
 MODES = ("static", "negotiated", "variable")
 
@@ -84,10 +85,11 @@ def get_local_max(raw_microbatches: list[list[dict[str, torch.Tensor]]]) -> int:
 
 def negotiate_step_length(local_max: int, group, multiple: int, seq_length: int) -> int:
     """THE collective of this feature: one all-reduce MAX over the replica's TP x PP group."""
-    t = torch.tensor([local_max], dtype=torch.int64)
     if group is not None and dist.get_world_size(group) > 1:
+        t = torch.tensor([local_max], dtype=torch.int64, device=get_collective_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return get_step_length(int(t.item()), multiple, seq_length)
+        local_max = int(t.item())
+    return get_step_length(local_max, multiple, seq_length)
 
 
 def build_step_microbatches(

@@ -271,5 +271,15 @@ def select_device() -> torch.device:
     return torch.device("cpu")
 
 
+def get_collective_device(group: Any = None) -> torch.device:
+    """Where a small tensor for a collective over ``group`` must live: NCCL needs the current
+    CUDA device, gloo the CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def get_distributed_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"

@@ -23,6 +23,7 @@ from megatron_ext.padding import build_step_microbatches
 from megatron_ext.logger import IterationStats, MetricWriter, format_iteration_line, format_validation_line
 from megatron_ext.loss import compute_token_loss, get_mean_loss, get_valid_mask, reduce_reported_loss
 from megatron_ext.parallel import ParallelContext
+from megatron_ext.platform import get_collective_device
 
 
 @dataclasses.dataclass
@@ -125,10 +126,11 @@ def train_step(
 
 def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Global [sum, count] on the last stage (one all-reduce over its DP group)."""
-    total = local.clone()
-    if ctx.is_last_stage and ctx.dp_size > 1:
-        dist.all_reduce(total, group=ctx.dp_group)
-    return total
+    if not (ctx.is_last_stage and ctx.dp_size > 1):
+        return local.clone()
+    total = local.to(get_collective_device(ctx.dp_group))
+    dist.all_reduce(total, group=ctx.dp_group)
+    return total.cpu()
 
 
 def get_step_microbatches(run: "TrainingRun", dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
@@ -138,10 +140,18 @@ def get_step_microbatches(run: "TrainingRun", dataset: Any, first_sample: int) -
     indices = get_microbatch_indices(
         first_sample, run.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size
     )
-    return build_step_microbatches(
+    microbatches, length = build_step_microbatches(
         fetch_step_samples(dataset, indices), get_sequence_padding(cfg), ctx.mp_group,
         cfg.data.pad_to_multiple_of, cfg.model.seq_length, run.pad_id,
     )
+    return [move_to_device(mb, ctx.device) for mb in microbatches], length
+
+
+def move_to_device(mb: Microbatch, device: torch.device) -> Microbatch:
+    """Tensors to the training device (a no-op on the CPU); boundaries stay int32."""
+    if device.type == "cpu":
+        return mb
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
 
 def evaluate(run: "TrainingRun", start_sample: int) -> float:
