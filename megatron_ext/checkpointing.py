@@ -249,15 +249,14 @@ def build_sharded_state_dict(
     return state
 
 
-def save_checkpoint(run, root: str, meta: CheckpointMeta, keep_last: int | None = None) -> str:
-    """Save the run at its current iteration under ``root``; collective over the world.
-    Returns the published directory."""
+def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None) -> str:
+    """Write a sharded state dict as ``root/iter_<iteration>`` through the phases of the module
+    docstring; collective over the world. Returns the published directory."""
     from megatron.core import dist_checkpointing
 
     from megatron_ext.ckpt_writer import InProcessTorchDistSaveStrategy
 
     rank = dist.get_rank()
-    iteration = run.state.iteration
     final_dir = get_checkpoint_dir(root, iteration)
     nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
     dist.broadcast_object_list(nonce, src=0)
@@ -265,8 +264,6 @@ def save_checkpoint(run, root: str, meta: CheckpointMeta, keep_last: int | None 
     if rank == 0:
         os.makedirs(tmp_dir)
     dist.barrier()
-    start = time.perf_counter()
-    state = build_sharded_state_dict(run, meta, is_loading=False, include_optimizer=True, include_rng=True)
     dist_checkpointing.save(state, tmp_dir, sharded_strategy=InProcessTorchDistSaveStrategy())
     maybe_inject_fault("after_shards", rank, iteration)
     dist.barrier()
@@ -275,8 +272,17 @@ def save_checkpoint(run, root: str, meta: CheckpointMeta, keep_last: int | None 
         maybe_inject_fault("before_retention", rank, iteration)
         apply_retention(root, keep_last, final_dir)
     dist.barrier()
+    return final_dir
+
+
+def save_checkpoint(run, root: str, meta: CheckpointMeta, keep_last: int | None = None) -> str:
+    """Save the run at its current iteration under ``root``; collective over the world.
+    Returns the published directory."""
+    start = time.perf_counter()
+    state = build_sharded_state_dict(run, meta, is_loading=False, include_optimizer=True, include_rng=True)
+    final_dir = write_checkpoint(state, root, run.state.iteration, keep_last)
     if run.ctx.is_logging_rank:
-        run.log(f"saved checkpoint at iteration {iteration:8d} to {final_dir} "
+        run.log(f"saved checkpoint at iteration {run.state.iteration:8d} to {final_dir} "
                 f"in {time.perf_counter() - start:.2f} s")
     return final_dir
 
@@ -423,6 +429,10 @@ def load_checkpoint(run, root: str, meta: CheckpointMeta, load_optimizer: bool =
     problems = check_compatible(common, run.cfg, meta, load_optimizer)
     if problems:
         raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
+    if load_optimizer and "opt_param_scheduler" not in common:
+        load_optimizer = False  # weights only, e.g. converted by tools/convert_checkpoint.py
+        if run.ctx.is_logging_rank:
+            run.log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
     same_layout = common.get("layout") == get_layout(run)
     if load_optimizer:
         init_empty_optimizer_state(run.optimizer)
@@ -437,7 +447,7 @@ def load_checkpoint(run, root: str, meta: CheckpointMeta, load_optimizer: bool =
         run.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if same_layout:
         set_rng_state(loaded["rng_state"])
-    run.state = type(run.state)(**loaded["train_state"])
+    run.state = type(run.state)(**loaded.get("train_state", {}))
     if run.ctx.is_logging_rank:
         how = "same layout" if same_layout else f"resharded from {common.get('layout')}"
         run.log(f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how})")

@@ -419,6 +419,10 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
     c = cfg.checkpoint
     if c.save_interval is not None and (c.save_interval <= 0 or not c.save):
         out.append("--save-interval needs --save DIR and a positive interval")
+    for flag, value in (("--exit-signal-handler", c.exit_signal_handler), ("--exit-interval", c.exit_interval),
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins)):
+        if value and not c.save:
+            out.append(f"{flag} saves a checkpoint before exiting: give --save DIR")
     return out
 
 

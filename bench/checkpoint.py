@@ -1,0 +1,152 @@
+"""Checkpoint: save/load MiB/s of our distributed checkpoint vs torch.save/torch.load, same bytes.
+
+    python -m bench.checkpoint [--sizes-mib 32 128 512] [--rounds 5] [--warmup 1] [--dir /tmp]
+
+One process (a 1-rank gloo world), fp32 tensors of 4 MiB each adding up to each size.
+A = ours: ``checkpointing.write_checkpoint`` (megatron-core ``dist_checkpointing.save`` in
+``torch_dist`` format through our in-process writer, each file fsync'ed, then the marker, the
+rename and the pointer of the atomic publish) and ``dist_checkpointing.load`` into preallocated
+tensors; B = ``torch.save`` of the same dict of tensors to one file + fsync, and ``torch.load``.
+Alternated A B A B per size, the first ``--warmup`` rounds dropped, medians of wall time (this is
+I/O; loads read from the page cache on both sides). Target: A/B >= 0.7 for save and load, time
+linear in size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+TENSOR_MIB = 4
+
+
+def build_tensors(size_mib: int) -> dict[str, torch.Tensor]:
+    n = max(size_mib // TENSOR_MIB, 1)
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i}.weight": torch.randn(TENSOR_MIB * 2**20 // 4, generator=g) for i in range(n)}
+
+
+def as_sharded(tensors: dict[str, torch.Tensor]) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, v, replica_id=0) for k, v in tensors.items()}
+
+
+def time_ours_save(tensors, root: str, iteration: int) -> float:
+    from megatron_ext.checkpointing import write_checkpoint
+
+    start = time.perf_counter()
+    write_checkpoint(as_sharded(tensors), root, iteration, keep_last=1)
+    return time.perf_counter() - start
+
+
+def time_ours_load(tensors, root: str, iteration: int) -> float:
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.checkpointing import get_checkpoint_dir
+
+    target = as_sharded({k: torch.empty_like(v) for k, v in tensors.items()})
+    start = time.perf_counter()
+    loaded = dist_checkpointing.load(target, get_checkpoint_dir(root, iteration))
+    elapsed = time.perf_counter() - start
+    assert all(torch.equal(loaded[k], tensors[k]) for k in list(tensors)[:2])
+    return elapsed
+
+
+def time_torch_save(tensors, path: str) -> float:
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(tensors, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def time_torch_load(tensors, path: str) -> float:
+    start = time.perf_counter()
+    loaded = torch.load(path, weights_only=True)
+    elapsed = time.perf_counter() - start
+    assert all(torch.equal(loaded[k], tensors[k]) for k in list(tensors)[:2])
+    return elapsed
+
+
+def bench_size(size_mib: int, rounds: int, warmup: int, base: str) -> dict[str, float]:
+    tensors = build_tensors(size_mib)
+    mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+    work = tempfile.mkdtemp(prefix="bench_ckpt_", dir=base)
+    times = {"ours_save": [], "torch_save": [], "ours_load": [], "torch_load": []}
+    try:
+        for r in range(rounds + warmup):
+            root, path = os.path.join(work, "ours"), os.path.join(work, "torch.pt")
+            sample = {
+                "ours_save": time_ours_save(tensors, root, r),
+                "torch_save": time_torch_save(tensors, path),
+                "ours_load": time_ours_load(tensors, root, r),
+                "torch_load": time_torch_load(tensors, path),
+            }
+            if r >= warmup:
+                for k, v in sample.items():
+                    times[k].append(v)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"mib": mib, **med}
+
+
+def init_single_process_world() -> None:
+    from megatron.core import parallel_state
+
+    from megatron_ext.platform import apply_cpu_platform, quiet_known_warnings
+
+    quiet_known_warnings()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(minutes=10))
+    apply_cpu_platform(torch.device("cpu"))
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[32, 128, 512])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    init_single_process_world()
+    print(f"checkpoint bench: 1 process, fp32 tensors of {TENSOR_MIB} MiB, medians of {args.rounds} "
+          f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}")
+    print(f"{'MiB':>6} | {'ours save':>10} {'torch.save':>10} {'ratio':>6} | "
+          f"{'ours load':>10} {'torch.load':>10} {'ratio':>6} | {'save s':>7} {'load s':>7}")
+    rows = []
+    for size in args.sizes_mib:
+        r = bench_size(size, args.rounds, args.warmup, args.dir)
+        rows.append(r)
+        speed = {k: r["mib"] / r[k] for k in ("ours_save", "torch_save", "ours_load", "torch_load")}
+        print(f"{r['mib']:6.0f} | {speed['ours_save']:7.0f}/s {speed['torch_save']:7.0f}/s "
+              f"{speed['ours_save'] / speed['torch_save']:6.2f} | {speed['ours_load']:7.0f}/s "
+              f"{speed['torch_load']:7.0f}/s {speed['ours_load'] / speed['torch_load']:6.2f} | "
+              f"{r['ours_save']:7.3f} {r['ours_load']:7.3f}", flush=True)
+    if len(rows) > 1:
+        first, last = rows[0], rows[-1]
+        scale = last["mib"] / first["mib"]
+        print(f"time vs size: {scale:.0f}x the bytes took {last['ours_save'] / first['ours_save']:.1f}x "
+              f"(save) and {last['ours_load'] / first['ours_load']:.1f}x (load); linear would be {scale:.0f}x")
+    print("target: ratio >= 0.7 (MiB/s, ours / torch) for save and load")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

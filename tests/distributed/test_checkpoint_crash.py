@@ -1,0 +1,112 @@
+"""A crash in the middle of a save loses nothing, and --keep-last never deletes the newest.
+
+Each case forks a 2-rank world (PP2, so both ranks hold different shards) that saves every 2
+iterations; ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>:4`` makes one rank SIGKILL itself during the
+save of iteration 4. The parent notices the killed rank and kills the rest (they would block in
+a collective until the gloo timeout). A fresh world then resumes from the same directory: it must
+load the newest complete checkpoint (iteration 2, or 4 when only the pointer update was cut
+short) and reproduce the uninterrupted run's losses exactly.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import time
+
+import pytest
+
+from megatron_ext.checkpointing import (
+    FAULT_ENV, CheckpointMeta, build_checkpoint_hook, list_complete_checkpoints, load_checkpoint,
+    read_tracker,
+)
+from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.training import train
+from tests.distributed.harness import _worker, get_free_port, run_ranks
+from tests.distributed.tiny import VOCAB, MarkovDataset, build_tiny_run, tiny_values
+
+pytestmark = pytest.mark.distributed
+
+ITERS = 6
+META = CheckpointMeta(tokenizer={"type": "NullTokenizer", "vocab_size": VOCAB - 1}, padded_vocab_size=VOCAB)
+VALUES = dict(num_layers=2, train_iters=ITERS, pipeline_model_parallel_size=2, global_batch_size=4)
+
+# phase, killed rank, the checkpoint a restart must find
+CASES = [
+    ("after_shards", 1, 2),
+    ("before_publish", 0, 2),
+    ("during_pointer_update", 0, 4),
+]
+
+
+def _train(rank: int, world_size: int, root: str | None) -> dict:
+    values = tiny_values(**VALUES, **(dict(save=root, save_interval=2, keep_last=2) if root else {}))
+    run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
+    loaded = load_checkpoint(run, root, META) if root else None
+    if root:
+        run.after_step.append(build_checkpoint_hook(run.cfg, META))
+    train(run)
+    destroy_parallel_context()
+    return {"loaded": loaded, "records": run.records}
+
+
+def run_until_killed(fn, world_size: int, *args, env: dict, timeout: float = 300) -> list[int]:
+    """Fork ``world_size`` ranks; once one dies by a signal, kill the others (a survivor may
+    also report the broken connection first). Exit codes by rank; raises if nobody was killed."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = get_free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out, args, env), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    reports = []
+    try:
+        while time.monotonic() < deadline and not any(p.exitcode is not None and p.exitcode < 0 for p in procs):
+            try:
+                reports.append(out.get(timeout=0.2))
+            except queue.Empty:
+                pass
+    finally:
+        time.sleep(0.5)  # let a rank that is being killed finish dying before we look
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    codes = [p.exitcode for p in procs]
+    if not any(c == -signal.SIGKILL for c in codes[:]):
+        errors = [pickle.loads(payload) for _, status, payload in reports if status != "ok"]
+        raise RuntimeError(f"no rank was killed (exit codes {codes}); errors: {errors}")
+    return codes
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[dict]:
+    return run_ranks(_train, 2, None, timeout=300)[-1]["records"]
+
+
+@pytest.mark.parametrize("phase,rank,expected", CASES)
+def test_crash_during_save_keeps_last_complete_checkpoint(tmp_path, reference, phase, rank, expected):
+    root = str(tmp_path / "ckpt")
+    codes = run_until_killed(_train, 2, root, env={FAULT_ENV: f"{phase}:{rank}:4"})
+    assert codes[rank] == -signal.SIGKILL, codes
+
+    assert [it for it, _ in list_complete_checkpoints(root)] == sorted({2, expected})
+    assert read_tracker(root) == 2  # the pointer still names the last fully published save
+    if expected == 2:
+        assert any(".tmp-" in name for name in os.listdir(root)), os.listdir(root)
+
+    resumed = run_ranks(_train, 2, root, timeout=300)
+    assert [r["loaded"] for r in resumed] == [expected, expected]
+    records = resumed[-1]["records"]
+    assert [r["iteration"] for r in records] == list(range(expected + 1, ITERS + 1))
+    assert [r["loss"] for r in records] == [r["loss"] for r in reference[expected:]]
+
+    # --keep-last 2: the newest two remain, leftovers of the crashed save are gone
+    assert [it for it, _ in list_complete_checkpoints(root)] == [4, 6]
+    assert read_tracker(root) == ITERS
+    assert not [n for n in os.listdir(root) if ".tmp-" in n or ".old-" in n], os.listdir(root)

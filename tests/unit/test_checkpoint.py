@@ -1,0 +1,140 @@
+"""Pure checkpoint logic: which directories count, retention, publishing, fault specs, mismatch
+messages, exit-flag agreement and the HF <-> ours tensor maps (no process group)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_ext.checkpointing import (
+    COMPLETE_MARKER, TRACKER_FILE, CheckpointMeta, apply_retention, check_compatible,
+    find_latest_checkpoint, get_checkpoint_dir, list_complete_checkpoints, publish_checkpoint,
+    read_tracker, select_checkpoints_to_delete, should_inject_fault,
+)
+from megatron_ext.config import build_job_config
+from megatron_ext.signals import (
+    DURATION_EXCEEDED, INTERVAL_REACHED, SIGNAL_RECEIVED, describe_exit, get_interval_flag,
+    get_local_exit_flags,
+)
+
+
+def _complete(root, iteration):
+    path = get_checkpoint_dir(str(root), iteration)
+    os.makedirs(path)
+    open(os.path.join(path, COMPLETE_MARKER), "w").write("{}")
+    return path
+
+
+def test_only_marked_final_directories_count(tmp_path):
+    _complete(tmp_path, 2)
+    _complete(tmp_path, 4)
+    os.makedirs(get_checkpoint_dir(str(tmp_path), 6))  # no marker: a torn copy
+    os.makedirs(get_checkpoint_dir(str(tmp_path), 8) + ".tmp-abc")  # interrupted save
+    assert [it for it, _ in list_complete_checkpoints(str(tmp_path))] == [2, 4]
+    assert find_latest_checkpoint(str(tmp_path))[0] == 4
+    assert find_latest_checkpoint(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("iterations,keep,expected", [
+    ([2, 4, 6], 2, [2]), ([2, 4, 6], 1, [2, 4]), ([6], 1, []), ([2, 4], None, []), ([2, 4], 0, []),
+    ([4, 2, 6], 5, []),
+])
+def test_retention_never_deletes_the_newest(iterations, keep, expected):
+    assert select_checkpoints_to_delete(iterations, keep) == expected
+
+
+def test_publish_then_retention(tmp_path):
+    root = str(tmp_path)
+    _complete(tmp_path, 2)
+    tmp = get_checkpoint_dir(root, 4) + ".tmp-x"
+    os.makedirs(tmp)
+    open(os.path.join(tmp, "shard"), "w").write("data")
+    os.makedirs(get_checkpoint_dir(root, 3) + ".tmp-old")  # leftover of a crashed save
+    publish_checkpoint(tmp, get_checkpoint_dir(root, 4), root, 4, rank=0)
+    assert read_tracker(root) == 4 and not os.path.exists(tmp)
+    assert json.load(open(os.path.join(get_checkpoint_dir(root, 4), COMPLETE_MARKER)))["iteration"] == 4
+    apply_retention(root, 1, get_checkpoint_dir(root, 4))
+    assert sorted(os.listdir(root)) == sorted([TRACKER_FILE, "iter_0000004"])
+
+
+def test_republishing_an_iteration_replaces_it(tmp_path):
+    root = str(tmp_path)
+    _complete(tmp_path, 4)
+    tmp = get_checkpoint_dir(root, 4) + ".tmp-y"
+    os.makedirs(tmp)
+    open(os.path.join(tmp, "new"), "w").close()
+    publish_checkpoint(tmp, get_checkpoint_dir(root, 4), root, 4, rank=0)
+    assert "new" in os.listdir(get_checkpoint_dir(root, 4))
+
+
+def test_fault_spec():
+    assert should_inject_fault("after_shards:1", "after_shards", 1, 7)
+    assert not should_inject_fault("after_shards:1", "after_shards", 0, 7)
+    assert should_inject_fault("before_publish:0:4", "before_publish", 0, 4)
+    assert not should_inject_fault("before_publish:0:4", "before_publish", 0, 2)
+    assert not should_inject_fault(None, "before_publish", 0, 2)
+    with pytest.raises(ValueError, match="phase one of"):
+        should_inject_fault("sometime:0", "after_shards", 0, 1)
+
+
+def _cfg(**values):
+    return build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=127, **values))
+
+
+def test_mismatch_names_flag_and_both_values():
+    saved = {"args": _cfg(num_layers=8).to_flat_dict(), "padded_vocab_size": 128,
+             "tokenizer": {"type": "NullTokenizer", "vocab_size": 127}}
+    meta = CheckpointMeta(tokenizer={"type": "NullTokenizer", "vocab_size": 255}, padded_vocab_size=256)
+    problems = check_compatible(saved, _cfg(num_layers=4, hidden_size=256), meta)
+    text = "\n".join(problems)
+    assert "--num-layers: the checkpoint was saved with 8, this run has 4" in text
+    assert "--hidden-size: the checkpoint was saved with 128, this run has 256" in text
+    assert "padded vocabulary is 128, this run's is 256" in text
+    assert "--tokenizer-type/--tokenizer-model" in text
+    same = CheckpointMeta(tokenizer=saved["tokenizer"], padded_vocab_size=128)
+    assert check_compatible(saved, _cfg(num_layers=8, tensor_model_parallel_size=2), same) == []
+
+
+def test_distributed_optimizer_switch_is_refused_unless_weights_only():
+    saved = {"args": _cfg(use_distributed_optimizer=True).to_flat_dict()}
+    meta = CheckpointMeta(tokenizer={}, padded_vocab_size=128)
+    assert "--use-distributed-optimizer" in check_compatible(saved, _cfg(), meta)[0]
+    assert check_compatible(saved, _cfg(), meta, load_optimizer=False) == []
+
+
+def test_exit_flags():
+    assert get_local_exit_flags(False, 5.0, None) == 0
+    assert get_local_exit_flags(True, 0.0, None) == SIGNAL_RECEIVED
+    assert get_local_exit_flags(False, 10.0, 10.0) == DURATION_EXCEEDED
+    assert get_interval_flag(6, 3) == INTERVAL_REACHED and get_interval_flag(7, 3) == 0
+    assert get_interval_flag(6, None) == 0
+    assert "exit signal" in describe_exit(SIGNAL_RECEIVED | DURATION_EXCEEDED)
+
+
+def test_hf_tensor_maps_are_inverse():
+    from tools.convert_checkpoint import hf_to_megatron_tensors, megatron_to_hf_tensors
+
+    hf = dict(num_hidden_layers=1, hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=12, vocab_size=10, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "model.embed_tokens.weight": (10, 8), "lm_head.weight": (10, 8), "model.norm.weight": (8,),
+        "model.layers.0.self_attn.q_proj.weight": (8, 8), "model.layers.0.self_attn.k_proj.weight": (4, 8),
+        "model.layers.0.self_attn.v_proj.weight": (4, 8), "model.layers.0.self_attn.o_proj.weight": (8, 8),
+        "model.layers.0.input_layernorm.weight": (8,), "model.layers.0.post_attention_layernorm.weight": (8,),
+        "model.layers.0.mlp.gate_proj.weight": (12, 8), "model.layers.0.mlp.up_proj.weight": (12, 8),
+        "model.layers.0.mlp.down_proj.weight": (8, 12),
+    }
+    state = {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+    ours = hf_to_megatron_tensors(state, hf, padded_vocab=16)
+    qkv = ours["decoder.layers.0.self_attention.linear_qkv.weight"]
+    # group 0 = [q heads 0,1; k head 0; v head 0], head_dim 2
+    assert torch.equal(qkv[:4], state["model.layers.0.self_attn.q_proj.weight"][:4])
+    assert torch.equal(qkv[4:6], state["model.layers.0.self_attn.k_proj.weight"][:2])
+    assert torch.equal(qkv[6:8], state["model.layers.0.self_attn.v_proj.weight"][:2])
+    assert ours["embedding.word_embeddings.weight"].shape == (16, 8)
+    back = megatron_to_hf_tensors(ours, hf)
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)

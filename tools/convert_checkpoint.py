@@ -1,0 +1,358 @@
+"""Convert Hugging Face Llama-architecture checkpoints to ours and back.
+
+    python tools/convert_checkpoint.py hf-to-megatron --hf-dir HF --save CKPT \\
+        [--tensor-model-parallel-size 2] [--make-vocab-size-divisible-by 128]
+    python tools/convert_checkpoint.py megatron-to-hf --load CKPT --hf-dir OUT
+
+Our checkpoints (megatron-core ``torch_dist``) key every tensor by its global name and layer
+number, so one converted checkpoint loads under any TP x PP x VPP x DP: the conversion runs in
+one process. Only the padded vocabulary depends on the layout (Megatron pads it to a multiple of
+``--make-vocab-size-divisible-by`` x TP), so give the TP size you will train with. The converted
+checkpoint holds weights only (a run that loads it starts a fresh optimizer at iteration 0) and
+prints the flags a run needs to match it.
+
+Tensor layouts (megatron-core, checked against 0.16.1):
+- ``linear_qkv.weight`` is grouped per key/value head: for each of the G query groups,
+  [its H/G query heads; its key head; its value head], each head ``head_dim`` rows;
+- ``linear_fc1.weight`` of the SwiGLU MLP is [gate; up] (megatron-core applies silu to the first
+  half); ``linear_fc2`` is ``down_proj``;
+- RoPE: megatron-core's default (``rotary_interleaved=False``) rotates halves, as Hugging Face's
+  ``rotate_half`` does, so q/k rows are copied without permutation; theta is ``--rotary-base``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def check_supported(hf: dict[str, Any]) -> None:
+    """Raise ValueError naming each unsupported property of an HF config."""
+    problems = []
+    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        problems.append(
+            f"model_type {hf.get('model_type')!r} (architectures {hf.get('architectures')}) is not "
+            f"supported: only Llama-architecture checkpoints ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r}: only silu (SwiGLU) is supported")
+    for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names
+        rope = hf.get(key) or {}
+        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+            problems.append(f"{key} {rope}: RoPE scaling is not supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            problems.append(f"{flag}=true: biases in linear layers are not supported")
+    heads, hidden = hf.get("num_attention_heads", 0), hf.get("hidden_size", 0)
+    head_dim = hf.get("head_dim") or (hidden // heads if heads else 0)
+    if heads and head_dim * heads != hidden:
+        problems.append(f"head_dim {head_dim} x heads {heads} != hidden_size {hidden}: not supported")
+    if problems:
+        raise ValueError("cannot convert this checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def get_rope_theta(hf: dict[str, Any]) -> float:
+    """RoPE theta: top-level ``rope_theta`` (transformers 4.x) or ``rope_parameters`` (5.x)."""
+    if hf.get("rope_theta") is not None:
+        return float(hf["rope_theta"])
+    return float((hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_theta", 10000.0))
+
+
+def get_padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str, Any]:
+    """Our flat config values (flag names with underscores) for an HF Llama config."""
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    return dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
+        group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
+        normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
+        disable_bias_linear=True, position_embedding_type="rope",
+        rotary_base=int(get_rope_theta(hf)),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        max_position_embeddings=hf.get("max_position_embeddings"),
+        make_vocab_size_divisible_by=divisible_by,
+    )
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def _dims(hf: dict[str, Any]) -> tuple[int, int, int]:
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    return heads, groups, hf["hidden_size"] // heads
+
+
+def hf_to_megatron_tensors(hf_state: dict[str, torch.Tensor], hf: dict[str, Any], padded_vocab: int) -> dict[str, torch.Tensor]:
+    """{our single-process parameter name: tensor} from HF Llama tensors (pure)."""
+    heads, groups, d = _dims(hf)
+    hidden = hf["hidden_size"]
+    out = {}
+    embed = hf_state["model.embed_tokens.weight"]
+    out["embedding.word_embeddings.weight"] = _pad_rows(embed, padded_vocab)
+    for i in range(hf["num_hidden_layers"]):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q = hf_state[src + "self_attn.q_proj.weight"].view(groups, heads // groups * d, hidden)
+        k = hf_state[src + "self_attn.k_proj.weight"].view(groups, d, hidden)
+        v = hf_state[src + "self_attn.v_proj.weight"].view(groups, d, hidden)
+        out[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+        out[dst + "self_attention.linear_proj.weight"] = hf_state[src + "self_attn.o_proj.weight"]
+        out[dst + "input_layernorm.weight"] = hf_state[src + "input_layernorm.weight"]
+        out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]], dim=0
+        )
+        out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
+    if not hf.get("tie_word_embeddings", False):
+        out["output_layer.weight"] = _pad_rows(hf_state["lm_head.weight"], padded_vocab)
+    return out
+
+
+def megatron_to_hf_tensors(ours: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Inverse of ``hf_to_megatron_tensors`` (drops the vocabulary padding)."""
+    heads, groups, d = _dims(hf)
+    hidden, vocab = hf["hidden_size"], hf["vocab_size"]
+    out = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"][:vocab]}
+    for i in range(hf["num_hidden_layers"]):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = ours[src + "self_attention.linear_qkv.weight"].view(groups, (heads // groups + 2) * d, hidden)
+        q, k, v = qkv.split([heads // groups * d, d, d], dim=1)
+        out[dst + "self_attn.q_proj.weight"] = q.reshape(-1, hidden)
+        out[dst + "self_attn.k_proj.weight"] = k.reshape(-1, hidden)
+        out[dst + "self_attn.v_proj.weight"] = v.reshape(-1, hidden)
+        out[dst + "self_attn.o_proj.weight"] = ours[src + "self_attention.linear_proj.weight"]
+        out[dst + "input_layernorm.weight"] = ours[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = ours[src + "pre_mlp_layernorm.weight"]
+        gate, up = ours[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+        out[dst + "mlp.down_proj.weight"] = ours[src + "mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
+    if not hf.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = ours["output_layer.weight"][:vocab]
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows < t.shape[0]:
+        raise ValueError(f"padded vocabulary {rows} is smaller than the checkpoint's {t.shape[0]}")
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+# ----------------------------------------------------------------------------- process world
+
+
+def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Callable) -> Any:
+    """Build our model in a 1-rank world (TP = PP = 1) and call ``fn(model_chunk, cfg)``.
+    Uses the current process group when there is one of size 1 (tests fork one)."""
+    import torch.distributed as dist
+
+    from megatron_ext.config import build_job_config
+    from megatron_ext.model import build_model_chunks
+    from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=10))
+    if dist.get_world_size() != 1:
+        raise ValueError("the converter runs in one process: launch it with python, not torchrun")
+    cfg = build_job_config({**values, "mock_data": True, "tokenizer_type": "NullTokenizer",
+                            "vocab_size": padded_vocab - 1, "seq_length": 16})
+    device = torch.device("cpu")
+    ctx = build_parallel_context(cfg, device)
+    try:
+        (chunk,) = build_model_chunks(cfg, ctx.placement, padded_vocab, device)
+        return fn(chunk, cfg)
+    finally:
+        destroy_parallel_context()
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--hf-dir {hf_dir}: no config.json")
+    with open(config_path) as f:
+        hf = json.load(f)
+    check_supported(hf)
+    files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"--hf-dir {hf_dir}: no *.safetensors files (PyTorch .bin is not supported)")
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(hf_dir, name)))
+    return hf, {k: v.float() for k, v in state.items()}
+
+
+def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: int = 128,
+                           log: Callable[[str], None] = print) -> str:
+    """HF Llama directory -> ``save/iter_0000000`` (weights, args, the HF config)."""
+    from megatron_ext.checkpointing import FORMAT_VERSION, build_model_sharded_state_dict, write_checkpoint
+
+    hf, hf_state = _read_hf(hf_dir)
+    log(f"read {len(hf_state)} tensors from {hf_dir} ({hf['num_hidden_layers']} layers)")
+    values = hf_config_to_values(hf, divisible_by)
+    padded = get_padded_vocab(hf["vocab_size"], divisible_by, tp)
+    ours = hf_to_megatron_tensors(hf_state, hf, padded)
+
+    def save_chunk(chunk, cfg) -> str:
+        params = dict(chunk.named_parameters())
+        missing = sorted(set(params) - set(ours))
+        if missing:
+            raise ValueError(f"no HF tensor for our parameters {missing}")
+        with torch.no_grad():
+            for name, param in sorted(params.items()):
+                if tuple(param.shape) != tuple(ours[name].shape):
+                    raise ValueError(f"{name}: HF gives {tuple(ours[name].shape)}, ours is {tuple(param.shape)}")
+                param.copy_(ours[name])
+        log(f"copied {len(params)} parameters; writing {save}")
+
+        class _Wrapped:  # build_model_sharded_state_dict expects DDP-wrapped chunks
+            module = chunk
+
+        state = build_model_sharded_state_dict([_Wrapped])
+        state.update(args=cfg.to_flat_dict(), tokenizer=None, padded_vocab_size=padded,
+                     hf_config=hf, checkpoint_version=FORMAT_VERSION)
+        return write_checkpoint(state, save, 0)
+
+    out = _with_single_process_model(values, padded, save_chunk)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
+                     for k, v in values.items() if v not in (None, False))
+    log(f"wrote {out}\nload it with: --load {save} {flags}")
+    return out
+
+
+def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = print) -> str:
+    """Our newest complete checkpoint under ``load`` -> HF safetensors + config.json."""
+    from safetensors.torch import save_file
+
+    from megatron_ext.checkpointing import find_latest_checkpoint, load_full_tensors, read_checkpoint_common
+
+    found = find_latest_checkpoint(load)
+    if found is None:
+        raise ValueError(f"--load {load}: no complete checkpoint")
+    iteration, ckpt_dir = found
+    common = read_checkpoint_common(ckpt_dir)
+    args = common["args"]
+    hf = common.get("hf_config") or build_hf_config(args, common)
+    check_supported(hf)
+    log(f"reading {ckpt_dir} (iteration {iteration})")
+    full = load_full_tensors(ckpt_dir)
+    ours = unstack_layers(full, args["num_layers"])
+    tensors = megatron_to_hf_tensors(ours, hf)
+    os.makedirs(hf_dir, exist_ok=True)
+    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    log(f"wrote {len(tensors)} tensors to {hf_dir}")
+    return hf_dir
+
+
+# Checkpoint keys of layer-stacked tensors -> our per-layer parameter names (megatron-core stores
+# the norms fused into the following linear's key, as Transformer Engine names them).
+_STACKED = {
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "decoder.layers.self_attention.linear_qkv.weight": "self_attention.linear_qkv.weight",
+    "decoder.layers.self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "decoder.layers.mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
+    "decoder.layers.mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
+}
+
+
+def unstack_layers(full: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (layers stacked on dim 0) -> our single-process parameter names."""
+    out = {k: v for k, v in full.items() if not k.startswith(("decoder.layers.", "optimizer."))}
+    for key, name in _STACKED.items():
+        if key not in full:
+            raise ValueError(f"checkpoint has no {key}: not a Llama-style (RMSNorm, SwiGLU, no bias) model")
+        stacked = full[key]
+        if key.endswith("linear_fc1.weight") and stacked.dim() == 4:  # [L, 2, ffn, h] (swiglu split)
+            stacked = stacked.flatten(1, 2)
+        for i in range(num_layers):
+            out[f"decoder.layers.{i}.{name}"] = stacked[i]
+    return out
+
+
+def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    """An HF LlamaConfig dict for a checkpoint trained here (no HF config recorded)."""
+    if not (args.get("swiglu") and args.get("normalization") == "RMSNorm" and args.get("disable_bias_linear")
+            and args.get("position_embedding_type") == "rope"):
+        raise ValueError(
+            "only Llama-style checkpoints convert to HF: need --swiglu --normalization RMSNorm "
+            "--disable-bias-linear --position-embedding-type rope"
+        )
+    vocab = (common.get("tokenizer") or {}).get("vocab_size") or common["padded_vocab_size"]
+    heads = args["num_attention_heads"]
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab, "hidden_size": args["hidden_size"],
+        "intermediate_size": args["ffn_hidden_size"], "num_hidden_layers": args["num_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": args["num_query_groups"] if args.get("group_query_attention") else heads,
+        "rms_norm_eps": args["norm_epsilon"], "rope_theta": float(args["rotary_base"]),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(args["rotary_base"])},
+        "max_position_embeddings": args.get("max_position_embeddings") or args["seq_length"],
+        "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
+        "hidden_act": "silu", "torch_dtype": "float32",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-megatron", help="HF Llama (safetensors + config.json) -> our checkpoint")
+    a.add_argument("--hf-dir", required=True)
+    a.add_argument("--save", required=True)
+    a.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP size of the runs that will load it (pads the vocabulary as they do)")
+    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    b = sub.add_parser("megatron-to-hf", help="our checkpoint -> HF Llama (safetensors + config.json)")
+    b.add_argument("--load", required=True)
+    b.add_argument("--hf-dir", required=True)
+    args = parser.parse_args(argv)
+    from megatron_ext.platform import quiet_known_warnings
+
+    quiet_known_warnings()
+    try:
+        if args.direction == "hf-to-megatron":
+            convert_hf_to_megatron(args.hf_dir, args.save, args.tensor_model_parallel_size,
+                                   args.make_vocab_size_divisible_by)
+        else:
+            convert_megatron_to_hf(args.load, args.hf_dir)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
