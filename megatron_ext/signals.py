@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_ext.platform import get_collective_device
+
 SIGNAL_RECEIVED = 1
 DURATION_EXCEEDED = 2
 INTERVAL_REACHED = 4
@@ -52,7 +54,8 @@ def get_local_exit_flags(
 
 def agree_on_flags(local_flags: int, group: Any = None) -> int:
     """Bitwise OR of every rank's flags: one all-reduce MAX of a [2] int64 tensor, one bit each."""
-    bits = torch.tensor([(local_flags >> i) & 1 for i in range(2)], dtype=torch.int64)
+    bits = torch.tensor([(local_flags >> i) & 1 for i in range(2)], dtype=torch.int64,
+                        device=get_collective_device(group))
     dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
     return int(sum(int(b) << i for i, b in enumerate(bits.tolist())))
 
