@@ -43,14 +43,19 @@ def normalize_sample(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
     Labels whose loss mask is 0 become IGNORE_INDEX, so the loss sees one notion of "invalid".
     """
     def get(key: str) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(sample[key]))
+        value = sample[key]
+        return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
 
     tokens = get("tokens").long()
     labels = get("labels").long()
     loss_mask = get("loss_mask").float() if "loss_mask" in sample else (labels != IGNORE_INDEX).float()
+    if not bool((loss_mask == 0).any()):
+        valid_labels = labels
+    else:
+        valid_labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
     out = {
         "tokens": tokens,
-        "labels": torch.where(loss_mask > 0, labels, torch.full_like(labels, IGNORE_INDEX)),
+        "labels": valid_labels,
         "loss_mask": loss_mask,
         "position_ids": get("position_ids").long() if "position_ids" in sample else torch.arange(len(tokens)),
     }

@@ -1,0 +1,222 @@
+"""Data: tokens/s of our packed-sample path vs megatron-core GPTDataset on the same files.
+
+    python -m bench.data [--rounds 9] [--warmup 2] [--tokens-per-block 262144]
+
+Same files (``data/default/corpus_text_document`` .bin/.idx), ``--seq-length`` 2048, one thread,
+CPU time (``time.process_time``); indices are built beforehand into a temporary cache folder
+(nothing is written beside the data) and are not timed. What is timed is what a training step
+does per sample, ``batches.fetch_step_samples``: ``normalize_sample(dataset[i])``.
+
+- A  ours: ``PackedDocumentDataset.__getitem__`` (best_fit bins of whole documents, from
+     ``packed_dataset.build_packed_datasets``) -> ``batches.normalize_sample``; tokens delivered =
+     the bin's real tokens (its pad is added later, per step);
+- B  megatron-core ``GPTDataset.__getitem__`` (``datasets.build_gpt_datasets`` exactly as
+     ``pretrain_gpt.py`` calls it: ``create_attention_mask=False``) -> ``normalize_sample``;
+     tokens delivered = 2048 per sample;
+- A' ours with a vectorised ``build_packed_sample`` prototype (``build_packed_sample_fast`` below:
+     labels, positions and boundaries by numpy, no per-document Python loop) and direct piece
+     reads; same outputs (checked on every sample of the first block).
+
+Alternated A B A' A B A' ..., each block reads about ``--tokens-per-block`` tokens (the same number
+for every side, consecutive sample indices continuing across rounds, so no side rereads a
+sample), the first ``--warmup`` rounds dropped, medians of tokens per CPU-second. Target:
+A / B >= 0.8. Also printed: a memmap copy of the same tokens (the physical limit) and, for A, where
+the time goes (indexed reads vs build_packed_sample vs normalize_sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+PREFIX = "data/default/corpus_text_document"
+TARGET = 0.8
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--tokens-per-block", type=int, default=262_144)
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--data-path", default=PREFIX)
+    p.add_argument("--tokenizer-model", default="data/default/tokenizer.model")
+    args = p.parse_args(argv)
+    if args.rounds - args.warmup < 5:
+        p.error("need at least 5 measured rounds (--rounds - --warmup >= 5)")
+    return args
+
+
+def build_packed_sample_fast(pieces: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """Same contract and outputs as ``packed_dataset.build_packed_sample``, vectorised."""
+    from megatron_ext.loss import IGNORE_INDEX
+
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+    tokens = np.concatenate(pieces).astype(np.int64)
+    cu = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    labels = np.empty_like(tokens)
+    labels[:-1] = tokens[1:]
+    labels[cu[1:] - 1] = IGNORE_INDEX  # the last token of each document predicts nothing
+    position_ids = np.arange(len(tokens), dtype=np.int64) - np.repeat(cu[:-1], lengths)
+    return {
+        "tokens": torch.from_numpy(tokens),
+        "labels": torch.from_numpy(labels),
+        "loss_mask": torch.from_numpy((labels != IGNORE_INDEX).astype(np.float32)),
+        "position_ids": torch.from_numpy(position_ids),
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+    }
+
+
+class FastPacked:
+    """``PackedDocumentDataset.__getitem__`` with direct piece reads (one pointer table lookup
+    and one ``np.frombuffer`` per piece) and ``build_packed_sample_fast``."""
+
+    def __init__(self, ds):
+        self.ds = ds
+        idx = ds.indexed.index
+        self.pointers = np.asarray(idx.sequence_pointers, dtype=np.int64)
+        self.dtype = idx.dtype
+        self.itemsize = np.dtype(idx.dtype).itemsize
+        self.buffer = ds.indexed.bin_reader._bin_buffer  # the mmap megatron-core reads from
+        ix = ds.index
+        self.doc, self.start, self.len, self.off = ix.piece_doc, ix.piece_start, ix.piece_len, ix.bin_offsets
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        b = self.ds._bin(i)
+        lo, hi = int(self.off[b]), int(self.off[b + 1])
+        ptr = self.pointers[self.doc[lo:hi]] + self.start[lo:hi] * self.itemsize
+        pieces = [np.frombuffer(self.buffer, dtype=self.dtype, count=int(n), offset=int(p))
+                  for p, n in zip(ptr.tolist(), self.len[lo:hi].tolist())]
+        return build_packed_sample_fast(pieces)
+
+
+def read_block(ds, start: int, tokens: int) -> tuple[int, int]:
+    """normalize_sample(ds[i]) for consecutive i from ``start`` until ``tokens`` are delivered."""
+    from megatron_ext.batches import normalize_sample
+
+    n, i, count = len(ds), start, 0
+    while count < tokens:
+        count += int(normalize_sample(ds[i % n])["tokens"].shape[0])
+        i += 1
+    return count, i
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    from megatron_ext.batches import normalize_sample
+    from megatron_ext.datasets import build_gpt_datasets
+    from megatron_ext.packed_dataset import build_packed_datasets, build_packed_sample
+    from megatron_ext.tokenizer import build_tokenizer
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: F401
+    from megatron.core.datasets.gpt_dataset import GPTDataset  # noqa: F401
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: F401  (imports not timed)
+
+    s = args.seq_length
+    total_tokens = args.rounds * args.tokens_per_block
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as cache:
+        t0 = time.perf_counter()
+        ours, _, _ = build_packed_datasets(args.data_path, [1.0], s, "best_fit", 1234,
+                                           [total_tokens // s + 16, 0, 0], cache)
+        t_ours = time.perf_counter() - t0
+        tok = build_tokenizer("SentencePieceTokenizer", args.tokenizer_model)
+        t0 = time.perf_counter()
+        gpt, _, _ = build_gpt_datasets(tok, s, [total_tokens // s + 16, 0, 0], data_path=[args.data_path],
+                                       split="100,0,0", random_seed=1234, path_to_cache=cache,
+                                       create_attention_mask=False)
+        t_gpt = time.perf_counter() - t0
+    fast = FastPacked(ours)
+
+    # same outputs: the prototype against build_packed_sample on the first bins
+    for i in range(64):
+        a, b = normalize_sample(ours[i]), normalize_sample(fast[i])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"prototype differs at {i}"
+
+    print(f"data | {args.data_path}, seq {s}, {torch.get_num_threads()} thread, CPU time | ours: best_fit "
+          f"{ours.index.num_bins} bins, {len(ours.index.piece_len) / ours.index.num_bins:.2f} pieces/bin, "
+          f"efficiency {ours.index.efficiency(s):.4f} (index build {t_ours:.2f} s) | GPTDataset: "
+          f"{len(gpt)} samples (index build {t_gpt:.2f} s), create_attention_mask=False")
+    print(f"{args.rounds} rounds of A B A' blocks of ~{args.tokens_per_block} tokens each, first "
+          f"{args.warmup} dropped; prototype A' output == ours on 64 samples: yes")
+
+    sides = {"A": ours, "B": gpt, "A'": fast}
+    pos = {k: 0 for k in sides}
+    rates = {k: [] for k in sides}
+    for r in range(args.rounds):
+        for k, ds in sides.items():
+            gc.collect()
+            t0 = time.process_time()
+            count, pos[k] = read_block(ds, pos[k], args.tokens_per_block)
+            rates[k].append(count / (time.process_time() - t0))
+    w = args.warmup
+    med = {k: statistics.median(v[w:]) for k, v in rates.items()}
+
+    # physical limit: a memmap copy of the same bytes, as one contiguous read
+    buf = np.frombuffer(ours.indexed.bin_reader._bin_buffer, dtype=ours.indexed.index.dtype)
+    n = min(len(buf), args.tokens_per_block)
+    copies = []
+    for _ in range(7):
+        t0 = time.process_time()
+        np.array(buf[:n], dtype=np.int64)
+        copies.append(n / (time.process_time() - t0))
+
+    # where our time goes (per sample, 300 samples)
+    idx = list(range(300))
+    t0 = time.process_time()
+    pieces = []
+    for i in idx:
+        b = ours._bin(i)
+        lo, hi = ours.index.bin_offsets[b], ours.index.bin_offsets[b + 1]
+        pieces.append([ours.indexed.get(int(d), offset=int(st), length=int(ln)) for d, st, ln in
+                       zip(ours.index.piece_doc[lo:hi], ours.index.piece_start[lo:hi], ours.index.piece_len[lo:hi])])
+    t_read = time.process_time() - t0
+    t0 = time.process_time()
+    built = [build_packed_sample(p) for p in pieces]
+    t_build = time.process_time() - t0
+    t0 = time.process_time()
+    for x in built:
+        normalize_sample(x)
+    t_norm = time.process_time() - t0
+    t0 = time.process_time()
+    for p in pieces:
+        build_packed_sample_fast(p)
+    t_fast = time.process_time() - t0
+    t0 = time.process_time()
+    for i in range(300):
+        gpt[i]
+    t_gpt_get = time.process_time() - t0
+
+    def m(x):
+        return f"{x / 300 * 1e6:6.1f} us"
+
+    a2 = med["A'"]
+    print(f"A  ours (PackedDocumentDataset + normalize_sample)      {med['A'] / 1e6:7.2f} M tokens/CPU-s")
+    print(f"B  megatron-core GPTDataset + normalize_sample          {med['B'] / 1e6:7.2f} M tokens/CPU-s")
+    print(f"A' ours, vectorised build_packed_sample + direct reads  {a2 / 1e6:7.2f} M tokens/CPU-s")
+    print(f"memmap copy of the same tokens (limit)                  {statistics.median(copies[2:]) / 1e6:7.1f} M tokens/CPU-s")
+    ratio = med["A"] / med["B"]
+    print(f"ratio A/B = {ratio:.2f}   target >= {TARGET}  -> {'PASS' if ratio >= TARGET else 'MISS'}   "
+          f"(A'/B = {a2 / med['B']:.2f}, A'/A = {a2 / med['A']:.2f})")
+    print(f"per sample, ours: indexed reads {m(t_read)} + build_packed_sample {m(t_build)} + normalize_sample "
+          f"{m(t_norm)}; vectorised build {m(t_fast)} | GPTDataset.__getitem__ {m(t_gpt_get)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
