@@ -58,25 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_packed_sample_fast(pieces: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    """Same contract and outputs as ``packed_dataset.build_packed_sample``, vectorised."""
-    from megatron_ext.loss import IGNORE_INDEX
-
-    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-    tokens = np.concatenate(pieces).astype(np.int64)
-    cu = np.zeros(len(pieces) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    labels = np.empty_like(tokens)
-    labels[:-1] = tokens[1:]
-    labels[cu[1:] - 1] = IGNORE_INDEX  # the last token of each document predicts nothing
-    position_ids = np.arange(len(tokens), dtype=np.int64) - np.repeat(cu[:-1], lengths)
-    return {
-        "tokens": torch.from_numpy(tokens),
-        "labels": torch.from_numpy(labels),
-        "loss_mask": torch.from_numpy((labels != IGNORE_INDEX).astype(np.float32)),
-        "position_ids": torch.from_numpy(position_ids),
-        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
-    }
+# The vectorised prototype measured here was adopted as packed_dataset.build_packed_sample.
+from megatron_ext.packed_dataset import build_packed_sample as build_packed_sample_fast  # noqa: E402
 
 
 class FastPacked:

@@ -121,6 +121,7 @@ def test_padded_vocab_follows_megatron_rule():
 def test_every_shipped_config_parses_and_validates(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = parse_args(["--config", path])
+    assert cfg.model.num_layers > 0 and (cfg.data.data_path or cfg.data.mock_data), path
     p = cfg.parallel
     world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * 2
     validate(cfg, int(os.environ.get("CONFIG_TEST_WORLD", world)))
