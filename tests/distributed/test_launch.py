@@ -135,11 +135,14 @@ def test_end_to_end_training(tmp_path):
     tb_dir = tmp_path / "tb"
     proc = start_launcher(
         ["--config", "configs/default.yaml", "--train-iters", "6", "--log-interval", "1",
-         "--eval-interval", "3", "--eval-iters", "1", "--tensorboard-dir", str(tb_dir)],
+         "--eval-interval", "3", "--eval-iters", "1", "--tensorboard-dir", str(tb_dir),
+         "--save", str(tmp_path / "ckpt"), "--save-interval", "3"],
         {"NPROC_PER_NODE": "8"}, tmp_path / "train.log",
     )
     [(rc, output)] = finish([proc], [tmp_path / "train.log"], timeout=300)
     assert rc == 0, output[-6000:]
+    # the default job saves: iterations 3 and 6, published with the latest pointer
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
     matches = [ITERATION_LINE.search(line) for line in output.splitlines()]
     steps = [(int(m.group(1)), int(m.group(2)), float(m.group(3))) for m in matches if m]
