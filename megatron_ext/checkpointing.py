@@ -439,7 +439,9 @@ def load_checkpoint(run, root: str, meta: CheckpointMeta, load_optimizer: bool =
     state = build_sharded_state_dict(
         run, meta, is_loading=True, include_optimizer=load_optimizer, include_rng=same_layout
     )
-    loaded = dist_checkpointing.load(state, ckpt_dir)
+    from megatron_ext.ckpt_reader import DirectReadTorchDistLoadStrategy
+
+    loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=DirectReadTorchDistLoadStrategy())
     for i, chunk in enumerate(run.model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     if load_optimizer:
