@@ -18,7 +18,7 @@ quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Ap
 import torch  # noqa: E402
 
 from megatron_ext.arguments import parse_args  # noqa: E402
-from megatron_ext.checkpointing import CheckpointMeta, setup_checkpointing  # noqa: E402
+from megatron_ext.checkpointing import CheckpointMeta, build_exit_decider, setup_checkpointing  # noqa: E402
 from megatron_ext.config import (  # noqa: E402
     ConfigError, JobConfig, get_global_batch_size, get_padded_vocab_size, uses_variable_lengths, validate,
 )
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     device = select_device()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size, cuda=device.type == "cuda")
+    exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
 
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     if cfg.logging.pp_timeline:
         run.schedule_context = build_pp_timeline(cfg.logging.pp_timeline, ctx).trace_step
-    setup_checkpointing(run, CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab))
+    meta = CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab)
+    setup_checkpointing(run, meta, exit_decider)
     history = train(run)
     run.writer.close()
     torch.distributed.barrier()

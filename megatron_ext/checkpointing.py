@@ -482,7 +482,16 @@ def build_checkpoint_hook(cfg: JobConfig, meta: CheckpointMeta, decider=None):
     return after_step
 
 
-def setup_checkpointing(run, meta: CheckpointMeta) -> int | None:
+def build_exit_decider(cfg: JobConfig):
+    """The exit decider of a run, built first thing in the entry point so that a SIGTERM during
+    start-up is recorded too, and --exit-duration-in-mins counts from the job's start."""
+    from megatron_ext.signals import ExitDecider
+
+    c = cfg.checkpoint
+    return ExitDecider(c.exit_signal_handler, c.exit_interval, c.exit_duration_in_mins)
+
+
+def setup_checkpointing(run, meta: CheckpointMeta, decider=None) -> int | None:
     """Entry-point wiring: resume from ``--load`` (if it holds a checkpoint), then register the
     save/exit hook. Returns the loaded iteration or None."""
     c = run.cfg.checkpoint
@@ -490,5 +499,5 @@ def setup_checkpointing(run, meta: CheckpointMeta) -> int | None:
     if c.load:
         loaded = load_checkpoint(run, c.load, meta, load_optimizer=not c.no_load_optim)
     if c.save or c.exit_signal_handler or c.exit_interval or c.exit_duration_in_mins:
-        run.after_step.append(build_checkpoint_hook(run.cfg, meta))
+        run.after_step.append(build_checkpoint_hook(run.cfg, meta, decider))
     return loaded
