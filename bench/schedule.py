@@ -1,11 +1,11 @@
 """Pipeline schedule efficiency on a simulated device: 1F1B vs interleaved (VPP=2), ours
 (megatron-core's schedules) vs torch.distributed.pipelining, bubble vs theory, activation memory.
 
-    python -m bench.schedule [--steps 6] [--warmup 1] [--chunk-ms 50] [--trace-dir DIR]
+    python -m bench.schedule [--steps 8] [--warmup 1] [--chunk-ms 100] [--trace-dir DIR]
 
 Pinned: PP=4 (4 forked gloo ranks), m=8 micro-batches of [s=64, b=1, h=128] fp32, 8 simulated
 layers (``bench/simdevice.py``: forward sleeps t per token, backward 2t); a VPP chunk (1 layer)
-forwards in ``--chunk-ms`` (50 ms), a 1F1B stage (2 layers) in 100 ms. Ideal (bubble-free) step:
+forwards in ``--chunk-ms`` (100 ms by default; keep >= 50), a 1F1B stage (2 layers) in twice that. Ideal (bubble-free) step:
 m x 3 x 100 ms = 2.4 s on every rank, for every schedule.
 
 - ours: the simulated chunks (``SimChunk``: megatron-core ``config``, ``model_type``,
@@ -281,9 +281,9 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6, help="measured rounds (one step of each variant per round)")
+    parser.add_argument("--steps", type=int, default=8, help="measured rounds (one step of each variant per round)")
     parser.add_argument("--warmup", type=int, default=1, help="rounds dropped first")
-    parser.add_argument("--chunk-ms", type=float, default=50.0, help="forward ms of one VPP chunk (keep >= 50)")
+    parser.add_argument("--chunk-ms", type=float, default=100.0, help="forward ms of one VPP chunk (keep >= 50)")
     parser.add_argument("--trace-dir", default=None,
                         help="write our runs' timelines here (DIR/1F1B, DIR/VPP2; default: a temporary directory)")
     args = parser.parse_args(argv)
