@@ -6,7 +6,7 @@
 Pinned: PP=4 (4 forked gloo ranks), m=8 micro-batches of [s=64, b=1, h=128] fp32, 8 simulated
 layers (``bench/simdevice.py``: forward sleeps t per token, backward 2t); a VPP chunk (1 layer)
 forwards in ``--chunk-ms`` (100 ms by default; keep >= 50), a 1F1B stage (2 layers) in twice that. Ideal (bubble-free) step:
-m x 3 x 100 ms = 2.4 s on every rank, for every schedule.
+m x 3 x (2 x chunk-ms) = 4.8 s at the default, on every rank, for every schedule.
 
 - ours: the simulated chunks (``SimChunk``: megatron-core ``config``, ``model_type``,
   ``set_input_tensor``) through ``megatron.core.pipeline_parallel.get_forward_backward_func()``
