@@ -52,6 +52,16 @@ def block_diagonal_causal_mask(cu_seqlens: list[int], length: int) -> torch.Tens
     return same & torch.ones(length, length, dtype=torch.bool).tril()
 
 
+def check_boundaries(cu_seqlens: list[int], num_tokens: int) -> None:
+    """ValueError unless 0 = c_0 < c_1 < ... < c_n = num_tokens (no empty document)."""
+    if (not cu_seqlens or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens
+            or any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:]))):
+        raise ValueError(
+            f"packed sequences: document boundaries {cu_seqlens[:4]}...{cu_seqlens[-2:]} do not "
+            f"describe {num_tokens} tokens (need 0 = c_0 < c_1 < ... < c_n = tokens)"
+        )
+
+
 class VarlenDotProductAttention(DotProductAttention):
     """megatron-core's DotProductAttention plus the packed (THD) path."""
 
@@ -67,11 +77,7 @@ class VarlenDotProductAttention(DotProductAttention):
         if not torch.equal(cu, packed_seq_params.cu_seqlens_kv):
             raise ValueError("packed sequences: cu_seqlens_q and cu_seqlens_kv must be equal for self-attention")
         cu_list = cu.tolist()
-        if cu_list[0] != 0 or cu_list[-1] != query.shape[0] or any(b <= a for a, b in zip(cu_list, cu_list[1:])):
-            raise ValueError(
-                f"packed sequences: document boundaries {cu_list[:4]}...{cu_list[-2:]} do not describe "
-                f"{query.shape[0]} tokens (need 0 = c_0 < c_1 < ... < c_n = tokens)"
-            )
+        check_boundaries(cu_list, query.shape[0])
         p = self.config.attention_dropout if self.training else 0.0
         if p > 0.0:
             with tensor_parallel.get_cuda_rng_tracker().fork():
