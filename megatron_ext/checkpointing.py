@@ -442,11 +442,22 @@ def load_checkpoint(run, root: str, meta: CheckpointMeta, load_optimizer: bool =
     from megatron_ext.ckpt_reader import DirectReadTorchDistLoadStrategy
 
     loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=DirectReadTorchDistLoadStrategy())
-    for i, chunk in enumerate(run.model):
-        chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     if load_optimizer:
         load_optimizer_state(run.optimizer, loaded["optimizer"])
         run.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        # The optimizer's fully_reshardable "param" entries alias the model's tensors in the
+        # combined load and, for larger models (measured: vocab 8192, hidden 128, TP2xPP2xVPP2xDP2),
+        # overwrite them with wrong values; the model's own tensors in the checkpoint are right.
+        # Read the weights again, alone, after the optimizer (a second pass over the weights).
+        loaded.update(dist_checkpointing.load(
+            build_model_sharded_state_dict(run.model), ckpt_dir,
+            sharded_strategy=DirectReadTorchDistLoadStrategy(),
+        ))
+    for i, chunk in enumerate(run.model):
+        chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
+    if load_optimizer:
+        # main params (separate copies under bf16) from the weights just loaded
+        run.optimizer.reload_model_params()
     if same_layout:
         set_rng_state(loaded["rng_state"])
     run.state = type(run.state)(**loaded.get("train_state", {}))
