@@ -9,7 +9,10 @@ moments wrong. The same sizes without VPP (TP2xPP2xDP2, TP2xDP4, PP2xDP4) resume
 does the tiny model (vocab 128, hidden 64) with VPP. Comparing every parameter's optimizer state
 before save and after load: only the first stage's word-embedding shard differs (exp_avg norm
 0.028679 -> 0.02861 on rank 0); the last stage's tied output-layer copy is exact. Suspect: the tied
-embedding key under VPP in megatron-core 0.16.1's fully_reshardable optimizer state.
+embedding key under VPP in megatron-core 0.16.1's fully_reshardable optimizer state. Confirmed by
+megatron-core's own warning during save: "'embedding.word_embeddings.weight' param range exceeds
+unpadded buffer by 64 elements. It will be padded with zeros which can lead to data corruption"
+(its TODO cites upstream issue #504).
 """
 import os
 import sys
