@@ -285,7 +285,7 @@ def save_checkpoint(run, root: str, meta: CheckpointMeta, keep_last: int | None 
         # megatron-core 0.16.1 (its issue #504): part of this parameter's optimizer state is
         # written as zeros; say so on every rank where it happens instead of a buried log line
         run.log(f"WARNING rank {run.ctx.rank}: the saved optimizer state is incomplete, a resume "
-                f"will not be exact: {message} (docs/known_issues/vpp_distopt_resume.py)")
+                f"will not be exact: {message}")
     final_dir = write_checkpoint(state, root, run.state.iteration, keep_last)
     if run.ctx.is_logging_rank:
         run.log(f"saved checkpoint at iteration {run.state.iteration:8d} to {final_dir} "
@@ -474,19 +474,8 @@ def load_checkpoint(run, root: str, meta: CheckpointMeta, load_optimizer: bool =
     if load_optimizer:
         load_optimizer_state(run.optimizer, loaded["optimizer"])
         run.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        # The optimizer's fully_reshardable "param" entries alias the model's tensors in the
-        # combined load and, for larger models (measured: vocab 8192, hidden 128, TP2xPP2xVPP2xDP2),
-        # overwrite them with wrong values; the model's own tensors in the checkpoint are right.
-        # Read the weights again, alone, after the optimizer (a second pass over the weights).
-        loaded.update(dist_checkpointing.load(
-            build_model_sharded_state_dict(run.model), ckpt_dir,
-            sharded_strategy=DirectReadTorchDistLoadStrategy(),
-        ))
     for i, chunk in enumerate(run.model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
-    if load_optimizer:
-        # main params (separate copies under bf16) from the weights just loaded
-        run.optimizer.reload_model_params()
     if same_layout:
         set_rng_state(loaded["rng_state"])
     run.state = type(run.state)(**loaded.get("train_state", {}))

@@ -189,9 +189,30 @@ def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.n
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
-    return [
+    wrapped = [
         DistributedDataParallel(
             config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0)
         )
         for i, chunk in enumerate(chunks)
     ]
+    if cfg.parallel.use_distributed_optimizer:
+        for chunk in wrapped:
+            apply_optimizer_state_offset_fix(chunk)
+    return wrapped
+
+
+def apply_optimizer_state_offset_fix(ddp_chunk: torch.nn.Module) -> None:
+    """Work around megatron-core 0.16.1's distributed-optimizer checkpoint offsets.
+
+    With the distributed optimizer a bucket's end is padded (uniform DP shards), and a tied
+    embedding always gets a bucket of its own. ``get_parameter_state_dp_zero`` concatenates the
+    buckets WITHOUT that padding (``bucket.numel_unpadded``) while parameters are located by
+    their PADDED buffer indices, so every parameter after a padded bucket end reads its saved
+    optimizer state shifted (measured: the word embedding's state off by 64 elements, megatron-core
+    warning "param range exceeds unpadded buffer", resume not exact). Counting the padding as
+    data makes both agree; megatron-core uses ``numel_unpadded`` only for these state gathers.
+    """
+    for buffer in list(ddp_chunk.buffers) + list(ddp_chunk.expert_parallel_buffers):
+        for bucket in buffer.buckets:
+            bucket.numel_unpadded = bucket.grad_data.numel()
+        buffer.numel_unpadded = buffer.numel
