@@ -21,10 +21,8 @@ linear in size.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -122,16 +120,14 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
 
 
 def init_single_process_world() -> None:
+    from bench.common import init_single_rank_world
+
     from megatron.core import parallel_state
 
     from megatron_ext.platform import apply_cpu_platform, quiet_known_warnings
 
     quiet_known_warnings()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(minutes=10))
+    init_single_rank_world()
     apply_cpu_platform(torch.device("cpu"))
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
 

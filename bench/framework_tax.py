@@ -27,10 +27,7 @@ maths): a large difference means the bench compares different work.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
-import socket
 import statistics
 import sys
 import time
@@ -40,6 +37,8 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 import torch  # noqa: E402
+
+from bench.common import init_single_rank_world  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 TARGET = 1.05
@@ -68,21 +67,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.platform_steps is None:
         args.platform_steps = args.steps
     return args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_world() -> None:
-    """A 1-rank gloo world in this process (megatron-core needs its groups)."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-        timeout=datetime.timedelta(minutes=5),
-    )
 
 
 def job_values(args: argparse.Namespace) -> dict:
@@ -211,15 +195,7 @@ def main(argv=None) -> int:
     from megatron_ext.parallel import build_parallel_context
     from megatron_ext.platform import apply_cpu_platform, remove_cpu_platform
 
-    init_world()
-    # Build torch.compile's (cached) dynamo rule map AFTER init_process_group (which clears
-    # it) and BEFORE the platform layer is applied: megatron-
-    # core's model imports run @torch.compile decorators whose first use builds that map, and it
-    # rejects the platform's torch.cuda stand-ins (one shared _noop under two names -> "Duplicate
-    # torch object ... with different rules").
-    from torch._dynamo import trace_rules
-
-    trace_rules.get_torch_obj_rule_map()
+    init_single_rank_world(timeout_minutes=5)
     cfg = build_job_config(job_values(args))
     device = torch.device("cpu")
     ctx = build_parallel_context(cfg, device)  # applies the CPU platform layer

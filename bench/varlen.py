@@ -56,12 +56,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import gc
 import logging
-import os
-import socket
 import statistics
 import sys
 import time
@@ -72,6 +69,8 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from bench.common import init_single_rank_world  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -99,20 +98,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps - args.warmup < 5:
         p.error("need at least 5 measured rounds (--steps - --warmup >= 5)")
     return args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_world() -> None:
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-        timeout=datetime.timedelta(minutes=5),
-    )
 
 
 def job_values(args) -> dict:
@@ -380,10 +365,7 @@ def main(argv=None) -> int:
     from megatron_ext.model import build_model_chunks
     from megatron_ext.parallel import build_parallel_context
 
-    init_world()
-    from torch._dynamo import trace_rules  # see bench/framework_tax.py: before the platform layer
-
-    trace_rules.get_torch_obj_rule_map()
+    init_single_rank_world(timeout_minutes=5)
     cfg = build_job_config(job_values(args))
     ctx = build_parallel_context(cfg, torch.device("cpu"))
     (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
