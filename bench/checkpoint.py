@@ -53,7 +53,8 @@ def time_ours_save(tensors, root: str, iteration: int) -> float:
     return time.perf_counter() - start
 
 
-def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = False) -> float:
+def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = False,
+                   read_threads: int | None = None) -> float:
     from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpointing import get_checkpoint_dir
@@ -66,7 +67,7 @@ def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = Fal
     target = as_sharded({k: make(v) for k, v in tensors.items()})
     start = time.perf_counter()
     loaded = dist_checkpointing.load(target, get_checkpoint_dir(root, iteration),
-                                     sharded_strategy=DirectReadTorchDistLoadStrategy())
+                                     sharded_strategy=DirectReadTorchDistLoadStrategy(read_threads))
     elapsed = time.perf_counter() - start
     assert all(torch.equal(loaded[k], tensors[k]) for k in list(tensors)[:2])
     return elapsed
@@ -99,7 +100,7 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
     tensors = build_tensors(size_mib)
     mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     work = tempfile.mkdtemp(prefix="bench_ckpt_", dir=base)
-    times = {"ours_save": [], "torch_save": [], "ours_load": [], "torch_load": []}
+    times = {"ours_save": [], "torch_save": [], "ours_load": [], "ours_load_1t": [], "torch_load": []}
     try:
         for r in range(rounds + warmup):
             root, path = os.path.join(work, "ours"), os.path.join(work, f"torch_{r}.pt")
@@ -108,6 +109,7 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
                 "ours_save": time_ours_save(tensors, root, r),
                 "torch_save": time_torch_save(tensors, path, previous),
                 "ours_load": time_ours_load(tensors, root, r, fresh_targets),
+                "ours_load_1t": time_ours_load(tensors, root, r, fresh_targets, read_threads=1),
                 "torch_load": time_torch_load(tensors, path),
             }
             if r >= warmup:
@@ -146,22 +148,30 @@ def main() -> None:
     print(f"checkpoint bench: 1 process, fp32 tensors of {TENSOR_MIB} MiB, medians of {args.rounds} "
           f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}, "
           f"load targets {'fresh (empty_like)' if args.fresh_targets else 'materialised (zeros_like)'}")
+    from megatron_ext.ckpt_reader import default_read_threads
+
+    threads = default_read_threads()
     print(f"{'MiB':>6} | {'ours save':>10} {'torch.save':>10} {'ratio':>6} | "
-          f"{'ours load':>10} {'torch.load':>10} {'ratio':>6} | {'save s':>7} {'load s':>7}")
+          f"{'ours load':>10} {'torch.load':>10} {'ratio':>6} | {'1 thread':>10} {'ratio':>6} | "
+          f"{'save s':>7} {'load s':>7}")
     rows = []
     for size in args.sizes_mib:
         r = bench_size(size, args.rounds, args.warmup, args.dir, args.fresh_targets)
         rows.append(r)
-        speed = {k: r["mib"] / r[k] for k in ("ours_save", "torch_save", "ours_load", "torch_load")}
+        speed = {k: r["mib"] / r[k] for k in ("ours_save", "torch_save", "ours_load", "ours_load_1t",
+                                              "torch_load")}
         print(f"{r['mib']:6.0f} | {speed['ours_save']:7.0f}/s {speed['torch_save']:7.0f}/s "
               f"{speed['ours_save'] / speed['torch_save']:6.2f} | {speed['ours_load']:7.0f}/s "
               f"{speed['torch_load']:7.0f}/s {speed['ours_load'] / speed['torch_load']:6.2f} | "
+              f"{speed['ours_load_1t']:7.0f}/s {speed['ours_load_1t'] / speed['torch_load']:6.2f} | "
               f"{r['ours_save']:7.3f} {r['ours_load']:7.3f}", flush=True)
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         scale = last["mib"] / first["mib"]
         print(f"time vs size: {scale:.0f}x the bytes took {last['ours_save'] / first['ours_save']:.1f}x "
               f"(save) and {last['ours_load'] / first['ours_load']:.1f}x (load); linear would be {scale:.0f}x")
+    print(f"ours load reads with {threads} threads (ckpt_reader.default_read_threads: up to 4, as many as "
+          f"this process may run on; torch.load reads with one); '1 thread' is ours limited to one")
     print("target: ratio >= 0.7 (MiB/s, ours / torch) for save and load")
     dist.destroy_process_group()
 
