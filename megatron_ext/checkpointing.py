@@ -6,8 +6,9 @@ checkpoint. Every save goes through these phases:
 1. all ranks write their shards into ``DIR/iter_XXXXXXX.tmp-<nonce>/`` (megatron-core's
    ``dist_checkpointing`` in ``torch_dist`` format, written in-process: ``ckpt_writer.py``);
 2. all ranks barrier (every shard and megatron-core's ``.metadata`` are on disk);
-3. rank 0 writes ``complete.json`` into the directory, fsyncs it, renames the directory to
-   ``iter_XXXXXXX`` and fsyncs ``DIR``;
+3. rank 0 fsyncs the files megatron-core's coordinator wrote unsynced (``common.pt``,
+   ``metadata.json``) and the directory, writes ``complete.json`` into it, fsyncs that, renames
+   the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
 4. rank 0 replaces ``latest_checkpointed_iteration.txt`` atomically (temp file + ``os.replace``);
 5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest) and removes
    leftovers of interrupted saves; all ranks barrier.
@@ -150,9 +151,30 @@ def maybe_inject_fault(phase: str, rank: int, iteration: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _fsync_coordinator_files(tmp_dir: str) -> None:
+    """Make the files megatron-core's coordinator wrote durable (``common.pt`` and
+    ``metadata.json`` are written without fsync; torch's ``.metadata`` is fsynced already, which
+    makes a second fsync nearly free), and the directory's entries. Every rank's ``*.distcp``
+    shards were fsynced by their writer (``ckpt_writer.py``) and are not reopened here: on a
+    shared file system that would be one open per rank file."""
+    for name in os.listdir(tmp_dir):
+        path = os.path.join(tmp_dir, name)
+        if name.endswith(".distcp") or not os.path.isfile(path):
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(tmp_dir)
+
+
 def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int) -> None:
-    """Rank 0, after every rank wrote its shards: marker, rename, pointer (phases 3-4)."""
+    """Rank 0, after every rank wrote its shards: marker, rename, pointer (phases 3-4). Before
+    the marker, everything in the directory is durable, so a power loss after the publish cannot
+    leave a marked checkpoint with a missing or torn file."""
     maybe_inject_fault("before_publish", rank, iteration)
+    _fsync_coordinator_files(tmp_dir)
     _write_file_durably(
         os.path.join(tmp_dir, COMPLETE_MARKER),
         json.dumps({"iteration": iteration, "format_version": FORMAT_VERSION, "time": time.time()}),

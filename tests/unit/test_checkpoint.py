@@ -138,3 +138,27 @@ def test_hf_tensor_maps_are_inverse():
     assert ours["embedding.word_embeddings.weight"].shape == (16, 8)
     back = megatron_to_hf_tensors(ours, hf)
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_publish_makes_every_file_durable_before_the_marker(tmp_path, monkeypatch):
+    """megatron-core writes common.pt and metadata.json without fsync: the publish must fsync
+    them (and the directory) before the marker exists; rank shards (*.distcp) are their writers'."""
+    root = str(tmp_path)
+    tmp = get_checkpoint_dir(root, 4) + ".tmp-z"
+    os.makedirs(tmp)
+    for name in ("common.pt", "metadata.json", ".metadata", "__0_0.distcp"):
+        open(os.path.join(tmp, name), "w").write("x")
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        marker_exists = os.path.exists(os.path.join(folder, COMPLETE_MARKER))
+        synced.append((os.path.basename(path), marker_exists))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    publish_checkpoint(tmp, get_checkpoint_dir(root, 4), root, 4, rank=0)
+    before_marker = {name for name, marker in synced if not marker}
+    assert {"common.pt", "metadata.json", ".metadata", os.path.basename(tmp)} <= before_marker
+    assert "__0_0.distcp" not in {name for name, _ in synced}
