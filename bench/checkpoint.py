@@ -1,20 +1,23 @@
 """Checkpoint: save/load MiB/s of our distributed checkpoint vs torch.save/torch.load, same bytes.
 
     python -m bench.checkpoint [--sizes-mib 32 128 512] [--rounds 5] [--warmup 1] [--dir /tmp]
-                               [--fresh-targets]
+                               [--fresh-targets] [--model-like]
 
-One process (a 1-rank gloo world), fp32 tensors of 4 MiB each adding up to each size.
+One process (a 1-rank gloo world), fp32 tensors of 4 MiB each adding up to each size
+(``--model-like``: GPT layers at hidden 512, 12 tensors per layer from 2 KiB to 4 MiB).
 A = ours: ``checkpointing.write_checkpoint`` (megatron-core ``dist_checkpointing.save`` in
 ``torch_dist`` format through our in-process writer, each file fsync'ed, then the marker, the
 rename and the pointer of the atomic publish) and ``dist_checkpointing.load`` into preallocated
-tensors through our direct-read strategy (``ckpt_reader.py``, as ``load_checkpoint`` uses it);
+tensors through our direct-read strategy (``ckpt_reader.py``, as ``load_checkpoint`` uses it,
+with its default read threads, and again limited to one thread);
 the destinations are materialised before the clock, as the model and optimizer tensors are in
 ``load_checkpoint`` (``--fresh-targets``: untouched ``empty_like`` memory, whose first-touch page
 faults then count against us while torch.load's fresh storages may reuse just-freed pages);
 B = ``torch.save`` of the same dict of tensors to a new file + fsync, deleting the previous
 round's file (as our save deletes the previous checkpoint), and ``torch.load``.
-Alternated A B A B per size, the first ``--warmup`` rounds dropped, medians of wall time (this is
-I/O; loads read from the page cache on both sides). Target: A/B >= 0.7 for save and load, time
+Alternated per size (saves: A B, then B A; loads: A then B, so that torch.load reuses warm
+pages), the first ``--warmup`` rounds dropped, medians of wall time (this is I/O; loads read
+from the page cache on both sides). Target: A/B >= 0.7 for save and load, time
 linear in size.
 """
 
@@ -33,10 +36,22 @@ import torch.distributed as dist
 TENSOR_MIB = 4
 
 
-def build_tensors(size_mib: int) -> dict[str, torch.Tensor]:
-    n = max(size_mib // TENSOR_MIB, 1)
+MODEL_HIDDEN = 512
+MODEL_LAYER = {"qkv.weight": (3, 1), "qkv.bias": (3,), "proj.weight": (1, 1), "proj.bias": (1,),
+               "fc1.weight": (4, 1), "fc1.bias": (4,), "fc2.weight": (1, 4), "fc2.bias": (1,),
+               "ln1.weight": (1,), "ln1.bias": (1,), "ln2.weight": (1,), "ln2.bias": (1,)}
+
+
+def build_tensors(size_mib: int, model_like: bool = False) -> dict[str, torch.Tensor]:
+    """fp32 tensors of 4 MiB adding up to ``size_mib``; ``model_like``: GPT layers at hidden 512
+    instead (12 tensors per layer from 2 KiB to 4 MiB, ~12 MiB per layer)."""
     g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(TENSOR_MIB * 2**20 // 4, generator=g) for i in range(n)}
+    if not model_like:
+        n = max(size_mib // TENSOR_MIB, 1)
+        return {f"layer{i}.weight": torch.randn(TENSOR_MIB * 2**20 // 4, generator=g) for i in range(n)}
+    layers = max(1, round(size_mib / 12))
+    return {f"layer{i}.{name}": torch.randn(*(m * MODEL_HIDDEN for m in mult), generator=g)
+            for i in range(layers) for name, mult in MODEL_LAYER.items()}
 
 
 def as_sharded(tensors: dict[str, torch.Tensor]) -> dict:
@@ -96,8 +111,8 @@ def time_torch_load(tensors, path: str) -> float:
 
 
 def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
-               fresh_targets: bool = False) -> dict[str, float]:
-    tensors = build_tensors(size_mib)
+               fresh_targets: bool = False, model_like: bool = False) -> dict[str, float]:
+    tensors = build_tensors(size_mib, model_like)
     mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     work = tempfile.mkdtemp(prefix="bench_ckpt_", dir=base)
     times = {"ours_save": [], "torch_save": [], "ours_load": [], "ours_load_1t": [], "torch_load": []}
@@ -105,13 +120,19 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
         for r in range(rounds + warmup):
             root, path = os.path.join(work, "ours"), os.path.join(work, f"torch_{r}.pt")
             previous = os.path.join(work, f"torch_{r - 1}.pt") if r else None
-            sample = {
-                "ours_save": time_ours_save(tensors, root, r),
-                "torch_save": time_torch_save(tensors, path, previous),
-                "ours_load": time_ours_load(tensors, root, r, fresh_targets),
-                "ours_load_1t": time_ours_load(tensors, root, r, fresh_targets, read_threads=1),
-                "torch_load": time_torch_load(tensors, path),
+            steps = {
+                "ours_save": lambda: time_ours_save(tensors, root, r),
+                "torch_save": lambda: time_torch_save(tensors, path, previous),
+                "ours_load": lambda: time_ours_load(tensors, root, r, fresh_targets),
+                "ours_load_1t": lambda: time_ours_load(tensors, root, r, fresh_targets, read_threads=1),
+                "torch_load": lambda: time_torch_load(tensors, path),
             }
+            # saves: torch first every other round, so writeback left by the previous step
+            # favours neither side; loads: torch.load always last, so its fresh storages reuse
+            # the pages our just-freed destinations had (first-touch faults would triple its time)
+            saves = ["ours_save", "torch_save"] if r % 2 == 0 else ["torch_save", "ours_save"]
+            order = saves + ["ours_load", "ours_load_1t", "torch_load"]
+            sample = {k: steps[k]() for k in order}
             if r >= warmup:
                 for k, v in sample.items():
                     times[k].append(v)
@@ -140,12 +161,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--model-like", action="store_true",
+                        help="GPT layers at hidden 512 (12 tensors per layer, 2 KiB to 4 MiB) "
+                             "instead of uniform 4 MiB tensors")
     parser.add_argument("--fresh-targets", action="store_true",
                         help="load into torch.empty_like tensors never touched before the clock")
     args = parser.parse_args()
     torch.set_num_threads(1)
     init_single_process_world()
-    print(f"checkpoint bench: 1 process, fp32 tensors of {TENSOR_MIB} MiB, medians of {args.rounds} "
+    shapes = (f"GPT layers at hidden {MODEL_HIDDEN} ({len(MODEL_LAYER)} tensors per layer)"
+              if args.model_like else f"fp32 tensors of {TENSOR_MIB} MiB")
+    print(f"checkpoint bench: 1 process, {shapes}, medians of {args.rounds} "
           f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}, "
           f"load targets {'fresh (empty_like)' if args.fresh_targets else 'materialised (zeros_like)'}")
     from megatron_ext.ckpt_reader import default_read_threads
@@ -156,7 +182,7 @@ def main() -> None:
           f"{'save s':>7} {'load s':>7}")
     rows = []
     for size in args.sizes_mib:
-        r = bench_size(size, args.rounds, args.warmup, args.dir, args.fresh_targets)
+        r = bench_size(size, args.rounds, args.warmup, args.dir, args.fresh_targets, args.model_like)
         rows.append(r)
         speed = {k: r["mib"] / r[k] for k in ("ours_save", "torch_save", "ours_load", "ours_load_1t",
                                               "torch_load")}
