@@ -63,6 +63,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from megatron_ext.platform import get_collective_device
+
 _BYTEORDER = sys.byteorder.encode()
 
 
@@ -161,7 +163,7 @@ class _ItemFile:
 
     def __init__(self, fd: int, base: int, length: int):
         self.fd, self.base, self.length = fd, base, length
-        self.head = self._pread(0, min(length, 2 * _EDGE if length <= 2 * _EDGE else _EDGE))
+        self.head = self._pread(0, length if length <= 2 * _EDGE else _EDGE)
         self.tail_start = max(length - _EDGE, len(self.head))
         self.tail = self._pread(self.tail_start, length - self.tail_start)
 
@@ -410,10 +412,7 @@ def _global_plan_is_per_rank(planner: LoadPlanner | None, reader) -> bool:
 def _any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
     if dist.get_world_size(group) == 1:
         return flag
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=get_collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
