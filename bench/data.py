@@ -100,32 +100,96 @@ def read_block(ds, start: int, tokens: int) -> tuple[int, int]:
     return count, i
 
 
+def build_sides(args, cache: str):
+    """Our packed dataset and megatron-core's GPTDataset over the same files (indices built into
+    ``cache``, timed), and the A' prototype over ours."""
+    from megatron_ext.datasets import build_gpt_datasets
+    from megatron_ext.packed_dataset import build_packed_datasets
+    from megatron_ext.tokenizer import build_tokenizer
+
+    s = args.seq_length
+    num_samples = args.rounds * args.tokens_per_block // s + 16
+    t0 = time.perf_counter()
+    ours, _, _ = build_packed_datasets(args.data_path, [1.0], s, "best_fit", 1234, [num_samples, 0, 0], cache)
+    t_ours = time.perf_counter() - t0
+    tok = build_tokenizer("SentencePieceTokenizer", args.tokenizer_model)
+    t0 = time.perf_counter()
+    gpt, _, _ = build_gpt_datasets(tok, s, [num_samples, 0, 0], data_path=[args.data_path],
+                                   split="100,0,0", random_seed=1234, path_to_cache=cache,
+                                   create_attention_mask=False)
+    return ours, gpt, FastPacked(ours), t_ours, time.perf_counter() - t0
+
+
+def median_rates(sides: dict, rounds: int, warmup: int, tokens_per_block: int) -> dict[str, float]:
+    """Tokens per CPU-second of each side, blocks alternated side by side, warm-up dropped."""
+    pos = {k: 0 for k in sides}
+    rates = {k: [] for k in sides}
+    for _ in range(rounds):
+        for k, ds in sides.items():
+            gc.collect()
+            t0 = time.process_time()
+            count, pos[k] = read_block(ds, pos[k], tokens_per_block)
+            rates[k].append(count / (time.process_time() - t0))
+    return {k: statistics.median(v[warmup:]) for k, v in rates.items()}
+
+
+def memmap_copy_rate(ours, tokens: int) -> float:
+    """The physical limit: a memmap copy of the same bytes, as one contiguous read."""
+    buf = np.frombuffer(ours.indexed.bin_reader._bin_buffer, dtype=ours.indexed.index.dtype)
+    n = min(len(buf), tokens)
+    copies = []
+    for _ in range(7):
+        t0 = time.process_time()
+        np.array(buf[:n], dtype=np.int64)
+        copies.append(n / (time.process_time() - t0))
+    return statistics.median(copies[2:])
+
+
+def per_sample_breakdown(ours, gpt, samples: int = 300) -> dict[str, float]:
+    """CPU seconds per sample of each phase of ours, and of GPTDataset.__getitem__."""
+    from megatron_ext.batches import normalize_sample
+    from megatron_ext.packed_dataset import build_packed_sample
+
+    ix = ours.index
+    t = {}
+    t0 = time.process_time()
+    pieces = []
+    for i in range(samples):
+        b = ours._bin(i)
+        lo, hi = ix.bin_offsets[b], ix.bin_offsets[b + 1]
+        pieces.append([ours.indexed.get(int(d), offset=int(st), length=int(ln)) for d, st, ln in
+                       zip(ix.piece_doc[lo:hi], ix.piece_start[lo:hi], ix.piece_len[lo:hi])])
+    t["read"] = time.process_time() - t0
+    t0 = time.process_time()
+    built = [build_packed_sample(p) for p in pieces]
+    t["build"] = time.process_time() - t0
+    t0 = time.process_time()
+    for x in built:
+        normalize_sample(x)
+    t["normalize"] = time.process_time() - t0
+    t0 = time.process_time()
+    for p in pieces:
+        build_packed_sample_fast(p)
+    t["build_fast"] = time.process_time() - t0
+    t0 = time.process_time()
+    for i in range(samples):
+        gpt[i]
+    t["gpt_get"] = time.process_time() - t0
+    return {k: v / samples for k, v in t.items()}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     from megatron_ext.batches import normalize_sample
-    from megatron_ext.datasets import build_gpt_datasets
-    from megatron_ext.packed_dataset import build_packed_datasets, build_packed_sample
-    from megatron_ext.tokenizer import build_tokenizer
 
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: F401
     from megatron.core.datasets.gpt_dataset import GPTDataset  # noqa: F401
     from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: F401  (imports not timed)
 
     s = args.seq_length
-    total_tokens = args.rounds * args.tokens_per_block
     with tempfile.TemporaryDirectory(prefix="bench_data_") as cache:
-        t0 = time.perf_counter()
-        ours, _, _ = build_packed_datasets(args.data_path, [1.0], s, "best_fit", 1234,
-                                           [total_tokens // s + 16, 0, 0], cache)
-        t_ours = time.perf_counter() - t0
-        tok = build_tokenizer("SentencePieceTokenizer", args.tokenizer_model)
-        t0 = time.perf_counter()
-        gpt, _, _ = build_gpt_datasets(tok, s, [total_tokens // s + 16, 0, 0], data_path=[args.data_path],
-                                       split="100,0,0", random_seed=1234, path_to_cache=cache,
-                                       create_attention_mask=False)
-        t_gpt = time.perf_counter() - t0
-    fast = FastPacked(ours)
+        ours, gpt, fast, t_ours, t_gpt = build_sides(args, cache)
 
     # same outputs: the prototype against build_packed_sample on the first bins
     for i in range(64):
@@ -139,66 +203,23 @@ def main(argv=None) -> int:
     print(f"{args.rounds} rounds of A B A' blocks of ~{args.tokens_per_block} tokens each, first "
           f"{args.warmup} dropped; prototype A' output == ours on 64 samples: yes")
 
-    sides = {"A": ours, "B": gpt, "A'": fast}
-    pos = {k: 0 for k in sides}
-    rates = {k: [] for k in sides}
-    for r in range(args.rounds):
-        for k, ds in sides.items():
-            gc.collect()
-            t0 = time.process_time()
-            count, pos[k] = read_block(ds, pos[k], args.tokens_per_block)
-            rates[k].append(count / (time.process_time() - t0))
-    w = args.warmup
-    med = {k: statistics.median(v[w:]) for k, v in rates.items()}
+    med = median_rates({"A": ours, "B": gpt, "A'": fast}, args.rounds, args.warmup, args.tokens_per_block)
+    limit = memmap_copy_rate(ours, args.tokens_per_block)
+    t = per_sample_breakdown(ours, gpt)
 
-    # physical limit: a memmap copy of the same bytes, as one contiguous read
-    buf = np.frombuffer(ours.indexed.bin_reader._bin_buffer, dtype=ours.indexed.index.dtype)
-    n = min(len(buf), args.tokens_per_block)
-    copies = []
-    for _ in range(7):
-        t0 = time.process_time()
-        np.array(buf[:n], dtype=np.int64)
-        copies.append(n / (time.process_time() - t0))
-
-    # where our time goes (per sample, 300 samples)
-    idx = list(range(300))
-    t0 = time.process_time()
-    pieces = []
-    for i in idx:
-        b = ours._bin(i)
-        lo, hi = ours.index.bin_offsets[b], ours.index.bin_offsets[b + 1]
-        pieces.append([ours.indexed.get(int(d), offset=int(st), length=int(ln)) for d, st, ln in
-                       zip(ours.index.piece_doc[lo:hi], ours.index.piece_start[lo:hi], ours.index.piece_len[lo:hi])])
-    t_read = time.process_time() - t0
-    t0 = time.process_time()
-    built = [build_packed_sample(p) for p in pieces]
-    t_build = time.process_time() - t0
-    t0 = time.process_time()
-    for x in built:
-        normalize_sample(x)
-    t_norm = time.process_time() - t0
-    t0 = time.process_time()
-    for p in pieces:
-        build_packed_sample_fast(p)
-    t_fast = time.process_time() - t0
-    t0 = time.process_time()
-    for i in range(300):
-        gpt[i]
-    t_gpt_get = time.process_time() - t0
-
-    def m(x):
-        return f"{x / 300 * 1e6:6.1f} us"
+    def m(key):
+        return f"{t[key] * 1e6:6.1f} us"
 
     a2 = med["A'"]
     print(f"A  ours (PackedDocumentDataset + normalize_sample)      {med['A'] / 1e6:7.2f} M tokens/CPU-s")
     print(f"B  megatron-core GPTDataset + normalize_sample          {med['B'] / 1e6:7.2f} M tokens/CPU-s")
     print(f"A' ours with direct piece reads (prototype)             {a2 / 1e6:7.2f} M tokens/CPU-s")
-    print(f"memmap copy of the same tokens (limit)                  {statistics.median(copies[2:]) / 1e6:7.1f} M tokens/CPU-s")
+    print(f"memmap copy of the same tokens (limit)                  {limit / 1e6:7.1f} M tokens/CPU-s")
     ratio = med["A"] / med["B"]
     print(f"ratio A/B = {ratio:.2f}   target >= {TARGET}  -> {'PASS' if ratio >= TARGET else 'MISS'}   "
           f"(A'/B = {a2 / med['B']:.2f}, A'/A = {a2 / med['A']:.2f})")
-    print(f"per sample, ours: indexed reads {m(t_read)} + build_packed_sample {m(t_build)} + normalize_sample "
-          f"{m(t_norm)} (build again, as A' calls it: {m(t_fast)}) | GPTDataset.__getitem__ {m(t_gpt_get)}")
+    print(f"per sample, ours: indexed reads {m('read')} + build_packed_sample {m('build')} + normalize_sample "
+          f"{m('normalize')} (build again, as A' calls it: {m('build_fast')}) | GPTDataset.__getitem__ {m('gpt_get')}")
     return 0
 
 
