@@ -4,7 +4,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from megatron_ext.platform import quiet_known_warnings  # noqa: E402
+from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 
 quiet_known_warnings()
 os.environ.setdefault("OMP_NUM_THREADS", "1")

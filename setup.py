@@ -7,14 +7,14 @@ setup(
     version="0.1.0",
     description="Megatron-style TP x PP x VPP x DP GPT pretraining on megatron-core, with varlen "
     "packing, negotiated padding, token-sum loss and a CPU/gloo platform layer",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*", "tools", "tools.*"]),
     py_modules=["pretrain_gpt"],
     install_requires=[
         # On CPU-only machines install torch==2.13.0 (the CPU build) first: a bare torch
         # requirement with no torch installed pulls a multi-GB CUDA build.
         "torch>=2.6",
-        "megatron-core==0.16.1",  # platform.CHECKED_MEGATRON_CORE_VERSION
+        "megatron-core==0.16.1",  # compat.CHECKED_MEGATRON_CORE_VERSION
         "numpy",
         "sentencepiece",
         "pyyaml",

@@ -61,7 +61,7 @@ def as_sharded(tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def time_ours_save(tensors, root: str, iteration: int) -> float:
-    from megatron_ext.checkpointing import write_checkpoint
+    from megatron_ext.checkpoint.directory import write_checkpoint
 
     start = time.perf_counter()
     write_checkpoint(as_sharded(tensors), root, iteration, keep_last=1)
@@ -72,8 +72,8 @@ def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = Fal
                    read_threads: int | None = None) -> float:
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.checkpointing import get_checkpoint_dir
-    from megatron_ext.ckpt_reader import DirectReadTorchDistLoadStrategy
+    from megatron_ext.checkpoint.directory import get_checkpoint_dir
+    from megatron_ext.checkpoint.reader import DirectReadTorchDistLoadStrategy
 
     # load_checkpoint loads into the live (initialised) model and optimizer tensors: materialise
     # the destinations before the clock unless --fresh-targets (then their first-touch page faults
@@ -147,7 +147,7 @@ def init_single_process_world() -> None:
 
     from megatron.core import parallel_state
 
-    from megatron_ext.platform import apply_cpu_platform, quiet_known_warnings
+    from megatron_ext.cpu_platform import apply_cpu_platform, quiet_known_warnings
 
     quiet_known_warnings()
     init_single_rank_world()
@@ -174,7 +174,7 @@ def main() -> None:
     print(f"checkpoint bench: 1 process, {shapes}, medians of {args.rounds} "
           f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}, "
           f"load targets {'fresh (empty_like)' if args.fresh_targets else 'materialised (zeros_like)'}")
-    from megatron_ext.ckpt_reader import default_read_threads
+    from megatron_ext.checkpoint.reader import default_read_threads
 
     threads = default_read_threads()
     print(f"{'MiB':>6} | {'ours save':>10} {'torch.save':>10} {'ratio':>6} | "

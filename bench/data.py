@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # The vectorised prototype measured here was adopted as packed_dataset.build_packed_sample.
-from megatron_ext.packed_dataset import build_packed_sample as build_packed_sample_fast  # noqa: E402
+from megatron_ext.data.packed_dataset import build_packed_sample as build_packed_sample_fast  # noqa: E402
 
 
 class FastPacked:
@@ -91,7 +91,7 @@ class FastPacked:
 
 def read_block(ds, start: int, tokens: int) -> tuple[int, int]:
     """normalize_sample(ds[i]) for consecutive i from ``start`` until ``tokens`` are delivered."""
-    from megatron_ext.batches import normalize_sample
+    from megatron_ext.data.microbatch import normalize_sample
 
     n, i, count = len(ds), start, 0
     while count < tokens:
@@ -103,9 +103,9 @@ def read_block(ds, start: int, tokens: int) -> tuple[int, int]:
 def build_sides(args, cache: str):
     """Our packed dataset and megatron-core's GPTDataset over the same files (indices built into
     ``cache``, timed), and the A' prototype over ours."""
-    from megatron_ext.datasets import build_gpt_datasets
-    from megatron_ext.packed_dataset import build_packed_datasets
-    from megatron_ext.tokenizer import build_tokenizer
+    from megatron_ext.data.gpt_datasets import build_gpt_datasets
+    from megatron_ext.data.packed_dataset import build_packed_datasets
+    from megatron_ext.data.tokenizers import build_tokenizer
 
     s = args.seq_length
     num_samples = args.rounds * args.tokens_per_block // s + 16
@@ -147,8 +147,8 @@ def memmap_copy_rate(ours, tokens: int) -> float:
 
 def per_sample_breakdown(ours, gpt, samples: int = 300) -> dict[str, float]:
     """CPU seconds per sample of each phase of ours, and of GPTDataset.__getitem__."""
-    from megatron_ext.batches import normalize_sample
-    from megatron_ext.packed_dataset import build_packed_sample
+    from megatron_ext.data.microbatch import normalize_sample
+    from megatron_ext.data.packed_dataset import build_packed_sample
 
     ix = ours.index
     t = {}
@@ -181,7 +181,7 @@ def per_sample_breakdown(ours, gpt, samples: int = 300) -> dict[str, float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    from megatron_ext.batches import normalize_sample
+    from megatron_ext.data.microbatch import normalize_sample
 
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: F401
     from megatron.core.datasets.gpt_dataset import GPTDataset  # noqa: F401

@@ -2,7 +2,7 @@
 
     python -m bench.framework_tax [--steps 12] [--seq-length 512] [--hidden-size 256]
 
-A = ours: ``megatron_ext.training.train_step`` at TP=PP=DP=1, exactly what ``pretrain_gpt.py``
+A = ours: ``megatron_ext.training.loop.train_step`` at TP=PP=DP=1, exactly what ``pretrain_gpt.py``
 runs (megatron-core ``get_forward_backward_func`` schedule over megatron-core DDP,
 ``finalize_model_grads``, megatron-core optimizer with clipping, LR scheduler, our token-sum loss).
 B = plain: the same megatron-core GPTModel class built by ``build_model_chunks`` from the same
@@ -12,7 +12,7 @@ config (so the same initial weights), no DDP, on the same micro-batch tensors:
 
 Both run in one process (a 1-rank gloo world), alternated A B A B, CPU time
 (``time.process_time``) per step, the first ``--warmup`` steps of each dropped, medians
-compared. The CPU platform layer (``megatron_ext.platform``) is process-wide, so it is active
+compared. The CPU platform layer (``megatron_ext.cpu_platform``) is process-wide, so it is active
 for both; its own cost is measured separately on the plain loop only (megatron-core's schedule,
 DDP and optimizer need it): platform active vs removed, alternated likewise. While removed,
 megatron-core's RNG tracker object stays the CPU one (its attention forks the tracker on every
@@ -82,7 +82,7 @@ def job_values(args: argparse.Namespace) -> dict:
 
 def make_microbatches(seq_length: int, n: int = POOL) -> list[dict[str, torch.Tensor]]:
     """Random tokens (NullTokenizer-like); a few labels ignored so that 'valid' is exercised."""
-    from megatron_ext.loss import IGNORE_INDEX
+    from megatron_ext.data.microbatch import IGNORE_INDEX
 
     g = torch.Generator().manual_seed(SEED)
     out = []
@@ -100,22 +100,20 @@ def make_microbatches(seq_length: int, n: int = POOL) -> list[dict[str, torch.Te
 
 
 class Ours:
-    """What pretrain_gpt.py builds at TP=PP=DP=1, stepped by megatron_ext.training.train_step."""
+    """What pretrain_gpt.py builds at TP=PP=DP=1 (``build_training_run``), stepped by
+    megatron_ext.training.step.train_step."""
 
-    def __init__(self, cfg, ctx):
-        from megatron_ext.model import build_model_chunks, wrap_with_ddp
-        from megatron_ext.optim import build_optimizer, build_scheduler
-        from megatron_ext.training import configure_model_hooks
+    def __init__(self, cfg):
+        from megatron_ext.run import build_training_run
 
-        self.cfg, self.ctx = cfg, ctx
-        self.model = wrap_with_ddp(cfg, build_model_chunks(cfg, ctx.placement, VOCAB, ctx.device))
-        self.optimizer = build_optimizer(cfg, self.model, ctx.device)
-        self.scheduler = build_scheduler(cfg, self.optimizer, MICRO_BATCH)
-        configure_model_hooks(self.model, self.optimizer)
+        run = build_training_run(cfg, device=torch.device("cpu"), data=(None, None), log=lambda s: None,
+                                 metrics=False)
+        self.cfg, self.ctx = cfg, run.ctx
+        self.model, self.optimizer, self.scheduler = run.model, run.optimizer, run.scheduler
 
     def step(self, mb) -> float:
-        from megatron_ext.loss import get_mean_loss
-        from megatron_ext.training import train_step
+        from megatron_ext.training.loss import get_mean_loss
+        from megatron_ext.training.step import train_step
 
         result = train_step(self.model, self.optimizer, self.scheduler, [mb], self.cfg.model.seq_length,
                             MICRO_BATCH, self.ctx)
@@ -126,7 +124,7 @@ class Plain:
     """The same GPTModel (same builder, config and weights), a hand-written torch loop."""
 
     def __init__(self, cfg, ctx):
-        from megatron_ext.model import build_model_chunks
+        from megatron_ext.model.gpt import build_model_chunks
 
         (self.model,) = build_model_chunks(cfg, ctx.placement, VOCAB, ctx.device)
         decay, no_decay = [], []
@@ -139,7 +137,7 @@ class Plain:
         self.params = [p for p in self.model.parameters()]
 
     def step(self, mb, attention_mask: torch.Tensor | None = None) -> float:
-        from megatron_ext.loss import IGNORE_INDEX
+        from megatron_ext.data.microbatch import IGNORE_INDEX
 
         labels = mb["labels"]
         per_token = self.model(input_ids=mb["tokens"], position_ids=mb["position_ids"],
@@ -192,14 +190,12 @@ def main(argv=None) -> int:
     from megatron.core.tensor_parallel import random as mcore_random
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.parallel import build_parallel_context
-    from megatron_ext.platform import apply_cpu_platform, remove_cpu_platform
+    from megatron_ext.cpu_platform import apply_cpu_platform, remove_cpu_platform
 
     init_single_rank_world(timeout_minutes=5)
     cfg = build_job_config(job_values(args))
-    device = torch.device("cpu")
-    ctx = build_parallel_context(cfg, device)  # applies the CPU platform layer
-    ours, plain = Ours(cfg, ctx), Plain(cfg, ctx)
+    ours = Ours(cfg)  # builds the process groups and applies the CPU platform layer
+    plain = Plain(cfg, ours.ctx)
     w0 = max_weight_diff(ours, plain)
     mbs = make_microbatches(args.seq_length)
     nparams = sum(p.numel() for p in plain.params)
@@ -232,7 +228,7 @@ def main(argv=None) -> int:
             mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
 
         def platform_on():
-            apply_cpu_platform(device)
+            apply_cpu_platform(ours.ctx.device)
             keep_tracker()
 
         def platform_off():

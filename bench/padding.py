@@ -3,9 +3,9 @@ and the collectives our code adds per training step.
 
     python -m bench.padding [--steps 7] [--warmup 1] [--us-per-token 15] [--skip-collectives]
 
-Part 1, throughput. 4 forked gloo ranks (``tests.distributed.harness.run_ranks``), PP=4, DP=TP=1,
+Part 1, throughput. 4 forked gloo ranks (``megatron_ext.testing.run_ranks``), PP=4, DP=TP=1,
 megatron-core's real 1F1B schedule (``get_forward_backward_func``) driven by OUR training path:
-``training.get_step_microbatches`` (fetch, ``--sequence-padding`` mode, the negotiation all-reduce)
+``training.build_step_microbatches`` (fetch, ``--sequence-padding`` mode, the negotiation all-reduce)
 then ``training.run_forward_backward``. The model is a simulated device (``bench/simdevice.py``):
 each stage is 2 layers whose forward sleeps ``--us-per-token`` x tokens and backward twice that,
 tokens = the padded micro-batch's b x L, so the 2 cores are not the bottleneck and step time
@@ -29,7 +29,7 @@ mode slots: what step time proportional to tokens predicts) and the median of me
 <= 1.01 x static. variable: ratio printed, no target (see bench/README.md).
 
 Part 2, collectives. 4 forked ranks, PP=2 x DP=2, the tiny real GPTModel of
-``tests.distributed.tiny`` on packed data, two steps of ``training.train`` with a log interval of
+``megatron_ext.testing``'s tiny job on packed data, two steps of ``training.train`` with a log interval of
 2 (step 1 is not a log step, step 2 is), once per mode. A wrapper around torch.distributed's
 collectives (all_reduce, broadcast, all_gather*, reduce_scatter*, barrier, reduce, gather,
 scatter, all_to_all*; not P2P) records each call and attributes it to megatron_ext or
@@ -100,7 +100,7 @@ class LognormalRows:
         return int(min(self.seq, max(1, round(rng.lognormal(np.log(self.median), self.sigma)))))
 
     def __getitem__(self, i: int) -> dict:
-        from megatron_ext.packed_dataset import build_packed_sample
+        from megatron_ext.data.packed_dataset import build_packed_sample
 
         n = self.length(i)
         sample = build_packed_sample([np.random.default_rng([self.seed, i, 1]).integers(0, 8000, n)])
@@ -112,8 +112,8 @@ def corpus_bins(prefix: str, seq_length: int):
     """Our packed dataset over the corpus (best_fit, in memory: nothing written beside the data)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.packed_dataset import PackedDocumentDataset
-    from megatron_ext.packing import build_packing_index
+    from megatron_ext.data.packed_dataset import PackedDocumentDataset
+    from megatron_ext.data.packing import build_packing_index
 
     indexed = IndexedDataset(prefix)
     lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
@@ -163,9 +163,9 @@ def _values(mode: str, kind: str, pp: int = PP) -> dict:
 
 def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_token: float, data) -> dict:
     from megatron_ext.config import build_job_config
-    from megatron_ext.model import build_transformer_config
+    from megatron_ext.model.gpt import build_transformer_config
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
-    from megatron_ext.training import get_step_microbatches, run_forward_backward
+    from megatron_ext.training.step import build_step_microbatches, run_forward_backward
 
     device = torch.device("cpu")
     cfgs = {mode: build_job_config(_values(mode, kind)) for mode in MODES}
@@ -180,7 +180,7 @@ def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_to
         for mode in MODES:
             dist.barrier()
             t0 = time.perf_counter()
-            mbs, length = get_step_microbatches(runs[mode], data, step * M)
+            mbs, length = build_step_microbatches(runs[mode], data, step * M)
             run_forward_backward(models[mode], mbs, length, forward_step_func=sim_forward_step)
             dt = time.perf_counter() - t0
             out[mode].append({
@@ -341,8 +341,8 @@ class CollectiveCounter:
 
 def collectives_rank(rank: int, world_size: int) -> dict:
     from megatron_ext.parallel import destroy_parallel_context
-    from megatron_ext.training import train
-    from tests.distributed.tiny import PackedMarkovDataset, build_tiny_run, tiny_values
+    from megatron_ext.training.loop import train
+    from megatron_ext.testing import build_tiny_run, PackedMarkovDataset, tiny_values
 
     out = {}
     for mode in MODES:
@@ -355,12 +355,15 @@ def collectives_rank(rank: int, world_size: int) -> dict:
         counter = CollectiveCounter()
         steps: list[list] = []
 
-        def end_of_step(_run) -> bool:
+        decide = run.exit_decider.decide
+
+        def end_of_step(iteration: int) -> int:
+            """The loop asks for an exit once per step, after logging: cut the events there."""
             steps.append(list(counter.events))
             counter.events.clear()
-            return False
+            return decide(iteration)
 
-        run.after_step.append(end_of_step)
+        run.exit_decider.decide = end_of_step
         counter.install()
         try:
             train(run)
@@ -408,7 +411,6 @@ def print_collectives(results: list[dict]) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    from tests.distributed.harness import run_ranks
 
     # Import once here: forked ranks then start in well under a second (a cold megatron-core
     # import costs ~10 s per process on this machine).
@@ -417,14 +419,15 @@ def main(argv=None) -> int:
     from megatron.core.transformer import TransformerConfig  # noqa: F401
 
     import bench.simdevice  # noqa: F401
-    import megatron_ext.model  # noqa: F401
-    import megatron_ext.training  # noqa: F401
-    import tests.distributed.tiny  # noqa: F401
+    import megatron_ext.model.gpt  # noqa: F401
+    import megatron_ext.training.loop  # noqa: F401
+    import megatron_ext.testing  # noqa: F401
+    from megatron_ext.testing import run_ranks
 
     hop = run_ranks(hop_rank, 2, 30)[0]
     fwd_full = args.us_per_token * 1e-6 * SEQ * LAYERS_PER_STAGE
-    print(f"padding | PP={PP} x 4 forked gloo ranks, megatron-core 1F1B via megatron_ext.training "
-          f"(get_step_microbatches -> run_forward_backward), m={M}, seq {SEQ}, pad multiple {MULTIPLE}")
+    print(f"padding | PP={PP} x 4 forked gloo ranks, megatron-core 1F1B via megatron_ext.training.loop "
+          f"(build_step_microbatches -> run_forward_backward), m={M}, seq {SEQ}, pad multiple {MULTIPLE}")
     print(f"simulated device: {LAYERS_PER_STAGE} layers/stage, {args.us_per_token:g} us/token/layer forward, "
           f"backward 2x; a full {SEQ}-token micro-batch = {fwd_full * 1e3:.0f} ms fwd + {2 * fwd_full * 1e3:.0f} ms bwd "
           f"per stage | measured P2P hop [{SEQ},1,{HIDDEN}] fp32: {hop * 1e3:.2f} ms")

@@ -12,7 +12,7 @@ m x 3 x (2 x chunk-ms) = 4.8 s at the default, on every rank, for every schedule
   ``set_input_tensor``) through ``megatron.core.pipeline_parallel.get_forward_backward_func()``
   with our CPU platform layer and megatron-core's parallel_state groups, with the config our
   ``model.py`` uses (interleaved: overlap_p2p_comm, no batched P2P; 1F1B: batched P2P; no
-  output deallocation on CPU); traced by ``megatron_ext.pp_timeline`` (as ``--pp-timeline``),
+  output deallocation on CPU); traced by ``megatron_ext.training.timeline`` (as ``--pp-timeline``),
   whose traces also give the P2P wait the pipeline actually saw (printed beside the ping-pong
   hop: on a loaded machine its tail, not its median, is what costs).
 - torch: the same layers and costs as ``PipelineStage``s under ``Schedule1F1B`` /
@@ -49,10 +49,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.simdevice import SavedTensorMeter, SimChunk, SimStage  # noqa: E402
-from megatron_ext.pp_timeline import (  # noqa: E402
-    PipelineTimeline, get_bubble_theory, get_in_flight_bound, get_p2p_waits, read_timeline, simulate_schedule,
+from megatron_ext.training.timeline import PipelineTimeline  # noqa: E402
+from tools.timeline_analysis import (  # noqa: E402
+    get_bubble_theory, get_in_flight_bound, get_p2p_waits, read_timeline, simulate_schedule,
 )
-from tests.distributed.harness import run_ranks  # noqa: E402
+from megatron_ext.testing import run_ranks  # noqa: E402
 
 P, M, V = 4, 8, 2
 NUM_LAYERS = 8
@@ -165,7 +166,7 @@ def _timed(fn) -> tuple[float, float]:
 def bench_worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.platform import apply_cpu_platform
+    from megatron_ext.cpu_platform import apply_cpu_platform
 
     apply_cpu_platform(torch.device("cpu"))
     ps.initialize_model_parallel(pipeline_model_parallel_size=P, create_gloo_process_groups=False)

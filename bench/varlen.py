@@ -2,12 +2,12 @@
 
     python -m bench.varlen [--steps 6] [--warmup 1] [--bins-per-step 1] [--profile]
 
-One megatron-core GPTModel built by ``megatron_ext.model.build_model_chunks`` (local spec, so core
+One megatron-core GPTModel built by ``megatron_ext.model.gpt.build_model_chunks`` (local spec, so core
 attention is our ``VarlenDotProductAttention``) in a 1-rank gloo world, TP=PP=1. Pinned: hidden
 256, 4 layers, 4 heads, GPT-2 style (LayerNorm, GELU, learned absolute positions), vocab 8192,
 fp32, ``--seq-length`` 2048, one thread. Data: the embedded corpus's real documents
 (``data/default/corpus_text_document``), split at ``--seq-length`` and packed with
-``megatron_ext.packing`` best_fit; each step draws ``--bins-per-step`` random bins (the same bins
+``megatron_ext.data.packing`` best_fit; each step draws ``--bins-per-step`` random bins (the same bins
 for every variant of that step) and runs one forward+backward (token-sum loss) of:
 
 - (a)  packed varlen, our THD path: the bin padded as ``--sequence-padding negotiated`` pads it
@@ -118,7 +118,7 @@ def load_bins(prefix: str, seq_length: int):
     """(indexed dataset, best-fit packing index of all documents)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.packing import build_packing_index
+    from megatron_ext.data.packing import build_packing_index
 
     indexed = IndexedDataset(prefix)
     lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
@@ -134,9 +134,9 @@ def bin_pieces(indexed, index, b: int) -> list[np.ndarray]:
 
 def make_step(pieces_per_bin: list[list[np.ndarray]], seq_length: int, rows_per_mb: int) -> dict:
     """The micro-batches of every variant for one step's bins, plus their FLOP-relevant shapes."""
-    from megatron_ext.packed_dataset import build_packed_sample
-    from megatron_ext.padding import collate_padded, round_up
-    from megatron_ext.varlen_attention import block_diagonal_causal_mask
+    from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.data.padding import collate_padded, round_up
+    from megatron_ext.model.attention import block_diagonal_causal_mask
 
     a, c = [], []
     rows = []
@@ -207,7 +207,7 @@ def dense_mask_attention(query, key, value, cu_seqlens, scale, dropout_p=0.0):
 
 @functools.lru_cache(maxsize=4)
 def _cached_mask(cu: tuple, t: int) -> torch.Tensor:
-    from megatron_ext.varlen_attention import block_diagonal_causal_mask
+    from megatron_ext.model.attention import block_diagonal_causal_mask
 
     return block_diagonal_causal_mask(list(cu), t)
 
@@ -215,7 +215,7 @@ def _cached_mask(cu: tuple, t: int) -> torch.Tensor:
 @contextlib.contextmanager
 def thd_kernel(fn):
     """Swap the kernel our THD path calls (a module-global lookup) for the duration."""
-    import megatron_ext.varlen_attention as va
+    import megatron_ext.model.attention as va
 
     original = va.document_causal_attention
     va.document_causal_attention = fn
@@ -227,8 +227,8 @@ def thd_kernel(fn):
 
 def forward_backward(model, mbs: list[dict], packed: bool, dense_mask: bool = False, backward: bool = True) -> float:
     """Token-sum CE over valid labels, backward; returns the loss sum (float)."""
-    from megatron_ext.loss import IGNORE_INDEX
-    from megatron_ext.training import get_packed_seq_params
+    from megatron_ext.data.microbatch import IGNORE_INDEX
+    from megatron_ext.training.step import get_packed_seq_params
 
     total = 0.0
     for mb in mbs:
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.model import build_model_chunks
+    from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context
 
     init_single_rank_world(timeout_minutes=5)

@@ -20,8 +20,6 @@ from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, build_job
 
 def _base_type(annotation: Any) -> Any:
     """int | None -> int; list[str] -> list."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {"list": list, "str": str, "int": int, "float": float, "bool": bool, "None": None})
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -39,18 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="YAML or TOML file whose keys are flag names.")
     for section, cls in SECTION_TYPES.items():
         group = parser.add_argument_group(section)
+        hints = typing.get_type_hints(cls)  # the annotations are strings (postponed evaluation)
         for f in dataclasses.fields(cls):
-            _add_flag(group, f)
+            _add_flag(group, f, hints[f.name])
     return parser
 
 
-def _add_flag(group: Any, f: dataclasses.Field) -> None:
+def _add_flag(group: Any, f: dataclasses.Field, annotation: Any) -> None:
     flag = "--" + f.name.replace("_", "-")
-    kind = _base_type(f.type)
+    kind = _base_type(annotation)
     help_text = f.metadata.get("help", "")
     if kind is bool:
         # Default of None means "not given" so that a config file value survives.
         group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
+        if f.metadata.get("negative_flag"):
+            group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", default=None,
+                               help=f"Turn {flag} off.")
         return
     kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
     if kind is list:

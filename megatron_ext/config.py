@@ -105,8 +105,7 @@ class TrainingConfig:
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
-    calculate_per_token_loss: bool = _f(True, "Token-sum loss: divide by valid tokens of the whole global batch (default on).")
-    no_calculate_per_token_loss: bool = _f(False, "Opt out: mean of per-micro-batch means (reproduces older Megatron-LM runs).")
+    calculate_per_token_loss: bool = _f(True, "Token-sum loss: divide by valid tokens of the whole global batch (default on; --no-calculate-per-token-loss: mean of per-micro-batch means, as older Megatron-LM runs).", negative_flag=True)
     eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
     eval_iters: int = _f(2, "Validation batches per evaluation.")
     bf16: bool = _f(False, "bf16 mixed precision (GPU).")
@@ -133,6 +132,7 @@ class CheckpointConfig:
     load: str | None = _f(None, "Directory to resume from (its newest complete checkpoint).")
     keep_last: int | None = _f(None, "Keep only the newest N complete checkpoints (never deletes the newest).")
     no_load_optim: bool = _f(False, "Load model weights only (fresh optimizer).")
+    ckpt_reader: str = _f("direct", "How --load reads tensor bytes: direct (ours, straight into the model and optimizer tensors) or megatron (megatron-core's stock torch_dist reader). Same files either way.", choices=["direct", "megatron"])
     exit_signal_handler: bool = _f(False, "On SIGTERM/SIGINT: all ranks agree at the next step boundary, save, exit 0.")
     exit_interval: int | None = _f(None, "Save and exit after the step whose number is a multiple of N.")
     exit_duration_in_mins: float | None = _f(None, "Save and exit once the run has lasted this many minutes.")
@@ -238,10 +238,6 @@ def get_sequence_padding(cfg: JobConfig) -> str:
     if cfg.data.sequence_padding:
         return cfg.data.sequence_padding
     return "negotiated" if uses_variable_lengths(cfg) else "static"
-
-
-def uses_per_token_loss(cfg: JobConfig) -> bool:
-    return cfg.training.calculate_per_token_loss and not cfg.training.no_calculate_per_token_loss
 
 
 # ----------------------------------------------------------------------------- validation

@@ -17,8 +17,25 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config import JobConfig, get_virtual_pipeline_size
-from megatron_ext.model import StagePlacement
-from megatron_ext.platform import apply_cpu_platform, get_distributed_backend
+from megatron_ext.compat import check_versions
+from megatron_ext.cpu_platform import apply_cpu_platform, get_distributed_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlacement:
+    """Where one rank sits in the pipeline (read from megatron-core once, by the caller)."""
+
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    vp_size: int | None
+
+    def is_first(self, vp_stage: int) -> bool:
+        return self.pp_rank == 0 and vp_stage == 0
+
+    def is_last(self, vp_stage: int) -> bool:
+        return self.pp_rank == self.pp_size - 1 and vp_stage == (self.vp_size or 1) - 1
 
 
 @dataclasses.dataclass
@@ -92,6 +109,7 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    check_versions()
     apply_cpu_platform(device)
     check_tp_inside_node(cfg.parallel.tensor_model_parallel_size)
     vp = get_virtual_pipeline_size(cfg)
@@ -124,7 +142,19 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
 
 
 def destroy_parallel_context() -> None:
-    """Tear down megatron-core's groups (the default group stays, so a next layout can follow)."""
+    """Tear down every process group but the default one, so that a next layout can follow.
+
+    megatron-core's ``destroy_model_parallel()`` only drops its references: each gloo subgroup
+    keeps its threads and connections alive. Measured with 8 ranks and repeated TP2 x PP4
+    init/destroy cycles: 160 threads per process after a few cycles, over 1,000 and 36-54 s per
+    cycle after a few hundred groups. Destroying the subgroups keeps it flat (``compat.py``:
+    torch's group registry is read to find them).
+    """
     from megatron.core import parallel_state as ps
 
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not default:
+                dist.destroy_process_group(group)
     ps.destroy_model_parallel()

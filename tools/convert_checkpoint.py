@@ -167,7 +167,7 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
     import torch.distributed as dist
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.model import build_model_chunks
+    from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
 
     own_group = not dist.is_initialized()
@@ -215,7 +215,8 @@ def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: int = 128,
                            log: Callable[[str], None] = print) -> str:
     """HF Llama directory -> ``save/iter_0000000`` (weights, args, the HF config)."""
-    from megatron_ext.checkpointing import FORMAT_VERSION, build_model_sharded_state_dict, write_checkpoint
+    from megatron_ext.checkpoint.directory import FORMAT_VERSION, write_checkpoint
+    from megatron_ext.checkpoint.state import build_model_sharded_state_dict
 
     hf, hf_state = _read_hf(hf_dir)
     log(f"read {len(hf_state)} tensors from {hf_dir} ({hf['num_hidden_layers']} layers)")
@@ -254,7 +255,8 @@ def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = 
     """Our newest complete checkpoint under ``load`` -> HF safetensors + config.json."""
     from safetensors.torch import save_file
 
-    from megatron_ext.checkpointing import find_latest_checkpoint, load_full_tensors, read_checkpoint_common
+    from megatron_ext.checkpoint.directory import find_latest_checkpoint
+    from megatron_ext.checkpoint.state import load_full_tensors, read_checkpoint_common
 
     found = find_latest_checkpoint(load)
     if found is None:
@@ -339,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--load", required=True)
     b.add_argument("--hf-dir", required=True)
     args = parser.parse_args(argv)
-    from megatron_ext.platform import quiet_known_warnings
+    from megatron_ext.cpu_platform import quiet_known_warnings
 
     quiet_known_warnings()
     try:

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron_ext.pp_timeline import get_bubble_stats, parse_rank_step, read_timeline  # noqa: E402
+from tools.timeline_analysis import get_bubble_stats, parse_rank_step, read_timeline  # noqa: E402
 
 
 def format_bubble_table(step_records: dict[int, list[dict]]) -> str:

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron_ext.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ext.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 
 @dataclass

@@ -27,7 +27,7 @@ from megatron_ext.config import ConfigError, build_job_config, validate  # noqa:
 from megatron_ext.parallel import (  # noqa: E402
     ParallelContext, build_parallel_context, destroy_parallel_context, init_distributed,
 )
-from megatron_ext.platform import select_device  # noqa: E402
+from megatron_ext.cpu_platform import select_device  # noqa: E402
 
 
 def get_rank_topology(ctx: ParallelContext, env: dict[str, str]) -> dict:

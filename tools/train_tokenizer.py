@@ -1,6 +1,6 @@
 """Train a sentencepiece tokenizer (BPE by default) on the text fields of a JSONL file.
 
-Special ids are fixed so every model this tool writes agrees with ``megatron_ext.tokenizer``:
+Special ids are fixed so every model this tool writes agrees with ``megatron_ext.data.tokenizers``:
 ``<unk>=0, <s>=1, </s>=2 (EOD), <pad>=3``; EOD and pad are real, distinct tokens.
 
 The text is kept verbatim (``identity`` normalisation, whitespace runs kept, whitespace-only pieces

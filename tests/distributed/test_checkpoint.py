@@ -4,9 +4,11 @@ One 8-rank world (TP2 x PP2 x VPP2 x DP2 with the distributed optimizer, 8 layer
 uninterrupted reference, then a run that stops at iteration K through --exit-interval (saving
 there), then resumes it in the same layout (losses must be bit-identical), then loads the same
 checkpoint under PP4 x DP2 and TP2 x DP4, each time saving it again at iteration K and training
-on. A 1-rank world does the same in one process. The re-saved checkpoints must hold exactly the
-weights and Adam moments of the original (compared as full tensors, read without a process
-group), and the next iterations must match the reference within the layout-parity tolerance.
+on. A 1-rank world does the same in one process. Every load runs twice, once with each
+``--ckpt-reader`` (our direct reader and megatron-core's stock one). The re-saved checkpoints must
+hold exactly the weights and Adam moments of the original (compared as full tensors, read without
+a process group), and the next iterations must match the reference within the layout-parity
+tolerance.
 """
 
 from __future__ import annotations
@@ -16,21 +18,17 @@ import os
 import pytest
 import torch
 
-from megatron_ext.checkpointing import (
-    CheckpointMeta, build_checkpoint_hook, find_latest_checkpoint, load_checkpoint,
-    load_full_tensors, read_tracker, save_checkpoint,
-)
+from megatron_ext.checkpoint.directory import find_latest_checkpoint, read_tracker
+from megatron_ext.checkpoint.state import CHECKPOINT_READERS, load_checkpoint, load_full_tensors, save_checkpoint
 from megatron_ext.config import ConfigError
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.training import train
-from tests.distributed.harness import run_ranks
-from tests.distributed.tiny import VOCAB, MarkovDataset, build_tiny_run, tiny_values
+from megatron_ext.training.loop import train
+from megatron_ext.testing import build_tiny_run, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
 ITERS, K = 6, 3
 TOL = 1e-5  # layout-parity tolerance (tests/distributed/test_layout_parity.py)
-META = CheckpointMeta(tokenizer={"type": "NullTokenizer", "vocab_size": VOCAB - 1}, padded_vocab_size=VOCAB)
 BASE = dict(num_layers=8, train_iters=ITERS, clip_grad=0.3, global_batch_size=8, micro_batch_size=2)
 SAVE_LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                    num_layers_per_virtual_pipeline_stage=2, use_distributed_optimizer=True)
@@ -54,30 +52,30 @@ def _eight_rank_world(rank: int, world_size: int, root: str) -> dict:
     out = {"reference": _train_and_close(_build(SAVE_LAYOUT))}
 
     run = _build(SAVE_LAYOUT, save=os.path.join(root, "saved"), exit_interval=K)
-    run.after_step.append(build_checkpoint_hook(run.cfg, META))
     out["stopped"] = _train_and_close(run)
 
-    run = _build(SAVE_LAYOUT)
-    out["loaded_iteration"] = load_checkpoint(run, os.path.join(root, "saved"), META)
-    out["resumed"] = _train_and_close(run)
-
-    for name, layout in RESHARD_LAYOUTS.items():
-        out[name] = _load_resave_train(layout, root, name)
+    for reader in CHECKPOINT_READERS:
+        run = _build(SAVE_LAYOUT)
+        out[("loaded_iteration", reader)] = load_checkpoint(run, os.path.join(root, "saved"), reader=reader)
+        out[("resumed", reader)] = _train_and_close(run)
+        for name, layout in RESHARD_LAYOUTS.items():
+            out[(name, reader)] = _load_resave_train(layout, root, name, reader)
     return out
 
 
-def _load_resave_train(layout: dict, root: str, name: str) -> list[dict]:
+def _load_resave_train(layout: dict, root: str, name: str, reader: str) -> list[dict]:
     run = _build(layout)
-    assert load_checkpoint(run, os.path.join(root, "saved"), META) == K
-    save_checkpoint(run, os.path.join(root, name), META)
+    assert load_checkpoint(run, os.path.join(root, "saved"), reader=reader) == K
+    save_checkpoint(run, os.path.join(root, f"{name}-{reader}"))
     return _train_and_close(run)
 
 
-def _one_rank_world(rank: int, world_size: int, root: str) -> list[dict]:
-    return _load_resave_train(dict(use_distributed_optimizer=True), root, "single")
+def _one_rank_world(rank: int, world_size: int, root: str) -> dict:
+    return {("single", reader): _load_resave_train(dict(use_distributed_optimizer=True), root, "single", reader)
+            for reader in CHECKPOINT_READERS}
 
 
-def _last_stage(per_rank: list[dict], key: str) -> list[dict]:
+def _last_stage(per_rank: list[dict], key) -> list[dict]:
     return per_rank[-1][key]  # the last rank is on the last pipeline stage in every layout
 
 
@@ -93,13 +91,14 @@ def _losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
 
 
-def test_resume_after_clean_stop_is_bit_identical(results):
+@pytest.mark.parametrize("reader", CHECKPOINT_READERS)
+def test_resume_after_clean_stop_is_bit_identical(results, reader):
     root, per_rank, _ = results
     reference = _last_stage(per_rank, "reference")
     assert [r["iteration"] for r in _last_stage(per_rank, "stopped")] == list(range(1, K + 1))
     assert _losses(_last_stage(per_rank, "stopped")) == _losses(reference[:K])
-    assert all(r["loaded_iteration"] == K for r in per_rank)
-    resumed = _last_stage(per_rank, "resumed")
+    assert all(r[("loaded_iteration", reader)] == K for r in per_rank)
+    resumed = _last_stage(per_rank, ("resumed", reader))
     assert [r["iteration"] for r in resumed] == list(range(K + 1, ITERS + 1))
     assert _losses(resumed) == _losses(reference[K:])
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in reference[K:]]
@@ -112,11 +111,12 @@ def _compared_keys(tensors: dict) -> list[str]:
     return sorted(k for k in tensors if not k.startswith("optimizer.") or ".exp_avg" in k)
 
 
+@pytest.mark.parametrize("reader", CHECKPOINT_READERS)
 @pytest.mark.parametrize("name", [*RESHARD_LAYOUTS, "single"])
-def test_resharded_load_restores_weights_and_optimizer_exactly(results, name):
+def test_resharded_load_restores_weights_and_optimizer_exactly(results, name, reader):
     root = results[0]
     original = load_full_tensors(os.path.join(root, "saved", f"iter_{K:07d}"))
-    resaved = load_full_tensors(os.path.join(root, name, f"iter_{K:07d}"))
+    resaved = load_full_tensors(os.path.join(root, f"{name}-{reader}", f"iter_{K:07d}"))
     keys = _compared_keys(original)
     assert any(".exp_avg_sq." in k for k in keys) and any(k.startswith("decoder.layers.") for k in keys)
     missing = [k for k in keys if k not in resaved]
@@ -125,11 +125,12 @@ def test_resharded_load_restores_weights_and_optimizer_exactly(results, name):
     assert not differ, f"{name}: tensors differ after a load under {name}: {differ}"
 
 
+@pytest.mark.parametrize("reader", CHECKPOINT_READERS)
 @pytest.mark.parametrize("name", [*RESHARD_LAYOUTS, "single"])
-def test_resharded_training_continues_the_curve(results, name):
+def test_resharded_training_continues_the_curve(results, name, reader):
     _, per_rank, single = results
     reference = _last_stage(per_rank, "reference")
-    records = single if name == "single" else _last_stage(per_rank, name)
+    records = single[(name, reader)] if name == "single" else _last_stage(per_rank, (name, reader))
     assert [r["iteration"] for r in records] == list(range(K + 1, ITERS + 1))
     ref = torch.tensor(_losses(reference[K:]), dtype=torch.float64)
     got = torch.tensor(_losses(records), dtype=torch.float64)
@@ -140,7 +141,7 @@ def _mismatch_world(rank: int, world_size: int, root: str) -> str:
     run = _build(dict(hidden_size=32))
     before = sorted(os.listdir(os.path.join(root, "saved")))
     try:
-        load_checkpoint(run, os.path.join(root, "saved"), META)
+        load_checkpoint(run, os.path.join(root, "saved"))
     except ConfigError as err:
         message = str(err)
     else:

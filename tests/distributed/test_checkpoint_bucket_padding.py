@@ -4,7 +4,8 @@ With the distributed optimizer each bucket's end is padded and the tied embeddin
 bucket; megatron-core gathers optimizer state without that padding but locates parameters with
 it, so the embedding's saved Adam state was shifted (resume not exact at vocab 8192, hidden 128,
 TP2 x PP2 x VPP2 x DP2; the tiny model of test_checkpoint.py happens to need no padding).
-``model.apply_optimizer_state_offset_fix`` makes both agree. Reference: the uninterrupted run.
+``checkpoint.optimizer_state.apply_optimizer_state_offset_fix`` makes both agree. Reference: the
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -13,43 +14,35 @@ import os
 
 import pytest
 
-import megatron_ext.model as model_mod
-import tests.distributed.tiny as tiny_mod
-from megatron_ext.checkpointing import CheckpointMeta, build_checkpoint_hook, load_checkpoint
+from megatron_ext.checkpoint.state import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.training import train
-from tests.distributed.harness import run_ranks
-from tests.distributed.tiny import VOCAB, MarkovDataset, build_tiny_run, tiny_values
+from megatron_ext.training.loop import train
+from megatron_ext.testing import build_tiny_run, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
 PADDED_VOCAB = 8192
-META = CheckpointMeta(tokenizer={"type": "NullTokenizer", "vocab_size": VOCAB - 1}, padded_vocab_size=PADDED_VOCAB)
-VALUES = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
+# 8191 ids + EOD, padded to a multiple of 4096 x TP 2: PADDED_VOCAB rows
+VALUES = dict(vocab_size=PADDED_VOCAB - 1, make_vocab_size_divisible_by=PADDED_VOCAB // 2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
               num_layers_per_virtual_pipeline_stage=1, hidden_size=128, use_distributed_optimizer=True,
               global_batch_size=8, micro_batch_size=2, train_iters=5, clip_grad=0.3)
 
 
 def _world(rank: int, world_size: int, root: str) -> dict:
-    original = model_mod.build_model_chunks
-    tiny_mod.build_model_chunks = lambda cfg, placement, vocab, device: original(cfg, placement, PADDED_VOCAB, device)
-    try:
-        data = MarkovDataset(32, mask_every=1)
-        run = build_tiny_run(tiny_values(**VALUES), data)
-        train(run)
-        reference = [r["loss"] for r in run.records]
-        destroy_parallel_context()
-        run = build_tiny_run(tiny_values(**VALUES, save=root, exit_interval=3), data)
-        run.after_step.append(build_checkpoint_hook(run.cfg, META))
-        train(run)
-        destroy_parallel_context()
-        run = build_tiny_run(tiny_values(**VALUES), data)
-        loaded = load_checkpoint(run, root, META)
-        train(run)
-        destroy_parallel_context()
-        return {"reference": reference, "resumed": [r["loss"] for r in run.records], "loaded": loaded}
-    finally:
-        tiny_mod.build_model_chunks = original
+    data = MarkovDataset(32, mask_every=1)
+    run = build_tiny_run(tiny_values(**VALUES), data)
+    assert run.checkpoint_meta.padded_vocab_size == PADDED_VOCAB
+    train(run)
+    reference = [r["loss"] for r in run.records]
+    destroy_parallel_context()
+    run = build_tiny_run(tiny_values(**VALUES, save=root, exit_interval=3), data)
+    train(run)
+    destroy_parallel_context()
+    run = build_tiny_run(tiny_values(**VALUES), data)
+    loaded = load_checkpoint(run, root)
+    train(run)
+    destroy_parallel_context()
+    return {"reference": reference, "resumed": [r["loss"] for r in run.records], "loaded": loaded}
 
 
 def test_resume_is_exact_after_a_padded_bucket(tmp_path):

@@ -5,7 +5,8 @@ iterations; ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>:4`` makes one rank SIGKILL 
 save of iteration 4. The parent notices the killed rank and kills the rest (they would block in
 a collective until the gloo timeout). A fresh world then resumes from the same directory: it must
 load the newest complete checkpoint (iteration 2, or 4 when only the pointer update was cut
-short) and reproduce the uninterrupted run's losses exactly.
+short) and reproduce the uninterrupted run's losses exactly, with each ``--ckpt-reader`` (the
+crashed directory is copied, so both readers resume from the same state).
 """
 
 from __future__ import annotations
@@ -14,24 +15,21 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import time
 
 import pytest
 
-from megatron_ext.checkpointing import (
-    FAULT_ENV, CheckpointMeta, build_checkpoint_hook, list_complete_checkpoints, load_checkpoint,
-    read_tracker,
-)
+from megatron_ext.checkpoint.directory import FAULT_ENV, list_complete_checkpoints, read_tracker
+from megatron_ext.checkpoint.state import CHECKPOINT_READERS, load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.training import train
-from tests.distributed.harness import _worker, get_free_port, run_ranks
-from tests.distributed.tiny import VOCAB, MarkovDataset, build_tiny_run, tiny_values
+from megatron_ext.training.loop import train
+from megatron_ext.testing import _worker, build_tiny_run, get_free_port, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
 ITERS = 6
-META = CheckpointMeta(tokenizer={"type": "NullTokenizer", "vocab_size": VOCAB - 1}, padded_vocab_size=VOCAB)
 VALUES = dict(num_layers=2, train_iters=ITERS, pipeline_model_parallel_size=2, global_batch_size=4)
 
 # phase, killed rank, the checkpoint a restart must find
@@ -42,12 +40,10 @@ CASES = [
 ]
 
 
-def _train(rank: int, world_size: int, root: str | None) -> dict:
-    values = tiny_values(**VALUES, **(dict(save=root, save_interval=2, keep_last=2) if root else {}))
+def _train(rank: int, world_size: int, root: str | None, reader: str = "direct") -> dict:
+    values = tiny_values(**VALUES, **(dict(save=root, save_interval=2, keep_last=2, ckpt_reader=reader) if root else {}))
     run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
-    loaded = load_checkpoint(run, root, META) if root else None
-    if root:
-        run.after_step.append(build_checkpoint_hook(run.cfg, META))
+    loaded = load_checkpoint(run, root) if root else None
     train(run)
     destroy_parallel_context()
     return {"loaded": loaded, "records": run.records}
@@ -100,13 +96,18 @@ def test_crash_during_save_keeps_last_complete_checkpoint(tmp_path, reference, p
     if expected == 2:
         assert any(".tmp-" in name for name in os.listdir(root)), os.listdir(root)
 
-    resumed = run_ranks(_train, 2, root, timeout=300)
-    assert [r["loaded"] for r in resumed] == [expected, expected]
-    records = resumed[-1]["records"]
-    assert [r["iteration"] for r in records] == list(range(expected + 1, ITERS + 1))
-    assert [r["loss"] for r in records] == [r["loss"] for r in reference[expected:]]
+    crashed = str(tmp_path / "crashed")
+    shutil.copytree(root, crashed)
+    for reader in CHECKPOINT_READERS:
+        root = str(tmp_path / f"resume-{reader}")
+        shutil.copytree(crashed, root)
+        resumed = run_ranks(_train, 2, root, reader, timeout=300)
+        assert [r["loaded"] for r in resumed] == [expected, expected], reader
+        records = resumed[-1]["records"]
+        assert [r["iteration"] for r in records] == list(range(expected + 1, ITERS + 1))
+        assert [r["loss"] for r in records] == [r["loss"] for r in reference[expected:]], reader
 
-    # --keep-last 2: the newest two remain, leftovers of the crashed save are gone
-    assert [it for it, _ in list_complete_checkpoints(root)] == [4, 6]
-    assert read_tracker(root) == ITERS
-    assert not [n for n in os.listdir(root) if ".tmp-" in n or ".old-" in n], os.listdir(root)
+        # --keep-last 2: the newest two remain, leftovers of the crashed save are gone
+        assert [it for it, _ in list_complete_checkpoints(root)] == [4, 6]
+        assert read_tracker(root) == ITERS
+        assert not [n for n in os.listdir(root) if ".tmp-" in n or ".old-" in n], os.listdir(root)

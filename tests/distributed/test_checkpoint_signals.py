@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from megatron_ext.checkpointing import find_latest_checkpoint
+from megatron_ext.checkpoint.directory import find_latest_checkpoint
 from tests.distributed.test_launch import finish, start_launcher
 
 pytestmark = pytest.mark.torchrun

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from megatron_ext.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -73,9 +73,9 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_ext import ckpt_reader
-    from megatron_ext.ckpt_writer import InProcessTorchDistSaveStrategy
-    from megatron_ext.platform import apply_cpu_platform
+    from megatron_ext.checkpoint import reader as ckpt_reader
+    from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
+    from megatron_ext.cpu_platform import apply_cpu_platform
 
     apply_cpu_platform(torch.device("cpu"))
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)

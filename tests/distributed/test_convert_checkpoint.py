@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.harness import run_ranks
+from megatron_ext.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -48,27 +48,18 @@ def _convert(rank: int, world_size: int, hf_dir: str, save: str) -> str:
 
 
 def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torch.Tensor):
-    from megatron_ext.checkpointing import CheckpointMeta, load_checkpoint
-    from megatron_ext.config import build_job_config
-    from megatron_ext.model import build_model_chunks, wrap_with_ddp
-    from megatron_ext.optim import build_optimizer, build_scheduler
-    from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
-    from megatron_ext.training import TrainingRun, configure_model_hooks, run_forward_backward
-    from megatron_ext.logger import MetricWriter
+    from megatron_ext.checkpoint.state import CheckpointMeta, load_checkpoint
+    from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.testing import build_tiny_run
+    from megatron_ext.training.step import run_forward_backward
 
     values = {**hf_config_to_values(hf, 32), "tensor_model_parallel_size": 2,
               "pipeline_model_parallel_size": 2, "mock_data": True, "tokenizer_type": "NullTokenizer",
               "vocab_size": VOCAB - 1, "seq_length": SEQ, "micro_batch_size": BATCH, "global_batch_size": BATCH}
-    cfg = build_job_config(values)
-    device = torch.device("cpu")
-    ctx = build_parallel_context(cfg, device)
+    run = build_tiny_run(values, None)
+    model, ctx = run.model, run.ctx
     padded = 256  # 200 rounded up to 32 x TP 2
-    model = wrap_with_ddp(cfg, build_model_chunks(cfg, ctx.placement, padded, device))
-    optimizer = build_optimizer(cfg, model, device)
-    configure_model_hooks(model, optimizer)
-    run = TrainingRun(cfg=cfg, ctx=ctx, model=model, optimizer=optimizer,
-                      scheduler=build_scheduler(cfg, optimizer, BATCH), train_ds=None, valid_ds=None,
-                      global_batch_size=BATCH, writer=MetricWriter(cfg, enabled=False), log=lambda s: None)
+    assert run.checkpoint_meta.padded_vocab_size == padded
     load_checkpoint(run, save, CheckpointMeta(tokenizer={}, padded_vocab_size=padded))
 
     def forward_step(data_iterator, chunk):

@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from tests.distributed.harness import get_free_port
+from megatron_ext.testing import get_free_port
 
 pytestmark = pytest.mark.torchrun
 

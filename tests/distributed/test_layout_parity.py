@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.batches import fetch_step_microbatches, get_microbatch_indices
+from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.training import run_forward_backward, train
-from tests.distributed.harness import run_ranks
-from tests.distributed.tiny import MarkovDataset, build_tiny_run, gather_full_grads, tiny_values
+from megatron_ext.training.loop import train
+from megatron_ext.training.step import run_forward_backward
+from megatron_ext.testing import build_tiny_run, fetch_step_microbatches, gather_full_grads, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 

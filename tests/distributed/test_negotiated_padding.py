@@ -5,7 +5,7 @@ padding changes neither the loss nor the gradients (reference: one process, no p
 from __future__ import annotations
 
 import collections
-import inspect
+import sys
 
 import numpy as np
 import pytest
@@ -14,15 +14,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
-from megatron_ext.init_weights import get_global_name, get_layer_offset
-from megatron_ext.loss import IGNORE_INDEX
-from megatron_ext.model import build_model_chunks
-from megatron_ext.packed_dataset import build_packed_sample
-from megatron_ext.padding import negotiate_step_length
+from megatron_ext.model.init_weights import get_global_name, get_layer_offset
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.model.gpt import build_model_chunks
+from megatron_ext.data.packed_dataset import build_packed_sample
+from megatron_ext.data.padding import negotiate_step_length
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
-from megatron_ext.training import get_packed_seq_params, get_step_microbatches, run_forward_backward, train
-from tests.distributed.harness import run_ranks
-from tests.distributed.tiny import VOCAB, PackedMarkovDataset, build_tiny_run, gather_full_grads, tiny_values
+from megatron_ext.training.loop import train
+from megatron_ext.training.step import get_packed_seq_params, build_step_microbatches, run_forward_backward
+from megatron_ext.testing import VOCAB, build_tiny_run, gather_full_grads, PackedMarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -112,8 +112,10 @@ def _count_collectives(fn):
 
     def wrap(n):
         def counted(*args, **kwargs):
-            caller = next(f for f in inspect.stack()[1:] if not f.filename.endswith(("c10d_logger.py", "distributed_c10d.py")))
-            module = caller.frame.f_globals.get("__name__", "?")
+            caller = sys._getframe(1)  # inspect.stack() would read every frame's source: slow
+            while caller.f_code.co_filename.endswith(("c10d_logger.py", "distributed_c10d.py")):
+                caller = caller.f_back
+            module = caller.f_globals.get("__name__", "?")
             counts[(module, n)] += 1
             return originals[n](*args, **kwargs)
         return counted
@@ -140,7 +142,7 @@ def _layouts(rank: int, world_size: int) -> dict:
     for name, make in DATASETS.items():
         for mode in MODES if name in ("skewed", "unpacked rows") else ("negotiated",):
             run = build_tiny_run(_values(name, sequence_padding=mode, **PAR), make())
-            mbs, length = get_step_microbatches(run, run.train_ds, 0)
+            mbs, length = build_step_microbatches(run, run.train_ds, 0)
             run_forward_backward(run.model, mbs, length)
             grads = gather_full_grads(run)
             counts = _count_collectives(lambda: train(run))
@@ -206,12 +208,12 @@ def test_edge_case_lengths(ranks):
 
 
 def test_exactly_one_extra_collective_per_step(ranks):
-    """Negotiated minus static: one all-reduce, from megatron_ext.padding, on every rank; and the
+    """Negotiated minus static: one all-reduce, from megatron_ext.data.padding, on every rank; and the
     full list of collectives our code issues in a (logging) step."""
     for r in ranks:
         neg, static = r[("skewed", "negotiated")]["counts"], r[("skewed", "static")]["counts"]
         diff = neg - static
-        assert diff == collections.Counter({("megatron_ext.padding", "all_reduce"): 1}), diff
+        assert diff == collections.Counter({("megatron_ext.data.padding", "all_reduce"): 1}), diff
         ours = {k: v for k, v in neg.items() if k[0].startswith("megatron_ext")}
-        allowed = {("megatron_ext.padding", "all_reduce"), ("megatron_ext.training", "all_reduce")}
+        allowed = {("megatron_ext.data.padding", "all_reduce"), ("megatron_ext.training.loop", "all_reduce")}
         assert set(ours) <= allowed and all(v == 1 for v in ours.values()), ours

@@ -1,8 +1,8 @@
 """Pipeline timeline on real 4-rank runs of the tiny model: the trace is a valid megatron-core
 schedule, and ``tools/pp_timeline.py`` renders it.
 
-Layouts (4 forked gloo ranks each, 2 training steps, the training loop's own ``schedule_context``
-hook as ``pretrain_gpt.py`` sets it): PP=4 1F1B with m=8; PP=4 x VPP=2 (8 layers) with m=8;
+Layouts (4 forked gloo ranks each, 2 training steps, the training loop's own timeline, as
+``--pp-timeline`` sets it): PP=4 1F1B with m=8; PP=4 x VPP=2 (8 layers) with m=8;
 PP=2 x VPP=2 x DP=2 with m=4 (two pipelines traced side by side).
 """
 
@@ -16,10 +16,10 @@ import sys
 import pytest
 
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.pp_timeline import build_pp_timeline, check_schedule, get_bubble_theory, read_timeline
-from megatron_ext.training import train
-from tests.distributed.harness import run_ranks
-from tests.distributed.tiny import MarkovDataset, build_tiny_run, tiny_values
+from megatron_ext.training.timeline import build_pp_timeline
+from tools.timeline_analysis import check_schedule, get_bubble_theory, read_timeline
+from megatron_ext.training.loop import train
+from megatron_ext.testing import build_tiny_run, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _traced_runs(rank: int, world_size: int, root: str) -> None:
     for name, (overrides, *_) in LAYOUTS.items():
         run = build_tiny_run(tiny_values(train_iters=STEPS, **overrides), MarkovDataset(32))
-        run.schedule_context = build_pp_timeline(os.path.join(root, name), run.ctx).trace_step
+        run.timeline = build_pp_timeline(os.path.join(root, name), run.ctx)
         train(run)
         destroy_parallel_context()
 

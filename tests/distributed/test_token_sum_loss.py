@@ -16,15 +16,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.batches import collate, fetch_step_microbatches, get_microbatch_indices
-from megatron_ext.init_weights import get_global_name, get_layer_offset
-from megatron_ext.loss import IGNORE_INDEX
-from megatron_ext.model import build_model_chunks
+from megatron_ext.data.microbatch import collate, get_microbatch_indices
+from megatron_ext.model.init_weights import get_global_name, get_layer_offset
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
 from megatron_ext.config import build_job_config
-from megatron_ext.training import run_forward_backward, train
-from tests.distributed.harness import run_ranks
-from tests.distributed.tiny import VOCAB, MarkovDataset, build_tiny_run, gather_full_grads, tiny_values
+from megatron_ext.training.loop import train
+from megatron_ext.training.step import run_forward_backward
+from megatron_ext.testing import VOCAB, build_tiny_run, fetch_step_microbatches, gather_full_grads, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -72,7 +72,7 @@ def _layouts(rank: int, world_size: int, layouts: dict) -> dict:
     for lname, overrides in layouts.items():
         for dname, kw in DATASETS.items():
             for per_token in (True, False):
-                values = tiny_values(**VALUES, **overrides, no_calculate_per_token_loss=not per_token)
+                values = tiny_values(**VALUES, **overrides, calculate_per_token_loss=per_token)
                 run = build_tiny_run(values, MarkovDataset(SEQ, **kw))
                 idx = get_microbatch_indices(0, GBS, MBS, run.ctx.dp_rank, run.ctx.dp_size)
                 run_forward_backward(run.model, fetch_step_microbatches(run.train_ds, idx), SEQ)

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
-from megatron_ext.loss import IGNORE_INDEX
-from megatron_ext.model import build_model_chunks
-from megatron_ext.packed_dataset import build_packed_sample
-from megatron_ext.padding import collate_padded
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.model.gpt import build_model_chunks
+from megatron_ext.data.packed_dataset import build_packed_sample
+from megatron_ext.data.padding import collate_padded
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
-from megatron_ext.training import get_packed_seq_params, get_step_microbatches, run_forward_backward, train
-from tests.distributed.harness import run_ranks
-from tests.distributed.tiny import VOCAB, PackedMarkovDataset, build_tiny_run, gather_full_grads, tiny_values
+from megatron_ext.training.loop import train
+from megatron_ext.training.step import get_packed_seq_params, build_step_microbatches, run_forward_backward
+from megatron_ext.testing import VOCAB, build_tiny_run, gather_full_grads, PackedMarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -114,7 +114,7 @@ def _packed_training(rank: int, world_size: int, layout: dict) -> dict:
         values = tiny_values(seq_length=SEQ, micro_batch_size=1, global_batch_size=8, packed_sequences=True,
                              pad_to_multiple_of=16, train_iters=5, **overrides, **layout)
         run = build_tiny_run(values, PackedMarkovDataset(SEQ))
-        mbs, length = get_step_microbatches(run, run.train_ds, 0)
+        mbs, length = build_step_microbatches(run, run.train_ds, 0)
         run_forward_backward(run.model, mbs, length)
         grads = gather_full_grads(run)
         train(run)

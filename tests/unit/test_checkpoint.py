@@ -9,13 +9,14 @@ import os
 import pytest
 import torch
 
-from megatron_ext.checkpointing import (
-    COMPLETE_MARKER, TRACKER_FILE, CheckpointMeta, apply_retention, check_compatible,
-    find_latest_checkpoint, get_checkpoint_dir, list_complete_checkpoints, publish_checkpoint,
-    read_tracker, select_checkpoints_to_delete, should_inject_fault,
+from megatron_ext.checkpoint.directory import (
+    COMPLETE_MARKER, TRACKER_FILE, apply_retention, find_latest_checkpoint, get_checkpoint_dir,
+    list_complete_checkpoints, publish_checkpoint, read_tracker, select_checkpoints_to_delete,
+    should_inject_fault,
 )
+from megatron_ext.checkpoint.state import CheckpointMeta, check_compatible
 from megatron_ext.config import build_job_config
-from megatron_ext.signals import (
+from megatron_ext.checkpoint.exit_policy import (
     DURATION_EXCEEDED, INTERVAL_REACHED, SIGNAL_RECEIVED, describe_exit, get_interval_flag,
     get_local_exit_flags,
 )

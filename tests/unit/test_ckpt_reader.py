@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _create_file_view
 
-from megatron_ext import ckpt_reader as cr
+from megatron_ext.checkpoint import reader as cr
 
 PREFIX, SUFFIX = b"z" * 123, b"q" * 77  # other items around this one in the rank's file
 

@@ -1,4 +1,4 @@
-"""megatron_ext.datasets on the shipped data, a NullTokenizer blend partner and mock data."""
+"""megatron_ext.data.gpt_datasets on the shipped data, a NullTokenizer blend partner and mock data."""
 
 import os
 import shutil
@@ -7,13 +7,13 @@ import numpy
 import pytest
 import torch
 
-from megatron_ext.datasets import (
+from megatron_ext.data.gpt_datasets import (
     build_gpt_datasets,
     get_missing_dataset_files,
     parse_data_path,
     parse_split,
 )
-from megatron_ext.tokenizer import build_tokenizer
+from megatron_ext.data.tokenizers import build_tokenizer
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SHIPPED_PREFIX = os.path.join(REPO, "data", "default", "corpus_text_document")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_ext.init_weights import build_full_tensor, get_global_name, slice_for_tp
+from megatron_ext.model.init_weights import build_full_tensor, get_global_name, slice_for_tp
 
 
 def test_global_names_shift_layer_index_only_once():

@@ -7,7 +7,7 @@ import os
 import re
 
 from megatron_ext.config import build_job_config
-from megatron_ext.logger import IterationStats, MetricWriter, format_iteration_line, format_validation_line
+from megatron_ext.training.metrics import IterationStats, MetricWriter, format_iteration_line, format_validation_line
 
 
 def test_iteration_line_has_megatron_fields():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.loss import IGNORE_INDEX
-from megatron_ext.packed_dataset import build_packed_sample, check_index_matches_documents, get_split_ranges
-from megatron_ext.packing import STRATEGIES, PackingIndex, build_packing_index, check_packing_index
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.data.packed_dataset import build_packed_sample, check_index_matches_documents, get_split_ranges
+from megatron_ext.data.packing import STRATEGIES, PackingIndex, build_packing_index, check_packing_index
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -85,7 +85,7 @@ def test_real_corpus_train_split_keeps_every_token_once(tmp_path):
     """On the shipped corpus: the packed train split reproduces each document's tokens exactly."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.packed_dataset import build_packed_datasets
+    from megatron_ext.data.packed_dataset import build_packed_datasets
 
     prefix = os.path.join(ROOT, "data", "default", "corpus_text_document")
     train, _, _ = build_packed_datasets(prefix, [1.0], 256, "best_fit", 0, [1, 1, 1], str(tmp_path))

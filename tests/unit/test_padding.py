@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.loss import IGNORE_INDEX
-from megatron_ext.packed_dataset import build_packed_sample
-from megatron_ext.padding import collate_padded, get_step_length, pad_sample
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.data.packed_dataset import build_packed_sample
+from megatron_ext.data.padding import collate_padded, get_step_length, pad_sample
 import numpy as np
 
 

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from megatron_ext import pp_timeline as ppt
+from megatron_ext.training.timeline import PipelineTimeline
+from tools import timeline_analysis as ppt
 
 CASES = [(4, 1, 8), (4, 2, 8), (4, 2, 16), (2, 2, 4), (4, 1, 4), (1, 1, 4), (8, 1, 32), (4, 3, 12)]
 
@@ -135,7 +136,7 @@ def test_tracer_hooks_schedule_and_restores(tmp_path, monkeypatch):
 
     monkeypatch.setattr(schedules, "forward_step", _FakeSchedules.forward_step)
     monkeypatch.setattr(schedules, "backward_step", _FakeSchedules.backward_step)
-    tracer = ppt.PipelineTimeline(str(tmp_path), rank=3, pp_rank=1, pp_size=2, vp_size=2)
+    tracer = PipelineTimeline(str(tmp_path), rank=3, pp_rank=1, pp_size=2, vp_size=2)
     for step in (1, 2):
         with tracer.trace_step(step):
             outs = {}

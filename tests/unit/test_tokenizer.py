@@ -1,11 +1,11 @@
-"""megatron_ext.tokenizer against sentencepiece and megatron-core's NullTokenizer directly."""
+"""megatron_ext.data.tokenizers against sentencepiece and megatron-core's NullTokenizer directly."""
 
 import hashlib
 import os
 
 import pytest
 
-from megatron_ext.tokenizer import build_tokenizer
+from megatron_ext.data.tokenizers import build_tokenizer
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SHIPPED_MODEL = os.path.join(REPO, "data", "default", "tokenizer.model")

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.model import check_packed_sequence_support
-from megatron_ext.varlen_attention import block_diagonal_causal_mask, check_boundaries, document_causal_attention
+from megatron_ext.model.gpt import check_packed_sequence_support
+from megatron_ext.model.attention import block_diagonal_causal_mask, check_boundaries, document_causal_attention
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -63,7 +63,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from megatron_ext.platform import get_collective_device
+from megatron_ext.cpu_platform import get_collective_device
 
 _BYTEORDER = sys.byteorder.encode()
 

@@ -54,7 +54,7 @@ def build_full_tensor(
     elif not _PLAIN.search(global_name):
         raise ValueError(
             f"no initialisation rule for parameter '{global_name}': add one to "
-            f"megatron_ext/init_weights.py"
+            f"megatron_ext/model/init_weights.py"
         )
     generator = torch.Generator().manual_seed(get_param_seed(seed, global_name))
     return torch.normal(0.0, std, size=shape, generator=generator)

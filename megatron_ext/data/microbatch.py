@@ -19,7 +19,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from megatron_ext.loss import IGNORE_INDEX
+# Labels at this value predict nothing (megatron-core's and torch's cross-entropy convention).
+IGNORE_INDEX = -100
 
 Microbatch = dict[str, torch.Tensor]
 
@@ -72,15 +73,10 @@ def fetch_step_samples(dataset: Any, indices: list[list[int]]) -> list[list[dict
 
 def collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> Microbatch:
     """One micro-batch, padded to its longest sample (no padding for fixed-length samples)."""
-    from megatron_ext.padding import collate_padded
+    from megatron_ext.data.padding import collate_padded
 
     normalized = [normalize_sample(s) for s in samples]
     return collate_padded(normalized, max(len(s["tokens"]) for s in normalized), pad_id)
-
-
-def fetch_step_microbatches(dataset: Any, indices: list[list[int]]) -> list[Microbatch]:
-    """The step's micro-batches, each padded to its own longest sample."""
-    return [collate(mb) for mb in fetch_step_samples(dataset, indices)]
 
 
 def build_chunk_iterators(microbatches: list[Microbatch], num_chunks: int) -> list[Iterator[Microbatch]]:

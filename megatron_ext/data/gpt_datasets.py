@@ -152,7 +152,7 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
     """Build (train, valid, test) datasets; a split with zero weight comes back as None.
 
     Args:
-        tokenizer: from ``megatron_ext.tokenizer.build_tokenizer`` (needs vocab_size, eod, pad).
+        tokenizer: from ``megatron_ext.data.tokenizers.build_tokenizer`` (needs vocab_size, eod, pad).
         sequence_length: tokens per sample (each sample reads sequence_length + 1 tokens).
         num_samples: [train, valid, test] samples to draw (epochs repeat as needed).
         data_path: ``--data-path`` items (prefixes, or weight/prefix pairs); ignored if mock.

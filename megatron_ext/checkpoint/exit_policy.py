@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.platform import get_collective_device
+from megatron_ext.config import JobConfig
+from megatron_ext.cpu_platform import get_collective_device
 
 SIGNAL_RECEIVED = 1
 DURATION_EXCEEDED = 2
@@ -99,3 +100,10 @@ class ExitDecider:
             )
             flags |= agree_on_flags(local)
         return flags
+
+
+def build_exit_decider(cfg: JobConfig) -> ExitDecider:
+    """The exit decider of a run, built first thing in the entry point so that a SIGTERM during
+    start-up is recorded too, and --exit-duration-in-mins counts from the job's start."""
+    c = cfg.checkpoint
+    return ExitDecider(c.exit_signal_handler, c.exit_interval, c.exit_duration_in_mins)

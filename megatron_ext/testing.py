@@ -1,23 +1,110 @@
-"""A tiny GPT job for distributed tests: synthetic learnable data, any layout, full gradients.
+"""What the tests and benchmarks share: forked gloo worlds and a tiny GPT job on synthetic data.
 
-The data is a fixed random first-order Markov chain over a small vocabulary (so the model can
-learn it within a few steps), with a deterministic fraction of labels masked per sample so that
-valid-token counts differ between micro-batches and DP ranks.
+``run_ranks(fn, N)`` forks N gloo ranks from the calling process and collects what each returns.
+Forking from a process that already imported torch and megatron-core costs well under a second
+per world (a fresh interpreter costs 7-10 s here). Any rank's exception is re-raised in the
+caller with that rank's traceback; a rank that hangs fails the call after ``timeout`` seconds.
+
+The tiny job's data is a fixed random first-order Markov chain over a small vocabulary (so the
+model can learn it within a few steps), with a deterministic fraction of labels masked per sample
+so that valid-token counts differ between micro-batches and DP ranks. ``build_tiny_run`` goes
+through ``megatron_ext.run.build_training_run``, the same assembly as ``pretrain_gpt.py``.
 """
 
 from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import traceback
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ext.config import build_job_config, get_global_batch_size
-from megatron_ext.loss import IGNORE_INDEX
-from megatron_ext.model import build_model_chunks, wrap_with_ddp
-from megatron_ext.optim import build_optimizer, build_scheduler
-from megatron_ext.parallel import ParallelContext, build_parallel_context, destroy_parallel_context
-from megatron_ext.training import TrainingRun, configure_model_hooks
-from megatron_ext.logger import MetricWriter
+from megatron_ext.config import build_job_config
+from megatron_ext.data.microbatch import collate, fetch_step_samples
+from megatron_ext.model.init_weights import get_global_name, get_layer_offset
+from megatron_ext.parallel import ParallelContext
+from megatron_ext.run import build_training_run
+from megatron_ext.training.loop import TrainingRun
+
+
+def get_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, out: Any, args: tuple, env: dict) -> None:
+    status, payload = "ok", None
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,
+        )
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        payload = fn(rank, world_size, *args)
+    except BaseException:  # report everything, including SystemExit from a ConfigError path
+        status, payload = "error", traceback.format_exc()
+    try:
+        # Plain pickle (by value): torch's fd-sharing reducer dies with the exiting worker.
+        out.put((rank, status, pickle.dumps(payload)))
+    finally:
+        out.close()
+        out.join_thread()
+        os._exit(0)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600, env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; results by rank."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = get_free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, out, args, env or {}), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, status, payload = out.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s")
+            payload = pickle.loads(payload)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break  # the others are likely blocked in a collective
+    finally:
+        for p in procs:
+            p.join(timeout=2 if errors else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- the tiny job
 
 VOCAB = 128
 
@@ -66,18 +153,19 @@ def tiny_values(**overrides) -> dict:
     return values
 
 
-def build_tiny_run(values: dict, dataset) -> TrainingRun:
-    cfg = build_job_config(values)
-    device = torch.device("cpu")
-    ctx = build_parallel_context(cfg, device)
-    gbs = get_global_batch_size(cfg, dist.get_world_size())
-    model = wrap_with_ddp(cfg, build_model_chunks(cfg, ctx.placement, VOCAB, device))
-    optimizer = build_optimizer(cfg, model, device)
-    scheduler = build_scheduler(cfg, optimizer, gbs)
-    configure_model_hooks(model, optimizer)
-    return TrainingRun(cfg=cfg, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
-                       train_ds=dataset, valid_ds=None, global_batch_size=gbs,
-                       writer=MetricWriter(cfg, enabled=False), log=lambda s: None)
+def build_tiny_run(values: dict, dataset: Any, valid_dataset: Any = None) -> TrainingRun:
+    """The run ``pretrain_gpt.py`` would build from ``values`` (flag names), on the CPU, training
+    on ``dataset``, printing nothing."""
+    return build_training_run(
+        build_job_config(values), device=torch.device("cpu"), data=(dataset, valid_dataset),
+        log=lambda s: None, metrics=False,
+    )
+
+
+def fetch_step_microbatches(dataset: Any, indices: list[list[int]]) -> list[dict]:
+    """The step's micro-batches, each padded to its own longest sample (no negotiation): what a
+    test feeds ``run_forward_backward`` directly."""
+    return [collate(mb) for mb in fetch_step_samples(dataset, indices)]
 
 
 def _gather_dp_shards(model, ctx: ParallelContext) -> None:
@@ -94,8 +182,6 @@ def _gather_dp_shards(model, ctx: ParallelContext) -> None:
 
 def gather_full_grads(run: TrainingRun) -> dict[str, torch.Tensor]:
     """{global parameter name: full gradient} of this rank's parameters (after finalize)."""
-    from megatron_ext.init_weights import get_global_name, get_layer_offset
-
     ctx, cfg = run.ctx, run.cfg
     if cfg.parallel.use_distributed_optimizer and ctx.dp_size > 1:
         _gather_dp_shards(run.model, ctx)
@@ -145,6 +231,6 @@ class PackedMarkovDataset:
         return docs
 
     def __getitem__(self, i: int) -> dict:
-        from megatron_ext.packed_dataset import build_packed_sample
+        from megatron_ext.data.packed_dataset import build_packed_sample
 
         return build_packed_sample(self.get_documents(i))

@@ -26,8 +26,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megatron_ext.loss import IGNORE_INDEX
-from megatron_ext.packing import PackingIndex, build_packing_index, split_documents
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.data.packing import PackingIndex, build_packing_index, split_documents
 
 
 def get_split_ranges(num_docs: int, weights: Sequence[float]) -> list[tuple[int, int]]:

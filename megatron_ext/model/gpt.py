@@ -7,32 +7,14 @@ owns bucketing, as Megatron-LM does for the interleaved schedule).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
 from megatron_ext.config import (
-    JobConfig, get_num_query_groups, get_sequence_padding, get_virtual_pipeline_size, uses_per_token_loss,
+    JobConfig, get_num_query_groups, get_sequence_padding, get_virtual_pipeline_size,
 )
-from megatron_ext.init_weights import apply_layout_independent_init
-
-
-@dataclasses.dataclass(frozen=True)
-class StagePlacement:
-    """Where one rank sits in the pipeline (read from megatron-core once, by the caller)."""
-
-    pp_rank: int
-    pp_size: int
-    tp_rank: int
-    tp_size: int
-    vp_size: int | None
-
-    def is_first(self, vp_stage: int) -> bool:
-        return self.pp_rank == 0 and vp_stage == 0
-
-    def is_last(self, vp_stage: int) -> bool:
-        return self.pp_rank == self.pp_size - 1 and vp_stage == (self.vp_size or 1) - 1
+from megatron_ext.model.init_weights import apply_layout_independent_init
+from megatron_ext.parallel import StagePlacement
 
 
 def get_ffn_hidden_size(cfg: JobConfig) -> int:
@@ -73,7 +55,7 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=cfg.training.bf16,
-        calculate_per_token_loss=uses_per_token_loss(cfg),
+        calculate_per_token_loss=cfg.training.calculate_per_token_loss,
         # megatron-core's shape handshake before every P2P message (--sequence-padding variable)
         variable_seq_lengths=get_sequence_padding(cfg) == "variable",
         # (megatron-core rejects variable_seq_lengths with its default MoE dispatcher even
@@ -117,7 +99,7 @@ def build_layer_spec(cfg: JobConfig, device: torch.device):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from megatron_ext.varlen_attention import VarlenDotProductAttention
+    from megatron_ext.model.attention import VarlenDotProductAttention
 
     if use_transformer_engine(cfg, device):
         return get_gpt_layer_with_transformer_engine_spec()
@@ -195,24 +177,4 @@ def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.n
         )
         for i, chunk in enumerate(chunks)
     ]
-    if cfg.parallel.use_distributed_optimizer:
-        for chunk in wrapped:
-            apply_optimizer_state_offset_fix(chunk)
     return wrapped
-
-
-def apply_optimizer_state_offset_fix(ddp_chunk: torch.nn.Module) -> None:
-    """Work around megatron-core 0.16.1's distributed-optimizer checkpoint offsets.
-
-    With the distributed optimizer a bucket's end is padded (uniform DP shards), and a tied
-    embedding always gets a bucket of its own. ``get_parameter_state_dp_zero`` concatenates the
-    buckets WITHOUT that padding (``bucket.numel_unpadded``) while parameters are located by
-    their PADDED buffer indices, so every parameter after a padded bucket end reads its saved
-    optimizer state shifted (measured: the word embedding's state off by 64 elements, megatron-core
-    warning "param range exceeds unpadded buffer", resume not exact). Counting the padding as
-    data makes both agree; megatron-core uses ``numel_unpadded`` only for these state gathers.
-    """
-    for buffer in list(ddp_chunk.buffers) + list(ddp_chunk.expert_parallel_buffers):
-        for bucket in buffer.buckets:
-            bucket.numel_unpadded = bucket.grad_data.numel()
-        buffer.numel_unpadded = buffer.numel

@@ -3,7 +3,7 @@
 megatron-core 0.16.1's ``TorchDistSaveShardedStrategy`` always writes through
 ``FileSystemWriterAsync``: when a rank has data it starts a spawn-context
 ``multiprocessing.Manager()`` and forks one writer process per bucket, even for a synchronous
-save. On CPU/gloo ranks that hung (see ``shared/design/megatron-core-on-cpu.md``).
+save. On CPU/gloo ranks that hung (see ``docs/megatron-core-on-cpu.md``).
 
 ``InProcessTorchDistSaveStrategy`` keeps everything else of megatron-core's strategy (the
 MCore -> PyT sharded-tensor translation, the save planner with replica de-duplication, the

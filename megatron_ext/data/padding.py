@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ext.loss import IGNORE_INDEX
-from megatron_ext.platform import get_collective_device
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.cpu_platform import get_collective_device
 
 MODES = ("static", "negotiated", "variable")
 
@@ -92,7 +92,7 @@ def negotiate_step_length(local_max: int, group, multiple: int, seq_length: int)
     return get_step_length(local_max, multiple, seq_length)
 
 
-def build_step_microbatches(
+def collate_step(
     raw: list[list[dict[str, torch.Tensor]]], mode: str, group, multiple: int, seq_length: int, pad_id: int,
 ) -> tuple[list[dict], int]:
     """Pad the step's micro-batches as ``mode`` says; returns them and the schedule's seq_length."""

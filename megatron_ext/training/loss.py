@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-IGNORE_INDEX = -100
+from megatron_ext.data.microbatch import IGNORE_INDEX
 
 
 class TokenLoss(NamedTuple):

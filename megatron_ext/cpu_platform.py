@@ -7,14 +7,15 @@ schedules, DDP and optimizer call are harmless stand-ins, and megatron-core's mo
 RNG tracker keeps its named states as CPU generator states. When a CUDA device is used the
 layer does nothing at all (``apply_cpu_platform`` returns without touching anything).
 
-Mechanism (see ``shared/design/megatron-core-on-cpu.md``): one process-wide
+Mechanism (see ``docs/megatron-core-on-cpu.md``): one process-wide
 ``TorchFunctionMode`` rewrites CUDA device arguments and answers the optimizer's
 ``param.type() == 'torch.cuda.FloatTensor'`` checks; a handful of ``torch.cuda`` attributes are
 replaced; the RNG tracker is our CPU subclass. Measured cost: per-call interception is within
 noise at the op sizes we train with.
 
-The call sites this was checked against are those of megatron-core ``CHECKED_MEGATRON_CORE_VERSION``;
-``tests/unit/test_platform.py`` fails loudly when another version is installed.
+The call sites this was checked against are registered in ``megatron_ext/compat.py`` with the
+megatron-core version they were checked against; ``tests/unit/test_compat.py`` fails loudly when
+another version is installed or a call site moved.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-CHECKED_MEGATRON_CORE_VERSION = "0.16.1"
 
 # (module attribute path, replacement) pairs installed on torch.cuda while active.
 _TENSOR_TYPE = torch.Tensor.type
@@ -202,12 +201,6 @@ def _set_attr(handle: PlatformHandle, obj: Any, name: str, value: Any) -> None:
     old = getattr(obj, name, None)
     setattr(obj, name, value)
     handle.restore.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
-
-
-def get_megatron_core_version() -> str:
-    from megatron.core import package_info
-
-    return package_info.__version__
 
 
 def apply_cpu_platform(device: torch.device) -> PlatformHandle:

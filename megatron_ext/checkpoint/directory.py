@@ -1,0 +1,203 @@
+"""The checkpoint directory protocol: a crash at any moment never loses the last good checkpoint.
+
+Invariant: under ``--save DIR`` a directory named ``iter_<7 digits>`` always holds a complete
+checkpoint. Every save goes through these phases (``write_checkpoint``):
+
+1. all ranks write their shards into ``DIR/iter_XXXXXXX.tmp-<nonce>/`` (megatron-core's
+   ``dist_checkpointing`` in ``torch_dist`` format, written in-process: ``writer.py``);
+2. all ranks barrier (every shard and megatron-core's ``.metadata`` are on disk);
+3. rank 0 fsyncs the files megatron-core's coordinator wrote unsynced (``common.pt``,
+   ``metadata.json``) and the directory, writes ``complete.json`` into it, fsyncs that, renames
+   the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
+4. rank 0 replaces ``latest_checkpointed_iteration.txt`` atomically (temp file + ``os.replace``);
+5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest) and removes
+   leftovers of interrupted saves; all ranks barrier.
+
+A crash in any phase leaves the previous complete checkpoint untouched. Loading takes the newest
+directory that carries ``complete.json`` (a ``.tmp-`` directory never counts), so a crash between
+phases 3 and 4 loses nothing either. ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>`` makes that rank
+SIGKILL itself at a named phase (optionally ``:<iteration>``: ``after_shards``, ``before_publish``,
+``during_pointer_update``, ``before_retention``), for the crash tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+COMPLETE_MARKER = "complete.json"
+FAULT_ENV = "MEGATRON_EXT_CKPT_FAULT"
+FAULT_PHASES = ("after_shards", "before_publish", "during_pointer_update", "before_retention")
+FORMAT_VERSION = 1
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def get_checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def list_complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(iteration, path) of every complete checkpoint under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        match = _ITER_DIR.match(name)
+        path = os.path.join(root, name)
+        if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+            out.append((int(match.group(1)), path))
+    return sorted(out)
+
+
+def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
+    """The newest complete checkpoint, or None. Incomplete and ``.tmp-`` directories are ignored."""
+    complete = list_complete_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def select_checkpoints_to_delete(iterations: list[int], keep_last: int | None) -> list[int]:
+    """Iterations to delete so that the newest ``keep_last`` remain; never the newest one."""
+    if not keep_last or keep_last < 1:
+        return []
+    ordered = sorted(iterations)
+    return ordered[: max(len(ordered) - keep_last, 0)]
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration in ``latest_checkpointed_iteration.txt`` (informational; Megatron-LM's file)."""
+    try:
+        with open(os.path.join(root, TRACKER_FILE)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_durably(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def should_inject_fault(spec: str | None, phase: str, rank: int, iteration: int) -> bool:
+    """Whether ``spec`` = ``<phase>:<rank>[:<iteration>]`` names this point (pure)."""
+    if not spec:
+        return False
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in FAULT_PHASES:
+        raise ValueError(
+            f"{FAULT_ENV}={spec!r}: expected <phase>:<rank>[:<iteration>] with phase one of {FAULT_PHASES}"
+        )
+    return (parts[0] == phase and int(parts[1]) == rank
+            and (len(parts) == 2 or int(parts[2]) == iteration))
+
+
+def maybe_inject_fault(phase: str, rank: int, iteration: int) -> None:
+    """SIGKILL this process at a named save phase when ``MEGATRON_EXT_CKPT_FAULT`` says so."""
+    if should_inject_fault(os.environ.get(FAULT_ENV), phase, rank, iteration):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_coordinator_files(tmp_dir: str) -> None:
+    """Make the files megatron-core's coordinator wrote durable (``common.pt`` and
+    ``metadata.json`` are written without fsync; torch's ``.metadata`` is fsynced already, which
+    makes a second fsync nearly free), and the directory's entries. Every rank's ``*.distcp``
+    shards were fsynced by their writer (``writer.py``) and are not reopened here: on a
+    shared file system that would be one open per rank file."""
+    for name in os.listdir(tmp_dir):
+        path = os.path.join(tmp_dir, name)
+        if name.endswith(".distcp") or not os.path.isfile(path):
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(tmp_dir)
+
+
+def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int) -> None:
+    """Rank 0, after every rank wrote its shards: marker, rename, pointer (phases 3-4). Before
+    the marker, everything in the directory is durable, so a power loss after the publish cannot
+    leave a marked checkpoint with a missing or torn file."""
+    maybe_inject_fault("before_publish", rank, iteration)
+    _fsync_coordinator_files(tmp_dir)
+    _write_file_durably(
+        os.path.join(tmp_dir, COMPLETE_MARKER),
+        json.dumps({"iteration": iteration, "format_version": FORMAT_VERSION, "time": time.time()}),
+    )
+    if os.path.exists(final_dir):  # the same iteration saved again (e.g. after a resume)
+        stale = f"{final_dir}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final_dir, stale)
+        os.rename(tmp_dir, final_dir)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.rename(tmp_dir, final_dir)
+    _fsync_dir(root)
+    tracker_tmp = os.path.join(root, f".{TRACKER_FILE}.tmp-{uuid.uuid4().hex[:8]}")
+    _write_file_durably(tracker_tmp, str(iteration))
+    maybe_inject_fault("during_pointer_update", rank, iteration)
+    os.replace(tracker_tmp, os.path.join(root, TRACKER_FILE))
+    _fsync_dir(root)
+
+
+def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str]:
+    """Delete old complete checkpoints beyond ``keep_last`` and leftovers of interrupted saves
+    (``*.tmp-*``, ``*.old-*``, stale pointer temp files); returns the deleted paths."""
+    complete = list_complete_checkpoints(root)
+    doomed = set(select_checkpoints_to_delete([it for it, _ in complete], keep_last))
+    deleted = [path for it, path in complete if it in doomed and path != keep_dir]
+    for name in os.listdir(root):
+        if ".tmp-" in name or ".old-" in name:
+            deleted.append(os.path.join(root, name))
+    for path in deleted:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):  # a pointer temp file may already be gone
+                os.remove(path)
+    return deleted
+
+
+def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None) -> str:
+    """Write a sharded state dict as ``root/iter_<iteration>`` through the phases of the module
+    docstring; collective over the world. Returns the published directory."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
+
+    rank = dist.get_rank()
+    final_dir = get_checkpoint_dir(root, iteration)
+    nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
+    dist.broadcast_object_list(nonce, src=0)
+    tmp_dir = f"{final_dir}.tmp-{nonce[0]}"
+    if rank == 0:
+        os.makedirs(tmp_dir)
+    dist.barrier()
+    dist_checkpointing.save(state, tmp_dir, sharded_strategy=InProcessTorchDistSaveStrategy())
+    maybe_inject_fault("after_shards", rank, iteration)
+    dist.barrier()
+    if rank == 0:
+        publish_checkpoint(tmp_dir, final_dir, root, iteration, rank)
+        maybe_inject_fault("before_retention", rank, iteration)
+        apply_retention(root, keep_last, final_dir)
+    dist.barrier()
+    return final_dir

@@ -1,0 +1,119 @@
+"""Workarounds for megatron-core 0.16.1's optimizer state in checkpoints (registered in
+``megatron_ext/compat.py``).
+
+Invariant: a checkpoint saved with the distributed optimizer (``fully_reshardable``) restores every
+parameter's Adam moments and step exactly, in the same or another layout. megatron-core 0.16.1 gets
+three things wrong on our path (torch's Adam, no Apex/TE), each corrected here and nowhere else:
+the padded bucket ends shift the gathered state (``apply_optimizer_state_offset_fix``), a load
+fails on ``step`` and then shares one ``step`` tensor between all parameters
+(``load_optimizer_state``), and a never-stepped optimizer has no state to build a sharded state
+dict from (``init_empty_optimizer_state``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+def apply_optimizer_state_offset_fix(ddp_chunk: torch.nn.Module) -> None:
+    """Work around megatron-core 0.16.1's distributed-optimizer checkpoint offsets.
+
+    With the distributed optimizer a bucket's end is padded (uniform DP shards), and a tied
+    embedding always gets a bucket of its own. ``get_parameter_state_dp_zero`` concatenates the
+    buckets WITHOUT that padding (``bucket.numel_unpadded``) while parameters are located by
+    their PADDED buffer indices, so every parameter after a padded bucket end reads its saved
+    optimizer state shifted (measured: the word embedding's state off by 64 elements, megatron-core
+    warning "param range exceeds unpadded buffer", resume not exact). Counting the padding as
+    data makes both agree; megatron-core uses ``numel_unpadded`` only for these state gathers.
+    """
+    for buffer in list(ddp_chunk.buffers) + list(ddp_chunk.expert_parallel_buffers):
+        for bucket in buffer.buckets:
+            bucket.numel_unpadded = bucket.grad_data.numel()
+        buffer.numel_unpadded = buffer.numel
+
+
+@contextlib.contextmanager
+def catch_megatron_state_corruption():
+    """Collect megatron-core's "param range exceeds unpadded buffer" warnings while building
+    the optimizer's sharded state dict."""
+    import logging
+
+    found: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "exceeds unpadded buffer" in message:
+                found.append(message)
+
+    mcore_logger = logging.getLogger("megatron.core.optimizer.distrib_optimizer")
+    handler = _Catch(level=logging.WARNING)
+    mcore_logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        mcore_logger.removeHandler(handler)
+
+
+def init_empty_optimizer_state(optimizer) -> None:
+    """Give Adam parameters without state (no step taken yet) zero moments and step 0, as
+    ``torch.optim.AdamW`` would on its first step. megatron-core's distributed optimizer reads the
+    step count from that state while building its sharded state dict, also for a load (0.16.1,
+    torch optimizers: it asserts one common step)."""
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    }
+
+
+def load_optimizer_state(optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict`` plus two fixes for megatron-core 0.16.1's distributed
+    optimizer over torch's Adam (no Apex/TE):
+
+    - its fully-reshardable load copies every per-parameter state entry from the checkpoint but
+      skips "step" on the source side, then fails on it (``KeyError: 'step'``); we hand each
+      parameter's own (already restored) step back as the source;
+    - it gives all parameters one shared ``step`` tensor, which torch's Adam increments in place
+      once per parameter, so after a resume the bias correction would run N times too fast; each
+      parameter gets its own copy.
+    """
+    patched = []
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(wrapper, "_set_main_param_and_optimizer_states"):
+            patched.append(wrapper)
+            wrapper._set_main_param_and_optimizer_states = _keep_own_step(wrapper)
+    try:
+        optimizer.load_state_dict(state_dict)
+    finally:
+        for wrapper in patched:
+            del wrapper._set_main_param_and_optimizer_states  # back to the class method
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _keep_own_step(dist_opt):
+    original = type(dist_opt)._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group_index, group_order = dist_opt.model_param_group_index_map[model_param]
+        main_param = dist_opt.optimizer.param_groups[group_index]["params"][group_order]
+        step = dist_opt.optimizer.state[main_param].get("step")
+        if step is not None and "step" not in tensors:
+            tensors = {**tensors, "step": step}
+        return original(dist_opt, model_param, tensors)
+
+    return set_states

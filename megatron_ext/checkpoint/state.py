@@ -1,0 +1,249 @@
+"""What a checkpoint holds, and saving/loading a training run through the directory protocol.
+
+Invariant: a checkpoint restores a run exactly in its own layout and reshards to any other
+TP x PP x VPP x DP. Content: every model chunk (``chunk.sharded_state_dict()`` per virtual stage;
+megatron-core keys layers by their global number, so the layout is not part of the format), the
+optimizer (the distributed optimizer in its ``fully_reshardable`` form), the LR scheduler,
+``TrainState``, each rank's RNG states (CPU generator and megatron-core's model-parallel tracker),
+the flat run config, the tokenizer identity and the padded vocabulary. The RNG states are per
+rank and are restored only when the layout is unchanged; everything else reshards.
+
+Writing follows ``directory.py`` (atomic publish); loading reads with ``reader.py`` (our direct
+reader, or megatron-core's stock reader with ``--ckpt-reader megatron``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+
+from megatron_ext.checkpoint.directory import FORMAT_VERSION, find_latest_checkpoint, write_checkpoint
+from megatron_ext.checkpoint.optimizer_state import (
+    catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
+)
+from megatron_ext.config import ConfigError, JobConfig
+
+# The distributed optimizer's form that can change TP/PP/DP on load (docs/megatron-core-on-cpu.md:
+# the default 'fully_sharded_model_space' fails with "ShardedTensor.flattened_range is not supported").
+SHARDED_STATE_DICT_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
+CHECKPOINT_READERS = ("direct", "megatron")
+
+# Settings that fix the shapes and meaning of the saved weights: (config field, flag).
+MODEL_SHAPE_SETTINGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+    "num_query_groups", "normalization", "swiglu", "disable_bias_linear",
+    "untie_embeddings_and_output_weights", "position_embedding_type",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMeta:
+    """What a checkpoint records about the run besides its state (built by the entry point)."""
+
+    tokenizer: dict[str, Any]  # tokenizer.identity()
+    padded_vocab_size: int
+
+
+def get_layout(run) -> dict[str, int]:
+    ctx = run.ctx
+    return {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
+            "dp": ctx.dp_size, "vp": ctx.vp_size or 1}
+
+
+def get_rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def build_model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
+    """{"model<i>": sharded state dict of virtual stage i}. Keys inside are global (megatron-core
+    offsets each chunk's layers), so the nesting does not tie the checkpoint to a VPP size."""
+    return {
+        f"model{i}": chunk.module.sharded_state_dict(prefix="", metadata=dict(SHARDED_STATE_DICT_METADATA))
+        for i, chunk in enumerate(model)
+    }
+
+
+def build_sharded_state_dict(
+    run, meta: CheckpointMeta, *, is_loading: bool, include_optimizer: bool, include_rng: bool
+) -> dict[str, Any]:
+    """The whole checkpoint as megatron-core's sharded state dict."""
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    state = build_model_sharded_state_dict(run.model)
+    if include_optimizer:
+        # megatron-core finds each parameter's ShardedTensor anywhere in the nested dict
+        state["optimizer"] = run.optimizer.sharded_state_dict(
+            dict(state), is_loading=is_loading, metadata=dict(SHARDED_STATE_DICT_METADATA)
+        )
+        state["opt_param_scheduler"] = run.scheduler.state_dict()
+    if include_rng:
+        ctx = run.ctx
+        state["rng_state"] = ShardedObject(
+            "rng_state", get_rng_state(), (ctx.world_size,), (ctx.rank,), replica_id=0
+        )
+    state["train_state"] = dataclasses.asdict(run.state)
+    state["args"] = run.cfg.to_flat_dict()
+    state["tokenizer"] = dict(meta.tokenizer)
+    state["padded_vocab_size"] = meta.padded_vocab_size
+    state["layout"] = get_layout(run)
+    state["checkpoint_version"] = FORMAT_VERSION
+    return state
+
+
+def save_checkpoint(run, root: str, keep_last: int | None = None, meta: CheckpointMeta | None = None) -> str:
+    """Save the run at its current iteration under ``root``; collective over the world.
+    Returns the published directory."""
+    start = time.perf_counter()
+    with catch_megatron_state_corruption() as corrupted:
+        state = build_sharded_state_dict(
+            run, meta or run.checkpoint_meta, is_loading=False, include_optimizer=True, include_rng=True
+        )
+    for message in sorted(set(corrupted)):
+        # megatron-core 0.16.1 (its issue #504): part of this parameter's optimizer state is
+        # written as zeros; say so on every rank where it happens instead of a buried log line
+        run.log(f"WARNING rank {run.ctx.rank}: the saved optimizer state is incomplete, a resume "
+                f"will not be exact: {message}")
+    final_dir = write_checkpoint(state, root, run.state.iteration, keep_last)
+    if run.ctx.is_logging_rank:
+        run.log(f"saved checkpoint at iteration {run.state.iteration:8d} to {final_dir} "
+                f"in {time.perf_counter() - start:.2f} s")
+    return final_dir
+
+
+def check_compatible(
+    saved: dict[str, Any], cfg: JobConfig, meta: CheckpointMeta, load_optimizer: bool = True
+) -> list[str]:
+    """Problems that make a checkpoint unusable for this run, each naming the flag and values."""
+    problems = []
+    args = saved.get("args", {})
+    current = cfg.to_flat_dict()
+    for name in MODEL_SHAPE_SETTINGS:
+        if name in args and args[name] != current[name]:
+            problems.append(
+                f"--{name.replace('_', '-')}: the checkpoint was saved with {args[name]!r}, this run "
+                f"has {current[name]!r}; use the checkpoint's value or another --load directory"
+            )
+    if load_optimizer and "use_distributed_optimizer" in args and (
+        args["use_distributed_optimizer"] != current["use_distributed_optimizer"]
+    ):
+        problems.append(
+            f"--use-distributed-optimizer: the checkpoint was saved with "
+            f"{args['use_distributed_optimizer']}, this run has {current['use_distributed_optimizer']}; "
+            f"their optimizer states differ in form: use the checkpoint's setting, or --no-load-optim "
+            f"to load the weights only"
+        )
+    if saved.get("padded_vocab_size") not in (None, meta.padded_vocab_size):
+        problems.append(
+            f"vocabulary: the checkpoint's padded vocabulary is {saved['padded_vocab_size']}, this run's "
+            f"is {meta.padded_vocab_size} (--vocab-size / --tokenizer-model, "
+            f"--make-vocab-size-divisible-by x --tensor-model-parallel-size): use the checkpoint's "
+            f"tokenizer and padding"
+        )
+    saved_tok = saved.get("tokenizer")
+    if saved_tok is not None and saved_tok != meta.tokenizer:
+        problems.append(
+            f"--tokenizer-type/--tokenizer-model: the checkpoint was saved with tokenizer {saved_tok}, "
+            f"this run uses {meta.tokenizer}"
+        )
+    return problems
+
+
+def load_full_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{checkpoint key: full unsharded tensor} for every tensor whose key starts with ``prefix``,
+    read in this process without a process group (for tools and tests). Layer-stacked keys
+    (``decoder.layers.*``) have the global layer index as dimension 0."""
+    from torch.distributed import checkpoint as dcp
+
+    reader = dcp.FileSystemReader(ckpt_dir)
+    metadata = reader.read_metadata()
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(md, "size")
+    }
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def read_checkpoint_common(ckpt_dir: str) -> dict[str, Any]:
+    """The non-sharded part of a checkpoint (args, train state, scheduler, ...), no process group."""
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    return load_common_state_dict(ckpt_dir)
+
+
+def load_checkpoint(
+    run, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None
+) -> int | None:
+    """Restore ``run`` from the newest complete checkpoint under ``root``; collective.
+
+    Returns the loaded iteration, or None when ``root`` holds no complete checkpoint (a fresh
+    start). Raises ConfigError, before anything is written, when the model or tokenizer differ.
+    ``meta`` defaults to the run's own, ``reader`` to ``--ckpt-reader``.
+    """
+    from megatron.core import dist_checkpointing
+
+    meta = meta or run.checkpoint_meta
+    found = find_latest_checkpoint(root)
+    if found is None:
+        return None
+    iteration, ckpt_dir = found
+    common = read_checkpoint_common(ckpt_dir)
+    problems = check_compatible(common, run.cfg, meta, load_optimizer)
+    if problems:
+        raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
+    if load_optimizer and "opt_param_scheduler" not in common:
+        load_optimizer = False  # weights only, e.g. converted by tools/convert_checkpoint.py
+        if run.ctx.is_logging_rank:
+            run.log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
+    same_layout = common.get("layout") == get_layout(run)
+    if load_optimizer:
+        init_empty_optimizer_state(run.optimizer)
+    state = build_sharded_state_dict(
+        run, meta, is_loading=True, include_optimizer=load_optimizer, include_rng=same_layout
+    )
+    strategy = build_load_strategy(reader or run.cfg.checkpoint.ckpt_reader)
+    loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=strategy)
+    if load_optimizer:
+        load_optimizer_state(run.optimizer, loaded["optimizer"])
+        run.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    for i, chunk in enumerate(run.model):
+        chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
+    if same_layout:
+        set_rng_state(loaded["rng_state"])
+    run.state = type(run.state)(**loaded.get("train_state", {}))
+    if run.ctx.is_logging_rank:
+        how = "same layout" if same_layout else f"resharded from {common.get('layout')}"
+        run.log(f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how})")
+    return iteration
+
+
+def build_load_strategy(reader: str):
+    """megatron-core's load strategy for ``--ckpt-reader``: ``direct`` (ours: tensor bytes straight
+    into their destinations, ``reader.py``) or ``megatron`` (megatron-core's stock torch_dist
+    reader). Both read the same files."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    from megatron_ext.checkpoint.reader import DirectReadTorchDistLoadStrategy
+
+    if reader == "direct":
+        return DirectReadTorchDistLoadStrategy()
+    if reader == "megatron":
+        return TorchDistLoadShardedStrategy()
+    raise ValueError(f"--ckpt-reader {reader}: use one of {', '.join(CHECKPOINT_READERS)}")

@@ -1,0 +1,53 @@
+"""The run's train and validation datasets, from the data flags.
+
+Invariant: every rank builds the same datasets (rank 0 builds and caches indices first, the
+others read them), so sample ``i`` is the same sample everywhere; which ranks read which samples
+is decided later, per step (``microbatch.get_microbatch_indices``).
+
+Variable-length samples (``--packed-sequences``, ``--one-document-per-row``) come from our
+document-aware index (``packed_dataset.py``); fixed windows from megatron-core's ``GPTDataset``
+(``gpt_datasets.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from megatron_ext.config import JobConfig, uses_variable_lengths
+from megatron_ext.data.gpt_datasets import build_gpt_datasets, parse_split
+from megatron_ext.data.packed_dataset import build_packed_datasets
+
+
+def get_num_samples(cfg: JobConfig, global_batch_size: int) -> list[int]:
+    """[train, valid, test] samples the run will read."""
+    t = cfg.training
+    num_evals = t.train_iters // t.eval_interval if t.eval_interval else 0
+    return [t.train_iters * global_batch_size, max(num_evals * t.eval_iters * global_batch_size, 1), 1]
+
+
+def build_train_valid_datasets(
+    cfg: JobConfig, tokenizer: Any, global_batch_size: int, log: Callable[[str], None] | None = None,
+) -> tuple[Any, Any]:
+    """(train, valid) datasets; ``log`` (the logging rank's) receives the packing summary."""
+    num_samples = get_num_samples(cfg, global_batch_size)
+    d, t = cfg.data, cfg.training
+    if uses_variable_lengths(cfg):
+        strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
+        train_ds, valid_ds, _ = build_packed_datasets(
+            d.data_path[-1], parse_split(d.split), cfg.model.seq_length, strategy, t.seed,
+            num_samples, d.data_cache_path,
+        )
+        if log is not None:
+            index = train_ds.index
+            log(
+                f"> {strategy} samples: {index.num_bins} of <= {cfg.model.seq_length} tokens from "
+                f"{len(index.piece_len)} document pieces | packing efficiency (real tokens / slots "
+                f"at --seq-length): {index.efficiency(cfg.model.seq_length):.3f}"
+            )
+        return train_ds, valid_ds
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        tokenizer, cfg.model.seq_length, num_samples, data_path=d.data_path, split=d.split,
+        mock_data=d.mock_data, random_seed=t.seed, path_to_cache=d.data_cache_path,
+        create_attention_mask=False,
+    )
+    return train_ds, valid_ds

@@ -1,0 +1,89 @@
+"""Assembling a training run: the one place where every part is built, in order.
+
+``build_training_run(cfg)`` is what ``pretrain_gpt.py``, the tests (``megatron_ext.testing``) and
+the benchmarks call: process groups -> tokenizer and padded vocabulary -> model chunks (our
+layout-independent init) -> megatron-core DDP -> optimizer and LR schedule -> megatron-core's
+per-step hooks -> datasets -> the ``TrainingRun`` the loop consumes. Everything after the process
+groups receives them through the ``ParallelContext``; nothing reads megatron-core's globals.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
+from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
+from megatron_ext.checkpoint.state import CheckpointMeta
+from megatron_ext.config import JobConfig, get_global_batch_size, get_padded_vocab_size
+from megatron_ext.cpu_platform import select_device
+from megatron_ext.data.builder import build_train_valid_datasets
+from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.model.gpt import build_model_chunks, wrap_with_ddp
+from megatron_ext.parallel import build_parallel_context
+from megatron_ext.training.loop import TrainingRun
+from megatron_ext.training.metrics import MetricWriter
+from megatron_ext.training.optimizer import build_optimizer, build_scheduler
+from megatron_ext.training.step import configure_model_hooks
+from megatron_ext.training.timeline import build_pp_timeline
+
+
+def build_training_run(
+    cfg: JobConfig,
+    *,
+    device: torch.device | None = None,
+    tokenizer: Any = None,
+    data: tuple[Any, Any] | None = None,
+    exit_decider: ExitDecider | None = None,
+    log: Callable[[str], None] | None = None,
+    metrics: bool = True,
+) -> TrainingRun:
+    """Build everything a run needs on this rank; collective (the process group must exist).
+
+    ``data`` = (train, valid) datasets replaces the ones the data flags describe (tests pass
+    synthetic ones); ``exit_decider`` is built from the flags unless given (the entry point builds
+    it first thing, so a SIGTERM during start-up counts); ``metrics=False`` writes no TensorBoard
+    or wandb scalars.
+    """
+    device = device or select_device()
+    log = log or functools.partial(print, flush=True)
+    ctx = build_parallel_context(cfg, device)
+    global_batch_size = get_global_batch_size(cfg, ctx.world_size)
+    if tokenizer is None:
+        d = cfg.data
+        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
+    vocab = get_padded_vocab_size(tokenizer.vocab_size, cfg)
+
+    model = wrap_with_ddp(cfg, build_model_chunks(cfg, ctx.placement, vocab, device))
+    if cfg.parallel.use_distributed_optimizer:
+        for chunk in model:
+            apply_optimizer_state_offset_fix(chunk)
+    optimizer = build_optimizer(cfg, model, device)
+    scheduler = build_scheduler(cfg, optimizer, global_batch_size)
+    configure_model_hooks(model, optimizer)
+    if data is None:
+        data = build_train_valid_datasets(cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None)
+
+    return TrainingRun(
+        cfg=cfg, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+        train_ds=data[0], valid_ds=data[1], global_batch_size=global_batch_size,
+        writer=MetricWriter(cfg, enabled=metrics and ctx.is_logging_rank),
+        checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab),
+        exit_decider=exit_decider or build_exit_decider(cfg),
+        pad_id=tokenizer.pad, log=log,
+        timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx) if cfg.logging.pp_timeline else None,
+    )
+
+
+def describe_run(run: TrainingRun) -> str:
+    """The start-up summary line of the logging rank."""
+    ctx, p = run.ctx, run.cfg.parallel
+    local = sum(prm.numel() for chunk in run.model for prm in chunk.parameters())
+    return (
+        f"> layout: world {ctx.world_size} = TP {ctx.tp_size} x PP {ctx.pp_size} x DP {ctx.dp_size}"
+        f" | virtual stages per pipeline rank {ctx.vp_size or 1}"
+        f" | distributed optimizer {p.use_distributed_optimizer} | device {ctx.device}"
+        f" | padded vocab {run.checkpoint_meta.padded_vocab_size} | parameters on the logging rank {local:,}"
+    )

@@ -1,0 +1,207 @@
+"""The training loop: steps, logging, evaluation, checkpoints and exits, in one readable order.
+
+After every step, in this order and nowhere else: log (every ``--log-interval`` steps) ->
+evaluate (every ``--eval-interval``) -> agree on an exit (signal, time limit, ``--exit-interval``;
+every rank gets the same answer) -> save (on ``--save-interval``, at ``--train-iters`` and before
+an exit) -> stop if exiting. The loss is reported as global sum / global count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.checkpoint.exit_policy import ExitDecider, describe_exit
+from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint
+from megatron_ext.config import JobConfig
+from megatron_ext.cpu_platform import get_collective_device
+from megatron_ext.parallel import ParallelContext
+from megatron_ext.training.loss import get_mean_loss, reduce_reported_loss
+from megatron_ext.training.metrics import IterationStats, MetricWriter, format_iteration_line, format_validation_line
+from megatron_ext.training.step import StepResult, build_step_microbatches, run_forward_backward, train_step
+from megatron_ext.training.timeline import PipelineTimeline
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a resume needs besides weights and optimizer state."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """Everything the loop needs, built by ``megatron_ext.run.build_training_run``."""
+
+    cfg: JobConfig
+    ctx: ParallelContext
+    model: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    train_ds: Any
+    valid_ds: Any
+    global_batch_size: int
+    writer: MetricWriter
+    checkpoint_meta: CheckpointMeta
+    exit_decider: ExitDecider
+    pad_id: int = 0
+    state: TrainState = dataclasses.field(default_factory=TrainState)
+    log: Callable[[str], None] = functools.partial(print, flush=True)
+    # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
+    records: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # --pp-timeline: records each step's forward/backward spans; None when off.
+    timeline: PipelineTimeline | None = None
+
+
+@dataclasses.dataclass
+class LogWindow:
+    """What accumulates between two log lines."""
+
+    loss: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    seconds: float = 0.0
+    iterations: int = 0
+    real_tokens: int = 0
+    slots: int = 0
+
+
+def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Global [sum, count] on the last stage (one all-reduce over its DP group)."""
+    if not (ctx.is_last_stage and ctx.dp_size > 1):
+        return local.clone()
+    total = local.to(get_collective_device(ctx.dp_group))
+    dist.all_reduce(total, group=ctx.dp_group)
+    return total.cpu()
+
+
+def evaluate(run: TrainingRun, start_sample: int) -> float:
+    """Token-mean validation loss over ``--eval-iters`` global batches."""
+    cfg, ctx, model = run.cfg, run.ctx, run.model
+    for chunk in model:
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(cfg.training.eval_iters):
+            first = start_sample + i * run.global_batch_size
+            microbatches, length = build_step_microbatches(run, run.valid_ds, first)
+            reports = run_forward_backward(model, microbatches, length, forward_only=True)
+            if ctx.is_last_stage:
+                total += reduce_reported_loss(reports)
+    for chunk in model:
+        chunk.train()
+    return get_mean_loss(reduce_loss_over_dp(total, ctx))
+
+
+def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepResult, int]:
+    """Fetch and pad the step's micro-batches, take one optimizer step, advance the state;
+    returns the step's result and padded length."""
+    state = run.state
+    start = time.perf_counter()
+    microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
+    traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
+    with traced:
+        result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
+                            run.global_batch_size, run.ctx)
+    window.seconds += time.perf_counter() - start
+    window.iterations += 1
+    window.real_tokens += sum(mb["num_real_tokens"] for mb in microbatches)
+    window.slots += sum(mb["tokens"].numel() for mb in microbatches)
+    window.loss += result.loss_sum_count
+    state.iteration += 1
+    state.consumed_samples += run.global_batch_size
+    state.skipped_iterations += int(not result.update_successful)
+    return result, length
+
+
+def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length: int) -> float:
+    """The global token-mean loss since the last log line, logged and recorded; resets ``window``."""
+    loss = get_mean_loss(reduce_loss_over_dp(window.loss, run.ctx))
+    if run.ctx.is_last_stage:
+        run.records.append({
+            "iteration": run.state.iteration, "loss": loss, "grad_norm": result.grad_norm,
+            "lr": run.optimizer.param_groups[0]["lr"],
+        })
+    padding = 1.0 - window.real_tokens / max(window.slots, 1)
+    _log_iteration(run, loss, result, window.seconds / window.iterations, length, padding)
+    window.__init__()
+    return loss
+
+
+def evaluate_and_log(run: TrainingRun) -> None:
+    t, iteration = run.cfg.training, run.state.iteration
+    eval_start = (iteration // t.eval_interval - 1) * t.eval_iters * run.global_batch_size
+    val = evaluate(run, eval_start)
+    if run.ctx.is_logging_rank:
+        run.log(format_validation_line(iteration, val))
+        run.writer.write({"lm loss validation": val}, iteration)
+
+
+def should_save(cfg: JobConfig, iteration: int, exiting: bool) -> bool:
+    """On ``--save-interval``, at ``--train-iters`` and before an exit, when ``--save`` is set."""
+    c = cfg.checkpoint
+    due = bool(c.save_interval) and iteration % c.save_interval == 0
+    return bool(c.save) and (due or exiting or iteration == cfg.training.train_iters)
+
+
+def train(run: TrainingRun) -> list[float]:
+    """Train to ``--train-iters`` (or an agreed exit); returns the logged losses (global token
+    means) on every rank of the last stage (empty elsewhere)."""
+    cfg, state = run.cfg, run.state
+    t = cfg.training
+    history: list[float] = []
+    window = LogWindow()
+    while state.iteration < t.train_iters:
+        result, length = run_training_iteration(run, window)
+        if state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters:
+            loss = log_progress(run, window, result, length)
+            if run.ctx.is_last_stage:
+                history.append(loss)
+        if t.eval_interval and state.iteration % t.eval_interval == 0 and run.valid_ds is not None:
+            evaluate_and_log(run)
+        exit_flags = run.exit_decider.decide(state.iteration)
+        if should_save(cfg, state.iteration, bool(exit_flags)):
+            save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
+        if exit_flags:
+            if run.ctx.is_logging_rank:
+                run.log(f"exiting after iteration {state.iteration}: {describe_exit(exit_flags)}")
+            break
+    return history
+
+
+def _log_iteration(
+    run: TrainingRun, loss: float, result: StepResult, seconds: float, seq_length: int, padding: float
+) -> None:
+    if not run.ctx.is_logging_rank:
+        return
+    cfg, state = run.cfg, run.state
+    lr = run.optimizer.param_groups[0]["lr"]
+    stats = IterationStats(
+        iteration=state.iteration,
+        train_iters=cfg.training.train_iters,
+        consumed_samples=state.consumed_samples,
+        ms_per_iteration=seconds * 1000.0,
+        # slots (padded tokens) per second; the padding fraction says how many were real
+        tokens_per_second=run.global_batch_size * seq_length / max(seconds, 1e-9),
+        learning_rate=lr,
+        global_batch_size=run.global_batch_size,
+        lm_loss=loss,
+        grad_norm=result.grad_norm,
+        skipped_iterations=state.skipped_iterations,
+        nan_iterations=state.nan_iterations,
+        seq_length=seq_length,
+        padding_fraction=padding,
+    )
+    run.log(format_iteration_line(stats))
+    run.writer.write(
+        {"lm loss": loss, "learning rate": lr, "grad norm": result.grad_norm or 0.0,
+         "tokens/s": stats.tokens_per_second},
+        state.iteration,
+    )

@@ -1,0 +1,134 @@
+"""One training step on megatron-core's schedules.
+
+A step: zero the DDP grad buffers -> ``get_forward_backward_func()`` over the step's m
+micro-batches (interleaved 1F1B with VPP, 1F1B with PP, none without) -> megatron-core's
+``finalize_model_grads`` (DP reduce, tied-embedding sync, token-count scaling) -> optimizer step
+(clipping inside) -> LR schedule.
+
+Invariant: every virtual stage gets its own iterator over the same m micro-batches of the step,
+in order, so a packed micro-batch's boundaries reach every stage with it (never through the P2P
+activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+
+from megatron_ext.config import get_sequence_padding
+from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators, fetch_step_samples, get_microbatch_indices
+from megatron_ext.data.padding import collate_step
+from megatron_ext.parallel import ParallelContext
+from megatron_ext.training.loss import compute_token_loss, get_valid_mask, reduce_reported_loss
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss_sum_count: torch.Tensor  # [2] float64, this rank's [sum, count] (zeros off the last stage)
+    grad_norm: float | None
+    update_successful: bool
+
+
+def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor):
+    return compute_token_loss(output_tensor, valid).to_megatron()
+
+
+def get_packed_seq_params(mb: Microbatch):
+    """megatron-core PackedSeqParams (THD) of a packed micro-batch, else None."""
+    if "cu_seqlens" not in mb:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = mb["cu_seqlens"].to(device=mb["tokens"].device, dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+        max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"],
+    )
+
+
+def forward_step(data_iterator, model):
+    """megatron-core forward_step_func: one micro-batch through one model chunk.
+
+    Every virtual stage has its own iterator over the step's micro-batches, so a packed
+    micro-batch's boundaries reach every stage with it (never through the P2P activations).
+    """
+    mb: Microbatch = next(data_iterator)
+    labels = mb["labels"]
+    output = model(
+        input_ids=mb["tokens"],
+        position_ids=mb["position_ids"],
+        attention_mask=None,
+        labels=labels.clamp(min=0),  # ignored positions are masked out of the loss
+        packed_seq_params=get_packed_seq_params(mb),
+    )
+    return output, functools.partial(_loss_func, get_valid_mask(labels, mb.get("loss_mask")))
+
+
+def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
+    """Wire megatron-core's per-step hooks into the (shared) TransformerConfig."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync if len(model) > 1 else no_sync[0]
+
+
+def run_forward_backward(
+    model: list[torch.nn.Module], microbatches: list[Microbatch], seq_length: int,
+    forward_only: bool = False, forward_step_func: Callable = forward_step,
+) -> list[dict[str, torch.Tensor]]:
+    """The schedule over the step's micro-batches; returns the last stage's loss reports."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not forward_only:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+    iterators = build_chunk_iterators(microbatches, len(model))
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=microbatches[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def train_step(
+    model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
+    seq_length: int, global_batch_size: int, ctx: ParallelContext,
+) -> StepResult:
+    optimizer.zero_grad()
+    reports = run_forward_backward(model, microbatches, seq_length)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=global_batch_size)
+    local = reduce_reported_loss(reports) if ctx.is_last_stage else torch.zeros(2, dtype=torch.float64)
+    return StepResult(local, grad_norm, bool(update_successful))
+
+
+def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
+    """Fetch this rank's micro-batches of the step starting at ``first_sample`` and pad them
+    (``--sequence-padding``); returns them and the schedule's seq_length."""
+    cfg, ctx = run.cfg, run.ctx
+    indices = get_microbatch_indices(
+        first_sample, run.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size
+    )
+    microbatches, length = collate_step(
+        fetch_step_samples(dataset, indices), get_sequence_padding(cfg), ctx.mp_group,
+        cfg.data.pad_to_multiple_of, cfg.model.seq_length, run.pad_id,
+    )
+    return [move_to_device(mb, ctx.device) for mb in microbatches], length
+
+
+def move_to_device(mb: Microbatch, device: torch.device) -> Microbatch:
+    """Tensors to the training device (a no-op on the CPU); boundaries stay int32."""
+    if device.type == "cpu":
+        return mb
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
