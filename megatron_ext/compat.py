@@ -1,0 +1,219 @@
+"""Every workaround for megatron-core and torch internals, in one table.
+
+Each workaround lives with its concern (the platform layer, the checkpoint reader, ...); this
+table is where whoever upgrades megatron-core or torch starts. An entry names what upstream does
+wrong or lacks for us, the code of ours that corrects it (``where``: ``module:qualified.name``),
+the upstream names it reaches into or replaces (``upstream``: dotted paths that must exist), and
+the versions it was checked against.
+
+Invariant: ``tests/unit/test_compat.py`` resolves every ``where`` and ``upstream`` name and fails
+on a megatron-core other than ``CHECKED_MEGATRON_CORE_VERSION``; a new workaround is added here
+or that test's scan of the package fails. At run time ``check_versions()`` warns once when the
+installed megatron-core or torch lies outside what was checked (it never fails a run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+from typing import Any
+
+CHECKED_MEGATRON_CORE_VERSION = "0.16.1"
+# torch releases the workarounds were run against: the GPU machines run 2.11, CI 2.13.
+CHECKED_TORCH_RANGE = ((2, 11), (2, 13))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workaround:
+    name: str
+    corrects: str  # the upstream behaviour, as measured
+    where: str  # our code: "megatron_ext.module:qualified.name"
+    upstream: tuple[str, ...]  # upstream names reached into or replaced
+    checked: str = f"megatron-core {CHECKED_MEGATRON_CORE_VERSION}, torch 2.11-2.13"
+
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround(
+        "cuda-devices-on-cpu",
+        "megatron-core hard-codes device='cuda' / torch.cuda.current_device() in its schedules "
+        "(total_num_tokens), P2P buffers, optimizer buffers, grad-norm buffers and DDP buffers, and "
+        "accepts only 'torch.cuda.*Tensor' parameters",
+        "megatron_ext.cpu_platform:CudaToCpuMode",
+        ("megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
+         "megatron.core.pipeline_parallel.p2p_communication",
+         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
+         "megatron.core.optimizer.clip_grads.get_grad_norm_fp32"),
+    ),
+    Workaround(
+        "torch-cuda-stand-ins",
+        "megatron-core calls torch.cuda.current_device/synchronize/Stream/Event/default_stream/"
+        "set_device, which fail without CUDA",
+        "megatron_ext.cpu_platform:_cuda_stand_ins",
+        ("torch.cuda.current_device", "torch.cuda.Stream", "torch.cuda.default_stream"),
+    ),
+    Workaround(
+        "cpu-rng-tracker",
+        "megatron-core's model-parallel RNG tracker keeps CUDA generator states (forked in every "
+        "core attention call, even with dropout 0)",
+        "megatron_ext.cpu_platform:build_cpu_rng_tracker_class",
+        ("megatron.core.tensor_parallel.random._get_cuda_rng_state",
+         "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+         "megatron.core.tensor_parallel.random.CudaRNGStatesTracker",
+         "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER"),
+    ),
+    Workaround(
+        "in-process-checkpoint-writer",
+        "the torch_dist save strategy always writes through FileSystemWriterAsync, which starts a "
+        "spawn-context multiprocessing.Manager and forks writers even for a synchronous save: it "
+        "hung on CPU/gloo",
+        "megatron_ext.checkpoint.writer:InProcessFileSystemWriter",
+        ("megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
+         "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync",
+         "torch.distributed.checkpoint.filesystem._write_item"),
+    ),
+    Workaround(
+        "direct-checkpoint-reader",
+        "torch's FileSystemReader runs a full torch.load of every item into a temporary tensor and "
+        "copies it (every byte written twice; under half the speed of torch.load); DCP's load "
+        "planning round trips only carry exceptions. Switch back: --ckpt-reader megatron",
+        "megatron_ext.checkpoint.reader:_direct_reader",
+        ("megatron.core.dist_checkpointing.strategies.torch._get_filesystem_reader",
+         "megatron.core.dist_checkpointing.strategies.torch.checkpoint",
+         "torch._C.PyTorchFileReader", "torch._utils._rebuild_tensor_v2"),
+    ),
+    Workaround(
+        "distrib-optimizer-bucket-padding",
+        "the distributed optimizer gathers optimizer state without bucket-end padding but locates "
+        "parameters with it: state after a padded bucket is saved shifted (resume not exact)",
+        "megatron_ext.checkpoint.optimizer_state:apply_optimizer_state_offset_fix",
+        ("megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucket",),
+    ),
+    Workaround(
+        "distrib-optimizer-load-step",
+        "a fully_reshardable load with torch's Adam raises KeyError: 'step', then shares one step "
+        "tensor between all parameters (bias correction N times too fast after a resume)",
+        "megatron_ext.checkpoint.optimizer_state:load_optimizer_state",
+        ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",),
+    ),
+    Workaround(
+        "empty-optimizer-state",
+        "building the distributed optimizer's sharded state dict (also for a load) reads each "
+        "parameter's Adam step, which does not exist before the first step",
+        "megatron_ext.checkpoint.optimizer_state:init_empty_optimizer_state",
+        ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_state_dict",),
+    ),
+    Workaround(
+        "incomplete-optimizer-state-warning",
+        "a save that writes part of a parameter's optimizer state as zeros only logs a warning on "
+        "megatron-core's logger; we repeat it as a clear per-rank warning",
+        "megatron_ext.checkpoint.optimizer_state:catch_megatron_state_corruption",
+        ("megatron.core.optimizer.distrib_optimizer",),
+    ),
+    Workaround(
+        "reshardable-optimizer-format",
+        "the distributed optimizer's default sharded format (fully_sharded_model_space) raises "
+        "'ShardedTensor.flattened_range is not supported'; fully_reshardable changes TP/PP on load",
+        "megatron_ext.checkpoint.state:SHARDED_STATE_DICT_METADATA",
+        ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_state_dict",),
+    ),
+    Workaround(
+        "blended-dataset-rank",
+        "BlendedDataset._build_indices calls torch.distributed.get_rank() unguarded on a cache "
+        "miss, which raises without a process group",
+        "megatron_ext.data.gpt_datasets:maybe_single_process_rank",
+        ("megatron.core.datasets.blended_dataset.BlendedDataset._build_indices",),
+    ),
+    Workaround(
+        "schedule-step-timing",
+        "the schedules expose no per-micro-batch hooks; --pp-timeline wraps their module-level "
+        "forward_step/backward_step for the duration of a traced step",
+        "megatron_ext.training.timeline:PipelineTimeline.trace_step",
+        ("megatron.core.pipeline_parallel.schedules.forward_step",
+         "megatron.core.pipeline_parallel.schedules.backward_step"),
+    ),
+    Workaround(
+        "cpu-pipeline-settings",
+        "freeing sent activations early (deallocate_pipeline_outputs) corrupted interleaved "
+        "gradients with gloo's asynchronous sends; batched P2P with PP=2 interleaving swaps "
+        "forward/backward messages to the one neighbour; variable_seq_lengths is refused with the "
+        "default MoE dispatcher even without experts",
+        "megatron_ext.model.gpt:build_transformer_config",
+        ("megatron.core.transformer.TransformerConfig",),
+    ),
+    Workaround(
+        "packed-local-attention",
+        "the local spec's DotProductAttention refuses packed (THD) inputs",
+        "megatron_ext.model.attention:VarlenDotProductAttention",
+        ("megatron.core.transformer.dot_product_attention.DotProductAttention",),
+    ),
+    Workaround(
+        "destroy-process-groups",
+        "destroy_model_parallel() drops its group references while every gloo subgroup keeps its "
+        "threads and connections (over 1,000 threads per process after a few hundred groups)",
+        "megatron_ext.parallel:destroy_parallel_context",
+        ("torch.distributed.distributed_c10d._world", "torch.distributed.distributed_c10d._get_default_group"),
+    ),
+)
+
+
+def resolve(path: str) -> Any:
+    """The object a dotted path (``a.b.C.d``) or ``module:qualified.name`` names; raises
+    ImportError/AttributeError when it does not exist."""
+    if ":" in path:
+        module, qualname = path.split(":", 1)
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(path)
+
+
+def get_megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def get_torch_version() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def describe_version_drift() -> list[str]:
+    """What lies outside the checked versions (empty when everything matches)."""
+    out = []
+    mcore = get_megatron_core_version()
+    if mcore != CHECKED_MEGATRON_CORE_VERSION:
+        out.append(f"megatron-core {mcore} is installed; megatron_ext's workarounds (megatron_ext/compat.py) "
+                   f"were checked against {CHECKED_MEGATRON_CORE_VERSION}")
+    torch_version = get_torch_version()
+    low, high = CHECKED_TORCH_RANGE
+    if not low <= torch_version <= high:
+        out.append(f"torch {'.'.join(map(str, torch_version))} is installed; megatron_ext's workarounds were "
+                   f"checked with torch {low[0]}.{low[1]}-{high[0]}.{high[1]}")
+    return out
+
+
+_WARNED = False
+
+
+def check_versions() -> None:
+    """Warn once per process when megatron-core or torch lies outside what was checked."""
+    global _WARNED
+    if _WARNED:
+        return
+    _WARNED = True
+    for message in describe_version_drift():
+        warnings.warn(message, stacklevel=2)
