@@ -80,9 +80,9 @@ def job_values(args: argparse.Namespace) -> dict:
     )
 
 
-def make_microbatches(seq_length: int, n: int = POOL) -> list[dict[str, torch.Tensor]]:
+def make_microbatches(seq_length: int, n: int = POOL) -> list:
     """Random tokens (NullTokenizer-like); a few labels ignored so that 'valid' is exercised."""
-    from megatron_ext.data.microbatch import IGNORE_INDEX
+    from megatron_ext.data.microbatch import IGNORE_INDEX, Microbatch
 
     g = torch.Generator().manual_seed(SEED)
     out = []
@@ -92,10 +92,11 @@ def make_microbatches(seq_length: int, n: int = POOL) -> list[dict[str, torch.Te
         loss_mask = torch.ones(MICRO_BATCH, seq_length)
         loss_mask[0, : 7 * (i + 1)] = 0.0  # uneven valid counts
         labels[loss_mask == 0] = IGNORE_INDEX
-        out.append({
-            "tokens": seq[:, :-1].contiguous(), "labels": labels, "loss_mask": loss_mask,
-            "position_ids": torch.arange(seq_length).expand(MICRO_BATCH, seq_length).contiguous(),
-        })
+        out.append(Microbatch(
+            tokens=seq[:, :-1].contiguous(), labels=labels,
+            position_ids=torch.arange(seq_length).expand(MICRO_BATCH, seq_length).contiguous(),
+            num_real_tokens=MICRO_BATCH * seq_length, attention_pairs=MICRO_BATCH * seq_length ** 2,
+        ))
     return out
 
 
@@ -137,12 +138,10 @@ class Plain:
         self.params = [p for p in self.model.parameters()]
 
     def step(self, mb, attention_mask: torch.Tensor | None = None) -> float:
-        from megatron_ext.data.microbatch import IGNORE_INDEX
-
-        labels = mb["labels"]
-        per_token = self.model(input_ids=mb["tokens"], position_ids=mb["position_ids"],
+        labels = mb.labels
+        per_token = self.model(input_ids=mb.tokens, position_ids=mb.position_ids,
                                attention_mask=attention_mask, labels=labels.clamp(min=0))  # [b, s] CE
-        valid = labels != IGNORE_INDEX
+        valid = mb.valid
         loss = torch.where(valid, per_token, torch.zeros_like(per_token)).sum() / valid.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, CLIP)

@@ -137,10 +137,10 @@ def _bench_chunk(config, seconds_per_token: float, pre_process: bool):
 def sim_forward_step(data_iterator, model):
     """forward_step_func: the padded micro-batch's shape drives the simulated cost."""
     mb = next(data_iterator)
-    b, length = mb["tokens"].shape
+    b, length = mb.tokens.shape
     x = torch.zeros(length, b, model.config.hidden_size) if model.pre_process else None
     out = model(x)
-    valid = int((mb["labels"] >= 0).sum())
+    valid = int(mb.valid.sum())
 
     def loss_func(output):
         loss = output.float().mean()
@@ -185,9 +185,9 @@ def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_to
             dt = time.perf_counter() - t0
             out[mode].append({
                 "seconds": dt, "length": length,
-                "useful": sum(mb["num_real_tokens"] for mb in mbs),
-                "slots": sum(mb["tokens"].numel() for mb in mbs),
-                "lengths": [int(mb["tokens"].shape[1]) for mb in mbs],
+                "useful": sum(mb.num_real_tokens for mb in mbs),
+                "slots": sum(mb.num_slots for mb in mbs),
+                "lengths": [int(mb.tokens.shape[1]) for mb in mbs],
             })
     destroy_parallel_context()
     return out

@@ -145,8 +145,8 @@ def make_step(pieces_per_bin: list[list[np.ndarray]], seq_length: int, rows_per_
         n = int(sample["tokens"].shape[0])
         a.append(collate_padded([sample], round_up(n, PAD_MULTIPLE), 0))
         mb = collate_padded([sample], seq_length, 0)
-        allowed = block_diagonal_causal_mask(mb["cu_seqlens"].tolist(), seq_length)
-        c.append({**mb, "mcore_mask": (~allowed).view(1, 1, seq_length, seq_length)})
+        allowed = block_diagonal_causal_mask(list(mb.cu_seqlens_host), seq_length)
+        c.append((mb, (~allowed).view(1, 1, seq_length, seq_length)))
         for p in pieces:
             s = build_packed_sample([p])
             s.pop("cu_seqlens")
@@ -155,11 +155,11 @@ def make_step(pieces_per_bin: list[list[np.ndarray]], seq_length: int, rows_per_
     useful = sum(len(p) for pieces in pieces_per_bin for p in pieces)
 
     def docs_sq(mb) -> int:
-        d = mb["cu_seqlens"].diff().long()
+        d = mb.cu_seqlens.diff().long()
         return int((d * d).sum())
 
     shapes = {
-        "a": (sum(m["tokens"].numel() for m in a), sum(docs_sq(m) for m in a)),
+        "a": (sum(m.num_slots for m in a), sum(docs_sq(m) for m in a)),
         "b": (len(rows) * seq_length, len(rows) * seq_length ** 2),
         "c": (len(c) * seq_length, len(c) * seq_length ** 2),
     }
@@ -225,21 +225,22 @@ def thd_kernel(fn):
         va.document_causal_attention = original
 
 
-def forward_backward(model, mbs: list[dict], packed: bool, dense_mask: bool = False, backward: bool = True) -> float:
-    """Token-sum CE over valid labels, backward; returns the loss sum (float)."""
-    from megatron_ext.data.microbatch import IGNORE_INDEX
+def forward_backward(model, mbs: list, packed: bool, dense_mask: bool = False, backward: bool = True) -> float:
+    """Token-sum CE over valid labels, backward; returns the loss sum (float). ``mbs``: Microbatch
+    objects, or (Microbatch, dense mask) pairs with ``dense_mask``."""
     from megatron_ext.training.step import get_packed_seq_params
 
     total = 0.0
-    for mb in mbs:
-        labels = mb["labels"]
+    for item in mbs:
+        mb, mask = item if isinstance(item, tuple) else (item, None)
+        mask = mask if dense_mask else None
+        labels = mb.labels
         per_token = model(
-            input_ids=mb["tokens"], position_ids=mb["position_ids"],
-            attention_mask=mb["mcore_mask"] if dense_mask else None,
+            input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=mask,
             labels=labels.clamp(min=0),
-            packed_seq_params=get_packed_seq_params(mb) if packed else None,
+            packed_seq_params=get_packed_seq_params(mb, model) if packed else None,
         )
-        loss = torch.where(labels != IGNORE_INDEX, per_token, torch.zeros_like(per_token)).sum()
+        loss = torch.where(mb.valid, per_token, torch.zeros_like(per_token)).sum()
         if backward:
             loss.backward()
         total += float(loss.detach())
@@ -267,7 +268,7 @@ def make_variants(model, rows_per_mb: int, timed_mbs: int) -> dict:
         n = len(step["b"])
         picked = [step["b"][(r * timed_mbs + i) % n] for i in range(min(timed_mbs, n))]
         dt, loss = timed(lambda: forward_backward(model, picked, packed=False))
-        rows = sum(mb["tokens"].shape[0] for mb in picked)
+        rows = sum(mb.tokens.shape[0] for mb in picked)
         return dt * step["rows"] / rows, loss
 
     def run_c1(step, r):

@@ -79,7 +79,7 @@ class DataConfig:
     tokenizer_model: str | None = _f(None, "Tokenizer model file (sentencepiece .model).")
     vocab_size: int | None = _f(None, "Vocabulary size for NullTokenizer (EOD is the id vocab_size).")
     data_cache_path: str | None = _f(None, "Where megatron-core caches its sample indices (default: beside the data).")
-    packed_sequences: bool = _f(False, "Pack whole documents into each sample (THD, cu_seqlens, no attention across documents; --micro-batch-size 1).")
+    packed_sequences: bool = _f(False, "Pack whole documents into each sample of at most --seq-length tokens (THD, cu_seqlens, no attention across documents); a micro-batch joins its --micro-batch-size packs into one THD sequence.")
     packing_strategy: str = _f("best_fit", "Packer for --packed-sequences: sequential (corpus order) or best_fit (fewest pad tokens).", choices=["sequential", "best_fit"])
     one_document_per_row: bool = _f(False, "One document per sample row, unpacked (variable-length rows, SFT-like), padded per step.")
     sequence_padding: str | None = _f(None, "static (to --seq-length), negotiated (one MAX over the pipeline per step) or variable (megatron-core variable_seq_lengths handshake). Default: negotiated with packed/variable-length samples, else static.", choices=["static", "negotiated", "variable"])
@@ -108,7 +108,13 @@ class TrainingConfig:
     calculate_per_token_loss: bool = _f(True, "Token-sum loss: divide by valid tokens of the whole global batch (default on; --no-calculate-per-token-loss: mean of per-micro-batch means, as older Megatron-LM runs).", negative_flag=True)
     eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
     eval_iters: int = _f(2, "Validation batches per evaluation.")
-    bf16: bool = _f(False, "bf16 mixed precision (GPU).")
+    bf16: bool = _f(False, "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.")
+    fp16: bool = _f(False, "fp16 mixed precision with megatron-core's loss scaler (dynamic unless --loss-scale).")
+    loss_scale: float | None = _f(None, "Static loss scale for --fp16 (default: dynamic).")
+    initial_loss_scale: float = _f(2.0 ** 32, "Initial dynamic loss scale (--fp16).")
+    min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale (--fp16).")
+    loss_scale_window: int = _f(1000, "Steps without overflow before the dynamic loss scale grows (--fp16).")
+    hysteresis: int = _f(2, "Overflows tolerated before the dynamic loss scale shrinks (--fp16).")
 
 
 @dataclass
@@ -232,6 +238,21 @@ def get_num_query_groups(cfg: JobConfig) -> int:
 
 def uses_variable_lengths(cfg: JobConfig) -> bool:
     return cfg.data.packed_sequences or cfg.data.one_document_per_row
+
+
+def get_params_dtype(cfg: JobConfig):
+    """The dtype of weights and activations: bf16, fp16 or fp32."""
+    import torch
+
+    if cfg.training.bf16:
+        return torch.bfloat16
+    return torch.float16 if cfg.training.fp16 else torch.float32
+
+
+def get_max_microbatch_length(cfg: JobConfig) -> int:
+    """A micro-batch's longest possible length: --seq-length, or, packed, its b packs joined."""
+    packs = cfg.training.micro_batch_size if cfg.data.packed_sequences else 1
+    return cfg.model.seq_length * packs
 
 
 def get_sequence_padding(cfg: JobConfig) -> str:
@@ -464,7 +485,7 @@ def _check_data(cfg: JobConfig) -> list[str]:
 
 
 def _check_packing(cfg: JobConfig) -> list[str]:
-    d, m, t = cfg.data, cfg.model, cfg.training
+    d, m = cfg.data, cfg.model
     out = []
     if d.packed_sequences and d.one_document_per_row:
         out.append("--packed-sequences and --one-document-per-row are exclusive: give one")
@@ -474,11 +495,6 @@ def _check_packing(cfg: JobConfig) -> list[str]:
             out.append(f"{flag} needs documents: give --data-path (not --mock-data)")
         if len(_get_data_prefixes(d.data_path)) > 1:
             out.append(f"{flag} reads one indexed dataset: give a single --data-path prefix")
-    if d.packed_sequences and t.micro_batch_size != 1:
-        out.append(
-            f"--packed-sequences packs one sequence per micro-batch (THD): use --micro-batch-size 1 "
-            f"(got {t.micro_batch_size}) and raise --global-batch-size instead"
-        )
     if get_sequence_padding(cfg) != "static":
         k = d.pad_to_multiple_of
         if k <= 0 or m.seq_length % k:
@@ -509,8 +525,8 @@ def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
             "--sequence-parallel needs CUDA (megatron-core's torch norm on the local spec does not "
             "support it): drop --sequence-parallel on CPU"
         )
-    if cfg.training.bf16 and not cuda:
-        out.append("--bf16 is for GPUs; CPU training runs in fp32: drop --bf16")
+    if cfg.training.bf16 and cfg.training.fp16:
+        out.append("--bf16 and --fp16 are exclusive: give one")
     if cfg.model.transformer_impl == "transformer_engine" and not cuda:
         out.append("--transformer-impl transformer_engine needs CUDA: use local or auto on CPU")
     return out

@@ -21,7 +21,7 @@ from megatron_ext.config import JobConfig, get_global_batch_size, get_padded_voc
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.model.gpt import build_model_chunks, wrap_with_ddp
+from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, wrap_with_ddp
 from megatron_ext.parallel import build_parallel_context
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
@@ -56,7 +56,7 @@ def build_training_run(
         tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
     vocab = get_padded_vocab_size(tokenizer.vocab_size, cfg)
 
-    model = wrap_with_ddp(cfg, build_model_chunks(cfg, ctx.placement, vocab, device))
+    model = wrap_with_ddp(cfg, apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, vocab, device)))
     if cfg.parallel.use_distributed_optimizer:
         for chunk in model:
             apply_optimizer_state_offset_fix(chunk)

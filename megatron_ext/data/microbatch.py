@@ -1,4 +1,4 @@
-"""Which samples each DP rank trains on at each step, and the step's micro-batch iterators.
+"""What a micro-batch holds, which samples each DP rank trains on, and the per-stage iterators.
 
 Invariant (Megatron-LM's pretraining sampler): step k covers the global sample indices
 [k*G, (k+1)*G) of the training dataset, G = global batch size; micro-batch j of that step covers
@@ -10,10 +10,14 @@ Every rank of a pipeline (all its PP stages, virtual stages and TP ranks) fetche
 micro-batches of the step before the schedule starts, and each virtual stage gets its own
 iterator over that same list, in order; megatron-core's schedules then consume them in schedule
 order. No data is sent through the pipeline's P2P activations.
+
+Token validity has one encoding: a label equal to IGNORE_INDEX predicts nothing (a dataset's
+``loss_mask`` is folded into the labels once, in ``normalize_sample``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -22,7 +26,56 @@ import torch
 # Labels at this value predict nothing (megatron-core's and torch's cross-entropy convention).
 IGNORE_INDEX = -100
 
-Microbatch = dict[str, torch.Tensor]
+# One sample as 1-D tensors: tokens, labels, position_ids [L] and, when packed, cu_seqlens [n + 1].
+Sample = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """One micro-batch, as every model chunk of a pipeline sees it.
+
+    Unpacked: b rows of s tokens. Packed (THD): one row (b = 1) holding one or more packs of
+    whole documents, with ``cu_seqlens`` the document boundaries; the host copies of the
+    boundaries and of the longest document are computed once here, so that no layer has to ask
+    the device for them.
+    """
+
+    tokens: torch.Tensor  # [b, s] int64
+    labels: torch.Tensor  # [b, s] int64, IGNORE_INDEX where nothing is predicted
+    position_ids: torch.Tensor  # [b, s] int64, restarting at 0 for each document when packed
+    num_real_tokens: int  # tokens before padding
+    attention_pairs: int  # sum over documents (packed) or rows of real length^2 (FLOP count)
+    cu_seqlens: torch.Tensor | None = None  # [n + 1] int32 document boundaries (packed only)
+    cu_seqlens_host: tuple[int, ...] | None = None  # the same boundaries on the host
+    max_seqlen: int | None = None  # longest document, a Python int (kernels key caches on it)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[b, s] bool: positions whose label counts in the loss."""
+        return self.labels != IGNORE_INDEX
+
+    @property
+    def num_slots(self) -> int:
+        """Token positions including padding."""
+        return self.tokens.numel()
+
+    def to(self, device: torch.device) -> "Microbatch":
+        """The tensors on ``device`` (pinned host memory and an asynchronous copy on CUDA; this
+        object on the CPU)."""
+        if device.type == "cpu":
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory().to(device, non_blocking=True)
+
+        return dataclasses.replace(
+            self, tokens=move(self.tokens), labels=move(self.labels), position_ids=move(self.position_ids),
+            cu_seqlens=move(self.cu_seqlens),
+        )
 
 
 def get_microbatch_indices(
@@ -38,7 +91,7 @@ def get_microbatch_indices(
     ]
 
 
-def normalize_sample(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+def normalize_sample(sample: dict[str, Any]) -> Sample:
     """A dataset sample (megatron-core GPTDataset's numpy dict or ours) as 1-D torch tensors.
 
     Labels whose loss mask is 0 become IGNORE_INDEX, so the loss sees one notion of "invalid".
@@ -49,15 +102,13 @@ def normalize_sample(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
 
     tokens = get("tokens").long()
     labels = get("labels").long()
-    loss_mask = get("loss_mask").float() if "loss_mask" in sample else (labels != IGNORE_INDEX).float()
-    if not bool((loss_mask == 0).any()):
-        valid_labels = labels
-    else:
-        valid_labels = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
+    if "loss_mask" in sample:
+        masked = get("loss_mask") == 0
+        if bool(masked.any()):
+            labels = labels.masked_fill(masked, IGNORE_INDEX)
     out = {
         "tokens": tokens,
-        "labels": valid_labels,
-        "loss_mask": loss_mask,
+        "labels": labels,
         "position_ids": get("position_ids").long() if "position_ids" in sample else torch.arange(len(tokens)),
     }
     if "cu_seqlens" in sample:
@@ -65,18 +116,18 @@ def normalize_sample(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def fetch_step_samples(dataset: Any, indices: list[list[int]]) -> list[list[dict[str, torch.Tensor]]]:
+def fetch_step_samples(dataset: Any, indices: list[list[int]]) -> list[list[Sample]]:
     """The step's samples for this rank, unpadded, grouped by micro-batch (indices wrap around)."""
     n = len(dataset)
     return [[normalize_sample(dataset[i % n]) for i in mb] for mb in indices]
 
 
 def collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> Microbatch:
-    """One micro-batch, padded to its longest sample (no padding for fixed-length samples)."""
-    from megatron_ext.data.padding import collate_padded
+    """One micro-batch padded to its own length: the longest row, or the joined packs."""
+    from megatron_ext.data.padding import collate_padded, get_microbatch_length
 
     normalized = [normalize_sample(s) for s in samples]
-    return collate_padded(normalized, max(len(s["tokens"]) for s in normalized), pad_id)
+    return collate_padded(normalized, get_microbatch_length(normalized), pad_id)
 
 
 def build_chunk_iterators(microbatches: list[Microbatch], num_chunks: int) -> list[Iterator[Microbatch]]:

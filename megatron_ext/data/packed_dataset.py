@@ -7,7 +7,7 @@ document boundaries. A sample is one bin of whole documents (or pieces of over-l
 - ``tokens``  [L]  the documents' tokens, concatenated, L <= seq_length (unpadded);
 - ``labels``  [L]  the next token of the same document; the last position of each document
   predicts nothing (IGNORE_INDEX): no document learns to predict the next one's first token;
-- ``loss_mask`` [L], ``position_ids`` [L] (restarting at 0 for each document);
+- ``position_ids`` [L] (restarting at 0 for each document);
 - ``cu_seqlens`` [n_docs + 1] int32: document boundaries (0, ..., L).
 
 With ``one_per_row`` each sample is one document (pieces of at most ``seq_length`` tokens), for
@@ -141,7 +141,6 @@ def build_packed_sample(pieces: list[np.ndarray]) -> dict[str, torch.Tensor]:
     return {
         "tokens": torch.from_numpy(tokens),
         "labels": torch.from_numpy(labels),
-        "loss_mask": torch.from_numpy((labels != IGNORE_INDEX).astype(np.float32)),
         "position_ids": torch.from_numpy(position_ids),
         "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
     }

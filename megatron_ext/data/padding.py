@@ -4,16 +4,21 @@ Invariant: all ranks of one pipeline replica (its PP stages, virtual stages and 
 share a DP rank) pad micro-batch i of a step to the same length, so every P2P buffer of
 megatron-core's schedule matches. Modes (``--sequence-padding``):
 
-- ``static``: every micro-batch to ``--seq-length`` (no collective);
+- ``static``: every micro-batch to its longest possible length (no collective);
 - ``negotiated``: one all-reduce MAX of the step's longest micro-batch over the replica's
   model-parallel group (TP x PP), once per step, rounded up to ``--pad-to-multiple-of`` and never
-  above ``--seq-length``; the schedule is called with that ``seq_length``;
+  above the longest possible length; the schedule is called with that ``seq_length``;
 - ``variable``: each micro-batch to its own rounded length, and megatron-core's
   ``variable_seq_lengths`` shape handshake before every P2P message.
 
-Padding a sample: tokens with the pad id, labels IGNORE_INDEX, loss mask 0, position ids 0; in
-``cu_seqlens`` the LAST DOCUMENT GROWS to the padded length (a new zero-length document would make
-varlen kernels produce NaN); ``max_seqlen`` is recomputed from the grown boundaries.
+A micro-batch's length is its longest row, or, packed, the sum of its packs: the b packs of a
+packed micro-batch (``--micro-batch-size b``) are joined into ONE THD sequence of up to
+b x ``--seq-length`` tokens with joined ``cu_seqlens`` (attention still never crosses a document),
+so the longest possible length is ``--seq-length`` unpacked and b x ``--seq-length`` packed.
+
+Padding: tokens with the pad id, labels IGNORE_INDEX, position ids 0; in ``cu_seqlens`` the LAST
+DOCUMENT GROWS to the padded length (a new zero-length document would make varlen kernels produce
+NaN); ``max_seqlen`` is recomputed from the grown boundaries.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ext.data.microbatch import IGNORE_INDEX
 from megatron_ext.cpu_platform import get_collective_device
+from megatron_ext.data.microbatch import IGNORE_INDEX, Microbatch, Sample
 
 MODES = ("static", "negotiated", "variable")
 
@@ -31,11 +36,11 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def get_step_length(global_max: int, multiple: int, seq_length: int) -> int:
+def get_step_length(global_max: int, multiple: int, max_length: int) -> int:
     """The padded length for a step whose longest micro-batch has ``global_max`` tokens."""
-    if global_max > seq_length:
-        raise ValueError(f"a micro-batch has {global_max} tokens, more than --seq-length {seq_length}")
-    return min(seq_length, round_up(max(global_max, 1), multiple))
+    if global_max > max_length:
+        raise ValueError(f"a micro-batch has {global_max} tokens, more than its longest possible length {max_length}")
+    return min(max_length, round_up(max(global_max, 1), multiple))
 
 
 def get_max_seqlen(cu_seqlens: torch.Tensor) -> int:
@@ -43,7 +48,27 @@ def get_max_seqlen(cu_seqlens: torch.Tensor) -> int:
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
-def pad_sample(sample: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
+def get_microbatch_length(samples: list[Sample]) -> int:
+    """Tokens of a micro-batch before padding: the joined packs, or the longest row."""
+    lengths = [int(s["tokens"].shape[0]) for s in samples]
+    return sum(lengths) if "cu_seqlens" in samples[0] else max(lengths)
+
+
+def join_packs(samples: list[Sample]) -> Sample:
+    """b packed samples as one: tokens, labels and positions concatenated, boundaries joined."""
+    if len(samples) == 1:
+        return samples[0]
+    out = {k: torch.cat([s[k] for s in samples]) for k in ("tokens", "labels", "position_ids")}
+    cus, start = [], 0
+    for s in samples:
+        cu = s["cu_seqlens"]
+        cus.append(cu[:-1] + start)
+        start += int(s["tokens"].shape[0])
+    out["cu_seqlens"] = torch.cat(cus + [torch.tensor([start], dtype=torch.int32)]).to(torch.int32)
+    return out
+
+
+def pad_sample(sample: Sample, length: int, pad_id: int) -> Sample:
     """One 1-D sample padded to ``length`` tokens (see the module docstring)."""
     n = sample["tokens"].shape[0]
     if n > length:
@@ -56,7 +81,6 @@ def pad_sample(sample: dict[str, torch.Tensor], length: int, pad_id: int) -> dic
     out = {
         "tokens": pad(sample["tokens"], pad_id),
         "labels": pad(sample["labels"], IGNORE_INDEX),
-        "loss_mask": pad(sample["loss_mask"], 0.0),
         "position_ids": pad(sample["position_ids"], 0),
     }
     if "cu_seqlens" in sample:
@@ -66,43 +90,55 @@ def pad_sample(sample: dict[str, torch.Tensor], length: int, pad_id: int) -> dic
     return out
 
 
-def collate_padded(samples: list[dict[str, torch.Tensor]], length: int, pad_id: int) -> dict:
-    """A micro-batch of [b, length] tensors; packed micro-batches (b = 1) keep their boundaries."""
+def collate_padded(samples: list[Sample], length: int, pad_id: int) -> Microbatch:
+    """A micro-batch of ``length`` tokens per row: unpacked, b rows; packed, the b packs joined
+    into one THD row (b = 1) that keeps every document boundary."""
+    if "cu_seqlens" in samples[0]:
+        joined = join_packs(samples)
+        doc_lengths = (joined["cu_seqlens"][1:] - joined["cu_seqlens"][:-1]).tolist()
+        padded = pad_sample(joined, length, pad_id)
+        cu = padded["cu_seqlens"]
+        return Microbatch(
+            tokens=padded["tokens"][None], labels=padded["labels"][None],
+            position_ids=padded["position_ids"][None],
+            num_real_tokens=int(joined["tokens"].shape[0]),
+            attention_pairs=sum(n * n for n in doc_lengths),
+            cu_seqlens=cu, cu_seqlens_host=tuple(cu.tolist()), max_seqlen=get_max_seqlen(cu),
+        )
     padded = [pad_sample(s, length, pad_id) for s in samples]
-    mb = {k: torch.stack([p[k] for p in padded]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
-    if "cu_seqlens" in padded[0]:
-        if len(padded) != 1:
-            raise ValueError("packed sequences (THD) need --micro-batch-size 1")
-        mb["cu_seqlens"] = padded[0]["cu_seqlens"]
-        mb["max_seqlen"] = get_max_seqlen(mb["cu_seqlens"])
-    mb["num_real_tokens"] = sum(int(s["tokens"].shape[0]) for s in samples)
-    return mb
+    lengths = [int(s["tokens"].shape[0]) for s in samples]
+    return Microbatch(
+        tokens=torch.stack([p["tokens"] for p in padded]),
+        labels=torch.stack([p["labels"] for p in padded]),
+        position_ids=torch.stack([p["position_ids"] for p in padded]),
+        num_real_tokens=sum(lengths), attention_pairs=sum(n * n for n in lengths),
+    )
 
 
-def get_local_max(raw_microbatches: list[list[dict[str, torch.Tensor]]]) -> int:
-    return max(int(s["tokens"].shape[0]) for mb in raw_microbatches for s in mb)
+def get_local_max(raw_microbatches: list[list[Sample]]) -> int:
+    return max(get_microbatch_length(mb) for mb in raw_microbatches)
 
 
-def negotiate_step_length(local_max: int, group, multiple: int, seq_length: int) -> int:
+def negotiate_step_length(local_max: int, group, multiple: int, max_length: int) -> int:
     """THE collective of this feature: one all-reduce MAX over the replica's TP x PP group."""
     if group is not None and dist.get_world_size(group) > 1:
         t = torch.tensor([local_max], dtype=torch.int64, device=get_collective_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         local_max = int(t.item())
-    return get_step_length(local_max, multiple, seq_length)
+    return get_step_length(local_max, multiple, max_length)
 
 
 def collate_step(
-    raw: list[list[dict[str, torch.Tensor]]], mode: str, group, multiple: int, seq_length: int, pad_id: int,
-) -> tuple[list[dict], int]:
-    """Pad the step's micro-batches as ``mode`` says; returns them and the schedule's seq_length."""
+    raw: list[list[Sample]], mode: str, group, multiple: int, max_length: int, pad_id: int,
+) -> tuple[list[Microbatch], int]:
+    """Pad the step's micro-batches as ``mode`` says; returns them and the schedule's seq_length.
+    ``max_length``: a micro-batch's longest possible length (``--seq-length``, x b when packed)."""
     if mode == "static":
-        length = seq_length
-        return [collate_padded(mb, length, pad_id) for mb in raw], length
+        return [collate_padded(mb, max_length, pad_id) for mb in raw], max_length
     if mode == "negotiated":
-        length = negotiate_step_length(get_local_max(raw), group, multiple, seq_length)
+        length = negotiate_step_length(get_local_max(raw), group, multiple, max_length)
         return [collate_padded(mb, length, pad_id) for mb in raw], length
     if mode == "variable":
-        mbs = [collate_padded(mb, get_step_length(get_local_max([mb]), multiple, seq_length), pad_id) for mb in raw]
-        return mbs, seq_length
+        mbs = [collate_padded(mb, get_step_length(get_local_max([mb]), multiple, max_length), pad_id) for mb in raw]
+        return mbs, max_length
     raise ValueError(f"--sequence-padding {mode}: use one of {', '.join(MODES)}")

@@ -1,31 +1,108 @@
-"""Core attention for the local (torch) layer spec that honours packed sequences (THD).
+"""Core attention for the local (torch) layer spec: fast and exact, packed (THD) or not.
 
-Invariant: with ``PackedSeqParams(qkv_format="thd")`` no token attends across a document
-boundary of ``cu_seqlens``: each document is its own causal attention problem. Without packed
-parameters it is megatron-core's own ``DotProductAttention``, unchanged.
+Invariant: the output equals megatron-core's ``DotProductAttention`` (causal softmax attention)
+for unpacked inputs, and each document attending only to itself, causally, for packed inputs
+(``PackedSeqParams(qkv_format="thd")``: no token attends across a ``cu_seqlens`` boundary). No
+kernel here asks the device for anything: what a kernel needs on the host (the boundaries, the
+longest document) is computed once per micro-batch (``data/microbatch.Microbatch``) and arrives in
+``PackedMicrobatchParams``.
 
-Kernel: ``torch.nn.functional.scaled_dot_product_attention`` per document (causal, exact, 4-D
-views so torch's CPU flash kernel runs). Chosen by ``bench/varlen.py`` on the embedded corpus at
-seq 2048: 1.52x the useful tokens/CPU-s of one SDPA over the pack with a dense block-diagonal mask
-(FLOP bound 1.40), 2.15x megatron-core's attention with that mask, and 17x one document per row
-padded to 2048 (bound 8.07). flex_attention has no CPU backward and nested-jagged SDPA no CPU
-backend in torch 2.13 (both probed). On GPUs, Transformer Engine's attention consumes the same
-``PackedSeqParams``.
+Kernels (one notice line at start-up says which run, ``describe_attention_kernels``):
+
+- unpacked causal: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` (flash,
+  cuDNN or memory-efficient on GPUs, flash on the CPU) instead of megatron-core's [b, np, s, s]
+  score matrix (measured on an H100, GPT-2 124M bf16: 224k-253k tokens/s vs 111k); anything else
+  (an explicit mask, a window, a non-vanilla softmax) stays megatron-core's;
+- packed on CUDA: torch's ``varlen_attn`` (torch >= 2.10; k/v repeated for GQA where it has no
+  ``enable_gqa``); it has no dropout, so with ``--attention-dropout > 0`` the per-document loop runs;
+- packed elsewhere (the CPU) or with dropout: SDPA per document (4-D views, so torch's CPU flash
+  kernel runs; ``bench/varlen.py``: 1.52x the useful tokens/CPU-s of one SDPA with a dense
+  block-diagonal mask). flex_attention has no CPU backward, nested-jagged SDPA no CPU backend.
+- Transformer Engine's attention replaces all of this when TE is installed and CUDA is used.
+
+Packed RoPE: megatron-core 0.16.1's unfused THD rotary path calls ``cu_seqlens.tolist()`` and loops
+over documents in every layer. With the local spec the model's rotary module returns nothing for
+packed input (``PackedRotaryEmbedding``), the micro-batch's per-token frequencies are gathered once
+from its position ids (``build_packed_rotary_freqs``) and applied here to q and k with megatron-core's
+own rotation, without a per-document loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+PER_DOCUMENT = "per-document SDPA loop"
+VARLEN = "torch varlen_attn"
+
+
+@dataclasses.dataclass
+class PackedMicrobatchParams(PackedSeqParams):
+    """megatron-core's THD parameters plus what our core attention needs, computed once per
+    micro-batch: the boundaries on the host and the per-token rotary frequencies."""
+
+    cu_seqlens_host: tuple[int, ...] | None = None
+    rotary_freqs: torch.Tensor | None = None  # [t, 1, rot_dim] fp32, gathered by position id
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@functools.lru_cache(maxsize=None)
+def get_varlen_attn():
+    """torch's varlen attention function, or None (torch < 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def select_packed_kernel(device_type: str, dropout_p: float, varlen_available: bool) -> str:
+    """Which kernel runs packed attention (pure; the notice line and the forward both use it)."""
+    if device_type == "cuda" and varlen_available and dropout_p == 0.0:
+        return VARLEN
+    return PER_DOCUMENT
+
+
+def varlen_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+    max_seqlen: int, scale: float, varlen_attn=None,
+) -> torch.Tensor:
+    """query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn] through torch's varlen_attn."""
+    varlen_attn = varlen_attn or get_varlen_attn()
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"scale": scale}
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # torch < 2.12
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal: no look-ahead
+    else:
+        kwargs["is_causal"] = True
+    out = varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    return out.reshape(out.shape[0], -1)
 
 
 def document_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: list[int],
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: tuple[int, ...] | list[int],
     scale: float, dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """query [t, np, hn], key/value [t, ng, hn] (ng divides np) -> [t, np * hn]."""
+    """query [t, np, hn], key/value [t, ng, hn] (ng divides np) -> [t, np * hn]; SDPA per document."""
     groups = query.shape[1] // key.shape[1]
     outs = []
     for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
@@ -43,6 +120,22 @@ def document_causal_attention(
     return out.reshape(out.shape[0], -1)
 
 
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """query [s, b, np, hn], key/value [s, b, ng, hn] -> [s, b, np * hn]; one causal SDPA."""
+    s, b, np_, hn = query.shape
+    groups = np_ // key.shape[2]
+    q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
+    k = key.permute(1, 2, 0, 3)
+    v = value.permute(1, 2, 0, 3)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
+    return o.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+
+
 def block_diagonal_causal_mask(cu_seqlens: list[int], length: int) -> torch.Tensor:
     """[t, t] bool, True where attention is allowed: same document and not in the future."""
     doc = torch.zeros(length, dtype=torch.long)
@@ -52,34 +145,122 @@ def block_diagonal_causal_mask(cu_seqlens: list[int], length: int) -> torch.Tens
     return same & torch.ones(length, length, dtype=torch.bool).tril()
 
 
-def check_boundaries(cu_seqlens: list[int], num_tokens: int) -> None:
+def check_boundaries(cu_seqlens: tuple[int, ...] | list[int], num_tokens: int) -> None:
     """ValueError unless 0 = c_0 < c_1 < ... < c_n = num_tokens (no empty document)."""
     if (not cu_seqlens or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens
             or any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:]))):
         raise ValueError(
-            f"packed sequences: document boundaries {cu_seqlens[:4]}...{cu_seqlens[-2:]} do not "
-            f"describe {num_tokens} tokens (need 0 = c_0 < c_1 < ... < c_n = tokens)"
+            f"packed sequences: document boundaries {list(cu_seqlens[:4])}...{list(cu_seqlens[-2:])} do "
+            f"not describe {num_tokens} tokens (need 0 = c_0 < c_1 < ... < c_n = tokens)"
         )
 
 
+# ----------------------------------------------------------------------------- RoPE
+
+
+class PackedRotaryEmbedding(RotaryEmbedding):
+    """megatron-core's RotaryEmbedding that yields nothing for packed input, so megatron-core's
+    attention skips its per-document THD rotation; our core attention rotates instead."""
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if packed_seq:
+            return None
+        return super().forward(max_seq_len, offset, packed_seq, cp_group)
+
+
+def apply_packed_rotary(model_chunk: torch.nn.Module) -> bool:
+    """Make a GPTModel chunk's rotary module a ``PackedRotaryEmbedding`` (same state, same
+    frequencies); returns whether the chunk uses RoPE."""
+    rotary = getattr(model_chunk, "rotary_pos_emb", None)
+    if rotary is None or type(rotary) is not RotaryEmbedding:
+        return isinstance(rotary, PackedRotaryEmbedding)
+    rotary.__class__ = PackedRotaryEmbedding
+    return True
+
+
+def build_packed_rotary_freqs(rotary: RotaryEmbedding, position_ids: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """[t, 1, rot_dim] frequencies of each token of a packed micro-batch: megatron-core's own table
+    for positions 0..max_seqlen-1, gathered by position id (positions restart per document)."""
+    table = rotary.get_emb(max_seqlen)  # [max_seqlen, 1, 1, rot_dim]
+    return table[position_ids.reshape(-1).to(table.device)].squeeze(1)
+
+
+def rotate_packed(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """t [t, heads, hn] rotated by per-token ``freqs`` [t, 1, rot_dim] (megatron-core's math)."""
+    return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+
+# ----------------------------------------------------------------------------- the module
+
+
 class VarlenDotProductAttention(DotProductAttention):
-    """megatron-core's DotProductAttention plus the packed (THD) path."""
+    """megatron-core's DotProductAttention with SDPA for causal attention and the packed path."""
 
     supports_packed_sequences = True
 
+    def _uses_sdpa(self, attention_mask, attn_mask_type, attention_bias) -> bool:
+        c = self.config
+        return (attention_mask is None and attention_bias is None
+                and attn_mask_type in (None, AttnMaskType.causal) and self.attn_mask_type == AttnMaskType.causal
+                and c.window_size is None and getattr(c, "softmax_type", "vanilla") == "vanilla"
+                and not c.apply_query_key_layer_scaling)
+
+    def _dropout_p(self) -> float:
+        return self.attention_dropout.p if self.training else 0.0
+
+    def _with_rng(self, fn):
+        """Dropout draws from megatron-core's model-parallel RNG stream, as its own attention does."""
+        if self._dropout_p() > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return fn()
+        return fn()
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is None:
+        if packed_seq_params is not None:
+            return self._packed_forward(query, key, value, packed_seq_params)
+        if not self._uses_sdpa(attention_mask, attn_mask_type, attention_bias):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"packed sequences: qkv_format {packed_seq_params.qkv_format!r} is not supported (use 'thd')")
-        cu = packed_seq_params.cu_seqlens_q
-        if not torch.equal(cu, packed_seq_params.cu_seqlens_kv):
+        p = self._dropout_p()
+        return self._with_rng(lambda: causal_attention(query, key, value, self.softmax_scale, p))
+
+    def _packed_forward(self, query, key, value, params: PackedSeqParams):
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed sequences: qkv_format {params.qkv_format!r} is not supported (use 'thd')")
+        if params.cu_seqlens_kv is not params.cu_seqlens_q and not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
             raise ValueError("packed sequences: cu_seqlens_q and cu_seqlens_kv must be equal for self-attention")
-        cu_list = cu.tolist()
-        check_boundaries(cu_list, query.shape[0])
-        p = self.config.attention_dropout if self.training else 0.0
-        if p > 0.0:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                return document_causal_attention(query, key, value, cu_list, self.softmax_scale, p)
-        return document_causal_attention(query, key, value, cu_list, self.softmax_scale)
+        host = getattr(params, "cu_seqlens_host", None)
+        if host is None:  # megatron-core's own PackedSeqParams: one device-to-host copy
+            host = tuple(params.cu_seqlens_q.tolist())
+        check_boundaries(host, query.shape[0])
+        freqs = getattr(params, "rotary_freqs", None)
+        if freqs is not None:
+            interleaved = self.config.rotary_interleaved
+            query = rotate_packed(query, freqs, interleaved)
+            key = rotate_packed(key, freqs, interleaved)
+        p = self._dropout_p()
+        kernel = select_packed_kernel(query.device.type, p, get_varlen_attn() is not None)
+        if kernel == VARLEN:
+            max_seqlen = params.max_seqlen_q or max(b - a for a, b in zip(host, host[1:]))
+            return varlen_causal_attention(query, key, value, params.cu_seqlens_q, max_seqlen, self.softmax_scale)
+        return self._with_rng(lambda: document_causal_attention(query, key, value, host, self.softmax_scale, p))
+
+
+def describe_attention_kernels(device_type: str, attention_dropout: float, transformer_engine: bool,
+                               packed: bool) -> str:
+    """The start-up notice: which kernels this run's attention uses."""
+    if transformer_engine:
+        return "> attention: Transformer Engine (unpacked and packed THD)"
+    line = "> attention: unpacked causal -> torch SDPA (megatron-core's kernel for explicit masks)"
+    if packed:
+        kernel = select_packed_kernel(device_type, attention_dropout, get_varlen_attn() is not None)
+        reason = ""
+        if kernel == PER_DOCUMENT:
+            if device_type != "cuda":
+                reason = " (varlen_attn needs CUDA)"
+            elif get_varlen_attn() is None:
+                reason = f" (torch {torch.__version__} has no varlen_attn: torch >= 2.10 does)"
+            else:
+                reason = f" (varlen_attn has no dropout: --attention-dropout {attention_dropout})"
+        line += f" | packed THD -> {kernel}{reason}"
+    return line

@@ -1,8 +1,11 @@
 """megatron-core GPTModel chunks (one per virtual pipeline stage), GPT-2 or Llama style.
 
 Invariant: every chunk starts from the layout-independent initial weights of
-``init_weights.py``, then is wrapped in megatron-core's DistributedDataParallel (chunk 0 alone
-owns bucketing, as Megatron-LM does for the interleaved schedule).
+``init_weights.py``; with ``--bf16``/``--fp16`` it is then wrapped in megatron-core's
+``Float16Module`` (parameters and activations in half precision, inputs cast on the first stage,
+outputs upcast to fp32 on the last), as Megatron-LM does; last comes megatron-core's
+DistributedDataParallel (fp32 gradient buffers; chunk 0 alone owns bucketing, as Megatron-LM does
+for the interleaved schedule). The optimizer keeps fp32 main parameters (``training/optimizer.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.config import (
-    JobConfig, get_num_query_groups, get_sequence_padding, get_virtual_pipeline_size,
+    JobConfig, get_num_query_groups, get_params_dtype, get_sequence_padding, get_virtual_pipeline_size,
 )
 from megatron_ext.model.init_weights import apply_layout_independent_init
 from megatron_ext.parallel import StagePlacement
@@ -32,7 +35,7 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
 
     m, p = cfg.model, cfg.parallel
     interleaved = (get_virtual_pipeline_size(cfg) or 1) > 1
-    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    dtype = get_params_dtype(cfg)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -55,6 +58,7 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=cfg.training.bf16,
+        fp16=cfg.training.fp16,
         calculate_per_token_loss=cfg.training.calculate_per_token_loss,
         # megatron-core's shape handshake before every P2P message (--sequence-padding variable)
         variable_seq_lengths=get_sequence_padding(cfg) == "variable",
@@ -103,6 +107,7 @@ def build_layer_spec(cfg: JobConfig, device: torch.device):
 
     if use_transformer_engine(cfg, device):
         return get_gpt_layer_with_transformer_engine_spec()
+    # (our core attention below also applies RoPE to packed input: see model/attention.py)
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # megatron-core's local DotProductAttention rejects packed (THD) inputs; ours honours them.
     spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
@@ -128,6 +133,8 @@ def build_model_chunks(
     """Unwrapped GPTModel chunks of this rank, initialised layout-independently."""
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_ext.model.attention import apply_packed_rotary
+
     tf_config = build_transformer_config(cfg, device)
     spec = build_layer_spec(cfg, device)
     m = cfg.model
@@ -147,6 +154,8 @@ def build_model_chunks(
             rotary_percent=m.rotary_percent,
             vp_stage=vp_stage if placement.vp_size else None,
         )
+        if not use_transformer_engine(cfg, device):
+            apply_packed_rotary(chunk)
         chunks.append(chunk.to(device))
     if cfg.data.packed_sequences:
         check_packed_sequence_support(chunks)
@@ -162,6 +171,16 @@ def build_model_chunks(
     return chunks
 
 
+def apply_mixed_precision(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """With --bf16 or --fp16, megatron-core's Float16Module around each chunk (as Megatron-LM
+    wraps its model before DDP); unchanged in fp32."""
+    if not (cfg.training.bf16 or cfg.training.fp16):
+        return chunks
+    from megatron.core.transformer.module import Float16Module
+
+    return [Float16Module(chunk.config, chunk) for chunk in chunks]
+
+
 def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -171,10 +190,9 @@ def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.n
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
-    wrapped = [
+    return [
         DistributedDataParallel(
             config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0)
         )
         for i, chunk in enumerate(chunks)
     ]
-    return wrapped

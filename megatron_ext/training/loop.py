@@ -23,7 +23,10 @@ from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import get_mean_loss, reduce_reported_loss
-from megatron_ext.training.metrics import IterationStats, MetricWriter, format_iteration_line, format_validation_line
+from megatron_ext.training.metrics import (
+    IterationStats, MetricWriter, format_iteration_line, format_validation_line, get_memory_report, get_peak_tflops,
+    num_floating_point_operations,
+)
 from megatron_ext.training.step import StepResult, build_step_microbatches, run_forward_backward, train_step
 from megatron_ext.training.timeline import PipelineTimeline
 
@@ -64,17 +67,20 @@ class TrainingRun:
 
 @dataclasses.dataclass
 class LogWindow:
-    """What accumulates between two log lines."""
+    """What accumulates between two log lines. ``totals`` = [loss sum, valid-token count, real
+    tokens, model FLOPs] of this rank's micro-batches: summed over DP in the one all-reduce the
+    logged loss needs anyway."""
 
-    loss: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    totals: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
     seconds: float = 0.0
     iterations: int = 0
-    real_tokens: int = 0
+    real_tokens: int = 0  # this rank's, for the padding fraction
     slots: int = 0
 
 
 def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """Global [sum, count] on the last stage (one all-reduce over its DP group)."""
+    """Global sums of ``local`` ([loss sum, count, ...]) on the last stage (one all-reduce over its
+    DP group)."""
     if not (ctx.is_last_stage and ctx.dp_size > 1):
         return local.clone()
     total = local.to(get_collective_device(ctx.dp_group))
@@ -112,9 +118,12 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
                             run.global_batch_size, run.ctx)
     window.seconds += time.perf_counter() - start
     window.iterations += 1
-    window.real_tokens += sum(mb["num_real_tokens"] for mb in microbatches)
-    window.slots += sum(mb["tokens"].numel() for mb in microbatches)
-    window.loss += result.loss_sum_count
+    real = sum(mb.num_real_tokens for mb in microbatches)
+    flops = sum(num_floating_point_operations(run.cfg, run.checkpoint_meta.padded_vocab_size,
+                                              mb.num_real_tokens, mb.attention_pairs) for mb in microbatches)
+    window.real_tokens += real
+    window.slots += sum(mb.num_slots for mb in microbatches)
+    window.totals += torch.cat([result.loss_sum_count, torch.tensor([real, flops], dtype=torch.float64)])
     state.iteration += 1
     state.consumed_samples += run.global_batch_size
     state.skipped_iterations += int(not result.update_successful)
@@ -123,18 +132,17 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
 
 def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length: int) -> float:
     """The global token-mean loss since the last log line, logged and recorded; resets ``window``."""
-    loss = get_mean_loss(reduce_loss_over_dp(window.loss, run.ctx))
+    totals = reduce_loss_over_dp(window.totals, run.ctx)
+    loss = get_mean_loss(totals[:2])
     if run.ctx.is_last_stage:
         run.records.append({
             "iteration": run.state.iteration, "loss": loss, "grad_norm": result.grad_norm,
             "lr": run.optimizer.param_groups[0]["lr"],
         })
-    padding = 1.0 - window.real_tokens / max(window.slots, 1)
-    _log_iteration(run, loss, result, window.seconds / window.iterations, length, padding)
+    if run.ctx.is_logging_rank:
+        _log_iteration(run, loss, result, window, totals, length)
     window.__init__()
     return loss
-
-
 def evaluate_and_log(run: TrainingRun) -> None:
     t, iteration = run.cfg.training, run.state.iteration
     eval_start = (iteration // t.eval_interval - 1) * t.eval_iters * run.global_batch_size
@@ -177,19 +185,19 @@ def train(run: TrainingRun) -> list[float]:
 
 
 def _log_iteration(
-    run: TrainingRun, loss: float, result: StepResult, seconds: float, seq_length: int, padding: float
+    run: TrainingRun, loss: float, result: StepResult, window: LogWindow, totals: torch.Tensor, seq_length: int
 ) -> None:
-    if not run.ctx.is_logging_rank:
-        return
-    cfg, state = run.cfg, run.state
+    cfg, state, ctx = run.cfg, run.state, run.ctx
     lr = run.optimizer.param_groups[0]["lr"]
+    seconds = max(window.seconds, 1e-9)
+    tflops = float(totals[3]) / seconds / ctx.world_size / 1e12
+    peak = get_peak_tflops(torch.cuda.get_device_name(ctx.device)) if ctx.device.type == "cuda" else None
     stats = IterationStats(
         iteration=state.iteration,
         train_iters=cfg.training.train_iters,
         consumed_samples=state.consumed_samples,
-        ms_per_iteration=seconds * 1000.0,
-        # slots (padded tokens) per second; the padding fraction says how many were real
-        tokens_per_second=run.global_batch_size * seq_length / max(seconds, 1e-9),
+        ms_per_iteration=seconds / window.iterations * 1000.0,
+        tokens_per_second=float(totals[2]) / seconds,  # real tokens of the whole job, no padding
         learning_rate=lr,
         global_batch_size=run.global_batch_size,
         lm_loss=loss,
@@ -197,11 +205,15 @@ def _log_iteration(
         skipped_iterations=state.skipped_iterations,
         nan_iterations=state.nan_iterations,
         seq_length=seq_length,
-        padding_fraction=padding,
+        padding_fraction=1.0 - window.real_tokens / max(window.slots, 1),
+        tflops_per_gpu=tflops,
+        mfu=tflops / peak if peak else None,
     )
     run.log(format_iteration_line(stats))
     run.writer.write(
         {"lm loss": loss, "learning rate": lr, "grad norm": result.grad_norm or 0.0,
-         "tokens/s": stats.tokens_per_second},
+         "tokens/s": stats.tokens_per_second, "throughput per GPU (TFLOP/s/GPU)": tflops},
         state.iteration,
     )
+    if state.iteration == cfg.logging.log_interval:  # the first log line: memory after the first steps
+        run.log(f"> memory after iteration {state.iteration}: {get_memory_report(ctx.device)}")

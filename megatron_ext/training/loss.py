@@ -1,7 +1,8 @@
 """Token-sum language-model loss.
 
 Invariant: a micro-batch's loss is the SUM of token cross-entropies over its valid tokens
-(label != ignore index and loss mask 1) together with the integer COUNT of those tokens. With
+(label != IGNORE_INDEX; the micro-batch folds any loss mask into its labels) together with the
+integer COUNT of those tokens. With
 ``calculate_per_token_loss`` (our default) megatron-core's ``finalize_model_grads`` broadcasts the
 count from the last pipeline stage, all-reduces it over DP and scales every gradient by
 1 / (valid tokens of the whole global batch): the step's gradient is that of the global mean over
@@ -18,7 +19,6 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_ext.data.microbatch import IGNORE_INDEX
 
 
 class TokenLoss(NamedTuple):
@@ -31,14 +31,6 @@ class TokenLoss(NamedTuple):
         """megatron-core's 3-tuple: (loss, num_tokens, {name: [sum, count] for reporting})."""
         report = torch.stack([self.loss_sum.detach().float(), self.num_tokens.float()])
         return self.loss_sum, self.num_tokens, {"lm loss": report}
-
-
-def get_valid_mask(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """[b, s] bool: positions that count (label not ignored, loss mask set)."""
-    valid = labels != IGNORE_INDEX
-    if loss_mask is not None:
-        valid = valid & (loss_mask > 0)
-    return valid
 
 
 def compute_token_loss(per_token_loss: torch.Tensor, valid: torch.Tensor) -> TokenLoss:

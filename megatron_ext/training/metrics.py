@@ -1,6 +1,13 @@
-"""Megatron-LM style log lines, and TensorBoard / Weights & Biases scalars on request.
+"""Megatron-LM style log lines, throughput as users compare runs, and TensorBoard / Weights &
+Biases scalars on request.
 
 Only the logging rank (last rank: last pipeline stage, where the loss is known) writes.
+
+Throughput counts real tokens only (padding is work, not progress). Model FLOPs follow Megatron-LM's
+``num_floating_point_operations`` (training.py; GQA and SwiGLU aware; Korthikanti et al. 2022:
+72 B s L h^2 (1 + s/6h + V/12hL) for GPT-2 shapes), with the attention-score term counted per
+document for packed micro-batches and per row's real length otherwise. MFU divides the achieved
+TFLOP/s per GPU by the dense bf16 peak of the device (``PEAK_BF16_TFLOPS``).
 """
 
 from __future__ import annotations
@@ -12,6 +19,56 @@ import os
 from typing import Any
 
 from megatron_ext.config import JobConfig
+
+
+# Dense bf16 peak TFLOP/s by device name, most specific first (vendor data sheets).
+PEAK_BF16_TFLOPS = (
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H200", 989.0),
+    ("H100", 989.0),  # SXM (e.g. "NVIDIA H100 80GB HBM3")
+    ("A100", 312.0),
+)
+
+
+def get_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU by its name, or None when unknown (no MFU is printed)."""
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def num_floating_point_operations(cfg: JobConfig, padded_vocab_size: int, num_tokens: float,
+                                  attention_pairs: float) -> float:
+    """Training FLOPs (forward + backward) of ``num_tokens`` real tokens whose attention covers
+    ``attention_pairs`` = sum of (document or row length)^2, in Megatron-LM's accounting:
+    12 L h^2 [T ((1 + g/a) r + (f/h) k + V/(2Lh)) + r P/h] with r = a d_head / h, k = 3/2 with
+    SwiGLU (else 1). For T = B s and P = B s^2 this is Megatron-LM's formula exactly."""
+    from megatron_ext.config import get_num_query_groups
+    from megatron_ext.model.gpt import get_ffn_hidden_size
+
+    m = cfg.model
+    h, layers, heads = m.hidden_size, m.num_layers, m.num_attention_heads
+    query_ratio = 1.0  # kv_channels x heads / hidden: hidden / heads per head here
+    groups = get_num_query_groups(cfg)
+    gated = 1.5 if m.swiglu else 1.0
+    per_token = ((1 + groups / heads) * query_ratio + get_ffn_hidden_size(cfg) / h * gated
+                 + padded_vocab_size / (2 * layers * h))
+    return 12.0 * layers * h * h * (num_tokens * per_token + query_ratio * attention_pairs / h)
+
+
+def get_memory_report(device) -> str:
+    """Peak memory so far: allocated/reserved on CUDA, the process's max RSS on the CPU."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        gib = 1024 ** 3
+        return (f"mem allocated (GiB): {torch.cuda.max_memory_allocated(device) / gib:.2f} | "
+                f"mem reserved (GiB): {torch.cuda.max_memory_reserved(device) / gib:.2f}")
+    import resource
+
+    return f"max RSS (GiB): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2:.2f}"
 
 
 @dataclasses.dataclass
@@ -29,6 +86,8 @@ class IterationStats:
     nan_iterations: int
     seq_length: int | None = None
     padding_fraction: float | None = None
+    tflops_per_gpu: float | None = None
+    mfu: float | None = None
 
 
 def format_iteration_line(s: IterationStats) -> str:
@@ -43,6 +102,10 @@ def format_iteration_line(s: IterationStats) -> str:
         f"global batch size: {s.global_batch_size:5d}",
         f"lm loss: {s.lm_loss:.6E}",
     ]
+    if s.tflops_per_gpu is not None:
+        parts.insert(4, f"throughput per GPU (TFLOP/s/GPU): {s.tflops_per_gpu:.1f}" if s.tflops_per_gpu >= 10 else f"throughput per GPU (TFLOP/s/GPU): {s.tflops_per_gpu:.3f}")
+    if s.mfu is not None:
+        parts.insert(5, f"MFU: {100 * s.mfu:.1f}%")
     if s.grad_norm is not None:
         parts.append(f"grad norm: {s.grad_norm:.3f}")
     if s.seq_length is not None:

@@ -1,5 +1,8 @@
 """megatron-core optimizer (Adam(W)/SGD, clipping, optional ZeRO-1) and LR/WD schedule.
 
+With --bf16/--fp16 megatron-core keeps fp32 main parameters and gradients and steps on them
+(its Float16Optimizer, or the distributed optimizer's fp32 shards); --fp16 adds its loss scaler.
+
 The schedule counts samples, as Megatron-LM does (``scheduler.step(increment=global batch)``).
 """
 
@@ -7,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.config import JobConfig
+from megatron_ext.config import JobConfig, get_params_dtype
 
 
 def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.device):
@@ -24,7 +27,13 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
         adam_eps=t.adam_eps,
         clip_grad=t.clip_grad,
         bf16=t.bf16,
-        params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+        fp16=t.fp16,
+        params_dtype=get_params_dtype(cfg),
+        loss_scale=t.loss_scale,
+        initial_loss_scale=t.initial_loss_scale,
+        min_loss_scale=t.min_loss_scale,
+        loss_scale_window=t.loss_scale_window,
+        hysteresis=t.hysteresis,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     # On the CPU every group is gloo already; separate gloo groups exist only on CUDA.

@@ -18,11 +18,12 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_ext.config import get_sequence_padding
+from megatron_ext.config import get_max_microbatch_length, get_sequence_padding
 from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators, fetch_step_samples, get_microbatch_indices
 from megatron_ext.data.padding import collate_step
+from megatron_ext.model.attention import PackedMicrobatchParams, PackedRotaryEmbedding, build_packed_rotary_freqs
 from megatron_ext.parallel import ParallelContext
-from megatron_ext.training.loss import compute_token_loss, get_valid_mask, reduce_reported_loss
+from megatron_ext.training.loss import compute_token_loss, reduce_reported_loss
 
 
 @dataclasses.dataclass
@@ -36,16 +37,27 @@ def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor):
     return compute_token_loss(output_tensor, valid).to_megatron()
 
 
-def get_packed_seq_params(mb: Microbatch):
-    """megatron-core PackedSeqParams (THD) of a packed micro-batch, else None."""
-    if "cu_seqlens" not in mb:
-        return None
-    from megatron.core.packed_seq_params import PackedSeqParams
+def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron-core's DDP and Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
-    cu = mb["cu_seqlens"].to(device=mb["tokens"].device, dtype=torch.int32)
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-        max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"],
+
+def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) -> PackedMicrobatchParams | None:
+    """THD parameters of a packed micro-batch (None unpacked), with the host boundaries and, for
+    a RoPE model chunk on the local spec, its tokens' rotary frequencies: computed here once per
+    micro-batch and chunk, never inside a layer."""
+    if not mb.is_packed:
+        return None
+    rotary = getattr(unwrap_model(model), "rotary_pos_emb", None) if model is not None else None
+    freqs = None
+    if isinstance(rotary, PackedRotaryEmbedding):
+        freqs = build_packed_rotary_freqs(rotary, mb.position_ids, mb.max_seqlen)
+    cu = mb.cu_seqlens.to(device=mb.tokens.device, dtype=torch.int32)
+    return PackedMicrobatchParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen, cu_seqlens_host=mb.cu_seqlens_host, rotary_freqs=freqs,
     )
 
 
@@ -56,15 +68,14 @@ def forward_step(data_iterator, model):
     micro-batch's boundaries reach every stage with it (never through the P2P activations).
     """
     mb: Microbatch = next(data_iterator)
-    labels = mb["labels"]
     output = model(
-        input_ids=mb["tokens"],
-        position_ids=mb["position_ids"],
+        input_ids=mb.tokens,
+        position_ids=mb.position_ids,
         attention_mask=None,
-        labels=labels.clamp(min=0),  # ignored positions are masked out of the loss
-        packed_seq_params=get_packed_seq_params(mb),
+        labels=mb.labels.clamp(min=0),  # ignored positions are masked out of the loss
+        packed_seq_params=get_packed_seq_params(mb, model),
     )
-    return output, functools.partial(_loss_func, get_valid_mask(labels, mb.get("loss_mask")))
+    return output, functools.partial(_loss_func, mb.valid)
 
 
 def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
@@ -95,7 +106,7 @@ def run_forward_backward(
         model=model,
         num_microbatches=len(microbatches),
         seq_length=seq_length,
-        micro_batch_size=microbatches[0]["tokens"].shape[0],
+        micro_batch_size=microbatches[0].tokens.shape[0],
         forward_only=forward_only,
     )
 
@@ -114,21 +125,14 @@ def train_step(
 
 
 def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
-    """Fetch this rank's micro-batches of the step starting at ``first_sample`` and pad them
-    (``--sequence-padding``); returns them and the schedule's seq_length."""
+    """This rank's micro-batches of the step starting at ``first_sample``: fetched, padded as
+    ``--sequence-padding`` says and moved to the device; returns them and the schedule's seq_length."""
     cfg, ctx = run.cfg, run.ctx
     indices = get_microbatch_indices(
         first_sample, run.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size
     )
     microbatches, length = collate_step(
         fetch_step_samples(dataset, indices), get_sequence_padding(cfg), ctx.mp_group,
-        cfg.data.pad_to_multiple_of, cfg.model.seq_length, run.pad_id,
+        cfg.data.pad_to_multiple_of, get_max_microbatch_length(cfg), run.pad_id,
     )
-    return [move_to_device(mb, ctx.device) for mb in microbatches], length
-
-
-def move_to_device(mb: Microbatch, device: torch.device) -> Microbatch:
-    """Tensors to the training device (a no-op on the CPU); boundaries stay int32."""
-    if device.type == "cpu":
-        return mb
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    return [mb.to(ctx.device) for mb in microbatches], length

@@ -49,6 +49,7 @@ def _convert(rank: int, world_size: int, hf_dir: str, save: str) -> str:
 
 def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torch.Tensor):
     from megatron_ext.checkpoint.state import CheckpointMeta, load_checkpoint
+    from megatron_ext.data.microbatch import Microbatch
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.testing import build_tiny_run
     from megatron_ext.training.step import run_forward_backward
@@ -64,11 +65,11 @@ def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torc
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        out = chunk(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
+        out = chunk(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
         return out, lambda o: (o.sum() * 0.0, torch.tensor(1), {"logits": o.detach()})
 
-    mb = {"tokens": tokens, "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
-          "labels": tokens, "loss_mask": torch.ones(BATCH, SEQ)}
+    mb = Microbatch(tokens=tokens, labels=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
+                    num_real_tokens=BATCH * SEQ, attention_pairs=BATCH * SEQ * SEQ)
     reports = run_forward_backward(model, [mb], SEQ, forward_only=True, forward_step_func=forward_step)
     logits = None
     if ctx.is_last_stage:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
-from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.data.microbatch import IGNORE_INDEX, collate
 from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.data.packed_dataset import build_packed_sample
 from megatron_ext.data.padding import negotiate_step_length
@@ -88,11 +88,9 @@ def _reference(rank: int, world_size: int) -> dict:
         ds, total, count = make(), 0.0, 0
         for i in range(GBS):
             s = ds[i]
-            mb = {k: v[None] if k != "cu_seqlens" else v for k, v in s.items()}
-            if "cu_seqlens" in s:
-                mb["max_seqlen"] = int((s["cu_seqlens"][1:] - s["cu_seqlens"][:-1]).max())
-            logits = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
-                           packed_seq_params=get_packed_seq_params(mb))[0]
+            mb = collate([s])  # the sample at its own length: no padding
+            logits = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
+                           packed_seq_params=get_packed_seq_params(mb, model))[0]
             total = total + F.cross_entropy(logits.float(), s["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
             count += int((s["labels"] != IGNORE_INDEX).sum())
         (total / count).backward()

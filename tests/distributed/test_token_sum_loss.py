@@ -53,8 +53,8 @@ def _reference(rank: int, world_size: int) -> dict:
         ctx = build_parallel_context(cfg, torch.device("cpu"))
         (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
         batch = collate([MarkovDataset(SEQ, **kw)[i] for i in range(GBS)])
-        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None)
-        labels = batch["labels"]  # [b, s], IGNORE_INDEX where masked
+        logits = model(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None)
+        labels = batch.labels  # [b, s], IGNORE_INDEX where masked
         valid = labels != IGNORE_INDEX
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                              ignore_index=IGNORE_INDEX, reduction="sum")

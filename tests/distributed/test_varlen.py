@@ -43,21 +43,23 @@ def _per_document_check(rank: int, world_size: int) -> dict:
 
         def packed(docs):
             mb = collate_padded([build_packed_sample(docs)], SEQ, pad_id=0)  # padded to 64
-            logits = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
-                           packed_seq_params=get_packed_seq_params(mb))
+            logits = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
+                           packed_seq_params=get_packed_seq_params(mb, model))
             return logits[0], mb
 
         # packed forward + token-sum loss backward
         logits, mb = packed(_docs())
-        F.cross_entropy(logits.float(), mb["labels"][0], ignore_index=IGNORE_INDEX, reduction="sum").backward()
+        F.cross_entropy(logits.float(), mb.labels[0], ignore_index=IGNORE_INDEX, reduction="sum").backward()
         grads_packed = {n: p.grad.clone() for n, p in params.items()}
         model.zero_grad()
-        # each document alone (megatron-core's own causal attention, no packing)
+        # each document alone: megatron-core's own causal attention (an explicit causal mask keeps
+        # our SDPA path out) and, for RoPE, its own unpacked rotation
         alone = []
         for doc in _docs():
             sample = build_packed_sample([doc])
             t = sample["tokens"][None]
-            lg = model(input_ids=t, position_ids=sample["position_ids"][None], attention_mask=None)[0]
+            future = torch.ones(len(doc), len(doc), dtype=torch.bool).triu(1)[None, None]
+            lg = model(input_ids=t, position_ids=sample["position_ids"][None], attention_mask=future)[0]
             F.cross_entropy(lg.float(), sample["labels"], ignore_index=IGNORE_INDEX, reduction="sum").backward()
             alone.append(lg.detach())
         grads_alone = {n: p.grad.clone() for n, p in params.items()}
@@ -68,7 +70,7 @@ def _per_document_check(rank: int, world_size: int) -> dict:
         with torch.no_grad():
             logits_changed, _ = packed(changed)
         out[style] = dict(logits=logits.detach(), alone=alone, changed=logits_changed,
-                          grads_packed=grads_packed, grads_alone=grads_alone, pad=mb["tokens"].shape[1])
+                          grads_packed=grads_packed, grads_alone=grads_alone, pad=mb.tokens.shape[1])
         destroy_parallel_context()
     return out
 
