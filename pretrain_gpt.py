@@ -29,7 +29,7 @@ from megatron_ext.training.loop import train  # noqa: E402
 
 def main(argv: list[str] | None = None) -> list[float]:
     cfg = parse_args(argv)
-    device = select_device()
+    device = select_device(cfg.parallel.device)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
     d = cfg.data

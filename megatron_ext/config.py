@@ -39,6 +39,7 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs CUDA: megatron-core's CPU norm does not support it).")
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduce with the backward pass.")
     distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, in minutes.")
+    device: str = _f("auto", "Where ranks run (ours, not Megatron-LM's): auto (the local GPU when CUDA is available, else the CPU with gloo), cpu (force the CPU/gloo path even on a GPU machine) or cuda.", choices=["auto", "cpu", "cuda"])
 
 
 @dataclass
@@ -79,7 +80,7 @@ class DataConfig:
     tokenizer_model: str | None = _f(None, "Tokenizer model file (sentencepiece .model).")
     vocab_size: int | None = _f(None, "Vocabulary size for NullTokenizer (EOD is the id vocab_size).")
     data_cache_path: str | None = _f(None, "Where megatron-core caches its sample indices (default: beside the data).")
-    packed_sequences: bool = _f(False, "Pack whole documents into each sample of at most --seq-length tokens (THD, cu_seqlens, no attention across documents); a micro-batch joins its --micro-batch-size packs into one THD sequence.")
+    packed_sequences: bool = _f(False, "Pack whole documents into each sample of at most --seq-length tokens (THD, cu_seqlens, no attention across documents); a micro-batch joins its --micro-batch-size packs into one THD sequence.", negative_flag=True)
     packing_strategy: str = _f("best_fit", "Packer for --packed-sequences: sequential (corpus order) or best_fit (fewest pad tokens).", choices=["sequential", "best_fit"])
     one_document_per_row: bool = _f(False, "One document per sample row, unpacked (variable-length rows, SFT-like), padded per step.")
     sequence_padding: str | None = _f(None, "static (to --seq-length), negotiated (one MAX over the pipeline per step) or variable (megatron-core variable_seq_lengths handshake). Default: negotiated with packed/variable-length samples, else static.", choices=["static", "negotiated", "variable"])
@@ -108,7 +109,7 @@ class TrainingConfig:
     calculate_per_token_loss: bool = _f(True, "Token-sum loss: divide by valid tokens of the whole global batch (default on; --no-calculate-per-token-loss: mean of per-micro-batch means, as older Megatron-LM runs).", negative_flag=True)
     eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
     eval_iters: int = _f(2, "Validation batches per evaluation.")
-    bf16: bool = _f(False, "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.")
+    bf16: bool = _f(False, "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.", negative_flag=True)
     fp16: bool = _f(False, "fp16 mixed precision with megatron-core's loss scaler (dynamic unless --loss-scale).")
     loss_scale: float | None = _f(None, "Static loss scale for --fp16 (default: dynamic).")
     initial_loss_scale: float = _f(2.0 ** 32, "Initial dynamic loss scale (--fp16).")

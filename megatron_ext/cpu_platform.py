@@ -255,13 +255,19 @@ def quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
-def select_device() -> torch.device:
-    """The device this process trains on: its local CUDA device if there is one, else the CPU."""
-    if torch.cuda.is_available():
-        import os
+def select_device(requested: str = "auto") -> torch.device:
+    """The device this process trains on (``--device``): ``auto`` is its local CUDA device when
+    CUDA is available, else the CPU; ``cpu`` forces the CPU/gloo path; ``cuda`` insists on a GPU."""
+    import os
 
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        from megatron_ext.config import ConfigError
+
+        raise ConfigError([f"--device {requested}: no CUDA device is visible (torch {torch.__version__}, "
+                           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): use --device cpu"])
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def get_collective_device(group: Any = None) -> torch.device:

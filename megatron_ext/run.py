@@ -21,8 +21,9 @@ from megatron_ext.config import JobConfig, get_global_batch_size, get_padded_voc
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, wrap_with_ddp
-from megatron_ext.parallel import build_parallel_context
+from megatron_ext.model.attention import describe_attention_kernels
+from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
+from megatron_ext.parallel import ParallelContext, build_parallel_context
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import build_optimizer, build_scheduler
@@ -39,17 +40,19 @@ def build_training_run(
     exit_decider: ExitDecider | None = None,
     log: Callable[[str], None] | None = None,
     metrics: bool = True,
+    ctx: ParallelContext | None = None,
 ) -> TrainingRun:
     """Build everything a run needs on this rank; collective (the process group must exist).
 
     ``data`` = (train, valid) datasets replaces the ones the data flags describe (tests pass
     synthetic ones); ``exit_decider`` is built from the flags unless given (the entry point builds
     it first thing, so a SIGTERM during start-up counts); ``metrics=False`` writes no TensorBoard
-    or wandb scalars.
+    or wandb scalars; ``ctx`` reuses process groups built before (two runs side by side in one
+    process, as a benchmark compares them).
     """
-    device = device or select_device()
+    device = device or select_device(cfg.parallel.device)
     log = log or functools.partial(print, flush=True)
-    ctx = build_parallel_context(cfg, device)
+    ctx = ctx or build_parallel_context(cfg, device)
     global_batch_size = get_global_batch_size(cfg, ctx.world_size)
     if tokenizer is None:
         d = cfg.data
@@ -78,12 +81,16 @@ def build_training_run(
 
 
 def describe_run(run: TrainingRun) -> str:
-    """The start-up summary line of the logging rank."""
-    ctx, p = run.ctx, run.cfg.parallel
+    """The start-up summary lines of the logging rank: layout, precision, attention kernels."""
+    ctx, cfg = run.ctx, run.cfg
     local = sum(prm.numel() for chunk in run.model for prm in chunk.parameters())
+    precision = "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
     return (
         f"> layout: world {ctx.world_size} = TP {ctx.tp_size} x PP {ctx.pp_size} x DP {ctx.dp_size}"
         f" | virtual stages per pipeline rank {ctx.vp_size or 1}"
-        f" | distributed optimizer {p.use_distributed_optimizer} | device {ctx.device}"
-        f" | padded vocab {run.checkpoint_meta.padded_vocab_size} | parameters on the logging rank {local:,}"
+        f" | distributed optimizer {cfg.parallel.use_distributed_optimizer} | device {ctx.device}"
+        f" | {precision} | padded vocab {run.checkpoint_meta.padded_vocab_size}"
+        f" | parameters on the logging rank {local:,}\n"
+        + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
+                                     use_transformer_engine(cfg, ctx.device), cfg.data.packed_sequences)
     )

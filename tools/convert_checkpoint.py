@@ -324,7 +324,9 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
         "rope_parameters": {"rope_type": "default", "rope_theta": float(args["rotary_base"])},
         "max_position_embeddings": args.get("max_position_embeddings") or args["seq_length"],
         "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
-        "hidden_act": "silu", "torch_dtype": "float32",
+        "hidden_act": "silu",
+        # the weights keep the dtype they were trained in (bf16 with --bf16)
+        "torch_dtype": "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32",
     }
 
 

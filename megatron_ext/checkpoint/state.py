@@ -57,16 +57,23 @@ def get_layout(run) -> dict[str, int]:
             "dp": ctx.dp_size, "vp": ctx.vp_size or 1}
 
 
-def get_rng_state() -> dict[str, Any]:
+def get_rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's generators: the CPU one, the CUDA one on GPUs, megatron-core's model-parallel
+    tracker (CUDA generator states on GPUs, CPU generator states on the CPU platform)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    return {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -95,13 +102,14 @@ def build_sharded_state_dict(
     if include_rng:
         ctx = run.ctx
         state["rng_state"] = ShardedObject(
-            "rng_state", get_rng_state(), (ctx.world_size,), (ctx.rank,), replica_id=0
+            "rng_state", get_rng_state(ctx.device), (ctx.world_size,), (ctx.rank,), replica_id=0
         )
     state["train_state"] = dataclasses.asdict(run.state)
     state["args"] = run.cfg.to_flat_dict()
     state["tokenizer"] = dict(meta.tokenizer)
     state["padded_vocab_size"] = meta.padded_vocab_size
     state["layout"] = get_layout(run)
+    state["device_type"] = run.ctx.device.type
     state["checkpoint_version"] = FORMAT_VERSION
     return state
 
@@ -213,10 +221,16 @@ def load_checkpoint(
         if run.ctx.is_logging_rank:
             run.log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
     same_layout = common.get("layout") == get_layout(run)
+    saved_device = common.get("device_type", "cpu")
+    restore_rng = same_layout and saved_device == run.ctx.device.type
+    if same_layout and not restore_rng and run.ctx.is_logging_rank:
+        run.log(f"WARNING: {ckpt_dir} holds random-number states of {saved_device} generators; this run "
+                f"is on {run.ctx.device.type}: weights and optimizer load exactly, dropout and other "
+                f"random streams start afresh from --seed {run.cfg.training.seed}")
     if load_optimizer:
         init_empty_optimizer_state(run.optimizer)
     state = build_sharded_state_dict(
-        run, meta, is_loading=True, include_optimizer=load_optimizer, include_rng=same_layout
+        run, meta, is_loading=True, include_optimizer=load_optimizer, include_rng=restore_rng
     )
     strategy = build_load_strategy(reader or run.cfg.checkpoint.ckpt_reader)
     loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=strategy)
@@ -225,8 +239,8 @@ def load_checkpoint(
         run.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     for i, chunk in enumerate(run.model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
-    if same_layout:
-        set_rng_state(loaded["rng_state"])
+    if restore_rng:
+        set_rng_state(loaded["rng_state"], run.ctx.device)
     run.state = type(run.state)(**loaded.get("train_state", {}))
     if run.ctx.is_logging_rank:
         how = "same layout" if same_layout else f"resharded from {common.get('layout')}"

@@ -51,3 +51,70 @@ def test_packing_with_a_spec_that_ignores_boundaries_is_refused():
     ok = DotProductAttention()
     ok.supports_packed_sequences = True
     check_packed_sequence_support([_chunk(ok)])
+
+
+# ----------------------------------------------------------------------------- kernel dispatch
+
+
+def test_packed_kernel_selection():
+    from megatron_ext.model.attention import PER_DOCUMENT, VARLEN, select_packed_kernel
+
+    assert select_packed_kernel("cuda", 0.0, True) == VARLEN
+    assert select_packed_kernel("cuda", 0.1, True) == PER_DOCUMENT  # varlen_attn has no dropout
+    assert select_packed_kernel("cuda", 0.0, False) == PER_DOCUMENT  # torch < 2.10
+    assert select_packed_kernel("cpu", 0.0, True) == PER_DOCUMENT  # varlen_attn is CUDA-only
+
+
+def _recording_kernel(calls, with_gqa: bool):
+    """A varlen_attn stand-in with torch >= 2.12's keywords, or torch 2.11's (no enable_gqa)."""
+    def new(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        calls.append(dict(heads_kv=k.shape[1], window_size=window_size, enable_gqa=enable_gqa))
+        return torch.zeros_like(q)
+
+    def old(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        calls.append(dict(heads_kv=k.shape[1], window_size=window_size))
+        return torch.zeros_like(q)
+
+    return new if with_gqa else old
+
+
+@pytest.mark.parametrize("with_gqa", [True, False], ids=["torch>=2.12", "torch2.11"])
+def test_varlen_call_is_causal_and_handles_gqa_either_way(with_gqa):
+    from megatron_ext.model.attention import varlen_causal_attention
+
+    calls = []
+    q, kv = torch.randn(12, 4, 8), torch.randn(12, 2, 8)
+    out = varlen_causal_attention(q, kv, kv, torch.tensor([0, 5, 12], dtype=torch.int32), 7, 0.35,
+                                  varlen_attn=_recording_kernel(calls, with_gqa))
+    assert out.shape == (12, 32)
+    (call,) = calls
+    assert call["window_size"] == (-1, 0)
+    if with_gqa:
+        assert call["enable_gqa"] and call["heads_kv"] == 2
+    else:
+        assert call["heads_kv"] == 4  # k/v repeated to the query heads
+
+
+def test_torch_varlen_attn_shapes_on_meta_tensors():
+    """The real kernel's own shape logic (its meta implementation), GQA included: CUDA-only at run time."""
+    from megatron_ext.model.attention import get_varlen_attn, varlen_causal_attention
+
+    if get_varlen_attn() is None:
+        pytest.skip("torch < 2.10 has no varlen_attn")
+    q = torch.empty(512, 8, 64, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(512, 2, 64, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(4, device="meta", dtype=torch.int32)
+    out = varlen_causal_attention(q, kv, kv, cu, 300, 0.125)
+    assert out.shape == (512, 8 * 64) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+def test_attention_notice_names_the_kernel_and_why():
+    from megatron_ext.model.attention import describe_attention_kernels, get_varlen_attn
+
+    assert "Transformer Engine" in describe_attention_kernels("cuda", 0.0, True, True)
+    cpu = describe_attention_kernels("cpu", 0.0, False, True)
+    assert "torch SDPA" in cpu and "per-document SDPA loop (varlen_attn needs CUDA)" in cpu
+    assert "packed THD" not in describe_attention_kernels("cpu", 0.0, False, False)
+    if get_varlen_attn() is not None:
+        assert "packed THD -> torch varlen_attn" in describe_attention_kernels("cuda", 0.0, False, True)
+        assert "--attention-dropout 0.1" in describe_attention_kernels("cuda", 0.1, False, True)

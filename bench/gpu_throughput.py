@@ -1,0 +1,304 @@
+"""GPU throughput on one GPU: our training step beside a plain reference step, and packed beside
+unpacked, measured side by side in one run.
+
+    python -m bench.gpu_throughput [--only gpt2 1.3b packed-gpt2 packed-llama] [--steps 12]
+    python -m bench.gpu_throughput --device cpu --tiny --steps 2 --warmup 0   # smoke run, no figures
+
+Needs one CUDA GPU (megatron-core 0.16.1; Transformer Engine not required, transformers for the
+reference). Every side runs the same shapes and real tokens; absolute figures hold only within
+one run, so each is printed with its ratio and the target beside it.
+
+Sections (each under ~4 minutes on an H100):
+- ``gpt2``: GPT-2 124M (12 x 768, 12 heads), seq 1024, micro-batch 8, bf16. A = ours
+  (``build_training_run`` + ``run_training_iteration``: megatron-core schedule, DDP, Float16Module,
+  fp32 main parameters, SDPA attention), B = transformers GPT-2 (SDPA, bf16 autocast, fused AdamW)
+  eager, C = the same compiled with ``torch.compile``; alternated A B C, medians. Target: A >= 0.9 x C
+  (stretch 1.0 x).
+- ``1.3b``: 24 x 2048, 16 heads, seq 2048, micro-batch 4, bf16, ours then the references
+  one after the other (three models of this size do not fit side by side). Target: MFU >= 0.50
+  without Transformer Engine, >= 1.2 x the compiled reference.
+- ``packed-gpt2`` / ``packed-llama``: ours packed (``--micro-batch-size b`` packs of exactly ``seq``
+  real tokens each, lognormal documents, joined into one THD sequence: varlen_attn) vs ours unpacked
+  (b rows of ``seq`` tokens): equal real tokens per micro-batch; GPT-2 124M at b = 8, and Llama style
+  (24 x 2048, RoPE, SwiGLU, 16 heads in 4 KV groups, seq 2048) at b = 1 and 4. Target: packed real
+  tokens/s >= 0.95 x unpacked.
+
+FLOPs per iteration are Megatron-LM's count (``megatron_ext.training.metrics``), real tokens only,
+attention per document when packed; MFU divides by the dense bf16 peak of the device by name (H100
+SXM / H200 989, H100 PCIe 756, H100 NVL 835, A100 312 TFLOP/s). Not chased here: torch.compile or
+CUDA graphs for our side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SECTIONS = ("gpt2", "1.3b", "packed-gpt2", "packed-llama")
+GPT2_124M = dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024)
+GPT_1_3B = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048)
+LLAMA_24x2048 = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
+                     normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                     group_query_attention=True, num_query_groups=4, disable_bias_linear=True,
+                     untie_embeddings_and_output_weights=True)
+VOCAB = 50257
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128)
+DEVICE = torch.device("cuda", 0)  # --device cpu: a smoke run of the code paths on a CPU (tiny shapes)
+
+
+class RandomRows:
+    """Unpacked samples: ``seq`` random tokens each (sample i is a function of i)."""
+
+    def __init__(self, seq: int, vocab: int = VOCAB):
+        self.seq, self.vocab = seq, vocab
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, i: int) -> dict:
+        t = np.random.default_rng(i).integers(0, self.vocab, self.seq + 1)
+        return {"tokens": t[:-1], "labels": t[1:], "position_ids": np.arange(self.seq)}
+
+
+class RandomPacks(RandomRows):
+    """Packed samples of exactly ``seq`` real tokens: lognormal documents (median 300 tokens),
+    the last one cut to fit, so packed and unpacked micro-batches hold the same real tokens."""
+
+    def __getitem__(self, i: int) -> dict:
+        from megatron_ext.data.packed_dataset import build_packed_sample
+
+        rng = np.random.default_rng(i)
+        docs, used = [], 0
+        while used < self.seq:
+            n = int(min(self.seq - used, max(8, rng.lognormal(np.log(300), 1.0))))
+            docs.append(rng.integers(0, self.vocab, n))
+            used += n
+        return build_packed_sample(docs)
+
+
+def job_values(shape: dict, micro_batch: int, packed: bool) -> dict:
+    return dict(
+        **shape, max_position_embeddings=shape["seq_length"], micro_batch_size=micro_batch,
+        global_batch_size=micro_batch, train_iters=10_000, bf16=True, lr=1e-4, min_lr=1e-4,
+        lr_decay_style="constant", weight_decay=0.1, clip_grad=1.0, mock_data=not packed,
+        data_path=["unused"] if packed else [], tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1,
+        packed_sequences=packed, pad_to_multiple_of=64, log_interval=1_000_000,
+    )
+
+
+class Ours:
+    """What pretrain_gpt.py builds on one GPU, stepped by the training loop's own iteration."""
+
+    def __init__(self, shape: dict, micro_batch: int, packed: bool = False, beside: "Ours | None" = None):
+        from megatron_ext.config import build_job_config
+        from megatron_ext.run import build_training_run
+        from megatron_ext.training.loop import LogWindow
+
+        self.cfg = build_job_config(job_values(shape, micro_batch, packed))
+        data = RandomPacks(shape["seq_length"]) if packed else RandomRows(shape["seq_length"])
+        self.run = build_training_run(self.cfg, device=DEVICE, data=(data, None),
+                                      log=lambda s: None, metrics=False, ctx=beside.run.ctx if beside else None)
+        self.window, self.owns_groups = LogWindow(), beside is None
+
+    def step(self) -> tuple[int, float]:
+        """One iteration; returns (real tokens, model FLOPs)."""
+        from megatron_ext.training.loop import run_training_iteration
+
+        before = self.window.totals.clone()
+        run_training_iteration(self.run, self.window)
+        real, flops = (self.window.totals - before)[2:].tolist()
+        return int(real), flops
+
+    def close(self) -> None:
+        from megatron_ext.parallel import destroy_parallel_context
+
+        if self.owns_groups:
+            destroy_parallel_context()
+
+
+class Reference:
+    """transformers GPT-2 at the same shape: SDPA attention, bf16 autocast, fused AdamW."""
+
+    def __init__(self, shape: dict, micro_batch: int, compiled: bool):
+        import transformers
+
+        s = shape["seq_length"]
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=s, n_embd=shape["hidden_size"],
+                                         n_layer=shape["num_layers"], n_head=shape["num_attention_heads"],
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+        model = transformers.GPT2LMHeadModel(config).to(DEVICE).train()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+        self.model = torch.compile(model) if compiled and DEVICE.type == "cuda" else model
+        self.data, self.b, self.i = RandomRows(s), micro_batch, 0
+        self.cfg_shape = shape
+
+    def step(self) -> tuple[int, float]:
+        rows = [self.data[self.i * self.b + j]["tokens"] for j in range(self.b)]
+        self.i += 1
+        ids = torch.from_numpy(np.stack(rows)).to(DEVICE, non_blocking=True)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        real = ids.numel()
+        return real, flops_of(self.cfg_shape, VOCAB, real, real * self.cfg_shape["seq_length"])
+
+    def close(self) -> None:
+        pass
+
+
+def flops_of(shape: dict, vocab: int, tokens: float, pairs: float) -> float:
+    from megatron_ext.config import build_job_config
+    from megatron_ext.training.metrics import num_floating_point_operations
+
+    return num_floating_point_operations(build_job_config(dict(shape)), vocab, tokens, pairs)
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_step(side) -> tuple[float, int, float]:
+    synchronize()
+    t0 = time.perf_counter()
+    real, flops = side.step()
+    synchronize()
+    return time.perf_counter() - t0, real, flops
+
+
+def measure(sides: dict, steps: int, warmup: int) -> dict:
+    """Alternate the sides step by step; medians of seconds, real tokens/s, TFLOP/s."""
+    raw = {name: [] for name in sides}
+    for i in range(steps):
+        for name, side in sides.items():
+            dt, real, flops = timed_step(side)
+            if i >= warmup:
+                raw[name].append((dt, real, flops))
+    out = {}
+    for name, rows in raw.items():
+        seconds = statistics.median(r[0] for r in rows)
+        out[name] = {"seconds": seconds, "tokens/s": statistics.median(r[1] / r[0] for r in rows),
+                     "tflops": statistics.median(r[2] / r[0] for r in rows) / 1e12}
+    return out
+
+
+def print_rows(title: str, results: dict, peak: float | None) -> None:
+    print(title)
+    for name, r in results.items():
+        mfu = f" | MFU {r['tflops'] / peak:.3f}" if peak else ""
+        print(f"  {name:<34} {r['tokens/s']:>10.0f} tokens/s | {r['tflops']:7.1f} TFLOP/s | "
+              f"{1000 * r['seconds']:8.1f} ms/step{mfu}")
+
+
+def section_gpt2(args, peak) -> None:
+    sides = {"A ours (megatron-core, bf16, SDPA)": Ours(GPT2_124M, 8),
+             "B transformers GPT-2 eager": Reference(GPT2_124M, 8, compiled=False),
+             "C transformers GPT-2 compiled": Reference(GPT2_124M, 8, compiled=True)}
+    res = measure(sides, args.steps, args.warmup)
+    for side in sides.values():
+        side.close()
+    print_rows("gpt2 | 124M, seq 1024, micro-batch 8, bf16", res, peak)
+    a, b, c = (r["tokens/s"] for r in res.values())
+    verdict = "PASS" if a >= 0.9 * c else "FAIL"
+    print(f"  A/B = {a / b:.2f} | A/C = {a / c:.2f}   target A/C >= 0.9 (stretch 1.0)  -> {verdict}")
+
+
+def section_1_3b(args, peak) -> None:
+    res = {}
+    for name, build in (("A ours (megatron-core, bf16, SDPA)", lambda: Ours(GPT_1_3B, 4)),
+                        ("B transformers GPT-2 eager", lambda: Reference(GPT_1_3B, 4, compiled=False)),
+                        ("C transformers GPT-2 compiled", lambda: Reference(GPT_1_3B, 4, compiled=True))):
+        side = build()
+        res.update(measure({name: side}, args.steps, args.warmup))
+        side.close()
+        del side
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    print_rows("1.3b | 24 x 2048, 16 heads, seq 2048, micro-batch 4, bf16 (sides one after the other)", res, peak)
+    a, _, c = (r["tokens/s"] for r in res.values())
+    mfu = next(iter(res.values()))["tflops"] / peak if peak else None
+    ok = (mfu is None or mfu >= 0.50) and a >= 1.2 * c
+    print(f"  ours MFU {mfu if mfu is None else round(mfu, 3)} (target >= 0.50) | A/C = {a / c:.2f} "
+          f"(target >= 1.2) -> {'PASS' if ok else 'FAIL'}")
+
+
+def section_packed(args, peak, name: str, shape: dict, micro_batches: tuple[int, ...]) -> None:
+    for b in micro_batches:
+        unpacked = Ours(shape, b, packed=False)
+        sides = {f"unpacked, micro-batch {b} x {shape['seq_length']}": unpacked,
+                 f"packed, {b} packs joined (THD)": Ours(shape, b, packed=True, beside=unpacked)}
+        res = measure(sides, args.steps, args.warmup)
+        for side in reversed(sides.values()):
+            side.close()
+        del sides
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+        print_rows(f"{name} | packed vs unpacked, equal real tokens per micro-batch, b = {b}", res, peak)
+        rows, packs = (r["tokens/s"] for r in res.values())
+        print(f"  packed/unpacked real tokens/s = {packs / rows:.3f}   target >= 0.95  -> "
+              f"{'PASS' if packs >= 0.95 * rows else 'FAIL'}")
+
+
+def main(argv=None) -> int:
+    global DEVICE, GPT2_124M, GPT_1_3B, LLAMA_24x2048
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: exercise the code paths on a CPU (with --tiny); its figures mean nothing")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (2 x 64, seq 128) for a smoke run")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench.gpu_throughput needs a CUDA GPU (--device cpu --tiny for a smoke run)", file=sys.stderr)
+        return 2
+    if args.tiny:
+        GPT2_124M = GPT_1_3B = TINY
+        LLAMA_24x2048 = {**LLAMA_24x2048, **TINY}
+    from megatron_ext.cpu_platform import quiet_known_warnings
+    from megatron_ext.parallel import init_distributed
+    from megatron_ext.training.metrics import get_peak_tflops
+
+    quiet_known_warnings()
+    DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    init_distributed(DEVICE, 10)
+    name = torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "CPU (smoke run)"
+    peak = get_peak_tflops(name)
+    print(f"gpu_throughput | {name} (bf16 peak {peak} TFLOP/s) | torch {torch.__version__} | "
+          f"steps {args.steps}, first {args.warmup} dropped, medians"
+          + (" | --tiny: every section runs 2 x 64 at seq 128, whatever its title says" if args.tiny else ""),
+          flush=True)
+    for section in args.only:
+        t0 = time.perf_counter()
+        if section == "gpt2":
+            section_gpt2(args, peak)
+        elif section == "1.3b":
+            section_1_3b(args, peak)
+        elif section == "packed-gpt2":
+            section_packed(args, peak, "packed-gpt2 (124M, seq 1024)", GPT2_124M, (8,))
+        else:
+            section_packed(args, peak, "packed-llama (24 x 2048, RoPE, SwiGLU, GQA 4, seq 2048)", LLAMA_24x2048, (1, 4))
+        print(f"  ({section}: {time.perf_counter() - t0:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
