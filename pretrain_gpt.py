@@ -19,12 +19,13 @@ import torch  # noqa: E402
 
 from megatron_ext.arguments import parse_args  # noqa: E402
 from megatron_ext.checkpoint.exit_policy import build_exit_decider  # noqa: E402
-from megatron_ext.checkpoint.state import load_checkpoint  # noqa: E402
-from megatron_ext.config import ConfigError, validate  # noqa: E402
+from megatron_ext.checkpoint.directory import probe_save_dir  # noqa: E402
+from megatron_ext.checkpoint.state import check_load_flags, load_checkpoint  # noqa: E402
+from megatron_ext.config import ConfigError, report_error_once, validate  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.run import build_training_run, describe_run  # noqa: E402
-from megatron_ext.training.loop import train  # noqa: E402
+from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     device = select_device(cfg.parallel.device)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
+    fresh_start = check_load_flags(cfg)
+    probe_save_dir(cfg.checkpoint.save)
     d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
 
@@ -40,6 +43,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     run = build_training_run(cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider)
     if run.ctx.is_logging_rank:
         run.log(describe_run(run))
+        if fresh_start:
+            run.log(fresh_start)
     if cfg.checkpoint.load:
         load_checkpoint(run, cfg.checkpoint.load, load_optimizer=not cfg.checkpoint.no_load_optim)
     history = train(run)
@@ -62,6 +67,8 @@ if __name__ == "__main__":
     try:
         main()
     except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":  # every rank finds the same problems
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        report_error_once(str(err))
         sys.exit(2)
+    except TrainingDiverged as err:
+        report_error_once(str(err))
+        sys.exit(1)

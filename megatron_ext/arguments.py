@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Sequence
 
-from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, build_job_config, get_field_section
+from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, build_job_config
 
 
 def _base_type(annotation: Any) -> Any:
@@ -29,8 +29,16 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one ConfigError (printed once, exit 2) instead of the
+    whole usage text from every rank."""
+
+    def error(self, message: str):
+        raise ConfigError([f"{message} (python pretrain_gpt.py --help lists the flags)"])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="Megatron-style GPT pretraining on megatron-core (TP x PP x VPP x DP).",
         allow_abbrev=False,
     )
@@ -64,35 +72,85 @@ def _add_flag(group: Any, f: dataclasses.Field, annotation: Any) -> None:
     group.add_argument(flag, **kwargs)
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    """Flat ``{field_name: value}`` from a YAML or TOML file (dashes or underscores in keys)."""
-    if not os.path.isfile(path):
-        raise ConfigError([f"--config {path}: no such file"])
+def _read_config_file(path: str) -> Any:
     with open(path, "rb") as fh:
         raw = fh.read()
     if path.endswith(".toml"):
-        data = tomllib.loads(raw.decode())
-    elif path.endswith((".yaml", ".yml")):
+        try:
+            return tomllib.loads(raw.decode())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError([f"--config {path}: not valid TOML: {err}"]) from None
+    if path.endswith((".yaml", ".yml")):
         import yaml
 
-        data = yaml.safe_load(raw) or {}
-    else:
-        raise ConfigError([f"--config {path}: use a .yaml, .yml or .toml file"])
+        try:
+            return yaml.safe_load(raw) or {}
+        except yaml.YAMLError as err:
+            where = " ".join(str(err).split())
+            raise ConfigError([f"--config {path}: not valid YAML: {where}"]) from None
+    raise ConfigError([f"--config {path}: use a .yaml, .yml or .toml file"])
+
+
+def get_field_types() -> dict[str, tuple[Any, bool, tuple | None]]:
+    """Field name -> (base type, None allowed, choices), over every section."""
+    out = {}
+    for cls in SECTION_TYPES.values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            args = typing.get_args(hints[f.name])
+            out[f.name] = (_base_type(hints[f.name]), type(None) in args, f.metadata.get("choices"))
+    return out
+
+
+def check_value(name: str, value: Any, types: dict) -> tuple[Any, str | None]:
+    """A config-file value converted to its field's type, or a problem naming what was expected.
+    Booleans take YAML/TOML booleans only: the string "false" is an error, not True."""
+    kind, optional, choices = types[name]
+    if value is None:
+        return value, None if optional else "a value (null is not allowed)"
+    if kind is bool:
+        return value, None if isinstance(value, bool) else "a boolean (true or false, unquoted)"
+    if kind is int:
+        return value, None if type(value) is int else "an integer"
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return (float(value) if ok else value), None if ok else "a number"
+    if kind is list:
+        if isinstance(value, str):
+            value = value.split()
+        if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+            return [str(v) for v in value], None
+        return value, "a list of strings (or one space-separated string)"
+    if not isinstance(value, str):
+        return value, "a string"
+    if choices and value not in choices:
+        return value, f"one of {', '.join(choices)}"
+    return value, None
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Flat ``{field_name: value}`` from a YAML or TOML file (dashes or underscores in keys), every
+    value checked against its field's type; all problems reported at once, naming file and key."""
+    if not os.path.isfile(path):
+        raise ConfigError([f"--config {path}: no such file"])
+    data = _read_config_file(path)
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: expected a mapping of flag names to values"])
     flat = {}
     for key, value in data.items():
         if isinstance(value, dict):  # allow [section] tables / nested sections
             for k, v in value.items():
-                flat[k.replace("-", "_")] = v
+                flat[str(k).replace("-", "_")] = v
         else:
-            flat[key.replace("-", "_")] = value
-    known = get_field_section()
-    unknown = sorted(k for k in flat if k not in known)
-    if unknown:
-        raise ConfigError([f"--config {path}: unknown key '{k}'" for k in unknown])
-    if isinstance(flat.get("data_path"), str):
-        flat["data_path"] = flat["data_path"].split()
+            flat[str(key).replace("-", "_")] = value
+    types = get_field_types()
+    problems = [f"--config {path}: unknown key '{k}'" for k in sorted(k for k in flat if k not in types)]
+    for key in sorted(k for k in flat if k in types):
+        flat[key], expected = check_value(key, flat[key], types)
+        if expected:
+            problems.append(f"--config {path}: key '{key.replace('_', '-')}' = {flat[key]!r} should be {expected}")
+    if problems:
+        raise ConfigError(problems)
     return flat
 
 

@@ -111,6 +111,17 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("megatron.core.optimizer.distrib_optimizer",),
     ),
     Workaround(
+        "fp32-optimizer-nan-guard",
+        "FP32Optimizer.prepare_grads reports no found-inf, so ChainedOptimizer.step applies an update "
+        "whose gradients are NaN; our step is ChainedOptimizer.step with the update skipped on a "
+        "non-finite global grad norm (mixed-precision and distributed optimizers use megatron-core's "
+        "own found-inf skip with a constant scaler)",
+        "megatron_ext.training.optimizer:step_optimizer",
+        ("megatron.core.optimizer.optimizer.ChainedOptimizer.step",
+         "megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads",
+         "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32"),
+    ),
+    Workaround(
         "reshardable-optimizer-format",
         "the distributed optimizer's default sharded format (fully_sharded_model_space) raises "
         "'ShardedTensor.flattened_range is not supported'; fully_reshardable changes TP/PP on load",

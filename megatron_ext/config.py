@@ -65,7 +65,7 @@ class ModelConfig:
     init_method_std: float = _f(0.02, "Std of the normal initialisation.")
     hidden_dropout: float = _f(0.0, "Dropout on hidden states.")
     attention_dropout: float = _f(0.0, "Dropout on attention probabilities.")
-    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP.")
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this (whatever the TP size, unlike Megatron-LM, which multiplies it by TP: every layout then trains the same model); --tensor-model-parallel-size must divide it.")
     transformer_impl: str = _f("auto", "Layer spec: local (torch), transformer_engine, or auto (TE when importable and CUDA is used).", choices=["auto", "local", "transformer_engine"])
 
 
@@ -107,6 +107,8 @@ class TrainingConfig:
     adam_eps: float = _f(1e-8, "Adam epsilon.")
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
     calculate_per_token_loss: bool = _f(True, "Token-sum loss: divide by valid tokens of the whole global batch (default on; --no-calculate-per-token-loss: mean of per-micro-batch means, as older Megatron-LM runs).", negative_flag=True)
+    check_for_nan_in_loss_and_grad: bool = _f(True, "Skip, on every rank, an update whose loss or gradients are not finite, and count it in 'nan iterations' (default on; --no-check-for-nan-in-loss-and-grad applies such updates, as before).", negative_flag=True)
+    max_nan_iterations: int = _f(3, "Stop (exit 1, no checkpoint written) after this many consecutive non-finite iterations (ours).")
     eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
     eval_iters: int = _f(2, "Validation batches per evaluation.")
     bf16: bool = _f(False, "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.", negative_flag=True)
@@ -139,6 +141,9 @@ class CheckpointConfig:
     load: str | None = _f(None, "Directory to resume from (its newest complete checkpoint).")
     keep_last: int | None = _f(None, "Keep only the newest N complete checkpoints (never deletes the newest).")
     no_load_optim: bool = _f(False, "Load model weights only (fresh optimizer).")
+    exit_on_missing_checkpoint: bool = _f(False, "With --load: a directory holding no checkpoint is an error even when it is --save.")
+    override_opt_param_scheduler: bool = _f(False, "On resume, the LR/WD schedule flags of this run win over the checkpoint's.")
+    use_checkpoint_opt_param_scheduler: bool = _f(False, "On resume, the checkpoint's LR/WD schedule wins over this run's flags.")
     ckpt_reader: str = _f("direct", "How --load reads tensor bytes: direct (ours, straight into the model and optimizer tensors) or megatron (megatron-core's stock torch_dist reader). Same files either way.", choices=["direct", "megatron"])
     exit_signal_handler: bool = _f(False, "On SIGTERM/SIGINT: all ranks agree at the next step boundary, save, exit 0.")
     exit_interval: int | None = _f(None, "Save and exit after the step whose number is a multiple of N.")
@@ -177,11 +182,33 @@ def get_field_section() -> dict[str, str]:
 
 
 class ConfigError(ValueError):
-    """Every problem found in one configuration, one per line."""
+    """A problem a user can cause and fix (flags, config files, data, tokenizer, checkpoint
+    directories): every one found, one per line, each naming the flag or file and the fix. The
+    entry point prints it once as an ``error:`` block and exits 2, without a traceback."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def report_error_once(message: str) -> bool:
+    """Print ``error: message`` to stderr unless another rank of this job on this host already
+    did (every rank usually finds the same problem); returns whether this rank printed it."""
+    import hashlib
+    import sys
+    import tempfile
+
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', os.getpid())}"
+    digest = hashlib.sha256(f"{job}:{message}".encode()).hexdigest()[:20]
+    try:
+        os.close(os.open(os.path.join(tempfile.gettempdir(), f"megatron_ext-error-{digest}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass  # no temporary directory: print rather than stay silent
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return True
 
 
 def build_job_config(values: dict[str, Any]) -> JobConfig:
@@ -227,8 +254,12 @@ def get_num_microbatches(cfg: JobConfig, world_size: int) -> int:
 
 
 def get_padded_vocab_size(vocab_size: int, cfg: JobConfig) -> int:
-    """Megatron-LM's rule: pad to a multiple of make_vocab_size_divisible_by x TP."""
-    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
+    """The vocabulary rounded up to --make-vocab-size-divisible-by, whatever the layout.
+
+    Megatron-LM multiplies the multiple by TP, so a TP2 run would pad 513 ids to 768 and one process
+    to 640: different models (the padded rows take part in the softmax). Ours does not; validation
+    requires TP to divide the multiple, so the padded vocabulary always splits over TP."""
+    multiple = cfg.model.make_vocab_size_divisible_by
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
@@ -280,17 +311,33 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         raise ConfigError(problems)
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _check_positive(cfg: JobConfig) -> list[str]:
-    names = [
-        ("tensor_model_parallel_size", cfg.parallel), ("pipeline_model_parallel_size", cfg.parallel),
-        ("num_layers", cfg.model), ("hidden_size", cfg.model), ("num_attention_heads", cfg.model),
-        ("seq_length", cfg.model), ("micro_batch_size", cfg.training), ("train_iters", cfg.training),
-        ("log_interval", cfg.logging),
+    """Sizes that cannot be zero, optional sizes that must be positive when given, rates >= 0."""
+    p, m, t, d = cfg.parallel, cfg.model, cfg.training, cfg.data
+    sizes = [
+        ("tensor_model_parallel_size", p), ("pipeline_model_parallel_size", p), ("num_layers", m),
+        ("hidden_size", m), ("num_attention_heads", m), ("seq_length", m), ("micro_batch_size", t),
+        ("train_iters", t), ("log_interval", cfg.logging), ("make_vocab_size_divisible_by", m),
+        ("pad_to_multiple_of", d), ("max_nan_iterations", t),
     ]
-    return [
-        f"--{n.replace('_', '-')} must be a positive integer, got {getattr(s, n)}"
-        for n, s in names if not (isinstance(getattr(s, n), int) and getattr(s, n) > 0)
-    ]
+    optional_sizes = [("global_batch_size", t), ("ffn_hidden_size", m), ("num_query_groups", m),
+                      ("max_position_embeddings", m), ("lr_decay_iters", t), ("vocab_size", d)]
+    rates = [("lr", t), ("min_lr", t), ("weight_decay", t), ("adam_eps", t), ("clip_grad", t),
+             ("init_method_std", m), ("norm_epsilon", m)]
+    out = [f"{_flag(n)} must be a positive integer, got {getattr(s, n)!r}"
+           for n, s in sizes if not (type(getattr(s, n)) is int and getattr(s, n) > 0)]
+    out += [f"{_flag(n)} must be a positive integer when given, got {getattr(s, n)!r}"
+            for n, s in optional_sizes if getattr(s, n) is not None and not (type(getattr(s, n)) is int and getattr(s, n) > 0)]
+    out += [f"{_flag(n)} must be a number >= 0, got {getattr(s, n)!r}"
+            for n, s in rates if not (isinstance(getattr(s, n), (int, float)) and getattr(s, n) >= 0)]
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, name) < 1.0:
+            out.append(f"{_flag(name)} must be in [0, 1), got {getattr(t, name)}")
+    return out
 
 
 def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
@@ -346,6 +393,12 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
             f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
             f"{m.num_attention_heads}"
         )
+    if tp > 0 and m.make_vocab_size_divisible_by > 0 and m.make_vocab_size_divisible_by % tp:
+        out.append(
+            f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} is not divisible by "
+            f"--tensor-model-parallel-size {tp}: the padded vocabulary is split over TP; use a multiple "
+            f"of {tp} (ours pads the same at every TP size, unlike Megatron-LM's divisible-by x TP)"
+        )
     if tp > 0 and m.num_attention_heads % tp:
         out.append(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
@@ -380,8 +433,9 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
 def _check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     p, t = cfg.parallel, cfg.training
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if tp <= 0 or pp <= 0 or world_size % (tp * pp) or t.micro_batch_size <= 0:
-        return []
+    if tp <= 0 or pp <= 0 or world_size % (tp * pp) or t.micro_batch_size <= 0 or (
+            t.global_batch_size is not None and t.global_batch_size <= 0):
+        return []  # reported by _check_positive
     dp = world_size // (tp * pp)
     gbs = get_global_batch_size(cfg, world_size)
     if gbs % (t.micro_batch_size * dp):
@@ -437,6 +491,9 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
     c = cfg.checkpoint
     if c.save_interval is not None and (c.save_interval <= 0 or not c.save):
         out.append("--save-interval needs --save DIR and a positive interval")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        out.append("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive: "
+                   "say which schedule wins with one of them")
     for flag, value in (("--exit-signal-handler", c.exit_signal_handler), ("--exit-interval", c.exit_interval),
                         ("--exit-duration-in-mins", c.exit_duration_in_mins)):
         if value and not c.save:
@@ -464,10 +521,14 @@ def _check_data(cfg: JobConfig) -> list[str]:
             f"--tokenizer-type {d.tokenizer_type} is not supported: use NullTokenizer or "
             f"SentencePieceTokenizer"
         )
+    from megatron_ext.data.indexed_check import check_indexed_dataset
+
     for prefix in _get_data_prefixes(d.data_path):
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             out.append(f"--data-path {prefix}: missing {', '.join(missing)}")
+        else:
+            out += [f"--data-path {prefix}: {p}" for p in check_indexed_dataset(prefix)]
     out += _check_packing(cfg)
     split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
     try:

@@ -75,7 +75,7 @@ def build_training_run(
         writer=MetricWriter(cfg, enabled=metrics and ctx.is_logging_rank),
         checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab),
         exit_decider=exit_decider or build_exit_decider(cfg),
-        pad_id=tokenizer.pad, log=log,
+        pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size, log=log,
         timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx) if cfg.logging.pp_timeline else None,
     )
 

@@ -6,8 +6,9 @@
 
 Our checkpoints (megatron-core ``torch_dist``) key every tensor by its global name and layer
 number, so one converted checkpoint loads under any TP x PP x VPP x DP: the conversion runs in
-one process. Only the padded vocabulary depends on the layout (Megatron pads it to a multiple of
-``--make-vocab-size-divisible-by`` x TP), so give the TP size you will train with. The converted
+one process. The padded vocabulary (a multiple of ``--make-vocab-size-divisible-by``, the same at
+every TP size, unlike Megatron-LM's) is recorded in the checkpoint; a run loads it at any TP that
+divides the multiple. The converted
 checkpoint holds weights only (a run that loads it starts a fresh optimizer at iteration 0) and
 prints the flags a run needs to match it.
 
@@ -71,8 +72,13 @@ def get_rope_theta(hf: dict[str, Any]) -> float:
     return float((hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_theta", 10000.0))
 
 
-def get_padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
+def get_padded_vocab(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
+    """Rounded up to ``divisible_by`` whatever the TP size (megatron_ext.config.get_padded_vocab_size);
+    ``tp`` only has to divide it."""
+    if divisible_by % tp:
+        raise ValueError(f"--make-vocab-size-divisible-by {divisible_by} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    multiple = divisible_by
     return -(-vocab_size // multiple) * multiple
 
 
@@ -337,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--save", required=True)
     a.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="TP size of the runs that will load it (pads the vocabulary as they do)")
+                   help="TP size of the runs that will load it (only checked: it must divide the multiple)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     b = sub.add_parser("megatron-to-hf", help="our checkpoint -> HF Llama (safetensors + config.json)")
     b.add_argument("--load", required=True)

@@ -65,6 +65,40 @@ def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
     return complete[-1] if complete else None
 
 
+def resolve_load_path(path: str) -> tuple[tuple[int, str] | None, str | None]:
+    """The checkpoint ``--load path`` names, and a warning to print: ``path`` is a save directory
+    (its newest complete checkpoint) or one checkpoint's own ``iter_XXXXXXX`` directory. The warning
+    says when the pointer file names an iteration that is not a complete checkpoint here."""
+    name = os.path.basename(os.path.normpath(path))
+    match = _ITER_DIR.match(name)
+    if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        return (int(match.group(1)), os.path.normpath(path)), None
+    found = find_latest_checkpoint(path)
+    pointer = read_tracker(path)
+    if found is not None and pointer is not None and pointer not in {it for it, _ in list_complete_checkpoints(path)}:
+        return found, (f"{os.path.join(path, TRACKER_FILE)} names iteration {pointer}, which is not a complete "
+                       f"checkpoint here: loading iteration {found[0]} instead")
+    return found, None
+
+
+def probe_save_dir(path: str | None) -> None:
+    """Create ``--save`` and write a file in it, at start-up: an unwritable directory is a named
+    error now, not after --save-interval steps of work. Every rank probes (its shards go there)."""
+    if not path:
+        return
+    from megatron_ext.config import ConfigError
+
+    probe = os.path.join(path, f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise ConfigError([f"--save {path} is not a writable directory ({err.strerror}: {err.filename}): "
+                           f"give a directory this job can create and write"]) from None
+
+
 def select_checkpoints_to_delete(iterations: list[int], keep_last: int | None) -> list[int]:
     """Iterations to delete so that the newest ``keep_last`` remain; never the newest one."""
     if not keep_last or keep_last < 1:

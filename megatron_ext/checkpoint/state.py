@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.checkpoint.directory import FORMAT_VERSION, find_latest_checkpoint, write_checkpoint
+from megatron_ext.checkpoint.directory import FORMAT_VERSION, resolve_load_path, write_checkpoint
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
@@ -160,8 +160,7 @@ def check_compatible(
         problems.append(
             f"vocabulary: the checkpoint's padded vocabulary is {saved['padded_vocab_size']}, this run's "
             f"is {meta.padded_vocab_size} (--vocab-size / --tokenizer-model, "
-            f"--make-vocab-size-divisible-by x --tensor-model-parallel-size): use the checkpoint's "
-            f"tokenizer and padding"
+            f"--make-vocab-size-divisible-by): use the checkpoint's tokenizer and padding"
         )
     saved_tok = saved.get("tokenizer")
     if saved_tok is not None and saved_tok != meta.tokenizer:
@@ -170,6 +169,56 @@ def check_compatible(
             f"this run uses {meta.tokenizer}"
         )
     return problems
+
+
+# OptimizerParamScheduler state -> (the flags that set it, how to show a value)
+_SCHEDULE_FLAGS = {
+    "max_lr": ("--lr", None), "min_lr": ("--min-lr", None), "lr_decay_style": ("--lr-decay-style", None),
+    "lr_warmup_steps": ("--lr-warmup-iters", "samples"), "lr_decay_steps": ("--lr-decay-iters (default --train-iters)", "samples"),
+    "start_wd": ("--weight-decay", None), "end_wd": ("--weight-decay", None),
+    "wd_incr_steps": ("--train-iters", "samples"), "wd_incr_style": ("weight-decay schedule", None),
+}
+
+
+def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, global_batch_size: int) -> list[str]:
+    """Schedule values this run's flags give that differ from the checkpoint's, unless
+    --override-opt-param-scheduler or --use-checkpoint-opt-param-scheduler says which wins
+    (megatron-core would assert without naming a flag; silently keeping the checkpoint's schedule
+    ran a longer --train-iters at learning rate 0)."""
+    c = cfg.checkpoint
+    if c.override_opt_param_scheduler or c.use_checkpoint_opt_param_scheduler:
+        return []
+    out = []
+    for key, (flag, unit) in _SCHEDULE_FLAGS.items():
+        if key not in saved or saved[key] == getattr(scheduler, key):
+            continue
+
+        def show(v):
+            return f"{v} ({v // global_batch_size} iterations)" if unit and global_batch_size else repr(v)
+
+        out.append(f"{flag}: the checkpoint's schedule has {key} = {show(saved[key])}, this run's flags give "
+                   f"{show(getattr(scheduler, key))}; add --override-opt-param-scheduler to use this run's "
+                   f"flags or --use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+    return out
+
+
+def check_load_flags(cfg: JobConfig) -> str | None:
+    """Before any work: what --load finds. None when it names a checkpoint (or is unset); a line
+    to print when it holds none but is also --save (a restartable job's first start); ConfigError
+    otherwise (a missing or empty directory that would silently start from scratch)."""
+    c = cfg.checkpoint
+    if not c.load:
+        return None
+    found, _ = resolve_load_path(c.load)
+    if found is not None:
+        return None
+    restartable = c.save and os.path.abspath(c.save) == os.path.abspath(c.load)
+    if restartable and not c.exit_on_missing_checkpoint:
+        return f"> --load {c.load} holds no checkpoint yet: starting from scratch (it is also --save)"
+    what = "does not exist" if not os.path.exists(c.load) else "holds no complete checkpoint"
+    why = " (--exit-on-missing-checkpoint)" if restartable else ""
+    raise ConfigError([f"--load {c.load} {what}{why}: give a directory that --save wrote (or one of its "
+                       f"iter_XXXXXXX directories), or drop --load to start from scratch"])
 
 
 def load_full_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -199,21 +248,27 @@ def read_checkpoint_common(ckpt_dir: str) -> dict[str, Any]:
 def load_checkpoint(
     run, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None
 ) -> int | None:
-    """Restore ``run`` from the newest complete checkpoint under ``root``; collective.
+    """Restore ``run`` from the newest complete checkpoint under ``root`` (or from ``root`` itself when
+    it is one checkpoint's ``iter_XXXXXXX`` directory); collective.
 
     Returns the loaded iteration, or None when ``root`` holds no complete checkpoint (a fresh
-    start). Raises ConfigError, before anything is written, when the model or tokenizer differ.
-    ``meta`` defaults to the run's own, ``reader`` to ``--ckpt-reader``.
+    start). Raises ConfigError, before anything is written, when the model or tokenizer differ, or
+    the LR schedule flags differ with no flag saying which wins. ``meta`` defaults to the run's
+    own, ``reader`` to ``--ckpt-reader``.
     """
     from megatron.core import dist_checkpointing
 
     meta = meta or run.checkpoint_meta
-    found = find_latest_checkpoint(root)
+    found, warning = resolve_load_path(root)
     if found is None:
         return None
+    if warning and run.ctx.is_logging_rank:
+        run.log(f"WARNING: {warning}")
     iteration, ckpt_dir = found
     common = read_checkpoint_common(ckpt_dir)
     problems = check_compatible(common, run.cfg, meta, load_optimizer)
+    if load_optimizer and "opt_param_scheduler" in common:
+        problems += check_scheduler_flags(common["opt_param_scheduler"], run.scheduler, run.cfg, run.global_batch_size)
     if problems:
         raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
     if load_optimizer and "opt_param_scheduler" not in common:

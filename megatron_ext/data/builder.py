@@ -35,7 +35,7 @@ def build_train_valid_datasets(
         strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
         train_ds, valid_ds, _ = build_packed_datasets(
             d.data_path[-1], parse_split(d.split), cfg.model.seq_length, strategy, t.seed,
-            num_samples, d.data_cache_path,
+            num_samples, d.data_cache_path, unused_splits=get_unused_splits(cfg), split_flag=d.split,
         )
         if log is not None:
             index = train_ds.index
@@ -48,6 +48,11 @@ def build_train_valid_datasets(
     train_ds, valid_ds, _ = build_gpt_datasets(
         tokenizer, cfg.model.seq_length, num_samples, data_path=d.data_path, split=d.split,
         mock_data=d.mock_data, random_seed=t.seed, path_to_cache=d.data_cache_path,
-        create_attention_mask=False,
+        create_attention_mask=False, unused_splits=get_unused_splits(cfg),
     )
     return train_ds, valid_ds
+
+
+def get_unused_splits(cfg: JobConfig) -> tuple[int, ...]:
+    """The test split always (nothing reads it), the validation split without --eval-interval."""
+    return (2,) if cfg.training.eval_interval else (1, 2)

@@ -13,6 +13,8 @@ import math
 import os
 from typing import Callable, Optional, Sequence
 
+from megatron_ext.config import ConfigError
+
 Blend = tuple[list[str], Optional[list[float]]]
 
 
@@ -25,7 +27,7 @@ def parse_data_path(data_path: Sequence[str]) -> Blend:
     """
     items = [str(item).strip() for item in data_path]
     if not items or any(not item for item in items):
-        raise ValueError(f"--data-path needs one or more dataset prefixes, got {list(data_path)}")
+        raise ConfigError([f"--data-path needs one or more dataset prefixes, got {list(data_path)}"])
 
     def as_weight(item: str) -> Optional[float]:
         try:
@@ -36,17 +38,16 @@ def parse_data_path(data_path: Sequence[str]) -> Blend:
     if all(as_weight(item) is None for item in items):
         return items, None
     if len(items) % 2 or any(as_weight(w) is None for w in items[0::2]):
-        raise ValueError(
+        raise ConfigError([
             f"--data-path {' '.join(items)} mixes weights and prefixes; give either prefixes only "
-            f"(PREFIX [PREFIX ...]) or weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"
-        )
+            f"(PREFIX [PREFIX ...]) or weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"])
     weights = [as_weight(w) for w in items[0::2]]
     prefixes = items[1::2]
     if any(as_weight(p) is not None for p in prefixes):
-        raise ValueError(f"--data-path {' '.join(items)}: a prefix looks like a number; "
-                         f"use weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)")
+        raise ConfigError([f"--data-path {' '.join(items)}: a prefix looks like a number; "
+                         f"use weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"])
     if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights {weights} must be finite, >= 0 and sum to > 0")
+        raise ConfigError([f"--data-path weights {weights} must be finite, >= 0 and sum to > 0"])
     return prefixes, weights
 
 
@@ -56,13 +57,13 @@ def parse_split(split: str) -> list[float]:
     try:
         values = [float(p) for p in parts]
     except ValueError as exc:
-        raise ValueError(f"--split {split!r} must be up to 3 comma-separated numbers, "
-                         f"e.g. 969,30,1") from exc
+        raise ConfigError([f"--split {split!r} must be up to 3 comma-separated numbers, "
+                         f"e.g. 969,30,1"]) from exc
     if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values):
-        raise ValueError(f"--split {split!r} must be 1 to 3 non-negative numbers, e.g. 969,30,1")
+        raise ConfigError([f"--split {split!r} must be 1 to 3 non-negative numbers, e.g. 969,30,1"])
     values += [0.0] * (3 - len(values))
     if sum(values) <= 0:
-        raise ValueError(f"--split {split!r} must have a positive sum, e.g. 969,30,1")
+        raise ConfigError([f"--split {split!r} must have a positive sum, e.g. 969,30,1"])
     return [v / sum(values) for v in values]
 
 
@@ -73,15 +74,14 @@ def get_missing_dataset_files(prefixes: Sequence[str]) -> list[str]:
 
 
 def validate_data_prefixes(prefixes: Sequence[str]) -> None:
-    """ValueError naming ``--data-path`` and every missing file."""
+    """ConfigError naming ``--data-path`` and every missing file."""
     missing = get_missing_dataset_files(prefixes)
     if missing:
-        raise ValueError(
+        raise ConfigError([
             f"--data-path: missing {', '.join(missing)}. Each prefix needs PREFIX.bin and "
             f"PREFIX.idx (pass the prefix without extension, e.g. "
             f"data/default/corpus_text_document; "
-            f"build them with tools/preprocess_data.py or tools/make_default_data.py)"
-        )
+            f"build them with tools/preprocess_data.py or tools/make_default_data.py)"])
 
 
 def validate_num_samples(num_samples: Sequence[Optional[int]], weights) -> list[Optional[int]]:
@@ -91,8 +91,8 @@ def validate_num_samples(num_samples: Sequence[Optional[int]], weights) -> list[
         raise ValueError(f"num_samples must be [train, valid, test] counts >= 0 (or None), "
                          f"got {num_samples}")
     if weights is not None and any(n is None for n in num_samples):
-        raise ValueError(f"--data-path with weights needs a sample count for every split, "
-                         f"got num_samples={num_samples}; give counts or drop the weights")
+        raise ConfigError([f"--data-path with weights needs a sample count for every split, "
+                         f"got num_samples={num_samples}; give counts or drop the weights"])
     return num_samples
 
 
@@ -118,6 +118,35 @@ def maybe_single_process_rank():
         torch.distributed.get_rank = original
 
 
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def get_split_document_counts(num_docs: int, split_matrix) -> list[int | None]:
+    """Documents of each split of one prefix, by megatron-core's rule (round(fraction x docs)
+    at each end); None for a split that is not built."""
+    return [None if s is None else int(round(s[1] * num_docs)) - int(round(s[0] * num_docs))
+            for s in split_matrix]
+
+
+def check_splits_have_documents(prefixes: Sequence[str], split_matrix, split: str) -> None:
+    """ConfigError naming --split and the counts when a split the run reads has no document in
+    some prefix (megatron-core's GPTDataset would loop forever looking for its epochs)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    problems = []
+    for prefix in prefixes:
+        num_docs = len(IndexedDataset(prefix).sequence_lengths)
+        counts = get_split_document_counts(num_docs, split_matrix)
+        empty = [SPLIT_NAMES[i] for i, n in enumerate(counts) if n == 0]
+        if empty:
+            shown = ", ".join(f"{SPLIT_NAMES[i]} {n}" for i, n in enumerate(counts) if n is not None)
+            problems.append(f"{prefix} ({num_docs} documents): {'/'.join(empty)} gets none ({shown})")
+    if problems:
+        raise ConfigError([f"--split {split} leaves a split the run reads without documents: "
+                         f"{'; '.join(problems)}. Give it more weight, or --eval-interval 0 when it is "
+                         f"the validation split"])
+
+
 def build_gpt_dataset_config(tokenizer, sequence_length: int, blend: Optional[Blend],
                              split: str = "969,30,1", random_seed: int = 1234,
                              path_to_cache: Optional[str] = None,
@@ -127,7 +156,7 @@ def build_gpt_dataset_config(tokenizer, sequence_length: int, blend: Optional[Bl
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     if sequence_length < 1:
-        raise ValueError(f"--seq-length must be >= 1, got {sequence_length}")
+        raise ConfigError([f"--seq-length must be >= 1, got {sequence_length}"])
     return GPTDatasetConfig(
         random_seed=random_seed,
         sequence_length=sequence_length,
@@ -148,7 +177,8 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
                        path_to_cache: Optional[str] = None,
                        reset_position_ids: bool = False, reset_attention_mask: bool = False,
                        eod_mask_loss: bool = False, create_attention_mask: bool = True,
-                       is_built_on_rank: Optional[Callable[[], bool]] = None):
+                       is_built_on_rank: Optional[Callable[[], bool]] = None,
+                       unused_splits: Sequence[int] = ()):
     """Build (train, valid, test) datasets; a split with zero weight comes back as None.
 
     Args:
@@ -161,6 +191,9 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
         path_to_cache: where megatron-core caches its index arrays; None means megatron-core's
             default, a ``cache/`` folder next to the first prefix's files.
         is_built_on_rank: whether this rank builds datasets (default: every rank).
+        unused_splits: split indices (0 train, 1 valid, 2 test) the run never reads: not built, so
+            a split without documents cannot send megatron-core's epoch loop spinning; a used
+            split without documents is a ConfigError naming --split and the document counts.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -171,8 +204,8 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
         blend, dataset_cls = None, MockGPTDataset
     else:
         if not data_path:
-            raise ValueError("--data-path is required unless --mock-data is set "
-                             "(e.g. --data-path data/default/corpus_text_document)")
+            raise ConfigError(["--data-path is required unless --mock-data is set "
+                             "(e.g. --data-path data/default/corpus_text_document)"])
         blend, dataset_cls = parse_data_path(data_path), GPTDataset
         validate_data_prefixes(blend[0])
         parse_split(split)
@@ -181,6 +214,9 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
         tokenizer, sequence_length, blend, split, random_seed, path_to_cache,
         reset_position_ids, reset_attention_mask, eod_mask_loss, create_attention_mask,
     )
+    if blend is not None:
+        config.split_matrix = [None if i in unused_splits else s for i, s in enumerate(config.split_matrix)]
+        check_splits_have_documents(blend[0], config.split_matrix, split)
     builder = BlendedMegatronDatasetBuilder(
         dataset_cls, sizes, is_built_on_rank or (lambda: True), config
     )

@@ -116,10 +116,46 @@ def normalize_sample(sample: dict[str, Any]) -> Sample:
     return out
 
 
-def fetch_step_samples(dataset: Any, indices: list[list[int]]) -> list[list[Sample]]:
-    """The step's samples for this rank, unpadded, grouped by micro-batch (indices wrap around)."""
+def fetch_step_samples(dataset: Any, indices: list[list[int]], vocab_size: int | None = None) -> list[list[Sample]]:
+    """The step's samples for this rank, unpadded, grouped by micro-batch (indices wrap around).
+    With ``vocab_size``, a token id outside the vocabulary is a ConfigError naming the file and
+    the documents it came from (instead of an IndexError inside the embedding)."""
     n = len(dataset)
-    return [[normalize_sample(dataset[i % n]) for i in mb] for mb in indices]
+    out = []
+    for mb in indices:
+        samples = [normalize_sample(dataset[i % n]) for i in mb]
+        if vocab_size is not None:
+            for i, s in zip(mb, samples):
+                check_token_ids(s, vocab_size, dataset, i % n)
+        out.append(samples)
+    return out
+
+
+def check_token_ids(sample: Sample, vocab_size: int, dataset: Any, index: int) -> None:
+    top = int(sample["tokens"].max()) if sample["tokens"].numel() else 0
+    low = int(sample["tokens"].min()) if sample["tokens"].numel() else 0
+    if top >= vocab_size or low < 0:
+        from megatron_ext.config import ConfigError
+
+        bad = top if top >= vocab_size else low
+        raise ConfigError([
+            f"token id {bad} is outside the tokenizer's vocabulary [0, {vocab_size}) in "
+            f"{describe_sample(dataset, index)}: the data was tokenized with another tokenizer than "
+            f"--tokenizer-type/--tokenizer-model (or --vocab-size) say; preprocess it again or use that tokenizer"
+        ])
+
+
+def describe_sample(dataset: Any, index: int) -> str:
+    """Which file (and documents, where known) a dataset sample comes from."""
+    if hasattr(dataset, "describe_sample"):
+        return dataset.describe_sample(index)
+    if hasattr(dataset, "dataset_index") and hasattr(dataset, "datasets"):  # megatron-core BlendedDataset
+        k = int(dataset.dataset_index[index])
+        return describe_sample(dataset.datasets[k], int(dataset.dataset_sample_index[index]))
+    prefix = getattr(getattr(dataset, "dataset", None), "path_prefix", None)  # megatron-core GPTDataset
+    if prefix:
+        return f"{prefix}.bin (sample {index} of its {getattr(dataset, 'index_split', 'split')})"
+    return f"sample {index} of {type(dataset).__name__}"
 
 
 def collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> Microbatch:

@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from megatron_ext.config import ConfigError
 from megatron_ext.data.microbatch import IGNORE_INDEX
 from megatron_ext.data.packing import PackingIndex, build_packing_index, split_documents
 
@@ -85,9 +86,9 @@ def _build(ids: np.ndarray, lengths: np.ndarray, seq_length: int, strategy: str)
 def check_index_matches_documents(index: PackingIndex, doc_lengths: np.ndarray, path: str) -> None:
     """A cached index must describe these documents: ids in range, pieces inside each document."""
     if len(index.piece_doc) and (index.piece_doc.max() >= len(doc_lengths) or index.piece_doc.min() < 0):
-        raise ValueError(f"packing index {path} names documents the dataset does not have: delete it")
+        raise ConfigError([f"packing index {path} names documents the dataset does not have: delete it"])
     if np.any(index.piece_start + index.piece_len > doc_lengths[index.piece_doc]):
-        raise ValueError(f"packing index {path} does not match the dataset's documents: delete it")
+        raise ConfigError([f"packing index {path} does not match the dataset's documents: delete it"])
 
 
 class PackedDocumentDataset:
@@ -111,6 +112,12 @@ class PackedDocumentDataset:
         if epoch not in self._perms:
             self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.index.num_bins)
         return int(self._perms[epoch][j])
+
+    def describe_sample(self, i: int) -> str:
+        """The file and documents of sample ``i`` (for error messages)."""
+        b = self._bin(i)
+        docs = sorted({int(d) for d in self.index.piece_doc[self.index.bin_offsets[b]:self.index.bin_offsets[b + 1]]})
+        return f"{self.indexed.path_prefix}.bin, document{'s' if len(docs) > 1 else ''} {', '.join(map(str, docs))}"
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         b = self._bin(i)
@@ -148,16 +155,28 @@ def build_packed_sample(pieces: list[np.ndarray]) -> dict[str, torch.Tensor]:
 
 def build_packed_datasets(
     prefix: str, split: Sequence[float], seq_length: int, strategy: str, seed: int,
-    num_samples: Sequence[int], cache_dir: str | None,
+    num_samples: Sequence[int], cache_dir: str | None, unused_splits: Sequence[int] = (),
+    split_flag: str | None = None,
 ):
-    """(train, valid, test) packed datasets of one indexed dataset; None for an empty split."""
+    """(train, valid, test) packed datasets of one indexed dataset; None for a split that is empty
+    or in ``unused_splits``. A split the run reads without documents is a ConfigError naming
+    --split and the document counts."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     indexed = IndexedDataset(prefix)
     doc_lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
+    ranges = get_split_ranges(len(doc_lengths), split)
+    # a split with weight but no documents (a zero weight means "no such split")
+    empty = [name for k, (name, r, w) in enumerate(zip(("train", "valid", "test"), ranges, list(split) + [0.0] * 3))
+             if k not in unused_splits and r[1] <= r[0] and w > 0]
+    if empty:
+        counts = ", ".join(f"{name} {r[1] - r[0]}" for name, r in zip(("train", "valid", "test"), ranges))
+        raise ConfigError([f"--split {split_flag or list(split)} leaves {'/'.join(empty)} of {prefix} "
+                         f"({len(doc_lengths)} documents) without documents ({counts}). Give it more "
+                         f"weight, or --eval-interval 0 when it is the validation split"])
     out = []
-    for k, doc_range in enumerate(get_split_ranges(len(doc_lengths), split)):
-        if doc_range[1] <= doc_range[0]:
+    for k, doc_range in enumerate(ranges):
+        if doc_range[1] <= doc_range[0] or k in unused_splits:
             out.append(None)
             continue
         index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir)

@@ -22,6 +22,8 @@ import os
 from collections import OrderedDict
 from typing import Optional
 
+from megatron_ext.config import ConfigError
+
 NULL_TYPES = ("NullTokenizer",)
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES
@@ -75,16 +77,15 @@ class NullTokenizer:
         try:
             ids = [int(x) for x in text.split()]
         except ValueError as exc:
-            raise ValueError(
+            raise ConfigError([
                 f"--tokenizer-type NullTokenizer expects text of space-separated integer ids, "
-                f"got {text[:60]!r}; use --tokenizer-type SentencePieceTokenizer for real text"
-            ) from exc
+                f"got {text[:60]!r}; use --tokenizer-type SentencePieceTokenizer for real text"]) from exc
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise ValueError(
+            raise ConfigError([
                 f"NullTokenizer ids must lie in [0, {self.vocab_size}) (--vocab-size "
                 f"{self.vocab_size - 1} plus EOD), got {bad[:5]}; raise --vocab-size"
-            )
+            ])
         return ids
 
     def detokenize(self, ids) -> str:
@@ -102,14 +103,18 @@ class SentencePieceTokenizer:
 
         self.model_path = model_path
         self.tokenizer_type = tokenizer_type
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        except (RuntimeError, OSError) as err:
+            raise ConfigError([f"--tokenizer-model {model_path} is not a sentencepiece model that loads "
+                               f"({' '.join(str(err).split())[:200]}); pass a .model file written by "
+                               f"sentencepiece or tools/train_tokenizer.py"]) from None
         self._sha256 = get_file_sha256(model_path)
         self._eod = self._sp.eos_id()
         if self._eod < 0:
-            raise ValueError(
+            raise ConfigError([
                 f"--tokenizer-model {model_path} defines no eos piece, so EOD would not be a "
-                f"real token; retrain it with tools/train_tokenizer.py (it sets --eos_id)"
-            )
+                f"real token; retrain it with tools/train_tokenizer.py (it sets --eos_id)"])
         self._pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self._eod
 
     @property
@@ -157,31 +162,26 @@ def build_tokenizer(
     """
     if tokenizer_type in NULL_TYPES:
         if vocab_size is None or int(vocab_size) <= 0:
-            raise ValueError(
+            raise ConfigError([
                 f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size}); "
-                f"the model vocabulary is then --vocab-size + 1 (EOD = --vocab-size)"
-            )
+                f"the model vocabulary is then --vocab-size + 1 (EOD = --vocab-size)"])
         return NullTokenizer(int(vocab_size))
     if tokenizer_type in SENTENCEPIECE_TYPES:
         if not tokenizer_model:
-            raise ValueError(
+            raise ConfigError([
                 f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a "
                 f"sentencepiece .model (e.g. data/default/tokenizer.model, or train one with "
-                f"tools/train_tokenizer.py)"
-            )
+                f"tools/train_tokenizer.py)"])
         if not os.path.isfile(tokenizer_model):
-            raise ValueError(
+            raise ConfigError([
                 f"--tokenizer-model {tokenizer_model} does not exist; pass the path of a "
-                f"sentencepiece .model (e.g. data/default/tokenizer.model)"
-            )
+                f"sentencepiece .model (e.g. data/default/tokenizer.model)"])
         tokenizer = SentencePieceTokenizer(tokenizer_model, tokenizer_type)
         if vocab_size is not None and int(vocab_size) != tokenizer.vocab_size:
-            raise ValueError(
+            raise ConfigError([
                 f"--vocab-size {vocab_size} disagrees with --tokenizer-model {tokenizer_model}, "
-                f"which has {tokenizer.vocab_size} pieces; drop --vocab-size for {tokenizer_type}"
-            )
+                f"which has {tokenizer.vocab_size} pieces; drop --vocab-size for {tokenizer_type}"])
         return tokenizer
-    raise ValueError(
+    raise ConfigError([
         f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
-        f"{', '.join(TOKENIZER_TYPES)}"
-    )
+        f"{', '.join(TOKENIZER_TYPES)}"])

@@ -1,9 +1,11 @@
 """The training loop: steps, logging, evaluation, checkpoints and exits, in one readable order.
 
-After every step, in this order and nowhere else: log (every ``--log-interval`` steps) ->
-evaluate (every ``--eval-interval``) -> agree on an exit (signal, time limit, ``--exit-interval``;
-every rank gets the same answer) -> save (on ``--save-interval``, at ``--train-iters`` and before
-an exit) -> stop if exiting. The loss is reported as global sum / global count.
+After every step, in this order and nowhere else: count a non-finite step (its update was skipped
+on every rank; stop after ``--max-nan-iterations`` in a row) -> log (every ``--log-interval``
+steps) -> evaluate (every ``--eval-interval``) -> agree on an exit (signal, time limit,
+``--exit-interval``; every rank gets the same answer) -> save (on ``--save-interval``, at
+``--train-iters`` and before an exit; never in a run of non-finite steps) -> stop if exiting. The
+loss is reported as global sum / global count.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class TrainState:
     nan_iterations: int = 0
 
 
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite iterations: the run stops without saving."""
+
+
 @dataclasses.dataclass
 class TrainingRun:
     """Everything the loop needs, built by ``megatron_ext.run.build_training_run``."""
@@ -57,12 +63,16 @@ class TrainingRun:
     checkpoint_meta: CheckpointMeta
     exit_decider: ExitDecider
     pad_id: int = 0
+    vocab_size: int | None = None  # the tokenizer's: every token id of the data must lie below it
     state: TrainState = dataclasses.field(default_factory=TrainState)
     log: Callable[[str], None] = functools.partial(print, flush=True)
     # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
     records: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # --pp-timeline: records each step's forward/backward spans; None when off.
     timeline: PipelineTimeline | None = None
+    # consecutive non-finite iterations so far, and where the first of them appeared
+    nan_streak: int = 0
+    nan_origin: str = ""
 
 
 @dataclasses.dataclass
@@ -115,7 +125,7 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
     with traced:
         result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
-                            run.global_batch_size, run.ctx)
+                            run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad)
     window.seconds += time.perf_counter() - start
     window.iterations += 1
     real = sum(mb.num_real_tokens for mb in microbatches)
@@ -126,8 +136,46 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     window.totals += torch.cat([result.loss_sum_count, torch.tensor([real, flops], dtype=torch.float64)])
     state.iteration += 1
     state.consumed_samples += run.global_batch_size
-    state.skipped_iterations += int(not result.update_successful)
+    state.skipped_iterations += int(not result.update_successful and not result.non_finite)
     return result, length
+
+
+def locate_non_finite(run: TrainingRun, result: StepResult) -> str:
+    """Where a non-finite step came from: the ranks whose own loss was not finite (one
+    all-gather, only in a non-finite step, which every rank sees)."""
+    ctx = run.ctx
+    mine = (ctx.rank, ctx.pp_rank, ctx.tp_rank, ctx.dp_rank,
+            ctx.is_last_stage and not bool(torch.isfinite(result.loss_sum_count).all()))
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    bad = [f"rank {r} (pipeline stage {pp}, tensor rank {tp}, data-parallel rank {dp})"
+           for r, pp, tp, dp, loss_bad in everyone if loss_bad]
+    if bad:
+        return "the loss was not finite on " + ", ".join(bad)
+    return ("the loss was finite everywhere but the gradients were not (a weight, an activation or the "
+            "learning rate diverged)")
+
+
+def count_non_finite(run: TrainingRun, result: StepResult) -> None:
+    """Count a skipped non-finite step; raise TrainingDiverged after --max-nan-iterations in a row."""
+    t, state = run.cfg.training, run.state
+    if not result.non_finite:
+        run.nan_streak = 0
+        return
+    state.nan_iterations += 1
+    run.nan_streak += 1
+    if run.nan_streak == 1:
+        run.nan_origin = f"iteration {state.iteration}: " + locate_non_finite(run, result)
+    if run.ctx.is_logging_rank:
+        run.log(f"WARNING: iteration {state.iteration}: loss or gradients not finite, update skipped on "
+                f"every rank ({run.nan_streak} in a row; stop at --max-nan-iterations {t.max_nan_iterations})")
+    if run.nan_streak >= t.max_nan_iterations:
+        raise TrainingDiverged(
+            f"training diverged: {run.nan_streak} consecutive iterations up to {state.iteration} had a "
+            f"non-finite loss or gradient (--max-nan-iterations {t.max_nan_iterations}); first at "
+            f"{run.nan_origin}. Nothing was saved after the last finite step; lower --lr, check "
+            f"--init-method-std and the data, or --no-check-for-nan-in-loss-and-grad to apply such updates"
+        )
 
 
 def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length: int) -> float:
@@ -168,6 +216,7 @@ def train(run: TrainingRun) -> list[float]:
     window = LogWindow()
     while state.iteration < t.train_iters:
         result, length = run_training_iteration(run, window)
+        count_non_finite(run, result)
         if state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters:
             loss = log_progress(run, window, result, length)
             if run.ctx.is_last_stage:
@@ -175,7 +224,7 @@ def train(run: TrainingRun) -> list[float]:
         if t.eval_interval and state.iteration % t.eval_interval == 0 and run.valid_ds is not None:
             evaluate_and_log(run)
         exit_flags = run.exit_decider.decide(state.iteration)
-        if should_save(cfg, state.iteration, bool(exit_flags)):
+        if should_save(cfg, state.iteration, bool(exit_flags)) and run.nan_streak == 0:
             save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
         if exit_flags:
             if run.ctx.is_logging_rank:

@@ -4,9 +4,18 @@ With --bf16/--fp16 megatron-core keeps fp32 main parameters and gradients and st
 (its Float16Optimizer, or the distributed optimizer's fp32 shards); --fp16 adds its loss scaler.
 
 The schedule counts samples, as Megatron-LM does (``scheduler.step(increment=global batch)``).
+
+Non-finite guard (``--check-for-nan-in-loss-and-grad``, on by default): an update whose gradients
+hold a NaN or Inf is skipped on every rank. megatron-core's mixed-precision and distributed
+optimizers already check found-inf (all ranks agree in their own reduction) and skip when a grad
+scaler is set, so they get a constant scaler of 1.0 (fp16 keeps its dynamic one); megatron-core's
+fp32 optimizer reports no found-inf, so ``step_optimizer`` decides on the global gradient norm it
+computes anyway for clipping (agreed by every rank), before the update.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -29,7 +38,7 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
         bf16=t.bf16,
         fp16=t.fp16,
         params_dtype=get_params_dtype(cfg),
-        loss_scale=t.loss_scale,
+        loss_scale=get_loss_scale(cfg),
         initial_loss_scale=t.initial_loss_scale,
         min_loss_scale=t.min_loss_scale,
         loss_scale_window=t.loss_scale_window,
@@ -38,6 +47,45 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
     )
     # On the CPU every group is gloo already; separate gloo groups exist only on CUDA.
     return get_megatron_optimizer(opt_config, model, use_gloo_process_groups=device.type == "cuda")
+
+
+def get_loss_scale(cfg: JobConfig) -> float | None:
+    """--loss-scale with --fp16; 1.0 (a constant scaler, so found-inf is checked) with the guard on."""
+    t = cfg.training
+    if t.fp16:
+        return t.loss_scale
+    return 1.0 if t.check_for_nan_in_loss_and_grad else None
+
+
+def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
+    """megatron-core's optimizer step, plus the non-finite guard for its fp32 optimizer.
+
+    Returns (update applied, global gradient norm). megatron-core 0.16.1 wraps every optimizer in a
+    ``ChainedOptimizer``; when it holds an ``FP32Optimizer`` (which reports no found-inf) this is
+    ``ChainedOptimizer.step`` (prepare_grads -> get_grad_norm -> clip -> step_with_ready_grads,
+    registered in compat.py) with the update skipped when the norm, one global reduction that the
+    step computes anyway, is not finite."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    children = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not (check_for_nan and any(isinstance(c, FP32Optimizer) for c in children)):
+        success, grad_norm, _ = optimizer.step()
+        return bool(success), grad_norm
+    if optimizer.prepare_grads():
+        return False, None
+    grad_norm = optimizer.get_grad_norm()
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for child in children:
+        params = child.get_parameters()
+        if getattr(child, "is_stub_optimizer", False) or not params or child.config.clip_grad <= 0.0:
+            continue
+        clip_grad_by_total_norm_fp32(
+            params, max_norm=child.config.clip_grad, total_norm=grad_norm,
+            use_decoupled_grad=child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+        )
+    return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
 def build_scheduler(cfg: JobConfig, optimizer, global_batch_size: int):
@@ -57,4 +105,8 @@ def build_scheduler(cfg: JobConfig, optimizer, global_batch_size: int):
         end_wd=t.weight_decay,
         wd_incr_steps=t.train_iters * global_batch_size,
         wd_incr_style="constant",
+        # Megatron-LM's defaults: on resume the values must agree unless a flag says which wins
+        # (checkpoint/state.check_scheduler_flags names the flags first)
+        use_checkpoint_opt_param_scheduler=cfg.checkpoint.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=cfg.checkpoint.override_opt_param_scheduler,
     )

@@ -24,6 +24,7 @@ from megatron_ext.data.padding import collate_step
 from megatron_ext.model.attention import PackedMicrobatchParams, PackedRotaryEmbedding, build_packed_rotary_freqs
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import compute_token_loss, reduce_reported_loss
+from megatron_ext.training.optimizer import step_optimizer
 
 
 @dataclasses.dataclass
@@ -31,6 +32,9 @@ class StepResult:
     loss_sum_count: torch.Tensor  # [2] float64, this rank's [sum, count] (zeros off the last stage)
     grad_norm: float | None
     update_successful: bool
+    # the update was skipped because a loss or gradient was not finite (not an fp16 overflow,
+    # which the loss scaler handles): the same on every rank
+    non_finite: bool = False
 
 
 def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor):
@@ -113,15 +117,17 @@ def run_forward_backward(
 
 def train_step(
     model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
-    seq_length: int, global_batch_size: int, ctx: ParallelContext,
+    seq_length: int, global_batch_size: int, ctx: ParallelContext, check_for_nan: bool = True,
 ) -> StepResult:
     optimizer.zero_grad()
     reports = run_forward_backward(model, microbatches, seq_length)
-    update_successful, grad_norm, _ = optimizer.step()
+    update_successful, grad_norm = step_optimizer(optimizer, check_for_nan)
     if update_successful:
         scheduler.step(increment=global_batch_size)
     local = reduce_reported_loss(reports) if ctx.is_last_stage else torch.zeros(2, dtype=torch.float64)
-    return StepResult(local, grad_norm, bool(update_successful))
+    # a skip is an fp16 overflow when megatron-core's dynamic loss scaler is on, else non-finite
+    non_finite = check_for_nan and not update_successful and not model[0].config.fp16
+    return StepResult(local, grad_norm, update_successful, non_finite)
 
 
 def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
@@ -132,7 +138,7 @@ def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[
         first_sample, run.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size
     )
     microbatches, length = collate_step(
-        fetch_step_samples(dataset, indices), get_sequence_padding(cfg), ctx.mp_group,
+        fetch_step_samples(dataset, indices, run.vocab_size), get_sequence_padding(cfg), ctx.mp_group,
         cfg.data.pad_to_multiple_of, get_max_microbatch_length(cfg), run.pad_id,
     )
     return [mb.to(ctx.device) for mb in microbatches], length

@@ -112,9 +112,14 @@ def test_flags_override_config_file(tmp_path):
     assert cfg.data.data_path == ["a", "b"]
 
 
-def test_padded_vocab_follows_megatron_rule():
-    cfg = build_job_config({"tensor_model_parallel_size": 2, "make_vocab_size_divisible_by": 128})
-    assert get_padded_vocab_size(8193, cfg) == 8448  # multiple of 256 at or above 8193
+def test_padded_vocab_does_not_depend_on_tp():
+    """Megatron-LM pads to divisible-by x TP (513 ids: 640 at TP1, 768 at TP2); ours to divisible-by."""
+    for tp in (1, 2, 4):
+        cfg = build_job_config({"tensor_model_parallel_size": tp, "make_vocab_size_divisible_by": 128})
+        assert get_padded_vocab_size(513, cfg) == 640 and get_padded_vocab_size(8193, cfg) == 8320
+    problems = _problems(3, tensor_model_parallel_size=3, num_attention_heads=3, hidden_size=96)
+    assert any("--make-vocab-size-divisible-by 128 is not divisible by --tensor-model-parallel-size 3" in p
+               for p in problems), problems
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.*"))))
@@ -125,3 +130,74 @@ def test_every_shipped_config_parses_and_validates(path, monkeypatch):
     p = cfg.parallel
     world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * 2
     validate(cfg, int(os.environ.get("CONFIG_TEST_WORLD", world)))
+
+
+# ----------------------------------------------------------------------------- typed config files
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('mock-data: "false"\n', "key 'mock-data' = 'false' should be a boolean"),
+    ('use-distributed-optimizer: "no"\n', "key 'use-distributed-optimizer' = 'no' should be a boolean"),
+    ('lr: "abc"\n', "key 'lr' = 'abc' should be a number"),
+    ('hidden-size: "64"\n', "key 'hidden-size' = '64' should be an integer"),
+    ('hidden-size: 64.0\n', "key 'hidden-size' = 64.0 should be an integer"),
+    ('num-layers: true\n', "key 'num-layers' = True should be an integer"),
+    ('normalization: layernorm\n', "should be one of LayerNorm, RMSNorm"),
+    ('data-path: {a: 1}\n', None),  # a nested mapping is a section: its key is unknown
+])
+def test_config_file_values_are_type_checked_naming_file_and_key(tmp_path, text, needle):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config_file(str(path))
+    assert str(path) in str(err.value)
+    if needle:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_config_file_type_problems_are_reported_together(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text('mock-data: "false"\nlr: "abc"\nhidden-size: "64"\nno-such: 1\n')
+    with pytest.raises(ConfigError) as err:
+        load_config_file(str(path))
+    assert len(err.value.problems) == 4
+
+
+def test_config_file_values_of_the_right_type_load(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1\nmock-data: false\ndata-path: [0.3, a, 0.7, b]\nglobal-batch-size: null\n")
+    values = load_config_file(str(path))
+    assert values["lr"] == 1.0 and isinstance(values["lr"], float) and values["mock_data"] is False
+    assert values["data_path"] == ["0.3", "a", "0.7", "b"] and values["global_batch_size"] is None
+
+
+@pytest.mark.parametrize("suffix, text", [(".yaml", "a: [1, 2\nb: 3\n"), (".toml", "a = [1, 2\n")])
+def test_config_syntax_errors_name_the_file(tmp_path, suffix, text):
+    path = tmp_path / f"broken{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"--config {path}: not valid {suffix[1:].upper()}"):
+        load_config_file(str(path))
+
+
+def test_bad_flag_value_is_one_config_error_not_a_usage_dump():
+    with pytest.raises(ConfigError, match="argument --hidden-size: invalid int value: 'abc'"):
+        parse_args(["--hidden-size", "abc"])
+
+
+@pytest.mark.parametrize("values, needle", [
+    (dict(global_batch_size=0), "--global-batch-size must be a positive integer when given, got 0"),
+    (dict(global_batch_size=-8), "--global-batch-size must be a positive integer when given, got -8"),
+    (dict(ffn_hidden_size=0), "--ffn-hidden-size must be a positive integer when given, got 0"),
+    (dict(num_attention_heads=0), "--num-attention-heads must be a positive integer, got 0"),
+    (dict(seq_length=-1), "--seq-length must be a positive integer, got -1"),
+    (dict(lr=-1.0, min_lr=-2.0), "--lr must be a number >= 0, got -1.0"),
+    (dict(weight_decay=-0.1), "--weight-decay must be a number >= 0"),
+    (dict(adam_beta2=1.0), "--adam-beta2 must be in [0, 1)"),
+])
+def test_sizes_and_rates_are_checked_with_the_other_problems(values, needle):
+    problems = _problems(1, **values)
+    assert any(needle in p for p in problems), problems
+
+
+def test_zero_learning_rate_is_legitimate():
+    validate(build_job_config({**MOCK, "lr": 0.0, "min_lr": 0.0}), 1)

@@ -1,0 +1,50 @@
+"""A start-up check of megatron-core indexed datasets (``PREFIX.bin`` / ``PREFIX.idx``), O(1) per file.
+
+Invariant: a prefix that passes has an index with megatron-core's header, a known token dtype, the
+size its counts imply, and a ``.bin`` exactly as long as the index says (the last sequence's
+pointer plus its length); so a truncated or mismatched pair is named at start-up instead of failing
+with a numpy error at some later step (or never, inside an unused split). Reads 34 bytes of the
+header and two numbers of the index; pure otherwise (no numpy arrays of the whole index).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron-core indexed_dataset._INDEX_HEADER
+ITEM_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron-core DType code -> bytes
+_HEAD = len(INDEX_HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, sequence and document counts
+
+
+def check_indexed_dataset(prefix: str) -> list[str]:
+    """Problems of one ``--data-path`` prefix, each naming the file and what is wrong."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    fix = "rebuild it with tools/preprocess_data.py (or copy the pair again)"
+    try:
+        idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_)
+        with open(idx, "rb") as f:
+            head = f.read(_HEAD)
+            if len(head) < _HEAD or head[:len(INDEX_HEADER)] != INDEX_HEADER:
+                return [f"{idx} is not a megatron-core index (bad or short header): {fix}"]
+            version, code, sequences, documents = struct.unpack("<QBQQ", head[len(INDEX_HEADER):])
+            if version != 1 or code not in ITEM_SIZES:
+                return [f"{idx}: unknown index version {version} or token dtype code {code}: {fix}"]
+            expected_idx = _HEAD + 4 * sequences + 8 * sequences + 8 * documents
+            if idx_size < expected_idx:  # (a trailing mode array may follow: never shorter)
+                return [f"{idx} has {idx_size} bytes, its counts ({sequences} sequences, {documents} "
+                        f"documents) need {expected_idx}: the file is truncated; {fix}"]
+            if sequences == 0:
+                return [] if bin_size == 0 else [f"{idx} holds no sequence but {bin_} has {bin_size} bytes: {fix}"]
+            f.seek(_HEAD + 4 * (sequences - 1))
+            (last_length,) = struct.unpack("<i", f.read(4))
+            f.seek(_HEAD + 4 * sequences + 8 * (sequences - 1))
+            (last_pointer,) = struct.unpack("<q", f.read(8))
+    except OSError as err:
+        return [f"{prefix}: cannot read the .bin/.idx pair ({err.strerror}: {err.filename})"]
+    expected_bin = last_pointer + last_length * ITEM_SIZES[code]
+    if bin_size != expected_bin:
+        how = "truncated" if bin_size < expected_bin else "longer than its index describes"
+        return [f"{bin_} has {bin_size} bytes but {idx} describes {expected_bin}: the .bin is {how} or the "
+                f"pair does not belong together; {fix}"]
+    return []

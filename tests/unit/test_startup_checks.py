@@ -1,0 +1,197 @@
+"""Start-up checks that turn silent or late failures into one named error before any work:
+--load that holds no checkpoint, an unwritable --save, changed LR-schedule flags on resume, a
+truncated or mismatched .bin/.idx pair, a split without documents, token ids outside the
+vocabulary, a tokenizer model that does not load (no process group anywhere)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import types
+
+import numpy as np
+import pytest
+
+from megatron_ext.checkpoint.directory import COMPLETE_MARKER, TRACKER_FILE, probe_save_dir, resolve_load_path
+from megatron_ext.checkpoint.state import check_load_flags, check_scheduler_flags
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.data.indexed_check import check_indexed_dataset
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SHIPPED = os.path.join(REPO, "data", "default", "corpus_text_document")
+MODEL = os.path.join(REPO, "data", "default", "tokenizer.model")
+
+
+def _checkpoint(root, iteration: int) -> str:
+    path = os.path.join(str(root), f"iter_{iteration:07d}")
+    os.makedirs(path)
+    open(os.path.join(path, COMPLETE_MARKER), "w").write("{}")
+    return path
+
+
+def _cfg(**checkpoint):
+    return build_job_config({"mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 64, **checkpoint})
+
+
+# ----------------------------------------------------------------------------- --load
+
+
+def test_load_of_a_missing_or_empty_directory_is_an_error_naming_load(tmp_path):
+    with pytest.raises(ConfigError, match=r"--load .*/nope does not exist"):
+        check_load_flags(_cfg(load=str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"--load .*/empty holds no complete checkpoint"):
+        check_load_flags(_cfg(load=str(tmp_path / "empty")))
+
+
+def test_load_equal_to_save_starts_from_scratch_with_one_line_unless_told_otherwise(tmp_path):
+    root = str(tmp_path / "ckpt")
+    message = check_load_flags(_cfg(load=root, save=root))
+    assert "starting from scratch" in message and root in message
+    with pytest.raises(ConfigError, match="--exit-on-missing-checkpoint"):
+        check_load_flags(_cfg(load=root, save=root, exit_on_missing_checkpoint=True))
+    _checkpoint(tmp_path / "ckpt", 4)
+    assert check_load_flags(_cfg(load=root, save=root, exit_on_missing_checkpoint=True)) is None
+
+
+def test_load_of_one_iteration_directory_loads_that_iteration(tmp_path):
+    older = _checkpoint(tmp_path, 6)
+    _checkpoint(tmp_path, 8)
+    assert resolve_load_path(older) == ((6, older), None)
+    assert resolve_load_path(str(tmp_path))[0][0] == 8
+    assert check_load_flags(_cfg(load=older)) is None
+
+
+def test_pointer_naming_a_missing_iteration_warns_which_one_loads(tmp_path):
+    _checkpoint(tmp_path, 6)
+    (tmp_path / TRACKER_FILE).write_text("8")
+    (found, warning) = resolve_load_path(str(tmp_path))
+    assert found[0] == 6 and "names iteration 8" in warning and "loading iteration 6 instead" in warning
+    (tmp_path / TRACKER_FILE).write_text("6")
+    assert resolve_load_path(str(tmp_path))[1] is None
+
+
+# ----------------------------------------------------------------------------- --save
+
+
+def test_unwritable_save_is_named_at_start_up(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where the directory should be
+    with pytest.raises(ConfigError, match=r"--save .*/file/ckpt is not a writable directory"):
+        probe_save_dir(str(blocker / "ckpt"))
+    probe_save_dir(str(tmp_path / "fresh" / "ckpt"))
+    assert os.listdir(tmp_path / "fresh" / "ckpt") == []  # created, probe removed
+
+
+# ----------------------------------------------------------------------------- LR schedule on resume
+
+
+def _scheduler(**values):
+    base = dict(max_lr=3e-4, min_lr=0.0, lr_decay_style="cosine", lr_warmup_steps=80, lr_decay_steps=800,
+                start_wd=0.01, end_wd=0.01, wd_incr_steps=800, wd_incr_style="constant")
+    return types.SimpleNamespace(**{**base, **values})
+
+
+def test_changed_schedule_flags_on_resume_name_both_values():
+    saved = vars(_scheduler())
+    problems = check_scheduler_flags(saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600), _cfg(), 8)
+    assert any("--lr-decay-iters" in p and "800 (100 iterations)" in p and "1600 (200 iterations)" in p
+               for p in problems), problems
+    assert any("--override-opt-param-scheduler" in p for p in problems)
+    assert any("--lr: " in p for p in check_scheduler_flags(saved, _scheduler(max_lr=1e-3), _cfg(), 8))
+    assert check_scheduler_flags(saved, _scheduler(), _cfg(), 8) == []
+    for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        assert check_scheduler_flags(saved, _scheduler(max_lr=1.0), _cfg(**{flag: True}), 8) == []
+
+
+# ----------------------------------------------------------------------------- data files
+
+
+@pytest.fixture
+def copy(tmp_path):
+    def make(bin_bytes=None, idx_bytes=None) -> str:
+        prefix = str(tmp_path / "c")
+        (tmp_path / "c.bin").write_bytes(bin_bytes if bin_bytes is not None else open(SHIPPED + ".bin", "rb").read())
+        (tmp_path / "c.idx").write_bytes(idx_bytes if idx_bytes is not None else open(SHIPPED + ".idx", "rb").read())
+        return prefix
+    return make
+
+
+def test_shipped_dataset_passes():
+    assert check_indexed_dataset(SHIPPED) == []
+
+
+def test_truncated_bin_idx_and_garbage_are_named(copy):
+    whole_bin, whole_idx = open(SHIPPED + ".bin", "rb").read(), open(SHIPPED + ".idx", "rb").read()
+    (p,) = check_indexed_dataset(copy(bin_bytes=whole_bin[:-3]))
+    assert "c.bin has" in p and "truncated" in p
+    (p,) = check_indexed_dataset(copy(idx_bytes=whole_idx[:-100]))
+    assert "c.idx has" in p and "truncated" in p
+    (p,) = check_indexed_dataset(copy(idx_bytes=b"not an index"))
+    assert "c.idx is not a megatron-core index" in p
+    (p,) = check_indexed_dataset(copy(bin_bytes=whole_bin + b"xx"))
+    assert "longer than its index describes" in p
+
+
+def test_validation_reports_a_truncated_pair_with_the_flag(copy):
+    from megatron_ext.config import validate
+
+    prefix = copy(bin_bytes=open(SHIPPED + ".bin", "rb").read()[:1000])
+    cfg = build_job_config({"data_path": [prefix], "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": MODEL})
+    with pytest.raises(ConfigError, match=f"--data-path {prefix}: .*c.bin has 1000 bytes"):
+        validate(cfg, 1)
+
+
+def _small_dataset(tmp_path, num_docs: int) -> str:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "small")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(num_docs):
+        builder.add_document(rng.integers(0, 100, 300).astype(np.uint16), [300])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_a_split_without_documents_is_never_requested_or_is_named(tmp_path):
+    """79 documents and --split 969,30,1: the test split is empty. megatron-core's GPTDataset
+    would loop forever building it; it is never built (nothing reads it). An empty validation
+    split with --eval-interval is an error naming --split and the counts."""
+    from megatron_ext.data.builder import build_train_valid_datasets
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    prefix = _small_dataset(tmp_path, 79)
+    tok = build_tokenizer("NullTokenizer", vocab_size=127)
+    values = {"data_path": [prefix], "tokenizer_type": "NullTokenizer", "vocab_size": 127, "seq_length": 64,
+              "train_iters": 4, "split": "969,30,1", "data_cache_path": str(tmp_path / "cache")}
+    train, valid = build_train_valid_datasets(build_job_config(values), tok, 8)
+    assert len(train) >= 32 and valid is None
+    with pytest.raises(ConfigError, match=r"--split 999,1,0 .*valid gets none"):
+        build_train_valid_datasets(build_job_config({**values, "split": "999,1,0", "eval_interval": 2}), tok, 8)
+    with pytest.raises(ConfigError, match=r"--split 999,1,0 leaves valid of .* \(79 documents\)"):
+        build_train_valid_datasets(build_job_config({**values, "split": "999,1,0", "eval_interval": 2,
+                                                     "packed_sequences": True}), tok, 8)
+
+
+def test_token_ids_outside_the_vocabulary_name_file_and_documents(tmp_path):
+    from megatron_ext.data.microbatch import fetch_step_samples
+    from megatron_ext.data.packed_dataset import build_packed_datasets
+
+    prefix = _small_dataset(tmp_path, 20)  # ids < 100
+    train, _, _ = build_packed_datasets(prefix, [1.0, 0.0, 0.0], 256, "best_fit", 0, [8, 0, 0], str(tmp_path))
+    assert fetch_step_samples(train, [[0, 1]], vocab_size=100)
+    with pytest.raises(ConfigError, match=r"token id 9\d is outside the tokenizer's vocabulary \[0, 90\) in "
+                                          r".*small.bin, documents? \d"):
+        fetch_step_samples(train, [[0, 1]], vocab_size=90)
+
+
+def test_a_tokenizer_model_that_does_not_load_names_the_flag(tmp_path):
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    bad = tmp_path / "bad.model"
+    bad.write_text("not a model")
+    with pytest.raises(ConfigError, match=f"--tokenizer-model {bad} is not a sentencepiece model"):
+        build_tokenizer("SentencePieceTokenizer", str(bad))
+    shutil.copy(MODEL, tmp_path / "good.model")
+    assert build_tokenizer("SentencePieceTokenizer", str(tmp_path / "good.model")).vocab_size > 0
