@@ -23,18 +23,23 @@ from megatron_ext.checkpoint.directory import probe_save_dir  # noqa: E402
 from megatron_ext.checkpoint.state import check_load_flags, load_checkpoint  # noqa: E402
 from megatron_ext.config import ConfigError, report_error_once, validate  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.run import build_training_run, describe_run  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[float]:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: die with the agent, even on kill -9
+        apply_parent_death_signal()
     cfg = parse_args(argv)
     device = select_device(cfg.parallel.device)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
     fresh_start = check_load_flags(cfg)
     probe_save_dir(cfg.checkpoint.save)
+    # one live job per --save (held until this process ends; the kernel releases it on any death)
+    save_lock = lock_save_dir(cfg.checkpoint.save) if os.environ.get("RANK", "0") == "0" else None
     d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
 
@@ -49,9 +54,13 @@ def main(argv: list[str] | None = None) -> list[float]:
         load_checkpoint(run, cfg.checkpoint.load, load_optimizer=not cfg.checkpoint.no_load_optim)
     history = train(run)
     run.writer.close()
+    if run.watchdog is not None:
+        run.watchdog.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     write_exit_marker()
+    if save_lock is not None:
+        save_lock.close()
     return history
 
 

@@ -39,6 +39,7 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs CUDA: megatron-core's CPU norm does not support it).")
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduce with the backward pass.")
     distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, in minutes.")
+    step_timeout_minutes: float | None = _f(None, "Step watchdog (ours): a rank whose training step lasts longer prints its rank, stage, iteration, micro-batch and Python stacks, and exits 1 (default off; set it below --distributed-timeout-minutes).")
     device: str = _f("auto", "Where ranks run (ours, not Megatron-LM's): auto (the local GPU when CUDA is available, else the CPU with gloo), cpu (force the CPU/gloo path even on a GPU machine) or cuda.", choices=["auto", "cpu", "cuda"])
 
 

@@ -21,6 +21,7 @@ from megatron_ext.config import JobConfig, get_global_batch_size, get_padded_voc
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.model.attention import describe_attention_kernels
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
 from megatron_ext.parallel import ParallelContext, build_parallel_context
@@ -77,7 +78,17 @@ def build_training_run(
         exit_decider=exit_decider or build_exit_decider(cfg),
         pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size, log=log,
         timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx) if cfg.logging.pp_timeline else None,
+        watchdog=build_step_watchdog(cfg, ctx),
     )
+
+
+def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext) -> StepWatchdog | None:
+    minutes = cfg.parallel.step_timeout_minutes
+    if not minutes:
+        return None
+    where = (f"rank {ctx.rank} (pipeline stage {ctx.pp_rank} of {ctx.pp_size}, tensor rank {ctx.tp_rank}, "
+             f"data-parallel rank {ctx.dp_rank})")
+    return StepWatchdog(minutes * 60.0, lambda: where, StepProgress())
 
 
 def describe_run(run: TrainingRun) -> str:

@@ -48,6 +48,7 @@ class Microbatch:
     cu_seqlens: torch.Tensor | None = None  # [n + 1] int32 document boundaries (packed only)
     cu_seqlens_host: tuple[int, ...] | None = None  # the same boundaries on the host
     max_seqlen: int | None = None  # longest document, a Python int (kernels key caches on it)
+    index: int = 0  # its place in the step (for the step watchdog's report)
 
     @property
     def is_packed(self) -> bool:

@@ -134,11 +134,15 @@ def collate_step(
     """Pad the step's micro-batches as ``mode`` says; returns them and the schedule's seq_length.
     ``max_length``: a micro-batch's longest possible length (``--seq-length``, x b when packed)."""
     if mode == "static":
-        return [collate_padded(mb, max_length, pad_id) for mb in raw], max_length
-    if mode == "negotiated":
+        mbs, length = [collate_padded(mb, max_length, pad_id) for mb in raw], max_length
+    elif mode == "negotiated":
         length = negotiate_step_length(get_local_max(raw), group, multiple, max_length)
-        return [collate_padded(mb, length, pad_id) for mb in raw], length
-    if mode == "variable":
+        mbs = [collate_padded(mb, length, pad_id) for mb in raw]
+    elif mode == "variable":
         mbs = [collate_padded(mb, get_step_length(get_local_max([mb]), multiple, max_length), pad_id) for mb in raw]
-        return mbs, max_length
-    raise ValueError(f"--sequence-padding {mode}: use one of {', '.join(MODES)}")
+        length = max_length
+    else:
+        raise ValueError(f"--sequence-padding {mode}: use one of {', '.join(MODES)}")
+    for i, mb in enumerate(mbs):
+        mb.index = i
+    return mbs, length

@@ -23,6 +23,7 @@ from megatron_ext.checkpoint.exit_policy import ExitDecider, describe_exit
 from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint
 from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import get_collective_device
+from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import get_mean_loss, reduce_reported_loss
 from megatron_ext.training.metrics import (
@@ -70,6 +71,8 @@ class TrainingRun:
     records: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # --pp-timeline: records each step's forward/backward spans; None when off.
     timeline: PipelineTimeline | None = None
+    # --step-timeout-minutes: the watchdog and the progress it reports (None when off)
+    watchdog: StepWatchdog | None = None
     # consecutive non-finite iterations so far, and where the first of them appeared
     nan_streak: int = 0
     nan_origin: str = ""
@@ -121,11 +124,18 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     returns the step's result and padded length."""
     state = run.state
     start = time.perf_counter()
+    progress = None
+    if run.watchdog is not None:
+        run.watchdog.step_started(state.iteration + 1)
+        progress = run.watchdog.progress
     microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
     with traced:
         result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
-                            run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad)
+                            run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad,
+                            progress)
+    if run.watchdog is not None:
+        run.watchdog.step_finished()
     window.seconds += time.perf_counter() - start
     window.iterations += 1
     real = sum(mb.num_real_tokens for mb in microbatches)

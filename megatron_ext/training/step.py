@@ -21,6 +21,7 @@ import torch
 from megatron_ext.config import get_max_microbatch_length, get_sequence_padding
 from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators, fetch_step_samples, get_microbatch_indices
 from megatron_ext.data.padding import collate_step
+from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import PackedMicrobatchParams, PackedRotaryEmbedding, build_packed_rotary_freqs
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import compute_token_loss, reduce_reported_loss
@@ -65,13 +66,16 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
     )
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, progress: StepProgress | None = None):
     """megatron-core forward_step_func: one micro-batch through one model chunk.
 
     Every virtual stage has its own iterator over the step's micro-batches, so a packed
     micro-batch's boundaries reach every stage with it (never through the P2P activations).
+    ``progress`` (the step watchdog's record) learns which micro-batch and chunk run.
     """
     mb: Microbatch = next(data_iterator)
+    if progress is not None:
+        progress.microbatch, progress.chunk = mb.index, getattr(unwrap_model(model), "vp_stage", None) or 0
     output = model(
         input_ids=mb.tokens,
         position_ids=mb.position_ids,
@@ -118,9 +122,11 @@ def run_forward_backward(
 def train_step(
     model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
     seq_length: int, global_batch_size: int, ctx: ParallelContext, check_for_nan: bool = True,
+    progress: StepProgress | None = None,
 ) -> StepResult:
     optimizer.zero_grad()
-    reports = run_forward_backward(model, microbatches, seq_length)
+    step_func = functools.partial(forward_step, progress=progress) if progress is not None else forward_step
+    reports = run_forward_backward(model, microbatches, seq_length, forward_step_func=step_func)
     update_successful, grad_norm = step_optimizer(optimizer, check_for_nan)
     if update_successful:
         scheduler.step(increment=global_batch_size)
