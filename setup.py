@@ -19,6 +19,7 @@ setup(
         "sentencepiece",
         "pyyaml",
         "tqdm",
+        "xxhash",  # checkpoint checksums (CRC-32 from zlib when it is missing)
     ],
     extras_require={
         "logging": ["tensorboard", "wandb"],

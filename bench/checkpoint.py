@@ -19,6 +19,12 @@ Alternated per size (saves: A B, then B A; loads: A then B, so that torch.load r
 pages), the first ``--warmup`` rounds dropped, medians of wall time (this is I/O; loads read
 from the page cache on both sides). Target: A/B >= 0.7 for save and load, time
 linear in size.
+
+Checksums: our save computes each item's checksum (XXH3-64 with xxhash installed, else CRC-32) as it writes and our load checks every item it
+reads whole against the marker (the default, as ``load_checkpoint`` runs). Both are also timed
+without (saves with the hash update skipped, loads with ``--no-ckpt-verify``), alternated with the
+rest; the verification overhead is printed beside its target (keep it on by default if < 5% of
+load time).
 """
 
 from __future__ import annotations
@@ -60,20 +66,29 @@ def as_sharded(tensors: dict[str, torch.Tensor]) -> dict:
     return {k: ShardedTensor.from_rank_offsets(k, v, replica_id=0) for k, v in tensors.items()}
 
 
-def time_ours_save(tensors, root: str, iteration: int) -> float:
+def time_ours_save(tensors, root: str, iteration: int, checksums: bool = True) -> float:
+    from megatron_ext.checkpoint import writer
     from megatron_ext.checkpoint.directory import write_checkpoint
 
-    start = time.perf_counter()
-    write_checkpoint(as_sharded(tensors), root, iteration, keep_last=1)
-    return time.perf_counter() - start
+    original = writer._HashingStream.write
+    if not checksums:  # the same writes, the hash update skipped (the marker then holds empty digests)
+        writer._HashingStream.write = lambda self, data: self.stream.write(data)
+    try:
+        start = time.perf_counter()
+        write_checkpoint(as_sharded(tensors), root, iteration, keep_last=1)
+        return time.perf_counter() - start
+    finally:
+        writer._HashingStream.write = original
 
 
 def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = False,
-                   read_threads: int | None = None) -> float:
+                   read_threads: int | None = None, verify: bool = True) -> float:
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.checkpoint.directory import get_checkpoint_dir
+    from megatron_ext.checkpoint.directory import get_checkpoint_dir, read_marker
     from megatron_ext.checkpoint.reader import DirectReadTorchDistLoadStrategy
+
+    record = read_marker(get_checkpoint_dir(root, iteration))["checksums"]
 
     # load_checkpoint loads into the live (initialised) model and optimizer tensors: materialise
     # the destinations before the clock unless --fresh-targets (then their first-touch page faults
@@ -81,9 +96,11 @@ def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = Fal
     make = torch.empty_like if fresh_targets else torch.zeros_like
     target = as_sharded({k: make(v) for k, v in tensors.items()})
     start = time.perf_counter()
-    loaded = dist_checkpointing.load(target, get_checkpoint_dir(root, iteration),
-                                     sharded_strategy=DirectReadTorchDistLoadStrategy(read_threads))
+    strategy = (DirectReadTorchDistLoadStrategy(read_threads, record["items"], record["algorithm"]) if verify
+                else DirectReadTorchDistLoadStrategy(read_threads))
+    loaded = dist_checkpointing.load(target, get_checkpoint_dir(root, iteration), sharded_strategy=strategy)
     elapsed = time.perf_counter() - start
+    assert not verify or (strategy.stats.verified == len(tensors) and strategy.stats.unverified == 0)
     assert all(torch.equal(loaded[k], tensors[k]) for k in list(tensors)[:2])
     return elapsed
 
@@ -115,13 +132,16 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
     tensors = build_tensors(size_mib, model_like)
     mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     work = tempfile.mkdtemp(prefix="bench_ckpt_", dir=base)
-    times = {"ours_save": [], "torch_save": [], "ours_load": [], "ours_load_1t": [], "torch_load": []}
+    times = {"ours_save": [], "ours_save_nocrc": [], "torch_save": [], "ours_load": [], "ours_load_nocheck": [],
+             "ours_load_1t": [], "torch_load": []}
     try:
         for r in range(rounds + warmup):
             root, path = os.path.join(work, "ours"), os.path.join(work, f"torch_{r}.pt")
             previous = os.path.join(work, f"torch_{r - 1}.pt") if r else None
             steps = {
                 "ours_save": lambda: time_ours_save(tensors, root, r),
+                "ours_save_nocrc": lambda: time_ours_save(tensors, os.path.join(work, "nocrc"), r, checksums=False),
+                "ours_load_nocheck": lambda: time_ours_load(tensors, root, r, fresh_targets, verify=False),
                 "torch_save": lambda: time_torch_save(tensors, path, previous),
                 "ours_load": lambda: time_ours_load(tensors, root, r, fresh_targets),
                 "ours_load_1t": lambda: time_ours_load(tensors, root, r, fresh_targets, read_threads=1),
@@ -130,8 +150,10 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
             # saves: torch first every other round, so writeback left by the previous step
             # favours neither side; loads: torch.load always last, so its fresh storages reuse
             # the pages our just-freed destinations had (first-touch faults would triple its time)
-            saves = ["ours_save", "torch_save"] if r % 2 == 0 else ["torch_save", "ours_save"]
-            order = saves + ["ours_load", "ours_load_1t", "torch_load"]
+            saves = (["ours_save", "ours_save_nocrc", "torch_save"] if r % 2 == 0
+                     else ["torch_save", "ours_save_nocrc", "ours_save"])
+            loads = ["ours_load", "ours_load_nocheck"] if r % 2 == 0 else ["ours_load_nocheck", "ours_load"]
+            order = saves + loads + ["ours_load_1t", "torch_load"]
             sample = {k: steps[k]() for k in order}
             if r >= warmup:
                 for k, v in sample.items():
@@ -196,6 +218,11 @@ def main() -> None:
         scale = last["mib"] / first["mib"]
         print(f"time vs size: {scale:.0f}x the bytes took {last['ours_save'] / first['ours_save']:.1f}x "
               f"(save) and {last['ours_load'] / first['ours_load']:.1f}x (load); linear would be {scale:.0f}x")
+    for r in rows:
+        load_cost = r["ours_load"] / r["ours_load_nocheck"] - 1
+        save_cost = r["ours_save"] / r["ours_save_nocrc"] - 1
+        print(f"checksums at {r['mib']:.0f} MiB: verification +{100 * load_cost:.1f}% of load time (target < 5%: "
+              f"{'PASS' if load_cost < 0.05 else 'FAIL'}), hashing while writing +{100 * save_cost:.1f}% of save time")
     print(f"ours load reads with {threads} threads (ckpt_reader.default_read_threads: up to 4, as many as "
           f"this process may run on; torch.load reads with one); '1 thread' is ours limited to one")
     print("target: ratio >= 0.7 (MiB/s, ours / torch) for save and load")

@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SUPPORTED_MODEL_TYPES = ("llama",)
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 # ----------------------------------------------------------------------------- config
@@ -57,6 +58,9 @@ def check_supported(hf: dict[str, Any]) -> None:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             problems.append(f"{flag}=true: biases in linear layers are not supported")
+    for key in REQUIRED_KEYS:
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf.get(key) <= 0:
+            problems.append(f"config.json: {key} must be a positive integer, got {hf.get(key)!r}")
     heads, hidden = hf.get("num_attention_heads", 0), hf.get("hidden_size", 0)
     head_dim = hf.get("head_dim") or (hidden // heads if heads else 0)
     if heads and head_dim * heads != hidden:
@@ -206,8 +210,13 @@ def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--hf-dir {hf_dir}: no config.json")
-    with open(config_path) as f:
-        hf = json.load(f)
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except ValueError as err:
+        raise ValueError(f"--hf-dir {hf_dir}: config.json is not valid JSON ({err})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"--hf-dir {hf_dir}: config.json holds {type(hf).__name__}, not an object")
     check_supported(hf)
     files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
     if not files:

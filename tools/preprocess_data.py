@@ -23,6 +23,10 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
+
 from megatron_ext.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 

@@ -13,6 +13,11 @@ checkpoint. Every save goes through these phases (``write_checkpoint``):
 5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest) and removes
    leftovers of interrupted saves; all ranks barrier.
 
+The marker records every stored item's checksum (``checksums``: the algorithm of ``checksum.py``,
+file -> offset -> [length, digest], computed by each rank's writer as it writes, gathered with one
+collective) and those of the files megatron-core's coordinator writes (``files``); a load checks
+what it reads against them.
+
 A crash in any phase leaves the previous complete checkpoint untouched. Loading takes the newest
 directory that carries ``complete.json`` (a ``.tmp-`` directory never counts), so a crash between
 phases 3 and 4 loses nothing either. ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>`` makes that rank
@@ -33,6 +38,8 @@ import uuid
 from typing import Any
 
 import torch.distributed as dist
+
+from megatron_ext.checkpoint.checksum import DEFAULT_ALGORITHM, file_digest
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "complete.json"
@@ -168,16 +175,38 @@ def _fsync_coordinator_files(tmp_dir: str) -> None:
     _fsync_dir(tmp_dir)
 
 
-def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int) -> None:
+def build_checksum_record(tmp_dir: str, item_checksums: list[dict]) -> dict[str, Any]:
+    """The marker's ``checksums`` entry: every rank's items, and the coordinator's small files
+    (``common.pt``, ``metadata.json``, ``.metadata``: read once here, a few KiB)."""
+    items: dict[str, dict[str, list[int]]] = {}
+    for per_rank in item_checksums:
+        for (relative_path, offset), (length, crc) in per_rank.items():
+            items.setdefault(relative_path, {})[str(offset)] = [length, crc]
+    files = {name: file_digest(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))
+             if not name.endswith(".distcp") and os.path.isfile(os.path.join(tmp_dir, name))}
+    return {"algorithm": DEFAULT_ALGORITHM, "items": items, "files": files}
+
+
+def read_marker(ckpt_dir: str) -> dict[str, Any]:
+    """A complete checkpoint's marker ({} when it cannot be read: an old or damaged marker)."""
+    try:
+        with open(os.path.join(ckpt_dir, COMPLETE_MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int,
+                       checksums: dict[str, Any] | None = None) -> None:
     """Rank 0, after every rank wrote its shards: marker, rename, pointer (phases 3-4). Before
     the marker, everything in the directory is durable, so a power loss after the publish cannot
     leave a marked checkpoint with a missing or torn file."""
     maybe_inject_fault("before_publish", rank, iteration)
     _fsync_coordinator_files(tmp_dir)
-    _write_file_durably(
-        os.path.join(tmp_dir, COMPLETE_MARKER),
-        json.dumps({"iteration": iteration, "format_version": FORMAT_VERSION, "time": time.time()}),
-    )
+    marker = {"iteration": iteration, "format_version": FORMAT_VERSION, "time": time.time()}
+    if checksums is not None:
+        marker["checksums"] = checksums
+    _write_file_durably(os.path.join(tmp_dir, COMPLETE_MARKER), json.dumps(marker))
     if os.path.exists(final_dir):  # the same iteration saved again (e.g. after a resume)
         stale = f"{final_dir}.old-{uuid.uuid4().hex[:8]}"
         os.rename(final_dir, stale)
@@ -226,11 +255,14 @@ def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last
     if rank == 0:
         os.makedirs(tmp_dir)
     dist.barrier()
-    dist_checkpointing.save(state, tmp_dir, sharded_strategy=InProcessTorchDistSaveStrategy())
+    strategy = InProcessTorchDistSaveStrategy()
+    dist_checkpointing.save(state, tmp_dir, sharded_strategy=strategy)
     maybe_inject_fault("after_shards", rank, iteration)
-    dist.barrier()
+    mine = strategy.writer.checksums if strategy.writer is not None else {}
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)  # also the barrier: every rank's shards are written
     if rank == 0:
-        publish_checkpoint(tmp_dir, final_dir, root, iteration, rank)
+        publish_checkpoint(tmp_dir, final_dir, root, iteration, rank, build_checksum_record(tmp_dir, gathered))
         maybe_inject_fault("before_retention", rank, iteration)
         apply_retention(root, keep_last, final_dir)
     dist.barrier()

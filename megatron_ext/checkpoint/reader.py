@@ -23,6 +23,12 @@ not recognise) goes through ``FileSystemReader.read_data`` unchanged. Metadata, 
 on-disk format are megatron-core's and torch's, so resharding and every other checkpoint keep
 working.
 
+Checksums: with the marker's checksum table (``directory.py``, ``checksum.py``), every item the reader reads whole
+(its two edges plus its tensor bytes cover it: a same-layout load, most resharded ones) is checked
+from the bytes just read, in memory (no second pass over the file); a mismatch raises
+``ChecksumMismatch`` naming the file and byte offset. Items read in part (a resharded region) or
+through torch's reader are counted as unverified.
+
 ``DirectReadTorchDistLoadStrategy`` is megatron-core's ``TorchDistLoadShardedStrategy`` with this
 reader in place of its ``CachedMetadataFileSystemReader`` (which it extends), and with torch's
 load planned locally (``load_locally_then_agree``): for loading, torch DCP's "global" planning
@@ -63,9 +69,26 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from megatron_ext.checkpoint.checksum import new_hasher
 from megatron_ext.cpu_platform import get_collective_device
 
 _BYTEORDER = sys.byteorder.encode()
+
+
+DAMAGED = "damaged checkpoint file"
+
+
+class ChecksumMismatch(RuntimeError):
+    """Bytes read from a checkpoint differ from what was written, or a file is shorter than its
+    items (named file and offset); the message starts with ``DAMAGED``."""
+
+
+@dataclasses.dataclass
+class VerifyStats:
+    """What a load checked: items verified against the marker, and items it could not check."""
+
+    verified: int = 0
+    unverified: int = 0
 
 
 class _Unsupported(Exception):
@@ -328,9 +351,66 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
     """megatron-core's reader; plain contiguous tensor items are read into their destinations,
     with ``read_threads`` threads (default: up to 4, as many as this process may run on)."""
 
-    def __init__(self, path, read_threads: int | None = None):
+    def __init__(self, path, read_threads: int | None = None, checksums: dict | None = None,
+                 stats: VerifyStats | None = None, algorithm: str = "crc32"):
         super().__init__(path)
         self.read_threads = read_threads or default_read_threads()
+        self.checksums = checksums  # relative path -> str(offset) -> [length, digest]; None: no check
+        self.algorithm = algorithm
+        self.stats = stats if stats is not None else VerifyStats()
+
+    def _check_size(self, relative_path: str, reqs: list[ReadItem]) -> None:
+        """A file shorter than the items the metadata places in it is named (one stat), instead
+        of failing inside torch's zip reader with a message that names no file."""
+        path = os.path.join(str(self.path), relative_path)
+        needed = max(self.storage_data[r.storage_index].offset + self.storage_data[r.storage_index].length
+                     for r in reqs)
+        size = os.path.getsize(path)
+        if size < needed:
+            raise ChecksumMismatch(f"{DAMAGED} (truncated): {path} has {size} bytes, its items need {needed}")
+
+    def _verify(self, relative_path: str, reads: list[_DirectRead], others: int) -> None:
+        """Check every item read whole against the marker (threads for large ones: zlib.crc32
+        releases the GIL); count the rest as unverified."""
+        if self.checksums is None:
+            return
+        table = self.checksums.get(relative_path, {})
+        jobs = []
+        for r in reads:
+            md = self.storage_data[r.req.storage_index]
+            expected = table.get(str(md.offset))
+            item, p0 = r.item, r.data_start
+            p1 = p0 + len(r.buffer)
+            whole = item.length <= len(item.head) or (p0 <= len(item.head) and p1 >= item.tail_start)
+            if expected is None or not whole:
+                self.stats.unverified += 1
+                continue
+            jobs.append((md, expected, r))
+        self.stats.unverified += others
+
+        def check(job) -> None:
+            md, (length, digest), r = job
+            item, h = r.item, new_hasher(self.algorithm)
+            if item.length <= len(item.head):
+                h.update(item.head)
+            else:
+                p0, p1 = r.data_start, r.data_start + len(r.buffer)
+                h.update(item.head[:p0])
+                h.update(r.buffer)
+                h.update(item.tail[p1 - item.tail_start:])
+            if length != md.length or h.intdigest() != digest:
+                raise ChecksumMismatch(
+                    f"{DAMAGED} (checksum mismatch): {os.path.join(str(self.path), relative_path)} bytes "
+                    f"{md.offset}..{md.offset + md.length} ({self.algorithm} {h.intdigest():x}, the checkpoint "
+                    f"recorded {digest:x}): the file was damaged after it was written")
+
+        big = sum(len(r.buffer) for _, _, r in jobs)
+        if self.read_threads > 1 and big >= _PARALLEL_MIN:
+            list(_pool(self.read_threads).map(check, jobs))
+        else:
+            for job in jobs:
+                check(job)
+        self.stats.verified += len(jobs)
 
     def _plan_direct(self, stream, fd: int, req: ReadItem, planner: LoadPlanner) -> _DirectRead | None:
         item_md = self.storage_data[req.storage_index]
@@ -381,6 +461,7 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
             if not tensor_reqs:
                 continue
             tensor_reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+            self._check_size(relative_path, reqs)
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                 fd = stream.fileno() if hasattr(os, "preadv") else None
                 direct = []
@@ -391,6 +472,7 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
                     else:
                         direct.append(read)
                 _read_all(direct, self.read_threads)
+                self._verify(relative_path, direct, len(tensor_reqs) - len(direct))
             for read in direct:
                 planner.commit_tensor(read.req, read.target)
         if rest:
@@ -459,7 +541,8 @@ _PATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _direct_reader(read_threads: int | None = None):
+def _direct_reader(read_threads: int | None = None, checksums: dict | None = None, stats: VerifyStats | None = None,
+                   algorithm: str = "crc32"):
     """megatron-core's ``TorchDistLoadShardedStrategy.load`` builds its reader with the module
     function ``_get_filesystem_reader(dir, cache_metadata=True)`` and loads with the module
     global ``checkpoint.load_state_dict``; answer ours for both during that call
@@ -470,7 +553,7 @@ def _direct_reader(read_threads: int | None = None):
     def get_reader(checkpoint_dir, cache_metadata: bool = False):
         reader = original_reader(checkpoint_dir, cache_metadata=cache_metadata)
         if type(reader) is CachedMetadataFileSystemReader:
-            return DirectReadFileSystemReader(checkpoint_dir, read_threads)
+            return DirectReadFileSystemReader(checkpoint_dir, read_threads, checksums, stats, algorithm)
         return reader
 
     with _PATCH_LOCK:
@@ -485,12 +568,14 @@ def _direct_reader(read_threads: int | None = None):
 
 class DirectReadTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
     """megatron-core's ``torch_dist`` load strategy reading through ``DirectReadFileSystemReader``
-    (``read_threads`` as there)."""
+    (``read_threads`` as there; ``checksums``: the marker's item table and its ``algorithm``, checked
+    as items are read, with the counts in ``stats``)."""
 
-    def __init__(self, read_threads: int | None = None):
+    def __init__(self, read_threads: int | None = None, checksums: dict | None = None, algorithm: str = "crc32"):
         super().__init__()
-        self.read_threads = read_threads
+        self.read_threads, self.checksums, self.algorithm = read_threads, checksums, algorithm
+        self.stats = VerifyStats()
 
     def load(self, sharded_state_dict, checkpoint_dir: Path):
-        with _direct_reader(self.read_threads):
+        with _direct_reader(self.read_threads, self.checksums, self.stats, self.algorithm):
             return super().load(sharded_state_dict, checkpoint_dir)

@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
-from megatron_ext.checkpoint.directory import FORMAT_VERSION, resolve_load_path, write_checkpoint
+from megatron_ext.checkpoint.directory import (
+    FORMAT_VERSION, list_complete_checkpoints, read_marker, resolve_load_path, write_checkpoint,
+)
+from megatron_ext.checkpoint.checksum import file_digest, is_available
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
@@ -245,6 +248,10 @@ def read_checkpoint_common(ckpt_dir: str) -> dict[str, Any]:
     return load_common_state_dict(ckpt_dir)
 
 
+class CheckpointDamaged(Exception):
+    """A checkpoint's bytes differ from what was written, or a file of it cannot be read."""
+
+
 def load_checkpoint(
     run, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None
 ) -> int | None:
@@ -253,19 +260,74 @@ def load_checkpoint(
 
     Returns the loaded iteration, or None when ``root`` holds no complete checkpoint (a fresh
     start). Raises ConfigError, before anything is written, when the model or tokenizer differ, or
-    the LR schedule flags differ with no flag saying which wins. ``meta`` defaults to the run's
-    own, ``reader`` to ``--ckpt-reader``.
+    the LR schedule flags differ with no flag saying which wins; and when the checkpoint is damaged
+    (a checksum mismatch or an unreadable file, named), unless --ckpt-fallback-on-corruption asks to
+    load the previous complete checkpoint instead. ``meta`` defaults to the run's own, ``reader`` to
+    ``--ckpt-reader``.
     """
-    from megatron.core import dist_checkpointing
-
     meta = meta or run.checkpoint_meta
     found, warning = resolve_load_path(root)
     if found is None:
         return None
     if warning and run.ctx.is_logging_rank:
         run.log(f"WARNING: {warning}")
-    iteration, ckpt_dir = found
-    common = read_checkpoint_common(ckpt_dir)
+    candidates = [found]
+    if run.cfg.checkpoint.ckpt_fallback_on_corruption:
+        candidates += [c for c in reversed(list_complete_checkpoints(os.path.dirname(found[1]))) if c[0] < found[0]]
+    for i, (iteration, ckpt_dir) in enumerate(candidates):
+        try:
+            return _load_from(run, root, iteration, ckpt_dir, meta, load_optimizer, reader)
+        except CheckpointDamaged as err:
+            if i + 1 == len(candidates):
+                hint = ("" if run.cfg.checkpoint.ckpt_fallback_on_corruption else
+                        "; --ckpt-fallback-on-corruption loads the previous complete checkpoint instead")
+                raise ConfigError([f"--load {root}: {err}{hint}"]) from None
+            if run.ctx.is_logging_rank:
+                run.log(f"WARNING: {err}; --ckpt-fallback-on-corruption: trying {candidates[i + 1][1]}")
+    return None
+
+
+def _check_small_files(ckpt_dir: str, checksums: dict[str, Any]) -> None:
+    algorithm = checksums["algorithm"]
+    for name, digest in checksums.get("files", {}).items():
+        path = os.path.join(ckpt_dir, name)
+        try:
+            got = file_digest(path, algorithm)
+        except OSError as err:
+            raise CheckpointDamaged(f"damaged checkpoint file: {path} cannot be read ({err.strerror})") from None
+        if got != digest:
+            raise CheckpointDamaged(f"damaged checkpoint file (checksum mismatch): {path} ({algorithm} {got:x}, "
+                                    f"the checkpoint recorded {digest:x}): the file was damaged after it was written")
+
+
+def get_checksums_to_verify(run, ckpt_dir: str, marker: dict[str, Any]) -> dict[str, Any] | None:
+    """The marker's checksum record when this machine has its algorithm (the coordinator files are
+    always checked; the items only with --ckpt-verify)."""
+    checksums = marker.get("checksums")
+    if not checksums:
+        return None
+    if not is_available(checksums["algorithm"]):
+        if run.ctx.is_logging_rank:
+            run.log(f"WARNING: {ckpt_dir} was checksummed with {checksums['algorithm']}, which this machine "
+                    f"lacks (pip install xxhash): loading it unverified")
+        return None
+    return checksums
+
+
+def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMeta, load_optimizer: bool,
+               reader: str | None) -> int:
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.checkpoint.reader import DAMAGED
+
+    checksums = get_checksums_to_verify(run, ckpt_dir, read_marker(ckpt_dir))
+    if checksums is not None:
+        _check_small_files(ckpt_dir, checksums)
+    try:
+        common = read_checkpoint_common(ckpt_dir)
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointDamaged(f"{os.path.join(ckpt_dir, 'common.pt')} cannot be read "
+                                f"({' '.join(str(err).split())[:160]})") from None
     problems = check_compatible(common, run.cfg, meta, load_optimizer)
     if load_optimizer and "opt_param_scheduler" in common:
         problems += check_scheduler_flags(common["opt_param_scheduler"], run.scheduler, run.cfg, run.global_batch_size)
@@ -287,8 +349,17 @@ def load_checkpoint(
     state = build_sharded_state_dict(
         run, meta, is_loading=True, include_optimizer=load_optimizer, include_rng=restore_rng
     )
-    strategy = build_load_strategy(reader or run.cfg.checkpoint.ckpt_reader)
-    loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=strategy)
+    strategy = build_load_strategy(reader or run.cfg.checkpoint.ckpt_reader,
+                                   checksums if run.cfg.checkpoint.ckpt_verify else None)
+    try:
+        loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=strategy)
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        message = " ".join(str(err).split())
+        if DAMAGED in message:
+            raise CheckpointDamaged(message[message.find(DAMAGED):].split(" Traceback")[0]) from None
+        if "failed on another rank" in message:
+            raise CheckpointDamaged(f"{ckpt_dir}: another rank could not load its part (its output names the file)") from None
+        raise
     if load_optimizer:
         load_optimizer_state(run.optimizer, loaded["optimizer"])
         run.scheduler.load_state_dict(loaded["opt_param_scheduler"])
@@ -299,20 +370,26 @@ def load_checkpoint(
     run.state = type(run.state)(**loaded.get("train_state", {}))
     if run.ctx.is_logging_rank:
         how = "same layout" if same_layout else f"resharded from {common.get('layout')}"
-        run.log(f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how})")
+        stats = getattr(strategy, "stats", None)
+        verified = stats is not None and checksums is not None and run.cfg.checkpoint.ckpt_verify
+        checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in part "
+                   f"or by torch's reader)" if verified else "; items not verified (--ckpt-verify is off)")
+        run.log(f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how}{checked})")
     return iteration
 
 
-def build_load_strategy(reader: str):
+def build_load_strategy(reader: str, checksums: dict[str, Any] | None = None):
     """megatron-core's load strategy for ``--ckpt-reader``: ``direct`` (ours: tensor bytes straight
     into their destinations, ``reader.py``) or ``megatron`` (megatron-core's stock torch_dist
-    reader). Both read the same files."""
+    reader). Both read the same files; only ours checks the marker's ``checksums`` as it reads."""
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     from megatron_ext.checkpoint.reader import DirectReadTorchDistLoadStrategy
 
     if reader == "direct":
-        return DirectReadTorchDistLoadStrategy()
+        if checksums is None:
+            return DirectReadTorchDistLoadStrategy()
+        return DirectReadTorchDistLoadStrategy(checksums=checksums["items"], algorithm=checksums["algorithm"])
     if reader == "megatron":
         return TorchDistLoadShardedStrategy()
     raise ValueError(f"--ckpt-reader {reader}: use one of {', '.join(CHECKPOINT_READERS)}")

@@ -11,6 +11,10 @@ decentralised global plan, ``.metadata`` written by the coordinator) and swaps t
 ``InProcessFileSystemWriter``: the same buckets, written by this process (one thread per bucket,
 ``thread_count`` buckets, each file fsync'ed), results kept in memory. The files and metadata are
 the ones megatron-core's own writer produces, so megatron-core's loader reads them unchanged.
+
+Checksums: every stored item's checksum (``checksum.py``) is computed from the bytes as they are
+written (no second pass) and kept as ``(file, offset) -> (length, digest)`` in ``checksums``; ``directory.write_checkpoint``
+gathers them into the completion marker, and ``reader.py`` checks what it reads against them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint.api import _wrap_exception
 from torch.distributed.checkpoint.filesystem import _write_item
 
+from megatron_ext.checkpoint.checksum import new_hasher
+
 
 @contextlib.contextmanager
 def _no_results_queue():
@@ -52,12 +58,30 @@ def _no_results_queue():
         filesystem_async._get_write_results_queue = original
 
 
+class _HashingStream:
+    """A write-only file proxy that hashes what passes through it (``restart`` per item)."""
+
+    def __init__(self, stream):
+        self.stream, self.hasher = stream, new_hasher()
+
+    def restart(self) -> None:
+        self.hasher = new_hasher()
+
+    def write(self, data) -> int:
+        self.hasher.update(data)
+        return self.stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 class InProcessFileSystemWriter(FileSystemWriterAsync):
     """megatron-core's bucketed writer, writing its buckets in this process."""
 
     def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any):
         super().__init__(path, *args, **kwargs)
         self._results: dict[int, list] | BaseException = {}
+        self.checksums: dict[tuple[str, int], tuple[int, int]] = {}
 
     def prepare_write_data(self, plan, planner) -> None:
         with _no_results_queue():
@@ -79,13 +103,18 @@ class InProcessFileSystemWriter(FileSystemWriterAsync):
         def write(bucket) -> list:
             path, storage_key, (bytes_data, tensor_data) = bucket
             results = []
-            with open(path, "wb") as stream:
+            with open(path, "wb") as raw:
+                stream = _HashingStream(raw)
                 for item, data in chain(bytes_data, tensor_data):
                     if hasattr(data, "device") and data.device.type != "cpu":
                         data = data.cpu()
-                    results.append(_write_item(*transforms, stream, data, item, storage_key, **extra))
-                stream.flush()
-                os.fsync(stream.fileno())
+                    stream.restart()
+                    result = _write_item(*transforms, stream, data, item, storage_key, **extra)
+                    info = result.storage_data
+                    self.checksums[(info.relative_path, info.offset)] = (info.length, stream.hasher.intdigest())
+                    results.append(result)
+                raw.flush()
+                os.fsync(raw.fileno())
             return results
 
         try:
@@ -115,13 +144,14 @@ class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, thread_count: int = 1):
         super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=thread_count)
+        self.writer: InProcessFileSystemWriter | None = None  # the last save's (for its checksums)
 
     def async_save(self, sharded_state_dict, checkpoint_dir: Path) -> AsyncRequest:
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, self.keep_only_main_replica
         )
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-        writer = InProcessFileSystemWriter(checkpoint_dir, thread_count=self.thread_count)
+        writer = self.writer = InProcessFileSystemWriter(checkpoint_dir, thread_count=self.thread_count)
         ret, *_ = save_state_dict_async_plan(
             pyt_state_dict, writer, None, 0,
             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),

@@ -125,3 +125,18 @@ def test_unsupported_architectures_are_named(change, needle):
     with pytest.raises(ValueError, match="cannot convert") as err:
         check_supported({**hf, **change})
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"model_type": "llama", "hidden_size": 64,', "config.json is not valid JSON"),
+    ('[1, 2]', "config.json holds list, not an object"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "hidden_act": "silu"}',
+     "config.json: vocab_size must be a positive integer, got None"),
+])
+def test_malformed_hf_config_is_named(tmp_path, text, needle):
+    from tools.convert_checkpoint import _read_hf
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="") as err:
+        _read_hf(str(tmp_path))
+    assert needle in str(err.value), str(err.value)
