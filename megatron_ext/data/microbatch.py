@@ -155,7 +155,15 @@ def describe_sample(dataset: Any, index: int) -> str:
         return describe_sample(dataset.datasets[k], int(dataset.dataset_sample_index[index]))
     prefix = getattr(getattr(dataset, "dataset", None), "path_prefix", None)  # megatron-core GPTDataset
     if prefix:
-        return f"{prefix}.bin (sample {index} of its {getattr(dataset, 'index_split', 'split')})"
+        where = f"{prefix}.bin (sample {index})"
+        try:  # the documents of a window: GPTDataset's shuffle, sample and document indices
+            j = int(dataset.shuffle_index[index])
+            beg, end = int(dataset.sample_index[j][0]), int(dataset.sample_index[j + 1][0])
+            docs = sorted({int(d) for d in dataset.document_index[beg:end + 1]})
+            where = f"{prefix}.bin, document{'s' if len(docs) > 1 else ''} {', '.join(map(str, docs))} (sample {index})"
+        except (AttributeError, IndexError, TypeError):
+            pass
+        return where
     return f"sample {index} of {type(dataset).__name__}"
 
 

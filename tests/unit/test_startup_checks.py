@@ -195,3 +195,18 @@ def test_a_tokenizer_model_that_does_not_load_names_the_flag(tmp_path):
         build_tokenizer("SentencePieceTokenizer", str(bad))
     shutil.copy(MODEL, tmp_path / "good.model")
     assert build_tokenizer("SentencePieceTokenizer", str(tmp_path / "good.model")).vocab_size > 0
+
+
+def test_token_ids_outside_the_vocabulary_name_documents_on_the_gptdataset_path(tmp_path):
+    """megatron-core GPTDataset windows: the error names the .bin and the documents of the window."""
+    from megatron_ext.data.gpt_datasets import build_gpt_datasets
+    from megatron_ext.data.microbatch import fetch_step_samples
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer("SentencePieceTokenizer", MODEL)
+    train, _, _ = build_gpt_datasets(tok, 64, [16, 1, 1], data_path=[SHIPPED], split="98,2,0",
+                                     path_to_cache=str(tmp_path), create_attention_mask=False)
+    assert fetch_step_samples(train, [[0, 1]], vocab_size=tok.vocab_size)
+    with pytest.raises(ConfigError, match=r"outside the tokenizer's vocabulary \[0, 50\) in .*corpus_text_document"
+                                          r".bin, documents? \d+.* \(sample 0\)"):
+        fetch_step_samples(train, [[0]], vocab_size=50)
