@@ -200,4 +200,8 @@ def test_sizes_and_rates_are_checked_with_the_other_problems(values, needle):
 
 
 def test_zero_learning_rate_is_legitimate():
-    validate(build_job_config({**MOCK, "lr": 0.0, "min_lr": 0.0}), 1)
+    from megatron_ext.config import _check_positive
+
+    cfg = build_job_config({**MOCK, "lr": 0.0, "min_lr": 0.0})
+    assert _check_positive(cfg) == []
+    validate(cfg, 1)  # raises ConfigError if refused
