@@ -206,7 +206,8 @@ def main(argv=None) -> None:
                                 args.append_eod, args.workers, args.log_interval,
                                 progress=not args.no_progress)
     except ValueError as exc:
-        sys.exit(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     for key, prefix in stats.output_prefixes.items():
         print(f"wrote {prefix}.bin/.idx: {stats.num_documents} documents, "
               f"{stats.num_tokens[key]} tokens ({stats.num_skipped_empty} empty skipped)")

@@ -87,7 +87,8 @@ def main(argv=None) -> None:
         path = train_tokenizer(args.input, args.output_prefix, args.vocab_size, args.json_keys,
                                args.model_type)
     except ValueError as exc:
-        sys.exit(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {path} (vocab size {args.vocab_size})")
 
 

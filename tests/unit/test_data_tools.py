@@ -105,9 +105,13 @@ def test_cli_writes_megatron_lm_names(tmp_path, tiny_jsonl, capsys):
                      SHIPPED_MODEL, "--append-eod", "--workers", "2", "--no-progress"])
     assert {"cli_text_document.bin", "cli_text_document.idx"} <= set(os.listdir(tmp_path))
     assert "4 documents" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--vocab-size"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         preprocess_main(["--input", tiny_jsonl, "--output-prefix", str(tmp_path / "x"),
                          "--tokenizer-type", "NullTokenizer", "--no-progress"])
+    assert exit_info.value.code == 2  # a user error: one error block on stderr, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--vocab-size" in err
 
 
 def test_build_default_corpus_small(tmp_path):
