@@ -171,6 +171,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
          "megatron.core.models.gpt.gpt_model.GPTModel._preprocess"),
     ),
     Workaround(
+        "checkpoint-without-output-fp8-flag",
+        "CheckpointWithoutOutput(fp8=False), its default, sets self.fp8 = (fp8 is not None) = True and "
+        "calls Transformer Engine's FP8GlobalStateManager: --recompute-modules layernorm raises "
+        "NameError without TE",
+        "megatron_ext.model.gpt:apply_checkpoint_without_output_fix",
+        ("megatron.core.tensor_parallel.random.CheckpointWithoutOutput",),
+    ),
+    Workaround(
         "destroy-process-groups",
         "destroy_model_parallel() drops its group references while every gloo subgroup keeps its "
         "threads and connections (over 1,000 threads per process after a few hundred groups)",

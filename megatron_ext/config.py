@@ -66,6 +66,11 @@ class ModelConfig:
     init_method_std: float = _f(0.02, "Std of the normal initialisation.")
     hidden_dropout: float = _f(0.0, "Dropout on hidden states.")
     attention_dropout: float = _f(0.0, "Dropout on attention probabilities.")
+    recompute_activations: bool = _f(False, "Megatron-LM's alias of --recompute-granularity selective (core attention).")
+    recompute_granularity: str | None = _f(None, "Activation recomputation: full (whole layers, with --recompute-method and --recompute-num-layers) or selective (the --recompute-modules of every layer).", choices=["full", "selective"])
+    recompute_method: str | None = _f(None, "With full recompute: uniform (every layer, in groups of --recompute-num-layers) or block (the first --recompute-num-layers layers of each pipeline stage).", choices=["uniform", "block"])
+    recompute_num_layers: int | None = _f(None, "With full recompute: layers per recomputed group (uniform) or layers recomputed per pipeline stage (block).")
+    recompute_modules: list[str] = _f([], "With selective recompute: any of core_attn (default), layernorm, mlp.", nargs="*")
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this (whatever the TP size, unlike Megatron-LM, which multiplies it by TP: every layout then trains the same model); --tensor-model-parallel-size must divide it.")
     transformer_impl: str = _f("auto", "Layer spec: local (torch), transformer_engine, or auto (TE when importable and CUDA is used).", choices=["auto", "local", "transformer_engine"])
 
@@ -284,6 +289,24 @@ def get_params_dtype(cfg: JobConfig):
     return torch.float16 if cfg.training.fp16 else torch.float32
 
 
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")  # the dense model's (megatron-core also has MoE/MLA ones)
+
+
+def get_recompute(cfg: JobConfig) -> dict[str, Any]:
+    """megatron-core's TransformerConfig recompute fields for this job (--recompute-activations is
+    selective recompute of core attention, as in Megatron-LM)."""
+    m = cfg.model
+    granularity = m.recompute_granularity or ("selective" if m.recompute_activations else None)
+    if granularity is None:
+        return {}
+    out: dict[str, Any] = {"recompute_granularity": granularity}
+    if granularity == "full":
+        out.update(recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
+    else:
+        out["recompute_modules"] = list(m.recompute_modules) or ["core_attn"]
+    return out
+
+
 def get_max_microbatch_length(cfg: JobConfig) -> int:
     """A micro-batch's longest possible length: --seq-length, or, packed, its b packs joined."""
     packs = cfg.training.micro_batch_size if cfg.data.packed_sequences else 1
@@ -426,10 +449,44 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
                 f"--seq-length {m.seq_length} exceeds --max-position-embeddings {max_pos}: raise "
                 f"--max-position-embeddings or use --position-embedding-type rope"
             )
+    out += _check_recompute(cfg)
     for name in ("hidden_dropout", "attention_dropout"):
         v = getattr(m, name)
         if not 0.0 <= v < 1.0:
             out.append(f"--{name.replace('_', '-')} must be in [0, 1), got {v}")
+    return out
+
+
+def _check_recompute(cfg: JobConfig) -> list[str]:
+    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    out = []
+    if m.recompute_activations and m.recompute_granularity == "full":
+        out.append("--recompute-activations is selective recompute: drop it or --recompute-granularity full")
+    granularity = m.recompute_granularity or ("selective" if m.recompute_activations else None)
+    full_flags = m.recompute_method is not None or m.recompute_num_layers is not None
+    if granularity == "full":
+        if m.recompute_method is None or m.recompute_num_layers is None:
+            out.append("--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N")
+        elif pp > 0 and m.num_layers % pp == 0:
+            per_stage = m.num_layers // pp
+            if not 1 <= m.recompute_num_layers <= per_stage:
+                out.append(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the {per_stage} "
+                           f"layers of a pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
+        if m.recompute_modules:
+            out.append("--recompute-modules applies to --recompute-granularity selective, not full")
+    elif full_flags:
+        out.append("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+    if m.recompute_modules and granularity != "full":
+        if granularity is None:
+            out.append("--recompute-modules needs --recompute-granularity selective")
+        if "mlp" in m.recompute_modules and not m.disable_bias_linear:
+            out.append("--recompute-modules mlp needs --disable-bias-linear: megatron-core 0.16.1 recomputes "
+                       "the MLP through a checkpoint that returns linear_fc2's bias parameter, and its backward "
+                       "then recurses forever; recompute core_attn/layernorm, or use --recompute-granularity full")
+        unknown = [x for x in m.recompute_modules if x not in RECOMPUTE_MODULES]
+        if unknown:
+            out.append(f"--recompute-modules {' '.join(unknown)}: a dense model recomputes "
+                       f"{', '.join(RECOMPUTE_MODULES)} (megatron-core's MoE/MLA modules do not apply)")
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.config import (
-    JobConfig, get_num_query_groups, get_params_dtype, get_sequence_padding, get_virtual_pipeline_size,
+    JobConfig, get_num_query_groups, get_params_dtype, get_recompute, get_sequence_padding, get_virtual_pipeline_size,
 )
 from megatron_ext.model.init_weights import apply_layout_independent_init
 from megatron_ext.parallel import StagePlacement
@@ -60,6 +60,7 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         bf16=cfg.training.bf16,
         fp16=cfg.training.fp16,
         calculate_per_token_loss=cfg.training.calculate_per_token_loss,
+        **get_recompute(cfg),
         # megatron-core's shape handshake before every P2P message (--sequence-padding variable)
         variable_seq_lengths=get_sequence_padding(cfg) == "variable",
         # (megatron-core rejects variable_seq_lengths with its default MoE dispatcher even
@@ -82,6 +83,26 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=not interleaved,
     )
+
+
+def apply_checkpoint_without_output_fix() -> None:
+    """megatron-core 0.16.1's ``CheckpointWithoutOutput(fp8=False)`` (its default, used by the
+    "layernorm" selective recompute) sets ``self.fp8 = fp8 is not None``, i.e. True, and then calls
+    Transformer Engine's FP8GlobalStateManager: a NameError wherever TE is not installed. Read
+    ``fp8`` as a recipe-or-nothing flag, as intended (registered in compat.py). Idempotent."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    cls = mcore_random.CheckpointWithoutOutput
+    if getattr(cls, "_megatron_ext_fp8_fix", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, fp8=False):
+        original(self, fp8)
+        self.fp8 = fp8 is not None and fp8 is not False
+
+    cls.__init__ = __init__
+    cls._megatron_ext_fp8_fix = True
 
 
 def use_transformer_engine(cfg: JobConfig, device: torch.device) -> bool:
@@ -136,6 +157,8 @@ def build_model_chunks(
     from megatron_ext.model.attention import apply_packed_rotary
 
     tf_config = build_transformer_config(cfg, device)
+    if tf_config.recompute_granularity == "selective":
+        apply_checkpoint_without_output_fix()
     spec = build_layer_spec(cfg, device)
     m = cfg.model
     num_chunks = placement.vp_size or 1

@@ -205,3 +205,26 @@ def test_zero_learning_rate_is_legitimate():
     cfg = build_job_config({**MOCK, "lr": 0.0, "min_lr": 0.0})
     assert _check_positive(cfg) == []
     validate(cfg, 1)  # raises ConfigError if refused
+
+
+@pytest.mark.parametrize("values, needle", [
+    (dict(recompute_granularity="full"), "needs --recompute-method uniform|block and --recompute-num-layers N"),
+    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=9),
+     "--recompute-num-layers 9 must be between 1 and the 4 layers"),
+    (dict(recompute_method="uniform"), "--recompute-method and --recompute-num-layers need --recompute-granularity full"),
+    (dict(recompute_modules=["core_attn"]), "--recompute-modules needs --recompute-granularity selective"),
+    (dict(recompute_granularity="selective", recompute_modules=["moe"]), "a dense model recomputes core_attn, layernorm, mlp"),
+    (dict(recompute_granularity="selective", recompute_modules=["mlp"]), "--recompute-modules mlp needs --disable-bias-linear"),
+    (dict(recompute_activations=True, recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+     "--recompute-activations is selective recompute"),
+])
+def test_recompute_flags_are_checked(values, needle):
+    assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)
+
+
+def test_recompute_activations_is_selective_core_attention():
+    from megatron_ext.config import get_recompute
+
+    assert get_recompute(build_job_config({**MOCK, "recompute_activations": True})) == {
+        "recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    assert get_recompute(build_job_config(MOCK)) == {}
