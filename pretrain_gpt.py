@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from megatron_ext.arguments import parse_args  # noqa: E402
 from megatron_ext.checkpoint.exit_policy import build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.directory import probe_save_dir  # noqa: E402
-from megatron_ext.checkpoint.state import check_load_flags, load_checkpoint  # noqa: E402
+from megatron_ext.checkpoint.state import load_checkpoint, plan_load  # noqa: E402
 from megatron_ext.config import ConfigError, report_error_once, validate  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     device = select_device(cfg.parallel.device)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
-    fresh_start = check_load_flags(cfg)
+    load_plan, load_message = plan_load(cfg)
     probe_save_dir(cfg.checkpoint.save)
     # one live job per --save (held until this process ends; the kernel releases it on any death)
     save_lock = lock_save_dir(cfg.checkpoint.save) if os.environ.get("RANK", "0") == "0" else None
@@ -48,10 +48,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     run = build_training_run(cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider)
     if run.ctx.is_logging_rank:
         run.log(describe_run(run))
-        if fresh_start:
-            run.log(fresh_start)
-    if cfg.checkpoint.load:
-        load_checkpoint(run, cfg.checkpoint.load, load_optimizer=not cfg.checkpoint.no_load_optim)
+        if load_message:
+            run.log(load_message)
+    if load_plan is not None:
+        load_checkpoint(run, load_plan.path, load_optimizer=not cfg.checkpoint.no_load_optim, step=load_plan.step,
+                        weights_only=load_plan.weights_only, load_rng=load_plan.load_rng)
     history = train(run)
     run.writer.close()
     if run.watchdog is not None:

@@ -72,10 +72,14 @@ def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
     return complete[-1] if complete else None
 
 
-def resolve_load_path(path: str) -> tuple[tuple[int, str] | None, str | None]:
+def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, str] | None, str | None]:
     """The checkpoint ``--load path`` names, and a warning to print: ``path`` is a save directory
-    (its newest complete checkpoint) or one checkpoint's own ``iter_XXXXXXX`` directory. The warning
-    says when the pointer file names an iteration that is not a complete checkpoint here."""
+    (its newest complete checkpoint, or iteration ``step``) or one checkpoint's own ``iter_XXXXXXX``
+    directory. The warning says when the pointer file names an iteration that is not a complete
+    checkpoint here."""
+    if step is not None:
+        chosen = get_checkpoint_dir(path, step)
+        return ((step, chosen) if os.path.isfile(os.path.join(chosen, COMPLETE_MARKER)) else None), None
     name = os.path.basename(os.path.normpath(path))
     match = _ITER_DIR.match(name)
     if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):

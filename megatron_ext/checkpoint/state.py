@@ -205,23 +205,53 @@ def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, glob
     return out
 
 
-def check_load_flags(cfg: JobConfig) -> str | None:
-    """Before any work: what --load finds. None when it names a checkpoint (or is unset); a line
-    to print when it holds none but is also --save (a restartable job's first start); ConfigError
-    otherwise (a missing or empty directory that would silently start from scratch)."""
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """What a run loads at start-up (``plan_load``)."""
+
+    path: str
+    step: int | None = None  # --ckpt-step
+    weights_only: bool = False  # --finetune / --pretrained-checkpoint: iteration, optimizer, schedule reset
+    load_rng: bool = True
+
+
+def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
+    """Before any work: what the run loads, and a line to print. --load's checkpoint (newest, or
+    --ckpt-step's) resumes (weights only with --finetune); a --load holding none falls back to
+    --pretrained-checkpoint (weights only), or starts from scratch when it is also --save (the
+    restartable-job idiom); anything else is a ConfigError naming the flag, since it would silently
+    start from scratch."""
     c = cfg.checkpoint
+    if c.ckpt_step is not None and not c.load:
+        raise ConfigError(["--ckpt-step needs --load DIR (the directory whose iteration it names)"])
+    if c.load:
+        found, _ = resolve_load_path(c.load, c.ckpt_step)
+        if found is not None:
+            return LoadPlan(c.load, c.ckpt_step, c.finetune, not (c.no_load_rng or c.finetune)), None
+        if c.ckpt_step is not None:
+            have = [it for it, _ in list_complete_checkpoints(c.load)]
+            raise ConfigError([f"--ckpt-step {c.ckpt_step}: {c.load} holds no complete checkpoint of that iteration "
+                               f"(complete ones: {have or 'none'})"])
+    if c.pretrained_checkpoint:
+        if resolve_load_path(c.pretrained_checkpoint)[0] is None:
+            raise ConfigError([f"--pretrained-checkpoint {c.pretrained_checkpoint} holds no complete checkpoint"])
+        where = f"--load {c.load} holds no checkpoint yet: " if c.load else ""
+        return (LoadPlan(c.pretrained_checkpoint, weights_only=True, load_rng=False),
+                f"> {where}fine-tuning from --pretrained-checkpoint {c.pretrained_checkpoint} (weights only)")
     if not c.load:
-        return None
-    found, _ = resolve_load_path(c.load)
-    if found is not None:
-        return None
+        return None, None
     restartable = c.save and os.path.abspath(c.save) == os.path.abspath(c.load)
     if restartable and not c.exit_on_missing_checkpoint:
-        return f"> --load {c.load} holds no checkpoint yet: starting from scratch (it is also --save)"
+        return None, f"> --load {c.load} holds no checkpoint yet: starting from scratch (it is also --save)"
     what = "does not exist" if not os.path.exists(c.load) else "holds no complete checkpoint"
     why = " (--exit-on-missing-checkpoint)" if restartable else ""
     raise ConfigError([f"--load {c.load} {what}{why}: give a directory that --save wrote (or one of its "
                        f"iter_XXXXXXX directories), or drop --load to start from scratch"])
+
+
+def check_load_flags(cfg: JobConfig) -> str | None:
+    """``plan_load``'s line to print (a check without the plan)."""
+    return plan_load(cfg)[1]
 
 
 def load_full_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -253,7 +283,8 @@ class CheckpointDamaged(Exception):
 
 
 def load_checkpoint(
-    run, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None
+    run, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None,
+    *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
 ) -> int | None:
     """Restore ``run`` from the newest complete checkpoint under ``root`` (or from ``root`` itself when
     it is one checkpoint's ``iter_XXXXXXX`` directory); collective.
@@ -263,10 +294,12 @@ def load_checkpoint(
     the LR schedule flags differ with no flag saying which wins; and when the checkpoint is damaged
     (a checksum mismatch or an unreadable file, named), unless --ckpt-fallback-on-corruption asks to
     load the previous complete checkpoint instead. ``meta`` defaults to the run's own, ``reader`` to
-    ``--ckpt-reader``.
+    ``--ckpt-reader``. ``step`` loads that iteration; ``weights_only`` (fine-tuning) restores the
+    model and nothing else (iteration 0, fresh optimizer and schedule); ``load_rng=False`` keeps the
+    run's own random-number states.
     """
     meta = meta or run.checkpoint_meta
-    found, warning = resolve_load_path(root)
+    found, warning = resolve_load_path(root, step)
     if found is None:
         return None
     if warning and run.ctx.is_logging_rank:
@@ -276,7 +309,8 @@ def load_checkpoint(
         candidates += [c for c in reversed(list_complete_checkpoints(os.path.dirname(found[1]))) if c[0] < found[0]]
     for i, (iteration, ckpt_dir) in enumerate(candidates):
         try:
-            return _load_from(run, root, iteration, ckpt_dir, meta, load_optimizer, reader)
+            return _load_from(run, root, iteration, ckpt_dir, meta, load_optimizer and not weights_only, reader,
+                              weights_only, load_rng and not weights_only)
         except CheckpointDamaged as err:
             if i + 1 == len(candidates):
                 hint = ("" if run.cfg.checkpoint.ckpt_fallback_on_corruption else
@@ -315,7 +349,7 @@ def get_checksums_to_verify(run, ckpt_dir: str, marker: dict[str, Any]) -> dict[
 
 
 def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMeta, load_optimizer: bool,
-               reader: str | None) -> int:
+               reader: str | None, weights_only: bool = False, load_rng: bool = True) -> int:
     from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpoint.reader import DAMAGED
@@ -339,8 +373,8 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
             run.log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
     same_layout = common.get("layout") == get_layout(run)
     saved_device = common.get("device_type", "cpu")
-    restore_rng = same_layout and saved_device == run.ctx.device.type
-    if same_layout and not restore_rng and run.ctx.is_logging_rank:
+    restore_rng = load_rng and same_layout and saved_device == run.ctx.device.type
+    if load_rng and same_layout and not restore_rng and run.ctx.is_logging_rank:
         run.log(f"WARNING: {ckpt_dir} holds random-number states of {saved_device} generators; this run "
                 f"is on {run.ctx.device.type}: weights and optimizer load exactly, dropout and other "
                 f"random streams start afresh from --seed {run.cfg.training.seed}")
@@ -367,9 +401,12 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     if restore_rng:
         set_rng_state(loaded["rng_state"], run.ctx.device)
-    run.state = type(run.state)(**loaded.get("train_state", {}))
+    if not weights_only:
+        run.state = type(run.state)(**loaded.get("train_state", {}))
     if run.ctx.is_logging_rank:
         how = "same layout" if same_layout else f"resharded from {common.get('layout')}"
+        if weights_only:
+            how += "; weights only: iteration, optimizer and LR schedule start afresh"
         stats = getattr(strategy, "stats", None)
         verified = stats is not None and checksums is not None and run.cfg.checkpoint.ckpt_verify
         checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in part "

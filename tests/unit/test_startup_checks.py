@@ -210,3 +210,27 @@ def test_token_ids_outside_the_vocabulary_name_documents_on_the_gptdataset_path(
     with pytest.raises(ConfigError, match=r"outside the tokenizer's vocabulary \[0, 50\) in .*corpus_text_document"
                                           r".bin, documents? \d+.* \(sample 0\)"):
         fetch_step_samples(train, [[0]], vocab_size=50)
+
+
+def test_load_plan_for_finetune_pretrained_step_and_rng(tmp_path):
+    from megatron_ext.checkpoint.state import plan_load
+
+    root = tmp_path / "run"
+    _checkpoint(root, 2)
+    _checkpoint(root, 4)
+    plan, message = plan_load(_cfg(load=str(root)))
+    assert (plan.path, plan.step, plan.weights_only, plan.load_rng, message) == (str(root), None, False, True, None)
+    assert plan_load(_cfg(load=str(root), ckpt_step=2))[0].step == 2
+    with pytest.raises(ConfigError, match=r"--ckpt-step 3: .* \(complete ones: \[2, 4\]\)"):
+        plan_load(_cfg(load=str(root), ckpt_step=3))
+    with pytest.raises(ConfigError, match="--ckpt-step needs --load"):
+        plan_load(_cfg(ckpt_step=2))
+    plan, _ = plan_load(_cfg(load=str(root), finetune=True))
+    assert plan.weights_only and not plan.load_rng
+    assert not plan_load(_cfg(load=str(root), no_load_rng=True))[0].load_rng
+    # a fresh --load (also --save) falls back to --pretrained-checkpoint, weights only
+    fresh = str(tmp_path / "fresh")
+    plan, message = plan_load(_cfg(load=fresh, save=fresh, pretrained_checkpoint=str(root)))
+    assert plan.path == str(root) and plan.weights_only and "fine-tuning from --pretrained-checkpoint" in message
+    with pytest.raises(ConfigError, match="--pretrained-checkpoint .* holds no complete checkpoint"):
+        plan_load(_cfg(pretrained_checkpoint=str(tmp_path / "nothing")))
