@@ -39,6 +39,10 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs CUDA: megatron-core's CPU norm does not support it).")
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduce with the backward pass.")
     distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, in minutes.")
+    context_parallel_size: int = _f(1, "Context parallelism: only 1 (not supported yet; refused otherwise).")
+    use_torch_fsdp2: bool = _f(False, "FSDP2 (Megatron-LM's flag): not supported; refused.")
+    use_custom_fsdp: bool = _f(False, "Megatron-core's custom FSDP (Megatron-LM's flag): not supported; refused.")
+    optimizer_cpu_offload: bool = _f(False, "Optimizer state offload to the CPU (Megatron-LM's flag): not supported; refused.")
     step_timeout_minutes: float | None = _f(None, "Step watchdog (ours): a rank whose training step lasts longer prints its rank, stage, iteration, micro-batch and Python stacks, and exits 1 (default off; set it below --distributed-timeout-minutes).")
     device: str = _f("auto", "Where ranks run (ours, not Megatron-LM's): auto (the local GPU when CUDA is available, else the CPU with gloo), cpu (force the CPU/gloo path even on a GPU machine) or cuda.", choices=["auto", "cpu", "cuda"])
 
@@ -645,7 +649,18 @@ def _get_data_prefixes(data_path: list[str]) -> list[str]:
 
 
 def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
+    p = cfg.parallel
     out = []
+    if p.context_parallel_size != 1:
+        out.append(f"--context-parallel-size {p.context_parallel_size}: context parallelism is not supported yet "
+                   f"(use 1; long sequences: pack documents with --packed-sequences, recompute with "
+                   f"--recompute-granularity)")
+    for flag, value in (("--use-torch-fsdp2", p.use_torch_fsdp2), ("--use-custom-fsdp", p.use_custom_fsdp)):
+        if value:
+            out.append(f"{flag}: FSDP is not supported; shard the optimizer state with --use-distributed-optimizer "
+                       f"(ZeRO-1) and the model with --tensor/--pipeline-model-parallel-size")
+    if p.optimizer_cpu_offload:
+        out.append("--optimizer-cpu-offload is not supported: shard the optimizer state with --use-distributed-optimizer")
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size > 1 and not cuda:
         out.append(
             "--sequence-parallel needs CUDA (megatron-core's torch norm on the local spec does not "

@@ -228,3 +228,13 @@ def test_recompute_activations_is_selective_core_attention():
     assert get_recompute(build_job_config({**MOCK, "recompute_activations": True})) == {
         "recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
     assert get_recompute(build_job_config(MOCK)) == {}
+
+
+@pytest.mark.parametrize("values, needle", [
+    (dict(context_parallel_size=2), "--context-parallel-size 2: context parallelism is not supported yet"),
+    (dict(use_torch_fsdp2=True), "--use-torch-fsdp2: FSDP is not supported"),
+    (dict(use_custom_fsdp=True), "--use-custom-fsdp: FSDP is not supported"),
+    (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload is not supported"),
+])
+def test_out_of_scope_scale_features_are_refused_by_name(values, needle):
+    assert any(needle in p for p in _problems(1, **values))
