@@ -34,6 +34,11 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = _f(1, "Pipeline-parallel size (stages span nodes).")
     num_layers_per_virtual_pipeline_stage: int | None = _f(None, "Layers per virtual pipeline stage (interleaved 1F1B; 0 = off).")
     num_virtual_stages_per_pipeline_rank: int | None = _f(None, "Virtual pipeline stages per pipeline rank (interleaved 1F1B).")
+    decoder_first_pipeline_num_layers: int | None = _f(None, "Uneven split: layers of the first pipeline stage (the rest are split evenly).")
+    decoder_last_pipeline_num_layers: int | None = _f(None, "Uneven split: layers of the last pipeline stage (the rest are split evenly).")
+    account_for_embedding_in_pipeline_split: bool = _f(False, "Count the input embedding as one layer when splitting layers over pipeline stages.")
+    account_for_loss_in_pipeline_split: bool = _f(False, "Count the output layer and loss as one layer when splitting layers over pipeline stages.")
+    pipeline_model_parallel_layout: str | None = _f(None, "Megatron-LM's explicit layer layout: not supported (refused); use the flags above.")
     microbatch_group_size_per_vp_stage: int | None = _f(None, "Contiguous micro-batches per virtual stage in the interleaved schedule (default: PP).")
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs CUDA: megatron-core's CPU norm does not support it).")
@@ -388,7 +393,9 @@ def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
         )
     lps = p.num_layers_per_virtual_pipeline_stage or None  # 0: not set
     vps = p.num_virtual_stages_per_pipeline_rank or None
-    if lps is not None and vps is not None and lps * vps * pp != m.num_layers:
+    if uses_uneven_split(cfg):
+        out += _check_uneven_split(cfg, pp, lps, vps)
+    elif lps is not None and vps is not None and lps * vps * pp != m.num_layers:
         out.append(
             f"--num-layers-per-virtual-pipeline-stage {lps} and --num-virtual-stages-per-pipeline-rank "
             f"{vps} disagree: with --pipeline-model-parallel-size {pp} they give {lps * vps * pp} layers, "
@@ -416,6 +423,57 @@ def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
             f"interleaved schedule ({vpp} virtual stages per pipeline rank) needs "
             f"--pipeline-model-parallel-size > 1, got 1: drop --num-layers-per-virtual-pipeline-stage"
         )
+    return out
+
+
+def uses_uneven_split(cfg: JobConfig) -> bool:
+    p = cfg.parallel
+    return (p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
+            or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
+            or bool(p.pipeline_model_parallel_layout))
+
+
+def _check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | None) -> list[str]:
+    """megatron-core's rules for uneven pipeline splits (it checks them in TransformerConfig, with
+    messages that name no flag), with Megatron-LM's: VPP only through the number of virtual stages."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    accounts = p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
+    out = []
+    if p.pipeline_model_parallel_layout:
+        out.append("--pipeline-model-parallel-layout is not supported: use --decoder-first/last-pipeline-num-layers "
+                   "or --account-for-embedding/loss-in-pipeline-split")
+    if pp < 2:
+        return out + ["uneven pipeline splits need --pipeline-model-parallel-size > 1"]
+    if lps is not None:
+        return out + ["uneven pipeline splits take virtual stages as --num-virtual-stages-per-pipeline-rank, not "
+                      "--num-layers-per-virtual-pipeline-stage (as in Megatron-LM)"]
+    v = vps or 1
+    if (first is not None or last is not None) and accounts:
+        return out + ["--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
+                      "are exclusive: give one way of splitting"]
+    if accounts:
+        units = layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
+        if units % (pp * v):
+            out.append(f"--num-layers {layers} plus the embedding/loss counted as layers = {units} is not divisible "
+                       f"by --pipeline-model-parallel-size {pp} x virtual stages {v} = {pp * v}")
+        return out
+    middle_layers, middle_stages = layers, pp
+    for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if n is None:
+            continue
+        if n <= 0 or n % v:
+            out.append(f"{flag} {n} must be a positive multiple of the {v} virtual stages per pipeline rank")
+        middle_layers, middle_stages = middle_layers - n, middle_stages - 1
+    if v > 1 and middle_stages == 0:
+        out.append("with virtual stages, --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers "
+                   "need a middle pipeline stage (megatron-core 0.16.1 divides by the middle stages): raise "
+                   "--pipeline-model-parallel-size or give one of the two")
+    elif middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
+            middle_stages and middle_layers % (middle_stages * v)):
+        out.append(f"--num-layers {layers} minus the first/last stages' layers leaves {middle_layers} for "
+                   f"{middle_stages} middle stages x {v} virtual stages: they must split evenly (and exist "
+                   f"together)")
     return out
 
 
@@ -475,7 +533,7 @@ def _check_recompute(cfg: JobConfig) -> list[str]:
     if granularity == "full":
         if m.recompute_method is None or m.recompute_num_layers is None:
             out.append("--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N")
-        elif pp > 0 and m.num_layers % pp == 0:
+        elif pp > 0 and m.num_layers % pp == 0 and not uses_uneven_split(cfg):
             per_stage = m.num_layers // pp
             if not 1 <= m.recompute_num_layers <= per_stage:
                 out.append(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the {per_stage} "

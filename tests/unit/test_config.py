@@ -238,3 +238,21 @@ def test_recompute_activations_is_selective_core_attention():
 ])
 def test_out_of_scope_scale_features_are_refused_by_name(values, needle):
     assert any(needle in p for p in _problems(1, **values))
+
+
+@pytest.mark.parametrize("world, values, needle", [
+    (2, dict(pipeline_model_parallel_size=2, num_layers=4, decoder_first_pipeline_num_layers=1,
+             num_layers_per_virtual_pipeline_stage=1), "not --num-layers-per-virtual-pipeline-stage"),
+    (2, dict(pipeline_model_parallel_size=2, num_layers=6, num_virtual_stages_per_pipeline_rank=2,
+             decoder_first_pipeline_num_layers=2, decoder_last_pipeline_num_layers=4), "need a middle pipeline stage"),
+    (4, dict(pipeline_model_parallel_size=4, num_layers=6, decoder_first_pipeline_num_layers=2),
+     "leaves 4 for 3 middle stages"),
+    (4, dict(pipeline_model_parallel_size=4, num_layers=5, account_for_embedding_in_pipeline_split=True),
+     "= 6 is not divisible by --pipeline-model-parallel-size 4"),
+    (2, dict(pipeline_model_parallel_size=2, num_layers=4, decoder_first_pipeline_num_layers=1,
+             account_for_loss_in_pipeline_split=True), "are exclusive"),
+    (2, dict(pipeline_model_parallel_size=2, num_layers=4, pipeline_model_parallel_layout="Et|tL"),
+     "--pipeline-model-parallel-layout is not supported"),
+])
+def test_uneven_pipeline_splits_are_checked(world, values, needle):
+    assert any(needle in p for p in _problems(world, global_batch_size=8, **values)), _problems(world, global_batch_size=8, **values)
