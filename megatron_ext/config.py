@@ -145,6 +145,16 @@ class LoggingConfig:
     wandb_exp_name: str | None = _f(None, "Weights & Biases run name.")
     wandb_save_dir: str | None = _f(None, "Weights & Biases directory.")
     pp_timeline: str | None = _f(None, "Record a per-rank pipeline timeline (forward/backward/optimizer spans) under this directory.")
+    timing_log_level: int = _f(0, "Step timers in the log line: 0 none, 1 data / forward-backward / optimizer, 2 also grad-reduce (synchronises CUDA at each timer: leave 0 for throughput runs).", choices=[0, 1, 2])
+    log_timers_to_tensorboard: bool = _f(False, "Write the step timers to TensorBoard too.")
+    log_memory_to_tensorboard: bool = _f(False, "Write memory (CUDA allocated/reserved, or the CPU's max RSS) to TensorBoard at each log line.")
+    profile: bool = _f(False, "Profile iterations --profile-step-start to --profile-step-end: with --use-pytorch-profiler a torch.profiler trace per rank into --tensorboard-dir, else CUDA profiler ranges for nsys (CUDA only).")
+    use_pytorch_profiler: bool = _f(False, "With --profile: use torch.profiler (traces in --tensorboard-dir).")
+    profile_step_start: int = _f(10, "First profiled iteration.")
+    profile_step_end: int = _f(12, "Iteration at which profiling stops.")
+    profile_ranks: list[str] = _f(["0"], "Global ranks that profile.", nargs="*")
+    manual_gc: bool = _f(False, "Disable Python's automatic garbage collection during training; collect every --manual-gc-interval iterations on every rank.")
+    manual_gc_interval: int = _f(0, "Iterations between manual collections (0: never).")
 
 
 @dataclass
@@ -706,9 +716,34 @@ def _get_data_prefixes(data_path: list[str]) -> list[str]:
     return list(data_path)
 
 
+def _check_profiling(cfg: JobConfig, cuda: bool) -> list[str]:
+    lg = cfg.logging
+    out = []
+    if lg.profile:
+        if lg.use_pytorch_profiler and not lg.tensorboard_dir:
+            out.append("--use-pytorch-profiler writes its traces into --tensorboard-dir: give one")
+        if not lg.use_pytorch_profiler and not cuda:
+            out.append("--profile without --use-pytorch-profiler marks CUDA profiler ranges for nsys, which needs "
+                       "CUDA: add --use-pytorch-profiler on the CPU")
+        if not 0 <= lg.profile_step_start < lg.profile_step_end:
+            out.append(f"--profile-step-start {lg.profile_step_start} must be >= 0 and below --profile-step-end "
+                       f"{lg.profile_step_end}")
+        if not all(r.strip().isdigit() for r in lg.profile_ranks):
+            out.append(f"--profile-ranks {' '.join(lg.profile_ranks)}: give global rank numbers")
+    elif lg.use_pytorch_profiler:
+        out.append("--use-pytorch-profiler needs --profile")
+    if lg.timing_log_level not in (0, 1, 2):
+        out.append(f"--timing-log-level {lg.timing_log_level}: use 0, 1 or 2")
+    if lg.log_timers_to_tensorboard and not lg.timing_log_level:
+        out.append("--log-timers-to-tensorboard needs --timing-log-level 1 or 2")
+    if lg.manual_gc_interval < 0 or (lg.manual_gc_interval and not lg.manual_gc):
+        out.append(f"--manual-gc-interval {lg.manual_gc_interval} needs --manual-gc (and >= 0)")
+    return out
+
+
 def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
     p = cfg.parallel
-    out = []
+    out = _check_profiling(cfg, cuda)
     if p.context_parallel_size != 1:
         out.append(f"--context-parallel-size {p.context_parallel_size}: context parallelism is not supported yet "
                    f"(use 1; long sequences: pack documents with --packed-sequences, recompute with "

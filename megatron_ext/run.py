@@ -28,6 +28,7 @@ from megatron_ext.parallel import ParallelContext, build_parallel_context
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import build_optimizer, build_scheduler
+from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, ProfilerWindow, StepTimers
 from megatron_ext.training.step import configure_model_hooks
 from megatron_ext.training.timeline import build_pp_timeline
 
@@ -67,6 +68,9 @@ def build_training_run(
     optimizer = build_optimizer(cfg, model, device)
     scheduler = build_scheduler(cfg, optimizer, global_batch_size)
     configure_model_hooks(model, optimizer)
+    timers = StepTimers(cfg.logging.timing_log_level, device)
+    if timers.enabled("grad-reduce"):  # inside the schedule: time megatron-core's finalize hook
+        model[0].config.finalize_model_grads_func = timers.wrap("grad-reduce", model[0].config.finalize_model_grads_func)
     if data is None:
         data = build_train_valid_datasets(cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None)
 
@@ -79,7 +83,20 @@ def build_training_run(
         pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size, log=log,
         timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx) if cfg.logging.pp_timeline else None,
         watchdog=build_step_watchdog(cfg, ctx),
+        timers=timers if cfg.logging.timing_log_level else None,
+        profiler=build_profiler(cfg, ctx),
+        manual_gc=ManualGC(cfg.logging.manual_gc_interval) if cfg.logging.manual_gc else None,
     )
+
+
+def build_profiler(cfg: JobConfig, ctx: ParallelContext) -> ProfilerWindow | None:
+    """--profile --use-pytorch-profiler on the --profile-ranks (CUDA profiler ranges otherwise)."""
+    lg = cfg.logging
+    if not lg.profile or ctx.rank not in {int(r) for r in lg.profile_ranks}:
+        return None
+    if lg.use_pytorch_profiler:
+        return ProfilerWindow(lg.profile_step_start, lg.profile_step_end, lg.tensorboard_dir, ctx.device)
+    return CudaProfilerRange(lg.profile_step_start, lg.profile_step_end)
 
 
 def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext) -> StepWatchdog | None:

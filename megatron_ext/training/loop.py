@@ -27,10 +27,12 @@ from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import get_mean_loss, reduce_reported_loss
 from megatron_ext.training.metrics import (
-    IterationStats, MetricWriter, format_iteration_line, format_validation_line, get_memory_report, get_peak_tflops,
+    IterationStats, MetricWriter, format_iteration_line, format_validation_line, get_memory_report, get_memory_stats,
+    get_peak_tflops,
     num_floating_point_operations,
 )
 from megatron_ext.training.step import StepResult, build_step_microbatches, run_forward_backward, train_step
+from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
 from megatron_ext.training.timeline import PipelineTimeline
 
 
@@ -73,6 +75,10 @@ class TrainingRun:
     timeline: PipelineTimeline | None = None
     # --step-timeout-minutes: the watchdog and the progress it reports (None when off)
     watchdog: StepWatchdog | None = None
+    # --timing-log-level (level 0: times nothing), --profile on this rank, --manual-gc
+    timers: StepTimers | None = None
+    profiler: ProfilerWindow | None = None
+    manual_gc: ManualGC | None = None
     # consecutive non-finite iterations so far, and where the first of them appeared
     nan_streak: int = 0
     nan_origin: str = ""
@@ -128,12 +134,15 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     if run.watchdog is not None:
         run.watchdog.step_started(state.iteration + 1)
         progress = run.watchdog.progress
-    microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
+    with run.timers.time("data") if run.timers else contextlib.nullcontext():
+        microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
     with traced:
         result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
                             run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad,
-                            progress)
+                            progress, run.timers)
+    if run.timers is not None:
+        run.timers.steps += 1
     if run.watchdog is not None:
         run.watchdog.step_finished()
     window.seconds += time.perf_counter() - start
@@ -197,10 +206,22 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
             "iteration": run.state.iteration, "loss": loss, "grad_norm": result.grad_norm,
             "lr": run.optimizer.param_groups[0]["lr"],
         })
+    timers = run.timers.report() if run.timers is not None else {}
     if run.ctx.is_logging_rank:
         _log_iteration(run, loss, result, window, totals, length)
+        _log_timers_and_memory(run, timers)
     window.__init__()
     return loss
+
+
+def _log_timers_and_memory(run: TrainingRun, timers: dict[str, float]) -> None:
+    lg, iteration = run.cfg.logging, run.state.iteration
+    if timers:
+        run.log(f"  timers (ms per iteration, this rank): {format_timers(timers)}")
+        if lg.log_timers_to_tensorboard:
+            run.writer.write({f"timers/{name}": ms for name, ms in timers.items()}, iteration)
+    if lg.log_memory_to_tensorboard:
+        run.writer.write({f"memory/{k}": v for k, v in get_memory_stats(run.ctx.device).items()}, iteration)
 def evaluate_and_log(run: TrainingRun) -> None:
     t, iteration = run.cfg.training, run.state.iteration
     eval_start = (iteration // t.eval_interval - 1) * t.eval_iters * run.global_batch_size
@@ -224,23 +245,37 @@ def train(run: TrainingRun) -> list[float]:
     t = cfg.training
     history: list[float] = []
     window = LogWindow()
-    while state.iteration < t.train_iters:
-        result, length = run_training_iteration(run, window)
-        count_non_finite(run, result)
-        if state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters:
-            loss = log_progress(run, window, result, length)
-            if run.ctx.is_last_stage:
-                history.append(loss)
-        if t.eval_interval and state.iteration % t.eval_interval == 0 and run.valid_ds is not None:
-            evaluate_and_log(run)
-        exit_flags = run.exit_decider.decide(state.iteration)
-        if should_save(cfg, state.iteration, bool(exit_flags)) and run.nan_streak == 0:
-            save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
-        if exit_flags:
-            if run.ctx.is_logging_rank:
-                run.log(f"exiting after iteration {state.iteration}: {describe_exit(exit_flags)}")
-            break
+    try:
+        while state.iteration < t.train_iters:
+            if not train_one(run, window, history):
+                break
+    finally:
+        for tool in (run.profiler, run.manual_gc):
+            if tool is not None:
+                tool.close()
     return history
+
+
+def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool:
+    """One iteration and what follows it, in the module docstring's order; False to stop."""
+    cfg, state, t = run.cfg, run.state, run.cfg.training
+    result, length = run_training_iteration(run, window)
+    for tool in (run.profiler, run.manual_gc):
+        if tool is not None:
+            tool.after_step(state.iteration)
+    count_non_finite(run, result)
+    if state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters:
+        loss = log_progress(run, window, result, length)
+        if run.ctx.is_last_stage:
+            history.append(loss)
+    if t.eval_interval and state.iteration % t.eval_interval == 0 and run.valid_ds is not None:
+        evaluate_and_log(run)
+    exit_flags = run.exit_decider.decide(state.iteration)
+    if should_save(cfg, state.iteration, bool(exit_flags)) and run.nan_streak == 0:
+        save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
+    if exit_flags and run.ctx.is_logging_rank:
+        run.log(f"exiting after iteration {state.iteration}: {describe_exit(exit_flags)}")
+    return not exit_flags
 
 
 def _log_iteration(

@@ -58,6 +58,19 @@ def num_floating_point_operations(cfg: JobConfig, padded_vocab_size: int, num_to
     return 12.0 * layers * h * h * (num_tokens * per_token + query_ratio * attention_pairs / h)
 
 
+def get_memory_stats(device) -> dict[str, float]:
+    """Peak memory in GiB: allocated and reserved on CUDA, the process's max RSS on the CPU."""
+    import torch
+
+    gib = 1024 ** 3
+    if getattr(device, "type", "cpu") == "cuda":
+        return {"allocated-GiB": torch.cuda.max_memory_allocated(device) / gib,
+                "reserved-GiB": torch.cuda.max_memory_reserved(device) / gib}
+    import resource
+
+    return {"max-rss-GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2}
+
+
 def get_memory_report(device) -> str:
     """Peak memory so far: allocated/reserved on CUDA, the process's max RSS on the CPU."""
     import torch

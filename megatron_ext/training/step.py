@@ -12,6 +12,7 @@ activations).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -26,6 +27,7 @@ from megatron_ext.model.attention import PackedMicrobatchParams, PackedRotaryEmb
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import compute_token_loss, reduce_reported_loss
 from megatron_ext.training.optimizer import step_optimizer
+from megatron_ext.training.profiling import StepTimers
 
 
 @dataclasses.dataclass
@@ -122,14 +124,17 @@ def run_forward_backward(
 def train_step(
     model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
     seq_length: int, global_batch_size: int, ctx: ParallelContext, check_for_nan: bool = True,
-    progress: StepProgress | None = None,
+    progress: StepProgress | None = None, timers: StepTimers | None = None,
 ) -> StepResult:
+    timer = timers.time if timers is not None else (lambda name: contextlib.nullcontext())
     optimizer.zero_grad()
     step_func = functools.partial(forward_step, progress=progress) if progress is not None else forward_step
-    reports = run_forward_backward(model, microbatches, seq_length, forward_step_func=step_func)
-    update_successful, grad_norm = step_optimizer(optimizer, check_for_nan)
-    if update_successful:
-        scheduler.step(increment=global_batch_size)
+    with timer("forward-backward"):
+        reports = run_forward_backward(model, microbatches, seq_length, forward_step_func=step_func)
+    with timer("optimizer"):
+        update_successful, grad_norm = step_optimizer(optimizer, check_for_nan)
+        if update_successful:
+            scheduler.step(increment=global_batch_size)
     local = reduce_reported_loss(reports) if ctx.is_last_stage else torch.zeros(2, dtype=torch.float64)
     # a skip is an fp16 overflow when megatron-core's dynamic loss scaler is on, else non-finite
     non_finite = check_for_nan and not update_successful and not model[0].config.fp16

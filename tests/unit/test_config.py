@@ -256,3 +256,16 @@ def test_out_of_scope_scale_features_are_refused_by_name(values, needle):
 ])
 def test_uneven_pipeline_splits_are_checked(world, values, needle):
     assert any(needle in p for p in _problems(world, global_batch_size=8, **values)), _problems(world, global_batch_size=8, **values)
+
+
+@pytest.mark.parametrize("values, needle", [
+    (dict(profile=True), "--profile without --use-pytorch-profiler marks CUDA profiler ranges"),
+    (dict(profile=True, use_pytorch_profiler=True), "writes its traces into --tensorboard-dir"),
+    (dict(profile=True, use_pytorch_profiler=True, tensorboard_dir="tb", profile_step_start=5, profile_step_end=5),
+     "--profile-step-start 5 must be >= 0 and below --profile-step-end 5"),
+    (dict(use_pytorch_profiler=True), "--use-pytorch-profiler needs --profile"),
+    (dict(log_timers_to_tensorboard=True), "needs --timing-log-level 1 or 2"),
+    (dict(manual_gc_interval=5), "--manual-gc-interval 5 needs --manual-gc"),
+])
+def test_profiling_flags_are_checked(values, needle):
+    assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)

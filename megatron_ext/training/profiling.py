@@ -1,0 +1,143 @@
+"""Where a step's time goes: timers, the PyTorch profiler window, manual garbage collection.
+
+- ``StepTimers`` (``--timing-log-level``): level 1 times the data (fetch, pad, move), the
+  forward-backward schedule and the optimizer step; level 2 also megatron-core's
+  ``finalize_model_grads`` (the DP gradient reduce, tied embeddings, token-count scaling) inside the
+  schedule. Times are wall clock on this rank, averaged over the log interval; on CUDA each timer
+  synchronises the device at its ends (as Megatron-LM's timers do), so leave it at 0 for throughput
+  runs.
+- ``ProfilerWindow`` (``--profile --use-pytorch-profiler``): ``torch.profiler`` records iterations
+  ``--profile-step-start`` to ``--profile-step-end`` on the ``--profile-ranks`` and writes one
+  trace per rank into ``--tensorboard-dir`` (TensorBoard's profiler plugin reads it), as
+  Megatron-LM does.
+- ``ManualGC`` (``--manual-gc``): Python's automatic collection is off during training and runs
+  every ``--manual-gc-interval`` iterations on every rank at the same point, so no rank pauses for
+  GC while the others wait for it in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+TIMER_NAMES = ("data", "forward-backward", "grad-reduce", "optimizer")
+
+
+class StepTimers:
+    """Accumulated milliseconds per timer since the last report (see the module docstring)."""
+
+    def __init__(self, level: int, device: torch.device):
+        self.level, self.device = level, device
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+
+    def enabled(self, name: str) -> bool:
+        return self.level >= (2 if name == "grad-reduce" else 1)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        if not self.enabled(name):
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.totals[name] = self.totals.get(name, 0.0) + 1000.0 * (time.perf_counter() - start)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        """``fn`` timed under ``name`` (for megatron-core's hooks, e.g. finalize_model_grads)."""
+        def timed(*args: Any, **kwargs: Any):
+            with self.time(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+    def report(self) -> dict[str, float]:
+        """Mean milliseconds per step of each timer since the last report; resets."""
+        out = {k: v / max(self.steps, 1) for k, v in self.totals.items()}
+        self.totals, self.steps = {}, 0
+        return out
+
+
+def format_timers(means: dict[str, float]) -> str:
+    return " | ".join(f"{name} {means[name]:.1f}" for name in TIMER_NAMES if name in means)
+
+
+class ProfilerWindow:
+    """``torch.profiler`` over iterations [start, end) of this rank, traces into ``out_dir``."""
+
+    def __init__(self, start: int, end: int, out_dir: str, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        wait = max(start - 1, 0)
+        warmup = 1 if start > 0 else 0
+        self.profiler = profile(
+            activities=activities, record_shapes=True, with_stack=False,
+            schedule=schedule(wait=wait, warmup=warmup, active=end - start, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(out_dir),
+        )
+        self.profiler.start()
+        self.done = False
+
+    def after_step(self, iteration: int) -> None:
+        """After every iteration (the profiler's own schedule decides what it records)."""
+        if not self.done:
+            self.profiler.step()
+
+    def close(self) -> None:
+        if not self.done:
+            self.profiler.stop()
+            self.done = True
+
+
+class CudaProfilerRange:
+    """``--profile`` without the PyTorch profiler: cudaProfilerStart/Stop around iterations
+    [start, end), for ``nsys profile --capture-range=cudaProfilerApi`` (CUDA only)."""
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end, self.active = start, end, False
+        if start == 0:
+            self._begin()
+
+    def _begin(self) -> None:
+        torch.cuda.cudart().cudaProfilerStart()
+        self.active = True
+
+    def after_step(self, iteration: int) -> None:
+        if iteration == self.start:
+            self._begin()
+        elif iteration == self.end and self.active:
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            torch.cuda.cudart().cudaProfilerStop()
+            self.active = False
+
+
+class ManualGC:
+    """Automatic GC off; a full collection every ``interval`` iterations (0: never)."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        gc.disable()
+        gc.collect()
+
+    def after_step(self, iteration: int) -> None:
+        if self.interval and iteration % self.interval == 0:
+            gc.collect()
+
+    def close(self) -> None:
+        gc.enable()
