@@ -43,6 +43,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs CUDA: megatron-core's CPU norm does not support it).")
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduce with the backward pass.")
+    overlap_param_gather: bool = _f(False, "Overlap the distributed optimizer's parameter all-gather with the next forward pass (needs --use-distributed-optimizer and --overlap-grad-reduce).")
+    align_param_gather: bool = _f(True, "With --overlap-param-gather, dispatch every pipeline stage's all-gathers together at the schedule's start (Megatron-LM's default; --no-align-param-gather dispatches them from each bucket's first use).", negative_flag=True)
+    ddp_bucket_size: int | None = _f(None, "Elements per DDP gradient bucket of the first pipeline stage's first model chunk, the only one bucketed, as in Megatron-LM (with --overlap-grad-reduce; default megatron-core's, max(4e7, 1e6 x DP)).")
     distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, in minutes.")
     context_parallel_size: int = _f(1, "Context parallelism: only 1 (not supported yet; refused otherwise).")
     use_torch_fsdp2: bool = _f(False, "FSDP2 (Megatron-LM's flag): not supported; refused.")
@@ -716,6 +719,19 @@ def _get_data_prefixes(data_path: list[str]) -> list[str]:
     return list(data_path)
 
 
+def _check_overlap(cfg: JobConfig) -> list[str]:
+    p = cfg.parallel
+    out = []
+    if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
+        out.append("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
+    if p.ddp_bucket_size is not None and p.ddp_bucket_size <= 0:
+        out.append(f"--ddp-bucket-size {p.ddp_bucket_size} must be a positive number of elements")
+    elif p.ddp_bucket_size is not None and not p.overlap_grad_reduce:
+        out.append(f"--ddp-bucket-size {p.ddp_bucket_size} has no effect without --overlap-grad-reduce: add it or drop "
+                   f"--ddp-bucket-size")
+    return out
+
+
 def _check_profiling(cfg: JobConfig, cuda: bool) -> list[str]:
     lg = cfg.logging
     out = []
@@ -743,7 +759,7 @@ def _check_profiling(cfg: JobConfig, cuda: bool) -> list[str]:
 
 def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
     p = cfg.parallel
-    out = _check_profiling(cfg, cuda)
+    out = _check_profiling(cfg, cuda) + _check_overlap(cfg)
     if p.context_parallel_size != 1:
         out.append(f"--context-parallel-size {p.context_parallel_size}: context parallelism is not supported yet "
                    f"(use 1; long sequences: pack documents with --packed-sequences, recompute with "

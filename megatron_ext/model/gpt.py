@@ -215,6 +215,9 @@ def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.n
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        align_param_gather=cfg.parallel.overlap_param_gather and cfg.parallel.align_param_gather,
+        bucket_size=cfg.parallel.ddp_bucket_size,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     return [

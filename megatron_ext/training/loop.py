@@ -31,7 +31,9 @@ from megatron_ext.training.metrics import (
     get_peak_tflops,
     num_floating_point_operations,
 )
-from megatron_ext.training.step import StepResult, build_step_microbatches, run_forward_backward, train_step
+from megatron_ext.training.step import (
+    StepResult, build_step_microbatches, first_step_without_param_sync, params_synced, run_forward_backward, train_step,
+)
 from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
 from megatron_ext.training.timeline import PipelineTimeline
 
@@ -82,6 +84,8 @@ class TrainingRun:
     # consecutive non-finite iterations so far, and where the first of them appeared
     nan_streak: int = 0
     nan_origin: str = ""
+    # steps taken by this process (the first runs without the overlapped parameter all-gather)
+    steps_this_run: int = 0
 
 
 @dataclasses.dataclass
@@ -137,7 +141,8 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     with run.timers.time("data") if run.timers else contextlib.nullcontext():
         microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
-    with traced:
+    with traced, first_step_without_param_sync(run.model, run.steps_this_run == 0):
+        run.steps_this_run += 1
         result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
                             run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad,
                             progress, run.timers)
@@ -225,7 +230,8 @@ def _log_timers_and_memory(run: TrainingRun, timers: dict[str, float]) -> None:
 def evaluate_and_log(run: TrainingRun) -> None:
     t, iteration = run.cfg.training, run.state.iteration
     eval_start = (iteration // t.eval_interval - 1) * t.eval_iters * run.global_batch_size
-    val = evaluate(run, eval_start)
+    with params_synced(run.model):
+        val = evaluate(run, eval_start)
     if run.ctx.is_logging_rank:
         run.log(format_validation_line(iteration, val))
         run.writer.write({"lm loss validation": val}, iteration)
@@ -249,6 +255,8 @@ def train(run: TrainingRun) -> list[float]:
         while state.iteration < t.train_iters:
             if not train_one(run, window, history):
                 break
+        with params_synced(run.model):
+            pass  # --overlap-param-gather: the model leaves with the last update's parameters
     finally:
         for tool in (run.profiler, run.manual_gc):
             if tool is not None:
@@ -272,7 +280,8 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
         evaluate_and_log(run)
     exit_flags = run.exit_decider.decide(state.iteration)
     if should_save(cfg, state.iteration, bool(exit_flags)) and run.nan_streak == 0:
-        save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
+        with params_synced(run.model):
+            save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
     if exit_flags and run.ctx.is_logging_rank:
         run.log(f"exiting after iteration {state.iteration}: {describe_exit(exit_flags)}")
     return not exit_flags

@@ -97,6 +97,52 @@ def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
     config.grad_scale_func = optimizer.scale_loss
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync if len(model) > 1 else no_sync[0]
+    ddp = model[0].ddp_config
+    if ddp.overlap_param_gather and ddp.align_param_gather:
+        # Megatron-LM's wiring: the schedule dispatches every chunk's all-gathers at its start
+        sync = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = sync if len(model) > 1 else sync[0]
+
+
+def uses_overlapped_param_gather(model: list[torch.nn.Module]) -> bool:
+    return bool(getattr(model[0], "ddp_config", None) and model[0].ddp_config.overlap_param_gather)
+
+
+@contextlib.contextmanager
+def params_synced(model: list[torch.nn.Module]):
+    """With --overlap-param-gather the parameters may lag the optimizer's last step until the next
+    forward gathers them: gather them now (synchronously) and keep the forward hooks off meanwhile,
+    for an evaluation or a save, as Megatron-LM does. Nothing to do otherwise."""
+    if not uses_overlapped_param_gather(model):
+        yield
+        return
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
+
+
+@contextlib.contextmanager
+def first_step_without_param_sync(model: list[torch.nn.Module], first: bool):
+    """Megatron-LM's first iteration under --overlap-param-gather: no all-gather before it (the
+    parameters are already in place after initialisation or loading, and an error there then stays
+    on its rank), hooks and param_sync_func back on afterwards."""
+    if not (first and uses_overlapped_param_gather(model)):
+        yield
+        return
+    config = model[0].config
+    saved, config.param_sync_func = config.param_sync_func, None
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=False)
+    try:
+        yield
+    finally:
+        for chunk in model:
+            chunk.enable_forward_pre_hook()
+        config.param_sync_func = saved
 
 
 def run_forward_backward(

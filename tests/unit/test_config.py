@@ -269,3 +269,22 @@ def test_uneven_pipeline_splits_are_checked(world, values, needle):
 ])
 def test_profiling_flags_are_checked(values, needle):
     assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)
+
+
+@pytest.mark.parametrize("values, needle", [
+    (dict(overlap_param_gather=True), "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
+    (dict(overlap_param_gather=True, overlap_grad_reduce=True), "--overlap-param-gather needs --use-distributed-optimizer"),
+    (dict(ddp_bucket_size=1000), "--ddp-bucket-size 1000 has no effect without --overlap-grad-reduce"),
+    (dict(ddp_bucket_size=0, overlap_grad_reduce=True), "--ddp-bucket-size 0 must be a positive number"),
+])
+def test_overlap_flags_are_checked(values, needle):
+    assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)
+
+
+def test_overlap_flags_parse_with_megatron_names():
+    cfg = parse_args(["--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer",
+                      "--no-align-param-gather", "--ddp-bucket-size", "4000", "--mock-data",
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"])
+    p = cfg.parallel
+    assert (p.overlap_grad_reduce, p.overlap_param_gather, p.align_param_gather, p.ddp_bucket_size) == (True, True, False, 4000)
+    validate(cfg, 2)

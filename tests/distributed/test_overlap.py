@@ -1,0 +1,128 @@
+"""Overlapped communication changes the timing, never the training.
+
+A 4-rank world, PP2 x DP2 with VPP2 (so megatron-core's interleaved schedule drives the hooks of
+two model chunks), the distributed optimizer, fp32, 6 iterations with an evaluation every 2 and a
+save at iteration 3. Each variant's training losses, validation losses and final parameters equal
+the run without overlap:
+
+- ``--overlap-grad-reduce``: the reduce-scatter starts from the backward hooks;
+- ``--overlap-param-gather``: the parameter all-gather after each optimizer step is deferred to
+  the next forward (dispatched at the schedule's start, or per bucket with
+  ``--no-align-param-gather``). The parameters lag the optimizer until then, so a save in between
+  must gather them first (training/step.py: ``params_synced``): without that the checkpoint is one
+  update stale and the resume check below fails (an evaluation's forward hooks gather them anyway);
+- ``--ddp-bucket-size`` small enough to cut every chunk's parameters into several buckets.
+
+Resuming the overlapped run from its iteration-3 checkpoint, with overlap on, reproduces its
+losses from iteration 4 exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ext.checkpoint.state import load_checkpoint
+from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.loop import train
+
+pytestmark = pytest.mark.distributed
+
+BASE = dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, use_distributed_optimizer=True,
+            global_batch_size=8, micro_batch_size=1, train_iters=6, eval_interval=2, eval_iters=1)
+OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+VARIANTS = {
+    "plain": {},
+    "--overlap-grad-reduce": dict(overlap_grad_reduce=True),
+    "--overlap-param-gather": OVERLAP,
+    "--no-align-param-gather": dict(OVERLAP, align_param_gather=False),
+    "small buckets": dict(OVERLAP, ddp_bucket_size=4000),
+}
+
+
+def _datasets():
+    return MarkovDataset(32, mask_every=1), MarkovDataset(32, seed=7)
+
+
+def _capture_validation(run) -> list[float]:
+    lines: list[float] = []
+
+    def log(line: str) -> None:
+        if "validation" in line and "lm loss value:" in line:
+            lines.append(float(line.split("lm loss value:")[1].split("|")[0]))
+
+    run.log = log
+    return lines
+
+
+def _world(rank: int, world_size: int, root: str) -> dict:
+    out = {}
+    for name, flags in VARIANTS.items():
+        save = dict(save=f"{root}/{name}", save_interval=3) if name == "--overlap-param-gather" else {}
+        run = build_tiny_run(tiny_values(**BASE, **flags, **save), *_datasets())
+        val = _capture_validation(run)
+        train(run)
+        params = {n: p.detach().clone() for i, c in enumerate(run.model) for n, p in c.named_parameters()}
+        out[name] = {"losses": [r["loss"] for r in run.records], "val": val, "params": params,
+                     "buckets": [len(b.buckets) for c in run.model for b in c.buffers], "pp_rank": run.ctx.pp_rank}
+        destroy_parallel_context()
+    run = build_tiny_run(tiny_values(**BASE, **OVERLAP, load=f"{root}/--overlap-param-gather"), *_datasets())
+    val = _capture_validation(run)
+    load_checkpoint(run, f"{root}/--overlap-param-gather", step=3)
+    train(run)
+    out["resumed"] = {"losses": [r["loss"] for r in run.records], "val": val}
+    destroy_parallel_context()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_world, 4, str(tmp_path_factory.mktemp("overlap")), timeout=600)
+
+
+def _last_stage(results) -> dict:
+    return results[-1]  # rank 3: last pipeline stage (records and validation lines live there)
+
+
+def test_the_reference_run_trained_and_evaluated(results):
+    ref = _last_stage(results)["plain"]
+    assert len(ref["losses"]) == 6 and len(ref["val"]) == 3
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "plain"])
+def test_overlap_gives_the_losses_of_no_overlap(results, name):
+    got, ref = _last_stage(results)[name], _last_stage(results)["plain"]
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    # evaluated on the parameters of the optimizer's last step, not the step before
+    assert got["val"] == pytest.approx(ref["val"], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "plain"])
+def test_overlap_ends_with_the_parameters_of_no_overlap(results, name):
+    for rank in results:
+        got, ref = rank[name]["params"], rank["plain"]["params"]
+        assert got.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_small_buckets_cut_the_parameters_into_several_buckets(results):
+    # As in Megatron-LM, only the first chunk of the first pipeline stage is bucketed (the other
+    # chunks' reduces are off the critical path); without --overlap-grad-reduce megatron-core keeps
+    # one bucket per buffer (two on the chunk with the tied embedding, which gets its own).
+    for rank in results:
+        plain, small = rank["plain"]["buckets"], rank["small buckets"]["buckets"]
+        assert len(plain) == len(small)
+        if rank["plain"]["pp_rank"] == 0:
+            assert small[0] >= plain[0] + 2 and small[1:] == plain[1:], (plain, small)
+        else:
+            assert small == plain
+
+
+def test_resume_of_an_overlapped_run_is_exact(results):
+    out = _last_stage(results)
+    # the checkpoint of iteration 3 holds the parameters after step 3's update (gathered before saving)
+    assert out["resumed"]["losses"] == out["--overlap-param-gather"]["losses"][3:]
+    assert out["resumed"]["val"] == out["--overlap-param-gather"]["val"][1:]
