@@ -13,6 +13,9 @@ the run without overlap:
   update stale and the resume check below fails (an evaluation's forward hooks gather them anyway);
 - ``--ddp-bucket-size`` small enough to cut every chunk's parameters into several buckets.
 
+Without evaluation or save, each step issues one reduce-scatter and one all-gather per bucket,
+overlapped or not (megatron-core's collectives counted where it calls them).
+
 Resuming the overlapped run from its iteration-3 checkpoint, with overlap on, reproduces its
 losses from iteration 4 exactly.
 """
@@ -56,8 +59,34 @@ def _capture_validation(run) -> list[float]:
     return lines
 
 
+def _count_collectives(flags: dict) -> dict:
+    """Reduce-scatters and all-gathers of the DDP buffers over 4 steps without evaluation or save
+    (the end of training gathers once more under overlap, in place of the skipped first step)."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    counts = {"reduce_scatter": 0, "all_gather": 0}
+    saved = pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    pgb.dist_reduce_scatter_func = counting("reduce_scatter", saved[0])
+    pgb.dist_all_gather_func = counting("all_gather", saved[1])
+    try:
+        run = build_tiny_run(tiny_values(**dict(BASE, train_iters=4, eval_interval=0), **flags), *_datasets())
+        train(run)
+        counts["buckets"] = sum(len(b.buckets) for c in run.model for b in c.buffers)
+    finally:
+        pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func = saved
+        destroy_parallel_context()
+    return counts
+
+
 def _world(rank: int, world_size: int, root: str) -> dict:
-    out = {}
+    out = {"counts": {name: _count_collectives(VARIANTS[name]) for name in ("plain", "small buckets")}}
     for name, flags in VARIANTS.items():
         save = dict(save=f"{root}/{name}", save_interval=3) if name == "--overlap-param-gather" else {}
         run = build_tiny_run(tiny_values(**BASE, **flags, **save), *_datasets())
@@ -119,6 +148,14 @@ def test_small_buckets_cut_the_parameters_into_several_buckets(results):
             assert small[0] >= plain[0] + 2 and small[1:] == plain[1:], (plain, small)
         else:
             assert small == plain
+
+
+@pytest.mark.parametrize("name", ["plain", "small buckets"])
+def test_one_reduce_scatter_and_one_all_gather_per_bucket_and_step(results, name):
+    for rank in results:
+        counts = rank["counts"][name]
+        assert counts["reduce_scatter"] == 4 * counts["buckets"], counts
+        assert counts["all_gather"] == 4 * counts["buckets"], counts
 
 
 def test_resume_of_an_overlapped_run_is_exact(results):
