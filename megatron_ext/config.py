@@ -179,6 +179,7 @@ class CheckpointConfig:
     ckpt_verify: bool = _f(False, "Check every item --load reads against the checksum its marker records (ours). Off by default: measured +9-34% of load time from the page cache here (bench/checkpoint.py), over the 5% budget; the coordinator files and the shard sizes are always checked.", negative_flag=True)
     ckpt_fallback_on_corruption: bool = _f(False, "When the checkpoint --load names is damaged (checksum mismatch, unreadable file), load the previous complete one instead of stopping (ours).")
     ckpt_reader: str = _f("direct", "How --load reads tensor bytes: direct (ours, straight into the model and optimizer tensors) or megatron (megatron-core's stock torch_dist reader). Same files either way.", choices=["direct", "megatron"])
+    async_save: bool = _f(False, "Write checkpoints in a background thread while training goes on: the save step copies this rank's share of the checkpoint into host memory (kept for the next save), the checkpoint is published at the first step boundary after every rank finished writing; the last save of a run and a save before an exit stay synchronous.")
     exit_signal_handler: bool = _f(False, "On SIGTERM/SIGINT: all ranks agree at the next step boundary, save, exit 0.")
     exit_interval: int | None = _f(None, "Save and exit after the step whose number is a multiple of N.")
     exit_duration_in_mins: float | None = _f(None, "Save and exit once the run has lasted this many minutes.")
@@ -630,6 +631,8 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
     c = cfg.checkpoint
     if c.save_interval is not None and (c.save_interval <= 0 or not c.save):
         out.append("--save-interval needs --save DIR and a positive interval")
+    if c.async_save and not c.save:
+        out.append("--async-save writes the checkpoints of --save in the background: give --save DIR")
     if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
         out.append("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive: "
                    "say which schedule wins with one of them")

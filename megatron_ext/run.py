@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.state import CheckpointMeta
@@ -86,6 +87,7 @@ def build_training_run(
         timers=timers if cfg.logging.timing_log_level else None,
         profiler=build_profiler(cfg, ctx),
         manual_gc=ManualGC(cfg.logging.manual_gc_interval) if cfg.logging.manual_gc else None,
+        async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,
     )
 
 

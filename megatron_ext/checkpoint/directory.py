@@ -1,11 +1,15 @@
 """The checkpoint directory protocol: a crash at any moment never loses the last good checkpoint.
 
 Invariant: under ``--save DIR`` a directory named ``iter_<7 digits>`` always holds a complete
-checkpoint. Every save goes through these phases (``write_checkpoint``):
+checkpoint. Every save goes through these phases (``write_checkpoint``; ``--async-save`` runs the
+same phases with phase 1's writing in a background thread, ``async_save.py``):
 
-1. all ranks write their shards into ``DIR/iter_XXXXXXX.tmp-<nonce>/`` (megatron-core's
-   ``dist_checkpointing`` in ``torch_dist`` format, written in-process: ``writer.py``);
-2. all ranks barrier (every shard and megatron-core's ``.metadata`` are on disk);
+1. all ranks plan together (``begin_checkpoint_write``: the temporary directory, megatron-core's
+   ``common.pt`` and global save plan), then each writes its shards into
+   ``DIR/iter_XXXXXXX.tmp-<nonce>/`` (``write_shards``: megatron-core's ``dist_checkpointing`` in
+   ``torch_dist`` format, written in-process by ``writer.py``; no collective);
+2. all ranks agree that every write succeeded (else nothing is published and every rank raises
+   CheckpointWriteFailed) and barrier; megatron-core's coordinator writes ``.metadata``;
 3. rank 0 fsyncs the files megatron-core's coordinator wrote unsynced (``common.pt``,
    ``metadata.json``) and the directory, writes ``complete.json`` into it, fsyncs that, renames
    the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
@@ -21,13 +25,15 @@ what it reads against them.
 A crash in any phase leaves the previous complete checkpoint untouched. Loading takes the newest
 directory that carries ``complete.json`` (a ``.tmp-`` directory never counts), so a crash between
 phases 3 and 4 loses nothing either. ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>`` makes that rank
-SIGKILL itself at a named phase (optionally ``:<iteration>``: ``after_shards``, ``before_publish``,
-``during_pointer_update``, ``before_retention``), for the crash tests.
+SIGKILL itself at a named phase (optionally ``:<iteration>``: ``in_shard_writer`` (in the thread
+that writes the shards, a background one with ``--async-save``), ``after_shards``,
+``before_publish``, ``during_pointer_update``, ``before_retention``), for the crash tests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -37,14 +43,16 @@ import time
 import uuid
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_ext.checkpoint.checksum import DEFAULT_ALGORITHM, file_digest
+from megatron_ext.cpu_platform import get_collective_device
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "complete.json"
 FAULT_ENV = "MEGATRON_EXT_CKPT_FAULT"
-FAULT_PHASES = ("after_shards", "before_publish", "during_pointer_update", "before_retention")
+FAULT_PHASES = ("in_shard_writer", "after_shards", "before_publish", "during_pointer_update", "before_retention")
 FORMAT_VERSION = 1
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
@@ -244,9 +252,34 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
     return deleted
 
 
-def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None) -> str:
-    """Write a sharded state dict as ``root/iter_<iteration>`` through the phases of the module
-    docstring; collective over the world. Returns the published directory."""
+class CheckpointWriteFailed(RuntimeError):
+    """A rank could not write its shards: nothing was published, the previous checkpoint stays."""
+
+
+@dataclasses.dataclass
+class CheckpointWrite:
+    """One save between its phases: planned and started (``begin_checkpoint_write``, collective),
+    this rank's shards written (``write_shards``, no collective: may run in a background thread),
+    then published (``publish_checkpoint_write``, collective)."""
+
+    root: str
+    iteration: int
+    keep_last: int | None
+    tmp_dir: str
+    final_dir: str
+    strategy: Any
+    request: Any  # megatron-core's AsyncRequest: write function, finalize functions
+    error: BaseException | None = None
+    written: bool = False
+
+
+def begin_checkpoint_write(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None,
+                           snapshot: Any = None) -> CheckpointWrite:
+    """Phase 1's collective part: the temporary directory, megatron-core's ``common.pt`` and save
+    plan (replica de-duplication, the global plan). ``snapshot`` (``async_save.HostSnapshot``)
+    copies every tensor to be written into host memory owned by the save, so training may change
+    the originals while the shards are written; without it the shards must be written before
+    anything changes them."""
     from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
@@ -259,15 +292,72 @@ def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last
     if rank == 0:
         os.makedirs(tmp_dir)
     dist.barrier()
-    strategy = InProcessTorchDistSaveStrategy()
-    dist_checkpointing.save(state, tmp_dir, sharded_strategy=strategy)
-    maybe_inject_fault("after_shards", rank, iteration)
-    mine = strategy.writer.checksums if strategy.writer is not None else {}
+    strategy = InProcessTorchDistSaveStrategy(snapshot=snapshot)
+    request = dist_checkpointing.save(state, tmp_dir, sharded_strategy=strategy, async_sharded_save=True)
+    return CheckpointWrite(root, iteration, keep_last, tmp_dir, final_dir, strategy, request)
+
+
+def write_shards(write: CheckpointWrite) -> None:
+    """This rank's shard files, each fsync'ed; no collective. Errors are kept in ``write.error``
+    for ``publish_checkpoint_write`` (a background thread must not raise them alone)."""
+    try:
+        if write.request.async_fn is not None:
+            write.request.async_fn(*write.request.async_fn_args)
+        maybe_inject_fault("in_shard_writer", dist.get_rank(), write.iteration)
+        writer = write.strategy.writer
+        result = writer.retrieve_write_results() if writer is not None and writer.write_buckets else None
+        if isinstance(result, BaseException):
+            raise result
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by publish_checkpoint_write
+        write.error = exc
+    write.written = True
+
+
+def agree_write_failed(write: CheckpointWrite) -> bool:
+    """Whether any rank failed to write its shards (one all-reduce over the world)."""
+    failed = torch.tensor([int(write.error is not None)], dtype=torch.int64, device=get_collective_device(None))
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    return bool(failed.item())
+
+
+def publish_checkpoint_write(write: CheckpointWrite, failed_anywhere: bool | None = None) -> str:
+    """Phases 2-5 once every rank's shards are written: megatron-core's finalisation (``.metadata``,
+    ``metadata.json``), the checksums gathered into the marker, rename, pointer, retention;
+    collective over the world. ``failed_anywhere``: whether some rank's write failed, when the
+    ranks agreed on it already (else one all-reduce here). On a failure nothing is published, the
+    temporary directory goes and every rank raises CheckpointWriteFailed."""
+    assert write.written, "publish_checkpoint_write before write_shards finished"
+    rank = dist.get_rank()
+    if failed_anywhere is None:
+        failed_anywhere = agree_write_failed(write)
+    if failed_anywhere:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(write.tmp_dir, ignore_errors=True)
+        mine = f"this rank's write failed: {write.error!r}" if write.error is not None else "another rank's write failed (see its error)"
+        raise CheckpointWriteFailed(
+            f"checkpoint of iteration {write.iteration} not saved to {write.root}: {mine}; the previous "
+            f"checkpoint is untouched") from write.error
+    maybe_inject_fault("after_shards", rank, write.iteration)
+    dist.barrier()  # as megatron-core's synchronous save: every rank's shards are on disk
+    for finalize in write.request.finalize_fns:
+        finalize()
+    writer = write.strategy.writer
+    mine = writer.checksums if writer is not None else {}
     gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)  # also the barrier: every rank's shards are written
+    dist.gather_object(mine, gathered, dst=0)
     if rank == 0:
-        publish_checkpoint(tmp_dir, final_dir, root, iteration, rank, build_checksum_record(tmp_dir, gathered))
-        maybe_inject_fault("before_retention", rank, iteration)
-        apply_retention(root, keep_last, final_dir)
+        publish_checkpoint(write.tmp_dir, write.final_dir, write.root, write.iteration, rank,
+                           build_checksum_record(write.tmp_dir, gathered))
+        maybe_inject_fault("before_retention", rank, write.iteration)
+        apply_retention(write.root, write.keep_last, write.final_dir)
     dist.barrier()
-    return final_dir
+    return write.final_dir
+
+
+def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None) -> str:
+    """Write a sharded state dict as ``root/iter_<iteration>`` through the phases of the module
+    docstring, synchronously; collective over the world. Returns the published directory."""
+    write = begin_checkpoint_write(state, root, iteration, keep_last)
+    write_shards(write)
+    return publish_checkpoint_write(write)

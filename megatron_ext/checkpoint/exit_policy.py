@@ -4,10 +4,12 @@
 Invariant: every rank of the world takes the same decision after the same step, so that all of
 them save the same iteration and exit together. A signal reaches ranks at different moments (or
 only some of them), and wall clocks differ, so the handler only sets a flag, and at each step
-boundary one ``all_reduce(MAX)`` of a 2-element int tensor over the world combines the ranks' flags: bit 0
-"a signal arrived here", bit 1 "the time limit passed here". That all-reduce is the only
-per-step collective this feature adds, and it runs only with --exit-signal-handler or
---exit-duration-in-mins. --exit-interval needs none: the iteration number is the same everywhere.
+boundary one ``all_reduce(MAX)`` of a small int tensor over the world combines the ranks' flags: bit 0
+"a signal arrived here", bit 1 "the time limit passed here"; with ``--async-save`` bits 3 and 4
+"my background write is still running" and "my background write failed" (``async_save.py``).
+That all-reduce is the only per-step collective these features add, and it runs only with
+--exit-signal-handler or --exit-duration-in-mins, or while an asynchronous save is in flight.
+--exit-interval needs none: the iteration number is the same everywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from megatron_ext.cpu_platform import get_collective_device
 SIGNAL_RECEIVED = 1
 DURATION_EXCEEDED = 2
 INTERVAL_REACHED = 4
+ASYNC_SAVE_WRITING = 8
+ASYNC_SAVE_FAILED = 16
+EXIT_FLAGS = SIGNAL_RECEIVED | DURATION_EXCEEDED | INTERVAL_REACHED
+_AGREED_BITS = 5
 
 
 class ExitSignalHandler:
@@ -54,8 +60,8 @@ def get_local_exit_flags(
 
 
 def agree_on_flags(local_flags: int, group: Any = None) -> int:
-    """Bitwise OR of every rank's flags: one all-reduce MAX of a [2] int64 tensor, one bit each."""
-    bits = torch.tensor([(local_flags >> i) & 1 for i in range(2)], dtype=torch.int64,
+    """Bitwise OR of every rank's flags: one all-reduce MAX of a small int64 tensor, one bit each."""
+    bits = torch.tensor([(local_flags >> i) & 1 for i in range(_AGREED_BITS)], dtype=torch.int64,
                         device=get_collective_device(group))
     dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
     return int(sum(int(b) << i for i, b in enumerate(bits.tolist())))
@@ -90,15 +96,17 @@ class ExitDecider:
     def needs_agreement(self) -> bool:
         return self.handler is not None or self.duration is not None
 
-    def decide(self, iteration: int) -> int:
-        """Flags agreed by all ranks (0: keep training). Collective when ``needs_agreement``."""
+    def decide(self, iteration: int, save_flags: int | None = None) -> int:
+        """Flags agreed by all ranks (``& EXIT_FLAGS`` == 0: keep training). ``save_flags``: this
+        rank's asynchronous-save bits while a save is in flight (the same on every rank), else
+        None. Collective when ``needs_agreement`` or a save is in flight."""
         flags = get_interval_flag(iteration, self.exit_interval)
-        if self.needs_agreement:
+        if self.needs_agreement or save_flags is not None:
             local = get_local_exit_flags(
                 self.handler is not None and self.handler.received is not None,
                 (time.monotonic() - self.start_time) / 60.0, self.duration,
             )
-            flags |= agree_on_flags(local)
+            flags |= agree_on_flags(local | (save_flags or 0))
         return flags
 
 

@@ -117,10 +117,8 @@ def build_sharded_state_dict(
     return state
 
 
-def save_checkpoint(run, root: str, keep_last: int | None = None, meta: CheckpointMeta | None = None) -> str:
-    """Save the run at its current iteration under ``root``; collective over the world.
-    Returns the published directory."""
-    start = time.perf_counter()
+def build_save_state(run, meta: CheckpointMeta | None = None) -> dict[str, Any]:
+    """The sharded state dict of a save, warning where megatron-core would write part of it wrong."""
     with catch_megatron_state_corruption() as corrupted:
         state = build_sharded_state_dict(
             run, meta or run.checkpoint_meta, is_loading=False, include_optimizer=True, include_rng=True
@@ -130,6 +128,25 @@ def save_checkpoint(run, root: str, keep_last: int | None = None, meta: Checkpoi
         # written as zeros; say so on every rank where it happens instead of a buried log line
         run.log(f"WARNING rank {run.ctx.rank}: the saved optimizer state is incomplete, a resume "
                 f"will not be exact: {message}")
+    return state
+
+
+def start_async_checkpoint(run, root: str, keep_last: int | None = None) -> None:
+    """``--async-save``: snapshot the run at its current iteration and write it in the background
+    (``async_save.py``); collective over the world. It is published at a later step boundary."""
+    held = run.async_saver.start(build_save_state(run), root, run.state.iteration, keep_last)
+    if run.ctx.is_logging_rank:
+        copied = run.async_saver.snapshot.bytes
+        copied = f", {copied / 2**20:.1f} MiB copied to host memory on this rank" if copied else ""
+        run.log(f"started asynchronous save of iteration {run.state.iteration:8d} to {root} "
+                f"(training held {held:.2f} s{copied})")
+
+
+def save_checkpoint(run, root: str, keep_last: int | None = None, meta: CheckpointMeta | None = None) -> str:
+    """Save the run at its current iteration under ``root``; collective over the world.
+    Returns the published directory."""
+    start = time.perf_counter()
+    state = build_save_state(run, meta)
     final_dir = write_checkpoint(state, root, run.state.iteration, keep_last)
     if run.ctx.is_logging_rank:
         run.log(f"saved checkpoint at iteration {run.state.iteration:8d} to {final_dir} "

@@ -78,14 +78,23 @@ class _HashingStream:
 class InProcessFileSystemWriter(FileSystemWriterAsync):
     """megatron-core's bucketed writer, writing its buckets in this process."""
 
-    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any):
+    def __init__(self, path: str | os.PathLike, *args: Any, snapshot: Any = None, **kwargs: Any):
         super().__init__(path, *args, **kwargs)
         self._results: dict[int, list] | BaseException = {}
         self.checksums: dict[tuple[str, int], tuple[int, int]] = {}
+        self.snapshot = snapshot
 
     def prepare_write_data(self, plan, planner) -> None:
         with _no_results_queue():
             super().prepare_write_data(plan, planner)
+        if self.snapshot is not None and self.write_buckets:
+            # megatron-core clones only CPU views and leaves device tensors for later: copy every
+            # tensor into host memory the save owns, before training changes the originals
+            self.write_buckets = [
+                (path, key, (bytes_data, self.snapshot.copy([(item, t) for item, t in tensor_data])))
+                for path, key, (bytes_data, tensor_data) in self.write_buckets
+            ]
+            self.snapshot.wait()
 
     def get_save_function_and_args(self) -> tuple[Callable | None, None, list]:
         if not self.write_buckets:
@@ -142,16 +151,18 @@ class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
     ``thread_count`` is the number of files (and writer threads) per rank.
     """
 
-    def __init__(self, thread_count: int = 1):
+    def __init__(self, thread_count: int = 1, snapshot: Any = None):
         super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=thread_count)
         self.writer: InProcessFileSystemWriter | None = None  # the last save's (for its checksums)
+        self.snapshot = snapshot  # async_save.HostSnapshot, for a save written in the background
 
     def async_save(self, sharded_state_dict, checkpoint_dir: Path) -> AsyncRequest:
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, self.keep_only_main_replica
         )
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-        writer = self.writer = InProcessFileSystemWriter(checkpoint_dir, thread_count=self.thread_count)
+        writer = self.writer = InProcessFileSystemWriter(checkpoint_dir, thread_count=self.thread_count,
+                                                         snapshot=self.snapshot)
         ret, *_ = save_state_dict_async_plan(
             pyt_state_dict, writer, None, 0,
             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),

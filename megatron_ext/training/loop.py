@@ -3,9 +3,11 @@
 After every step, in this order and nowhere else: count a non-finite step (its update was skipped
 on every rank; stop after ``--max-nan-iterations`` in a row) -> log (every ``--log-interval``
 steps) -> evaluate (every ``--eval-interval``) -> agree on an exit (signal, time limit,
-``--exit-interval``; every rank gets the same answer) -> save (on ``--save-interval``, at
-``--train-iters`` and before an exit; never in a run of non-finite steps) -> stop if exiting. The
-loss is reported as global sum / global count.
+``--exit-interval``; every rank gets the same answer; with ``--async-save`` the same agreement
+says whether every rank finished writing the save in flight, which is then published) -> save (on
+``--save-interval``, at ``--train-iters`` and before an exit; never in a run of non-finite steps;
+``--async-save`` starts a background save, except for the last one and before an exit) -> stop
+if exiting. The loss is reported as global sum / global count.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ext.checkpoint.exit_policy import ExitDecider, describe_exit
-from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint
+from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
+from megatron_ext.checkpoint.exit_policy import EXIT_FLAGS, ExitDecider, describe_exit
+from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint, start_async_checkpoint
 from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.guards import StepWatchdog
@@ -86,6 +89,8 @@ class TrainingRun:
     nan_origin: str = ""
     # steps taken by this process (the first runs without the overlapped parameter all-gather)
     steps_this_run: int = 0
+    # --async-save: the save in flight (None without the flag)
+    async_saver: AsyncCheckpointSaver | None = None
 
 
 @dataclasses.dataclass
@@ -255,13 +260,31 @@ def train(run: TrainingRun) -> list[float]:
         while state.iteration < t.train_iters:
             if not train_one(run, window, history):
                 break
+        finish_async_save(run)
         with params_synced(run.model):
             pass  # --overlap-param-gather: the model leaves with the last update's parameters
+    except TrainingDiverged:
+        finish_async_save(run)  # every rank raised it after the same step: the earlier save is good
+        raise
+    except BaseException:
+        # maybe this rank alone: no collective; the save in flight is never published
+        abandoned = run.async_saver.abandon() if run.async_saver is not None else None
+        if abandoned is not None:
+            run.log(f"WARNING rank {run.ctx.rank}: the asynchronous save of iteration {abandoned} was in flight "
+                    f"and is abandoned; the last complete checkpoint stays the newest")
+        raise
     finally:
         for tool in (run.profiler, run.manual_gc):
             if tool is not None:
                 tool.close()
     return history
+
+
+def finish_async_save(run: TrainingRun) -> None:
+    """Wait for the asynchronous save in flight, if any, and publish it (collective)."""
+    published = run.async_saver.finish() if run.async_saver is not None else None
+    if published is not None and run.ctx.is_logging_rank:
+        run.log(published.describe())
 
 
 def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool:
@@ -278,10 +301,21 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
             history.append(loss)
     if t.eval_interval and state.iteration % t.eval_interval == 0 and run.valid_ds is not None:
         evaluate_and_log(run)
-    exit_flags = run.exit_decider.decide(state.iteration)
+    saver = run.async_saver
+    agreed = run.exit_decider.decide(state.iteration, saver.local_flags() if saver and saver.in_flight else None)
+    exit_flags = agreed & EXIT_FLAGS
+    if saver is not None:
+        published = saver.finish_if_agreed(agreed)
+        if published is not None and run.ctx.is_logging_rank:
+            run.log(published.describe(after_iteration=state.iteration))
     if should_save(cfg, state.iteration, bool(exit_flags)) and run.nan_streak == 0:
         with params_synced(run.model):
-            save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
+            if saver is not None and not exit_flags and state.iteration < t.train_iters:
+                finish_async_save(run)
+                start_async_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
+            else:
+                finish_async_save(run)
+                save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
     if exit_flags and run.ctx.is_logging_rank:
         run.log(f"exiting after iteration {state.iteration}: {describe_exit(exit_flags)}")
     return not exit_flags

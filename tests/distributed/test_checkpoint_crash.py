@@ -2,7 +2,8 @@
 
 Each case forks a 2-rank world (PP2, so both ranks hold different shards) that saves every 2
 iterations; ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>:4`` makes one rank SIGKILL itself during the
-save of iteration 4. The parent notices the killed rank and kills the rest (they would block in
+save of iteration 4 (also with --async-save: in the background writer, and at the publish a later
+step makes). The parent notices the killed rank and kills the rest (they would block in
 a collective until the gloo timeout). A fresh world then resumes from the same directory: it must
 load the newest complete checkpoint (iteration 2, or 4 when only the pointer update was cut
 short) and reproduce the uninterrupted run's losses exactly, with each ``--ckpt-reader`` (the
@@ -32,16 +33,20 @@ pytestmark = pytest.mark.distributed
 ITERS = 6
 VALUES = dict(num_layers=2, train_iters=ITERS, pipeline_model_parallel_size=2, global_batch_size=4)
 
-# phase, killed rank, the checkpoint a restart must find
+# phase, killed rank, the checkpoint a restart must find, --async-save (the background writer
+# killed mid-write while its rank trains on; the publish of an asynchronous save, at a later step)
 CASES = [
-    ("after_shards", 1, 2),
-    ("before_publish", 0, 2),
-    ("during_pointer_update", 0, 4),
+    ("after_shards", 1, 2, False),
+    ("before_publish", 0, 2, False),
+    ("during_pointer_update", 0, 4, False),
+    ("in_shard_writer", 1, 2, True),
+    ("before_publish", 0, 2, True),
 ]
 
 
-def _train(rank: int, world_size: int, root: str | None, reader: str = "direct") -> dict:
-    values = tiny_values(**VALUES, **(dict(save=root, save_interval=2, keep_last=2, ckpt_reader=reader) if root else {}))
+def _train(rank: int, world_size: int, root: str | None, reader: str = "direct", async_save: bool = False) -> dict:
+    values = tiny_values(**VALUES, **(dict(save=root, save_interval=2, keep_last=2, ckpt_reader=reader,
+                                           async_save=async_save) if root else {}))
     run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
     loaded = load_checkpoint(run, root) if root else None
     train(run)
@@ -85,10 +90,10 @@ def reference() -> list[dict]:
     return run_ranks(_train, 2, None, timeout=300)[-1]["records"]
 
 
-@pytest.mark.parametrize("phase,rank,expected", CASES)
-def test_crash_during_save_keeps_last_complete_checkpoint(tmp_path, reference, phase, rank, expected):
+@pytest.mark.parametrize("phase,rank,expected,async_save", CASES)
+def test_crash_during_save_keeps_last_complete_checkpoint(tmp_path, reference, phase, rank, expected, async_save):
     root = str(tmp_path / "ckpt")
-    codes = run_until_killed(_train, 2, root, env={FAULT_ENV: f"{phase}:{rank}:4"})
+    codes = run_until_killed(_train, 2, root, "direct", async_save, env={FAULT_ENV: f"{phase}:{rank}:4"})
     assert codes[rank] == -signal.SIGKILL, codes
 
     assert [it for it, _ in list_complete_checkpoints(root)] == sorted({2, expected})

@@ -163,3 +163,42 @@ def test_publish_makes_every_file_durable_before_the_marker(tmp_path, monkeypatc
     before_marker = {name for name, marker in synced if not marker}
     assert {"common.pt", "metadata.json", ".metadata", os.path.basename(tmp)} <= before_marker
     assert "__0_0.distcp" not in {name for name, _ in synced}
+
+
+def test_host_snapshot_copies_and_reuses_its_buffers():
+    from megatron_ext.checkpoint.async_save import HostSnapshot
+
+    snap = HostSnapshot()
+    a, b = torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.bfloat16)
+    first = snap.copy([("a", a), ("b", b[1:])])  # a view is copied whole into its own storage
+    snap.wait()
+    a.add_(100)
+    assert torch.equal(first[0][1], torch.arange(6.0).view(2, 3)) and first[1][1].dtype == torch.bfloat16
+    assert snap.bytes == 6 * 4 + 3 * 2
+    buffers = [t for _, t in first]
+    snap.reset()
+    second = snap.copy([("a", a), ("b", b[1:])])
+    snap.wait()
+    assert [t.data_ptr() for _, t in second] == [t.data_ptr() for t in buffers]  # reused, not reallocated
+    assert torch.equal(second[0][1], a)
+    snap.reset()
+    third = snap.copy([("a", torch.zeros(5))])  # another shape: a new buffer; the unused one is freed
+    snap.wait()
+    assert third[0][1].data_ptr() != buffers[0].data_ptr() and len(snap._buffers) == 1
+
+
+def test_async_save_needs_save_dir():
+    from megatron_ext.config import ConfigError, build_job_config, validate
+
+    cfg = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, async_save=True))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert any("--async-save writes the checkpoints of --save in the background: give --save DIR" in p
+               for p in err.value.problems)
+
+
+def test_async_save_bits_stay_out_of_the_exit_reasons():
+    from megatron_ext.checkpoint.exit_policy import ASYNC_SAVE_FAILED, ASYNC_SAVE_WRITING, EXIT_FLAGS
+
+    assert not (ASYNC_SAVE_WRITING | ASYNC_SAVE_FAILED) & EXIT_FLAGS
+    assert describe_exit((ASYNC_SAVE_WRITING | SIGNAL_RECEIVED) & EXIT_FLAGS) == "exit signal received"
