@@ -196,3 +196,47 @@ def test_checkpoint_moves_between_gpu_and_cpu(tmp_path, first, second):
     assert out["iteration"] == 3 and out["keys"] > 10
     assert out["differ"] == [], f"{first} -> {second}: {out['differ']}"
     assert out["warned"], "RNG states of another device type must be re-seeded with a warning"
+
+
+ASYNC = r"""
+import json, os, sys, time
+from megatron_ext.cpu_platform import quiet_known_warnings; quiet_known_warnings()
+import torch
+import megatron_ext.checkpoint.async_save as async_save
+from megatron_ext.arguments import parse_args
+from megatron_ext.checkpoint.state import load_full_tensors, save_checkpoint, start_async_checkpoint
+from megatron_ext.cpu_platform import select_device
+from megatron_ext.parallel import init_distributed
+from megatron_ext.run import build_training_run
+from megatron_ext.training.loop import LogWindow, finish_async_save, run_training_iteration
+root = sys.argv[1]
+cfg = parse_args(sys.argv[2:])
+device = select_device(cfg.parallel.device)
+init_distributed(device, 5)
+run = build_training_run(cfg, device=device, log=lambda s: None)
+original = async_save.write_shards
+async_save.write_shards = lambda w: (time.sleep(1.0), original(w))  # the steps below run during the write
+window = LogWindow()
+for _ in range(2):
+    run_training_iteration(run, window)
+start_async_checkpoint(run, root + "/async")  # pinned device-to-host snapshot, then background write
+save_checkpoint(run, root + "/sync")          # the same iteration, written from the live tensors
+pinned = all(b.is_pinned() for b in run.async_saver.snapshot._buffers)
+for _ in range(3):
+    run_training_iteration(run, window)       # the parameters change on the GPU meanwhile
+in_flight = run.async_saver.in_flight
+finish_async_save(run)
+a = load_full_tensors(os.path.join(root, "async", "iter_0000002"))
+b = load_full_tensors(os.path.join(root, "sync", "iter_0000002"))
+print(json.dumps({"pinned": pinned, "buffers": len(run.async_saver.snapshot._buffers), "in_flight": in_flight,
+                  "keys": len(b), "differ": [k for k in b if k not in a or not torch.equal(a[k], b[k])]}))
+"""
+
+
+def test_async_save_on_gpu_snapshots_the_save_step(tmp_path):
+    flags = TINY + ["--micro-batch-size", "2", "--bf16", "--train-iters", "10", "--save", str(tmp_path / "async"),
+                    "--async-save"]
+    out = run_script(ASYNC.replace("sys.argv[1]", repr(str(tmp_path))).replace("sys.argv[2:]", repr(flags)))
+    assert out["buffers"] > 0 and out["pinned"], out
+    assert out["in_flight"], "the write should still have been running after the three steps"
+    assert out["keys"] > 10 and out["differ"] == [], out["differ"]
