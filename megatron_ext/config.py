@@ -105,20 +105,31 @@ class DataConfig:
     pad_to_multiple_of: int = _f(64, "Round negotiated/variable lengths up to a multiple of this (--seq-length must be one).")
 
 
+DEFAULT_TRAIN_ITERS = 100
+
+
 @dataclass
 class TrainingConfig:
     """Batch, schedule, optimizer and loss."""
 
     micro_batch_size: int = _f(1, "Samples per micro-batch per DP rank.")
     global_batch_size: int | None = _f(None, "Samples per step over all DP ranks (default: micro-batch x DP).")
-    train_iters: int = _f(100, "Training steps.")
+    train_iters: int | None = _f(None, f"Training steps (default {DEFAULT_TRAIN_ITERS} unless --train-samples).")
+    train_samples: int | None = _f(None, "Run length in samples instead of --train-iters (Megatron-LM): steps = samples // global batch, and the LR/WD schedule is given in samples (--lr-warmup-samples, --lr-decay-samples, --lr-wsd-decay-samples).")
     seed: int = _f(1234, "Random seed (initial weights depend only on it and each parameter's name and shape).")
     optimizer: str = _f("adam", "adam (AdamW, decoupled weight decay) or sgd.", choices=["adam", "sgd"])
     lr: float = _f(3e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Learning rate at the end of the decay.")
     lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
     lr_decay_iters: int | None = _f(None, "Decay steps (default: --train-iters).")
-    lr_decay_style: str = _f("cosine", "constant, linear, cosine or inverse-square-root.", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    lr_warmup_samples: int = _f(0, "Linear warm-up in samples (with --train-samples).")
+    lr_decay_samples: int | None = _f(None, "Decay length in samples (with --train-samples; default: --train-samples).")
+    lr_warmup_fraction: float | None = _f(None, "Warm-up as a fraction of the decay length (instead of --lr-warmup-iters/-samples).")
+    lr_decay_style: str = _f("cosine", "constant, linear, cosine, inverse-square-root or WSD (warmup-stable-decay: --lr-wsd-decay-iters/-samples at the end of the decay length, shaped by --lr-wsd-decay-style).", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    lr_wsd_decay_style: str = _f("exponential", "Shape of the WSD decay phase.", choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_wsd_decay_iters: int | None = _f(None, "Length of the WSD decay phase in steps (--lr-decay-style WSD with --train-iters).")
+    lr_wsd_decay_samples: int | None = _f(None, "Length of the WSD decay phase in samples (--lr-decay-style WSD with --train-samples).")
+    rampup_batch_size: list[str] = _f([], "Megatron-LM's batch-size ramp-up: not supported (refused; use a constant --global-batch-size).", nargs="*")
     weight_decay: float = _f(0.01, "Weight decay.")
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.999, "Adam beta2.")
@@ -255,7 +266,10 @@ def build_job_config(values: dict[str, Any]) -> JobConfig:
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTION_TYPES}
     for k, v in values.items():
         per_section[where[k]][k] = v
-    return JobConfig(**{s: SECTION_TYPES[s](**kw) for s, kw in per_section.items()})
+    cfg = JobConfig(**{s: SECTION_TYPES[s](**kw) for s, kw in per_section.items()})
+    if cfg.training.train_iters is None and cfg.training.train_samples is None:
+        cfg.training.train_iters = DEFAULT_TRAIN_ITERS
+    return cfg
 
 
 # ----------------------------------------------------------------------------- derived values
@@ -280,6 +294,51 @@ def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
 def get_global_batch_size(cfg: JobConfig, world_size: int) -> int:
     t = cfg.training
     return t.global_batch_size or t.micro_batch_size * get_data_parallel_size(cfg, world_size)
+
+
+def get_train_iters(cfg: JobConfig, world_size: int) -> int:
+    """Training steps: --train-iters, or --train-samples // global batch (as Megatron-LM)."""
+    t = cfg.training
+    if t.train_samples is not None:
+        return t.train_samples // get_global_batch_size(cfg, world_size)
+    return t.train_iters
+
+
+def resolve_train_iters(cfg: JobConfig, world_size: int) -> None:
+    """The one derived value written back into the config: with --train-samples, ``train_iters``
+    becomes the step count it implies, so that the loop, the logs and the data builder count
+    steps alike. Called once by ``run.build_training_run``."""
+    cfg.training.train_iters = get_train_iters(cfg, world_size)
+
+
+@dataclass(frozen=True)
+class ScheduleSteps:
+    """megatron-core's OptimizerParamScheduler lengths, in samples."""
+
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    wd_incr_steps: int
+    wsd_decay_steps: int | None
+
+
+def get_schedule_steps(cfg: JobConfig, global_batch_size: int, train_iters: int) -> ScheduleSteps:
+    """The schedule in samples, as Megatron-LM's ``_get_scheduler`` computes it: from iteration
+    flags times the global batch, or from the sample flags with --train-samples; a warm-up
+    fraction is of the decay length."""
+    t = cfg.training
+    if t.train_samples is None:
+        decay = (t.lr_decay_iters or train_iters) * global_batch_size
+        wd_incr = train_iters * global_batch_size
+        wsd = t.lr_wsd_decay_iters * global_batch_size if t.lr_wsd_decay_iters is not None else None
+        warmup = t.lr_warmup_iters * global_batch_size
+    else:
+        decay = t.lr_decay_samples or t.train_samples
+        wd_incr = t.train_samples
+        wsd = t.lr_wsd_decay_samples
+        warmup = t.lr_warmup_samples
+    if t.lr_warmup_fraction is not None:
+        warmup = int(t.lr_warmup_fraction * decay)
+    return ScheduleSteps(warmup, decay, wd_incr, wsd if t.lr_decay_style == "WSD" else None)
 
 
 def get_num_microbatches(cfg: JobConfig, world_size: int) -> int:
@@ -374,11 +433,13 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     sizes = [
         ("tensor_model_parallel_size", p), ("pipeline_model_parallel_size", p), ("num_layers", m),
         ("hidden_size", m), ("num_attention_heads", m), ("seq_length", m), ("micro_batch_size", t),
-        ("train_iters", t), ("log_interval", cfg.logging), ("make_vocab_size_divisible_by", m),
+        ("log_interval", cfg.logging), ("make_vocab_size_divisible_by", m),
         ("pad_to_multiple_of", d), ("max_nan_iterations", t),
     ]
     optional_sizes = [("global_batch_size", t), ("ffn_hidden_size", m), ("num_query_groups", m),
-                      ("max_position_embeddings", m), ("lr_decay_iters", t), ("vocab_size", d)]
+                      ("max_position_embeddings", m), ("lr_decay_iters", t), ("vocab_size", d), ("train_iters", t),
+                      ("train_samples", t), ("lr_decay_samples", t), ("lr_wsd_decay_iters", t),
+                      ("lr_wsd_decay_samples", t)]
     rates = [("lr", t), ("min_lr", t), ("weight_decay", t), ("adam_eps", t), ("clip_grad", t),
              ("init_method_std", m), ("norm_epsilon", m)]
     out = [f"{_flag(n)} must be a positive integer, got {getattr(s, n)!r}"
@@ -585,6 +646,8 @@ def _check_batch(cfg: JobConfig, world_size: int) -> list[str]:
             f"{t.micro_batch_size * dp}"
         ]
     out = []
+    if t.train_samples is not None and t.train_samples > 0 and t.train_samples < gbs:
+        out.append(f"--train-samples {t.train_samples} is less than one global batch ({gbs} samples)")
     vpp = get_virtual_pipeline_size(cfg)
     if vpp is not None and vpp > 1 and pp > 1:
         out += _check_interleaved_microbatches(
@@ -614,16 +677,54 @@ def _check_interleaved_microbatches(m: int, pp: int, n: int, gbs: int, mbs: int,
     return []
 
 
+def _check_run_length(t: TrainingConfig) -> list[str]:
+    """--train-iters or --train-samples, and a schedule counted in the same unit (Megatron-LM's
+    rules), with the lengths megatron-core asserts on named first."""
+    if t.train_iters is not None and t.train_samples is not None:
+        return [f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are exclusive: give the run "
+                f"length one way"]
+    out = []
+    by_samples = t.train_samples is not None
+    pairs = [("--lr-warmup-iters", t.lr_warmup_iters or None, "--lr-warmup-samples", t.lr_warmup_samples or None),
+             ("--lr-decay-iters", t.lr_decay_iters, "--lr-decay-samples", t.lr_decay_samples),
+             ("--lr-wsd-decay-iters", t.lr_wsd_decay_iters, "--lr-wsd-decay-samples", t.lr_wsd_decay_samples)]
+    for iter_flag, iters, sample_flag, samples in pairs:
+        if by_samples and iters is not None:
+            out.append(f"{iter_flag} {iters} counts steps but --train-samples counts the run in samples: use "
+                       f"{sample_flag}")
+        if not by_samples and samples is not None:
+            out.append(f"{sample_flag} {samples} needs --train-samples (with --train-iters use {iter_flag})")
+    unit, total = ("samples", t.train_samples) if by_samples else ("iters", t.train_iters)
+    decay = (t.lr_decay_samples if by_samples else t.lr_decay_iters) or total
+    warmup = t.lr_warmup_samples if by_samples else t.lr_warmup_iters
+    if t.lr_warmup_fraction is not None:
+        if t.lr_warmup_iters or t.lr_warmup_samples:
+            out.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive: give the "
+                       "warm-up one way")
+        if not 0.0 <= t.lr_warmup_fraction < 1.0:
+            out.append(f"--lr-warmup-fraction must be in [0, 1), got {t.lr_warmup_fraction}")
+        warmup = int(t.lr_warmup_fraction * decay) if decay else 0
+    if warmup < 0 or (decay and warmup >= decay):
+        out.append(f"--lr-warmup-{unit} {warmup} must lie in [0, --lr-decay-{unit} {decay}) (megatron-core's "
+                   f"scheduler needs a warm-up shorter than the decay)")
+    if t.lr_decay_style == "WSD":
+        wsd = t.lr_wsd_decay_samples if by_samples else t.lr_wsd_decay_iters
+        if wsd is None:
+            out.append(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N (the decay phase's length)")
+        elif decay and wsd > decay:
+            out.append(f"--lr-wsd-decay-{unit} {wsd} is longer than --lr-decay-{unit} {decay}")
+    if t.rampup_batch_size:
+        out.append(f"--rampup-batch-size {' '.join(t.rampup_batch_size)}: batch-size ramp-up is not supported; "
+                   f"use a constant --global-batch-size")
+    return out
+
+
 def _check_schedule(cfg: JobConfig) -> list[str]:
     t = cfg.training
     out = []
     if t.min_lr > t.lr:
         out.append(f"--min-lr {t.min_lr} is larger than --lr {t.lr}")
-    decay = t.lr_decay_iters or t.train_iters
-    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > decay:
-        out.append(
-            f"--lr-warmup-iters {t.lr_warmup_iters} must lie in [0, --lr-decay-iters {decay}]"
-        )
+    out += _check_run_length(t)
     if t.eval_interval < 0 or t.eval_iters < 0:
         out.append("--eval-interval and --eval-iters must be >= 0")
     if t.clip_grad < 0:

@@ -18,7 +18,7 @@ from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.state import CheckpointMeta
-from megatron_ext.config import JobConfig, get_global_batch_size, get_padded_vocab_size
+from megatron_ext.config import JobConfig, get_global_batch_size, get_padded_vocab_size, resolve_train_iters
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.tokenizers import build_tokenizer
@@ -57,6 +57,7 @@ def build_training_run(
     log = log or functools.partial(print, flush=True)
     ctx = ctx or build_parallel_context(cfg, device)
     global_batch_size = get_global_batch_size(cfg, ctx.world_size)
+    resolve_train_iters(cfg, ctx.world_size)
     if tokenizer is None:
         d = cfg.data
         tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
@@ -110,6 +111,16 @@ def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext) -> StepWatchdog | 
     return StepWatchdog(minutes * 60.0, lambda: where, StepProgress())
 
 
+def describe_schedule(run: TrainingRun) -> str:
+    """Run length and LR schedule in steps and samples (megatron-core counts samples)."""
+    t, sch, gbs = run.cfg.training, run.scheduler, run.global_batch_size
+    length = f"{t.train_iters} steps x {gbs} samples" + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
+    wsd = (f", WSD {t.lr_wsd_decay_style} decay over the last {sch.wsd_decay_steps} samples"
+           if t.lr_decay_style == "WSD" else "")
+    return (f"> schedule: {length} | lr {t.lr} -> {t.min_lr}, warm-up {sch.lr_warmup_steps} samples, "
+            f"{t.lr_decay_style} decay over {sch.lr_decay_steps} samples{wsd}")
+
+
 def describe_run(run: TrainingRun) -> str:
     """The start-up summary lines of the logging rank: layout, precision, attention kernels."""
     ctx, cfg = run.ctx, run.cfg
@@ -121,6 +132,7 @@ def describe_run(run: TrainingRun) -> str:
         f" | distributed optimizer {cfg.parallel.use_distributed_optimizer} | device {ctx.device}"
         f" | {precision} | padded vocab {run.checkpoint_meta.padded_vocab_size}"
         f" | parameters on the logging rank {local:,}\n"
+        + describe_schedule(run) + "\n"
         + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
                                      use_transformer_engine(cfg, ctx.device), cfg.data.packed_sequences)
     )

@@ -29,6 +29,7 @@ from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
 from megatron_ext.config import ConfigError, JobConfig
+from megatron_ext.training.optimizer import get_scheduler_state, load_scheduler_state
 
 # The distributed optimizer's form that can change TP/PP/DP on load (docs/megatron-core-on-cpu.md:
 # the default 'fully_sharded_model_space' fails with "ShardedTensor.flattened_range is not supported").
@@ -101,7 +102,7 @@ def build_sharded_state_dict(
         state["optimizer"] = run.optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata=dict(SHARDED_STATE_DICT_METADATA)
         )
-        state["opt_param_scheduler"] = run.scheduler.state_dict()
+        state["opt_param_scheduler"] = get_scheduler_state(run.scheduler)
     if include_rng:
         ctx = run.ctx
         state["rng_state"] = ShardedObject(
@@ -194,9 +195,12 @@ def check_compatible(
 # OptimizerParamScheduler state -> (the flags that set it, how to show a value)
 _SCHEDULE_FLAGS = {
     "max_lr": ("--lr", None), "min_lr": ("--min-lr", None), "lr_decay_style": ("--lr-decay-style", None),
-    "lr_warmup_steps": ("--lr-warmup-iters", "samples"), "lr_decay_steps": ("--lr-decay-iters (default --train-iters)", "samples"),
+    "lr_warmup_steps": ("--lr-warmup-iters/-samples/-fraction", "samples"),
+    "lr_decay_steps": ("--lr-decay-iters or --lr-decay-samples (default the run's length)", "samples"),
     "start_wd": ("--weight-decay", None), "end_wd": ("--weight-decay", None),
-    "wd_incr_steps": ("--train-iters", "samples"), "wd_incr_style": ("weight-decay schedule", None),
+    "wd_incr_steps": ("--train-iters or --train-samples", "samples"), "wd_incr_style": ("weight-decay schedule", None),
+    "wsd_decay_steps": ("--lr-wsd-decay-iters or --lr-wsd-decay-samples", "samples"),
+    "lr_wsd_decay_style": ("--lr-wsd-decay-style", None),
 }
 
 
@@ -214,7 +218,9 @@ def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, glob
             continue
 
         def show(v):
-            return f"{v} ({v // global_batch_size} iterations)" if unit and global_batch_size else repr(v)
+            if unit and global_batch_size and isinstance(v, int):
+                return f"{v} ({v // global_batch_size} iterations)"
+            return repr(v)
 
         out.append(f"{flag}: the checkpoint's schedule has {key} = {show(saved[key])}, this run's flags give "
                    f"{show(getattr(scheduler, key))}; add --override-opt-param-scheduler to use this run's "
@@ -413,7 +419,7 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
         raise
     if load_optimizer:
         load_optimizer_state(run.optimizer, loaded["optimizer"])
-        run.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        load_scheduler_state(run.scheduler, loaded["opt_param_scheduler"])
     for i, chunk in enumerate(run.model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     if restore_rng:

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from megatron_ext.config import JobConfig, get_params_dtype
+from megatron_ext.config import JobConfig, get_params_dtype, get_schedule_steps
 
 
 def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.device):
@@ -89,24 +89,42 @@ def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
 
 
 def build_scheduler(cfg: JobConfig, optimizer, global_batch_size: int):
+    """megatron-core's OptimizerParamScheduler over samples (``config.get_schedule_steps``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     t = cfg.training
-    decay_iters = t.lr_decay_iters or t.train_iters
+    steps = get_schedule_steps(cfg, global_batch_size, t.train_iters)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=t.lr,
         min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters * global_batch_size,
-        lr_decay_steps=decay_iters * global_batch_size,
+        lr_warmup_steps=steps.lr_warmup_steps,
+        lr_decay_steps=steps.lr_decay_steps,
         lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay,
         end_wd=t.weight_decay,
-        wd_incr_steps=t.train_iters * global_batch_size,
+        wd_incr_steps=steps.wd_incr_steps,
         wd_incr_style="constant",
         # Megatron-LM's defaults: on resume the values must agree unless a flag says which wins
         # (checkpoint/state.check_scheduler_flags names the flags first)
         use_checkpoint_opt_param_scheduler=cfg.checkpoint.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=cfg.checkpoint.override_opt_param_scheduler,
+        wsd_decay_steps=steps.wsd_decay_steps,
+        lr_wsd_decay_style=t.lr_wsd_decay_style if t.lr_decay_style == "WSD" else None,
     )
+
+
+def get_scheduler_state(scheduler) -> dict:
+    """The scheduler's state dict plus the WSD phase (megatron-core 0.16.1 saves neither its
+    length nor its style, so a resume could change them unnoticed)."""
+    return {**scheduler.state_dict(), "wsd_decay_steps": scheduler.wsd_decay_steps,
+            "lr_wsd_decay_style": scheduler.lr_wsd_decay_style}
+
+
+def load_scheduler_state(scheduler, state: dict) -> None:
+    """megatron-core's load, with the checkpoint's WSD phase first when its schedule wins (the load
+    sets the learning rate of the restored step)."""
+    if scheduler.use_checkpoint_opt_param_scheduler and "wsd_decay_steps" in state:
+        scheduler.wsd_decay_steps, scheduler.lr_wsd_decay_style = state["wsd_decay_steps"], state["lr_wsd_decay_style"]
+    scheduler.load_state_dict(state)

@@ -1,0 +1,114 @@
+"""Run length and LR schedule in samples, and WSD (Megatron-LM's flags over megatron-core's
+OptimizerParamScheduler): the sample flags give the schedule the iteration flags give; WSD follows
+its formula (written out here); the checks name the flags; a changed WSD phase is refused on resume."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+
+from megatron_ext.checkpoint.state import check_scheduler_flags
+from megatron_ext.config import ConfigError, build_job_config, get_schedule_steps, get_train_iters, validate
+from megatron_ext.training.optimizer import build_scheduler, get_scheduler_state, load_scheduler_state
+
+MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, global_batch_size=8, micro_batch_size=1)
+
+
+def _cfg(**values):
+    return build_job_config({**MOCK, **values})
+
+
+def _stub_optimizer():
+    return types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}])
+
+
+def _lrs(cfg, steps: int, gbs: int = 8) -> list[float]:
+    opt = _stub_optimizer()
+    sched = build_scheduler(cfg, opt, gbs)
+    out = []
+    for _ in range(steps):
+        sched.step(increment=gbs)
+        out.append(opt.param_groups[0]["lr"])
+    return out
+
+
+def test_run_length_defaults_and_samples():
+    assert _cfg().training.train_iters == 100
+    cfg = _cfg(train_samples=83)
+    assert cfg.training.train_iters is None and get_train_iters(cfg, 8) == 10  # 83 // 8, as Megatron-LM
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear", "WSD"])
+def test_sample_flags_give_the_iteration_schedule(style):
+    wsd_iters = dict(lr_wsd_decay_iters=4) if style == "WSD" else {}
+    wsd_samples = dict(lr_wsd_decay_samples=32) if style == "WSD" else {}
+    by_iters = _cfg(train_iters=20, lr_warmup_iters=3, lr_decay_iters=16, lr_decay_style=style, lr=1e-3,
+                    min_lr=1e-4, **wsd_iters)
+    by_samples = _cfg(train_samples=160, lr_warmup_samples=24, lr_decay_samples=128, lr_decay_style=style, lr=1e-3,
+                      min_lr=1e-4, **wsd_samples)
+    by_samples.training.train_iters = get_train_iters(by_samples, 8)
+    assert get_schedule_steps(by_iters, 8, 20) == get_schedule_steps(by_samples, 8, 20)
+    assert _lrs(by_iters, 20) == _lrs(by_samples, 20)
+
+
+def test_warmup_fraction_is_of_the_decay_length():
+    steps = get_schedule_steps(_cfg(train_iters=10, lr_warmup_fraction=0.25), 8, 10)
+    assert (steps.lr_warmup_steps, steps.lr_decay_steps) == (20, 80)
+
+
+def test_wsd_follows_warmup_stable_decay():
+    """Written out: linear warm-up, the peak until the last lr_wsd_decay samples of the decay
+    length, then 2 * 0.5^r - 1 of the way from min to peak (exponential), r the decay fraction."""
+    lr, min_lr, gbs = 1e-3, 1e-4, 8
+    cfg = _cfg(train_samples=160, lr_warmup_samples=16, lr_decay_style="WSD", lr_wsd_decay_samples=64, lr=lr,
+               min_lr=min_lr)
+    cfg.training.train_iters = 20
+    expected = []
+    for i in range(1, 21):
+        n = i * gbs
+        if n <= 16:
+            expected.append(lr * n / 16)
+        elif n <= 160 - 64:
+            expected.append(lr)
+        else:
+            r = (n - 96) / 64
+            expected.append(min_lr + (2.0 * math.pow(0.5, r) - 1.0) * (lr - min_lr))
+    assert _lrs(cfg, 20) == pytest.approx(expected, rel=1e-12)
+    assert expected[-1] == pytest.approx(min_lr)  # ends at --min-lr
+
+
+@pytest.mark.parametrize("values, needle", [
+    (dict(train_iters=10, train_samples=80), "--train-iters 10 and --train-samples 80 are exclusive"),
+    (dict(train_samples=80, lr_warmup_iters=2), "--lr-warmup-iters 2 counts steps but --train-samples counts the run in samples: use --lr-warmup-samples"),
+    (dict(train_samples=80, lr_decay_iters=5), "use --lr-decay-samples"),
+    (dict(train_iters=10, lr_decay_samples=40), "--lr-decay-samples 40 needs --train-samples (with --train-iters use --lr-decay-iters)"),
+    (dict(train_iters=10, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters N"),
+    (dict(train_samples=80, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-samples N"),
+    (dict(train_iters=10, lr_decay_style="WSD", lr_wsd_decay_iters=11), "--lr-wsd-decay-iters 11 is longer than --lr-decay-iters 10"),
+    (dict(train_iters=10, lr_warmup_iters=10), "--lr-warmup-iters 10 must lie in [0, --lr-decay-iters 10)"),
+    (dict(train_iters=10, lr_warmup_fraction=0.1, lr_warmup_iters=1), "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive"),
+    (dict(train_iters=10, lr_warmup_fraction=1.5), "--lr-warmup-fraction must be in [0, 1)"),
+    (dict(train_samples=4), "--train-samples 4 is less than one global batch (8 samples)"),
+    (dict(rampup_batch_size=["16", "16", "1000"]), "--rampup-batch-size 16 16 1000: batch-size ramp-up is not supported"),
+])
+def test_schedule_flags_are_checked_by_name(values, needle):
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg(**values), 1)
+    assert any(needle in p for p in err.value.problems), err.value.problems
+
+
+def test_a_changed_wsd_phase_is_refused_on_resume_and_restored_when_the_checkpoint_wins():
+    saved_cfg = _cfg(train_iters=20, lr_decay_style="WSD", lr_wsd_decay_iters=4)
+    saved = get_scheduler_state(build_scheduler(saved_cfg, _stub_optimizer(), 8))
+    assert saved["wsd_decay_steps"] == 32 and saved["lr_wsd_decay_style"] == "exponential"
+    for changed, flag in ((dict(lr_wsd_decay_iters=6), "--lr-wsd-decay-iters or --lr-wsd-decay-samples"),
+                          (dict(lr_wsd_decay_iters=4, lr_wsd_decay_style="linear"), "--lr-wsd-decay-style")):
+        cfg = _cfg(train_iters=20, lr_decay_style="WSD", **changed)
+        problems = check_scheduler_flags(saved, build_scheduler(cfg, _stub_optimizer(), 8), cfg, 8)
+        assert len(problems) == 1 and problems[0].startswith(flag), problems
+    cfg = _cfg(train_iters=20, lr_decay_style="WSD", lr_wsd_decay_iters=6, use_checkpoint_opt_param_scheduler=True)
+    sched = build_scheduler(cfg, _stub_optimizer(), 8)
+    load_scheduler_state(sched, {**saved, "num_steps": 80})
+    assert (sched.wsd_decay_steps, sched.lr_wsd_decay_style) == (32, "exponential")
