@@ -17,7 +17,7 @@ quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Ap
 
 import torch  # noqa: E402
 
-from megatron_ext.arguments import parse_args  # noqa: E402
+from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
 from megatron_ext.checkpoint.exit_policy import build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.directory import probe_save_dir  # noqa: E402
 from megatron_ext.checkpoint.state import load_checkpoint, plan_load  # noqa: E402
@@ -32,7 +32,7 @@ from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 def main(argv: list[str] | None = None) -> list[float]:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: die with the agent, even on kill -9
         apply_parent_death_signal()
-    cfg = parse_args(argv)
+    cfg, flag_notes = parse_args_with_notes(argv)
     device = select_device(cfg.parallel.device)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     run = build_training_run(cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider)
     if run.ctx.is_logging_rank:
         run.log(describe_run(run))
+        for note in flag_notes:  # Megatron-LM flags accepted without effect
+            run.log(f"WARNING: {note}")
         if load_message:
             run.log(load_message)
     if load_plan is not None:

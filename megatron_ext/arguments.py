@@ -16,6 +16,7 @@ import typing
 from typing import Any, Sequence
 
 from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, build_job_config
+from megatron_ext.megatron_flags import add_megatron_flags, judge_megatron_flags, pop_megatron_flags
 
 
 def _base_type(annotation: Any) -> Any:
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         hints = typing.get_type_hints(cls)  # the annotations are strings (postponed evaluation)
         for f in dataclasses.fields(cls):
             _add_flag(group, f, hints[f.name])
+    add_megatron_flags(parser)
     return parser
 
 
@@ -156,6 +158,12 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
     """Parse flags (and ``--config``) into a JobConfig; flags override the file."""
+    return parse_args_with_notes(argv)[0]
+
+
+def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig, list[str]]:
+    """``parse_args``, plus the warnings of Megatron-LM flags accepted without effect
+    (``megatron_flags.py``); the refused ones raise one ConfigError."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     values: dict[str, Any] = {}
@@ -164,4 +172,9 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
     for name, value in vars(ns).items():
         if name != "config" and value is not None:
             values[name] = value
-    return build_job_config(values)
+    megatron_flags = pop_megatron_flags(values)
+    cfg = build_job_config(values)
+    notes, problems = judge_megatron_flags(megatron_flags, cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg, notes

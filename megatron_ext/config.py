@@ -147,6 +147,7 @@ class TrainingConfig:
     min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale (--fp16).")
     loss_scale_window: int = _f(1000, "Steps without overflow before the dynamic loss scale grows (--fp16).")
     hysteresis: int = _f(2, "Overflows tolerated before the dynamic loss scale shrinks (--fp16).")
+    empty_unused_memory_level: int = _f(0, "Return cached CUDA memory to the driver: 1 after each forward-backward, 2 also after the optimizer step (as Megatron-LM; costs time; nothing on CPU).", choices=[0, 1, 2])
 
 
 @dataclass

@@ -150,7 +150,7 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
         run.steps_this_run += 1
         result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
                             run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad,
-                            progress, run.timers)
+                            progress, run.timers, run.cfg.training.empty_unused_memory_level)
     if run.timers is not None:
         run.timers.steps += 1
     if run.watchdog is not None:

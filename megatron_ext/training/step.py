@@ -167,20 +167,28 @@ def run_forward_backward(
     )
 
 
+def empty_unused_memory(ctx: ParallelContext, when: bool) -> None:
+    """--empty-unused-memory-level: hand the CUDA caching allocator's free blocks back."""
+    if when and ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_step(
     model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
     seq_length: int, global_batch_size: int, ctx: ParallelContext, check_for_nan: bool = True,
-    progress: StepProgress | None = None, timers: StepTimers | None = None,
+    progress: StepProgress | None = None, timers: StepTimers | None = None, empty_memory_level: int = 0,
 ) -> StepResult:
     timer = timers.time if timers is not None else (lambda name: contextlib.nullcontext())
     optimizer.zero_grad()
     step_func = functools.partial(forward_step, progress=progress) if progress is not None else forward_step
     with timer("forward-backward"):
         reports = run_forward_backward(model, microbatches, seq_length, forward_step_func=step_func)
+    empty_unused_memory(ctx, empty_memory_level >= 1)
     with timer("optimizer"):
         update_successful, grad_norm = step_optimizer(optimizer, check_for_nan)
         if update_successful:
             scheduler.step(increment=global_batch_size)
+    empty_unused_memory(ctx, empty_memory_level >= 2)
     local = reduce_reported_loss(reports) if ctx.is_last_stage else torch.zeros(2, dtype=torch.float64)
     # a skip is an fp16 overflow when megatron-core's dynamic loss scaler is on, else non-finite
     non_finite = check_for_nan and not update_successful and not model[0].config.fp16

@@ -1,0 +1,159 @@
+"""Megatron-LM flags we have no field for: accepted where their value is what we do anyway, refused
+by name where they would change the model or the training and we lack them.
+
+Megatron-LM launch scripts carry flags that select its own code paths (``--use-mcore-models``),
+kernels (``--attention-backend``, fusions) or file-reading details (``--no-mmap-bin-files``).
+Rejecting them as unknown makes a user edit every script; silently ignoring one that changes the
+model would train something else. So each flag here is one of:
+
+- accepted: its value matches what we do; one warning line says it changes nothing (silent when it
+  states our behaviour exactly, e.g. ``--ckpt-format torch_dist``);
+- refused: an error naming the flag and what to do instead (model-changing flags we lack, other
+  values of the accepted ones).
+
+``parse_args`` adds them to the parser, evaluates them against the finished JobConfig and returns
+the warnings for the start-up log; the refusals join one ConfigError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from megatron_ext.config import JobConfig
+
+STORE_TRUE = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronFlag:
+    flag: str
+    nargs: Any  # STORE_TRUE, or argparse nargs (1 value: None -> use "?"-free single value)
+    # (value, cfg) -> (warning or None, problem or None)
+    judge: Callable[[Any, JobConfig], tuple[str | None, str | None]]
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return "megatron_flag__" + self.flag[2:].replace("-", "_")
+
+
+def _noop(why: str) -> Callable:
+    return lambda value, cfg: (why, None)
+
+
+def _refuse(why: str) -> Callable:
+    return lambda value, cfg: (None, why)
+
+
+def _one_of(accepted: dict[str, str | None], refusal: str) -> Callable:
+    """Accept the listed values (with their warning, None: silent); refuse the others."""
+    def judge(value, cfg):
+        if str(value) in accepted:
+            return accepted[str(value)], None
+        return None, refusal.format(value=value)
+    return judge
+
+
+def _kv_channels(value, cfg):
+    m = cfg.model
+    per_head = m.hidden_size // m.num_attention_heads
+    if int(value) == per_head:
+        return None, None
+    return None, (f"--kv-channels {value}: we use --hidden-size / --num-attention-heads = {per_head} per head; other "
+                  f"head sizes are not supported")
+
+
+def _needs_rope(flag: str) -> Callable:
+    def judge(value, cfg):
+        if cfg.model.position_embedding_type == "rope":
+            return None, None
+        return None, f"{flag} means rotary position embeddings: add --position-embedding-type rope"
+    return judge
+
+
+def _attention_backend(value, cfg):
+    if cfg.model.transformer_impl == "transformer_engine":
+        return None, (f"--attention-backend {value}: choosing Transformer Engine's attention backend is not "
+                      f"supported yet (leave it out: Transformer Engine picks one)")
+    if value in ("auto", "local", "flash", "fused", "unfused"):
+        return (f"--attention-backend {value} changes nothing with the local layer spec: attention runs on torch "
+                f"SDPA, and packed sequences on torch varlen_attn on CUDA (the start-up line names the kernels)"), None
+    return None, f"--attention-backend {value}: not a Megatron-LM attention backend"
+
+
+def _tiktoken_pattern(value, cfg):
+    if cfg.data.tokenizer_type == "TikTokenizer":
+        return None, None  # the tokenizer's own check names what is wrong
+    return f"--tiktoken-pattern {value} changes nothing with --tokenizer-type {cfg.data.tokenizer_type}", None
+
+
+def _num_workers(value, cfg):
+    if int(value) == 0:
+        return None, None
+    return None, (f"--num-workers {value}: data loader worker processes are not supported yet; samples are read in "
+                  f"the training process (--num-workers 0)")
+
+
+FLAGS = [
+    MegatronFlag("--use-mcore-models", STORE_TRUE, _noop("--use-mcore-models changes nothing: the models are always megatron-core's"), "Accepted (always so)."),
+    MegatronFlag("--use-dist-ckpt", STORE_TRUE, _noop("--use-dist-ckpt changes nothing: checkpoints are always megatron-core distributed checkpoints (torch_dist)"), "Accepted (always so)."),
+    MegatronFlag("--ckpt-format", 1, _one_of({"torch_dist": None}, "--ckpt-format {value}: only torch_dist (megatron-core distributed checkpoints) is written and read"), "torch_dist only."),
+    MegatronFlag("--no-create-attention-mask-in-dataloader", STORE_TRUE, _noop("--no-create-attention-mask-in-dataloader changes nothing: no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)"), "Accepted (always so)."),
+    MegatronFlag("--no-mmap-bin-files", STORE_TRUE, _noop("--no-mmap-bin-files changes nothing here: .bin files are memory-mapped"), "Accepted, no effect."),
+    MegatronFlag("--log-throughput", STORE_TRUE, _noop("--log-throughput changes nothing: tokens/s and TFLOP/s per GPU are always logged"), "Accepted (always so)."),
+    MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is computed by megatron-core's vocab-parallel cross-entropy"), "Accepted, no effect."),
+    MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / varlen_attn; the start-up line names them)"), "Accepted, no effect."),
+    MegatronFlag("--no-masked-softmax-fusion", STORE_TRUE, _noop("--no-masked-softmax-fusion changes nothing: the local spec uses no masked-softmax kernel"), "Accepted, no effect."),
+    MegatronFlag("--no-bias-gelu-fusion", STORE_TRUE, _noop("--no-bias-gelu-fusion changes nothing here"), "Accepted, no effect."),
+    MegatronFlag("--no-bias-swiglu-fusion", STORE_TRUE, _noop("--no-bias-swiglu-fusion changes nothing here"), "Accepted, no effect."),
+    MegatronFlag("--no-bias-dropout-fusion", STORE_TRUE, _noop("--no-bias-dropout-fusion changes nothing here"), "Accepted, no effect."),
+    MegatronFlag("--no-rope-fusion", STORE_TRUE, _noop("--no-rope-fusion changes nothing: rotary embeddings are applied by our packed-aware code, unfused"), "Accepted, no effect."),
+    MegatronFlag("--no-gradient-accumulation-fusion", STORE_TRUE, _noop("--no-gradient-accumulation-fusion changes nothing: gradient-accumulation fusion needs APEX/TE and is off"), "Accepted, no effect."),
+    MegatronFlag("--distributed-backend", 1, _one_of({"nccl": None, "gloo": None}, "--distributed-backend {value}: nccl (CUDA) or gloo (CPU), chosen by device"), "nccl on CUDA, gloo on CPU (by device)."),
+    MegatronFlag("--use-rotary-position-embeddings", STORE_TRUE, _needs_rope("--use-rotary-position-embeddings"), "Accepted with --position-embedding-type rope."),
+    MegatronFlag("--no-position-embedding", STORE_TRUE, _needs_rope("--no-position-embedding"), "Accepted with --position-embedding-type rope (no learned absolute embedding then)."),
+    MegatronFlag("--kv-channels", 1, _kv_channels, "Accepted when it equals --hidden-size / --num-attention-heads."),
+    MegatronFlag("--attention-backend", 1, _attention_backend, "Accepted with the local spec (no effect); refused with Transformer Engine."),
+    MegatronFlag("--tiktoken-pattern", 1, _tiktoken_pattern, "Accepted (no effect) with tokenizers other than TikTokenizer."),
+    MegatronFlag("--num-workers", 1, _num_workers, "0 only (samples are read in the training process)."),
+    # refused: they would change the model or the training, and we lack them
+    MegatronFlag("--apply-layernorm-1p", STORE_TRUE, _refuse("--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"), "Refused."),
+    MegatronFlag("--decoupled-lr", 1, _refuse("--decoupled-lr (a separate learning rate for the embedding and output layer) is not supported: leave it out"), "Refused."),
+    MegatronFlag("--decoupled-min-lr", 1, _refuse("--decoupled-min-lr is not supported (see --decoupled-lr)"), "Refused."),
+    MegatronFlag("--grad-reduce-in-bf16", STORE_TRUE, _refuse("--grad-reduce-in-bf16 is not supported: gradients are reduced in fp32"), "Refused."),
+    MegatronFlag("--fp8-format", 1, _refuse("--fp8-format: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16"), "Refused."),
+    MegatronFlag("--fp8-amax-history-len", 1, _refuse("--fp8-amax-history-len: FP8 training is not supported"), "Refused."),
+    MegatronFlag("--fp8-amax-compute-algo", 1, _refuse("--fp8-amax-compute-algo: FP8 training is not supported"), "Refused."),
+    MegatronFlag("--fp8-param-gather", STORE_TRUE, _refuse("--fp8-param-gather: FP8 training is not supported"), "Refused."),
+    MegatronFlag("--use-checkpoint-args", STORE_TRUE, _refuse("--use-checkpoint-args is not supported: give the model flags (a mismatch with the checkpoint is refused by name)"), "Refused."),
+]
+BY_DEST = {f.dest: f for f in FLAGS}
+
+
+def add_megatron_flags(parser: Any) -> None:
+    group = parser.add_argument_group("Megatron-LM compatibility (accepted where they change nothing, refused otherwise)")
+    for f in FLAGS:
+        if f.nargs is STORE_TRUE:
+            group.add_argument(f.flag, dest=f.dest, action="store_true", default=None, help=f.help)
+        else:
+            group.add_argument(f.flag, dest=f.dest, default=None, help=f.help)
+
+
+def pop_megatron_flags(values: dict[str, Any]) -> dict[str, Any]:
+    """Remove the given compatibility flags from parsed ``values``; returns them by dest."""
+    return {dest: values.pop(dest) for dest in list(values) if dest in BY_DEST}
+
+
+def judge_megatron_flags(given: dict[str, Any], cfg: JobConfig) -> tuple[list[str], list[str]]:
+    """(warnings, problems) of the compatibility flags given, in the table's order."""
+    warnings, problems = [], []
+    for f in FLAGS:
+        if given.get(f.dest) is None:
+            continue
+        warning, problem = f.judge(given[f.dest], cfg)
+        if warning:
+            warnings.append(warning)
+        if problem:
+            problems.append(problem)
+    return warnings, problems

@@ -1,0 +1,112 @@
+"""A Megatron-LM-style Llama-3 8B launch script parses: its flags are ours, or Megatron-LM flags
+accepted because they change nothing here (one warning each), or refused by name because they
+would change the model or the training and we lack them (megatron_flags.py)."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from megatron_ext.arguments import build_parser, parse_args_with_notes
+from megatron_ext.config import ConfigError, validate
+
+# The argument arrays of a Megatron-LM-style Llama-3 8B pretraining script (mock data branch),
+# as its torchrun line passes them to pretrain_gpt.py.
+SCRIPT = r"""
+MODEL_ARGS=(
+    --use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+    --num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128
+    --seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope
+    --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
+    --swiglu --init-method-std 0.0134 --attention-backend fused --apply-layernorm-1p
+    --untie-embeddings-and-output-weights --disable-bias-linear
+)
+TRAINING_ARGS=(
+    --micro-batch-size 1 --global-batch-size 128 --train-samples 1953125000
+    --lr-decay-samples 1949218748 --lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001
+    --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16
+    --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1
+    --exit-duration-in-mins 235
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+)
+DTYPE_ARGS=(--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather)
+MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel)
+DATA_ARGS=(
+    --mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path /tmp/cache
+    --tiktoken-pattern v2 --split 99,1,0 --no-create-attention-mask-in-dataloader --no-mmap-bin-files
+    --num-workers 0
+)
+EVAL_AND_LOGGING_ARGS=(
+    --log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput
+    --profile --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist
+    --distributed-timeout-minutes 60 --save /tmp/ckpt --load /tmp/ckpt --tensorboard-dir /tmp/tb
+)
+"""
+REFUSED = ["--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--grad-reduce-in-bf16", "--fp8-format",
+           "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
+WARNED = ["--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion", "--tiktoken-pattern v2",
+          "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--log-throughput"]
+
+
+def script_argv() -> list[str]:
+    body = [line for line in SCRIPT.splitlines() if not line.endswith("=(") and line.strip() != ")"]
+    return shlex.split(" ".join(line.split("=(", 1)[-1].rstrip(")") for line in body))
+
+
+def _without(argv: list[str], flags: list[str]) -> list[str]:
+    out, skip = [], False
+    for token in argv:
+        if skip and not token.startswith("--"):
+            continue
+        skip = token in flags
+        if not skip:
+            out.append(token)
+    return out
+
+
+def test_every_flag_of_the_script_is_known():
+    known = {s for action in build_parser()._actions for s in action.option_strings}
+    flags = [t for t in script_argv() if t.startswith("--")]
+    assert len(flags) == 74 and [f for f in flags if f not in known] == []
+
+
+def test_the_refused_flags_are_named_together():
+    with pytest.raises(ConfigError) as err:
+        parse_args_with_notes(script_argv())
+    named = [next(f for f in REFUSED if p.startswith(f + " ") or p.startswith(f + ":")) for p in err.value.problems]
+    assert named == REFUSED, err.value.problems
+
+
+def test_without_the_refused_flags_the_script_runs_with_one_warning_per_no_op_flag():
+    cfg, notes = parse_args_with_notes(_without(script_argv(), REFUSED))
+    assert sorted(next(w for w in WARNED if n.startswith(w)) for n in notes) == sorted(WARNED), notes
+    assert all("changes nothing" in n for n in notes)
+    t = cfg.training
+    assert (t.train_samples, t.lr_decay_samples, t.lr_warmup_samples, t.empty_unused_memory_level) == (
+        1953125000, 1949218748, 3906252, 1)
+    assert cfg.model.num_query_groups == 8 and cfg.parallel.overlap_param_gather
+    validate(cfg, 8, cuda=True)  # the rest of the script is a valid job for us
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--kv-channels", "64"], "--kv-channels 64: we use --hidden-size / --num-attention-heads = 128 per head"),
+    (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
+    (["--use-rotary-position-embeddings"], "add --position-embedding-type rope"),
+    (["--num-workers", "2"], "--num-workers 2: data loader worker processes are not supported yet"),
+    (["--attention-backend", "fused", "--transformer-impl", "transformer_engine"], "choosing Transformer Engine's attention backend is not supported yet"),
+])
+def test_accepted_flags_with_other_values_are_refused(argv, needle):
+    base = ["--hidden-size", "4096", "--num-attention-heads", "32", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128"]
+    with pytest.raises(ConfigError) as err:
+        parse_args_with_notes(base + argv)
+    assert any(needle in p for p in err.value.problems), err.value.problems
+
+
+def test_accepted_flags_stating_our_behaviour_are_silent():
+    cfg, notes = parse_args_with_notes(["--ckpt-format", "torch_dist", "--kv-channels", "16", "--hidden-size", "64",
+                                        "--num-attention-heads", "4", "--position-embedding-type", "rope",
+                                        "--use-rotary-position-embeddings", "--no-position-embedding"])
+    assert notes == [] and cfg.model.position_embedding_type == "rope"
