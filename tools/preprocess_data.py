@@ -2,9 +2,11 @@
 
 Same output as Megatron-LM's ``tools/preprocess_data.py`` without sentence splitting: for each
 ``--json-keys`` key, ``{output_prefix}_{key}_document.bin/.idx`` written by megatron-core's
-``IndexedDatasetBuilder``, one document (holding one sequence) per non-empty JSON line, token
+``IndexedDatasetBuilder``, one document (holding one sequence) per non-blank JSON line, token
 dtype ``DType.optimal_dtype(vocab_size)`` (uint16 below 65,500 ids). ``--append-eod`` ends every
-document with the tokenizer's EOD. Documents that tokenize to nothing are skipped.
+non-empty document with the tokenizer's EOD. A document that tokenizes to nothing is recorded, as
+Megatron-LM records it, as a document holding no sequence (so the ``.idx`` is byte-identical to
+Megatron-LM's; training reads sequences and never sees it).
 
 ``--workers N`` tokenizes in a process pool; ``imap`` keeps the input order, so the output is
 byte-identical for any N. Everything is written under ``*.tmp`` names and renamed only after the
@@ -35,7 +37,7 @@ class PreprocessStats:
     """What ``preprocess_data`` wrote."""
 
     num_documents: int = 0
-    num_skipped_empty: int = 0
+    num_empty: int = 0  # documents that tokenized to nothing (recorded without a sequence)
     num_tokens: dict = field(default_factory=dict)  # key -> total tokens
     document_lengths: dict = field(default_factory=dict)  # key -> [tokens per document]
     output_prefixes: dict = field(default_factory=dict)  # key -> dataset path prefix
@@ -150,12 +152,13 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
         for ids_per_key, num_bytes in encoded:
             bar.update(num_bytes)
             if not any(ids_per_key.values()):
-                stats.num_skipped_empty += 1
-                continue
+                stats.num_empty += 1
             for key, ids in ids_per_key.items():
-                builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                # Megatron-LM's add_document(ids, sentence_lens): no sequence for an empty document
+                builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)] if ids else [])
                 stats.num_tokens[key] += len(ids)
-                stats.document_lengths[key].append(len(ids))
+                if ids:
+                    stats.document_lengths[key].append(len(ids))
             stats.num_documents += 1
             if log_interval and stats.num_documents % log_interval == 0:
                 elapsed = max(time.time() - start, 1e-9)
@@ -210,7 +213,8 @@ def main(argv=None) -> None:
         sys.exit(2)
     for key, prefix in stats.output_prefixes.items():
         print(f"wrote {prefix}.bin/.idx: {stats.num_documents} documents, "
-              f"{stats.num_tokens[key]} tokens ({stats.num_skipped_empty} empty skipped)")
+              f"{stats.num_tokens[key]} tokens ({stats.num_empty} of them empty, recorded without a sequence as "
+              f"Megatron-LM does)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ SHIPPED_MODEL = os.path.join(REPO, "data", "default", "tokenizer.model")
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",
     "def f(x):\n    return x * 2\n",
-    "",  # tokenizes to nothing: skipped
+    "",  # tokenizes to nothing: a document without a sequence, as Megatron-LM writes it
     "Unicode survives: naïve café, 数据.",
     "A longer document. " * 40,
 ]
@@ -35,7 +35,6 @@ def read_documents(prefix):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix)
-    assert len(dataset.document_indices) - 1 == len(dataset)  # one sequence per document
     return dataset, [dataset[i].tolist() for i in range(len(dataset))]
 
 
@@ -55,7 +54,8 @@ def test_preprocess_sentencepiece_matches_direct_tokenisation(tmp_path, tiny_jso
     dataset, documents = read_documents(str(tmp_path / "out_text_document"))
     assert documents == expected
     assert dataset.index.dtype == numpy.uint16
-    assert stats.num_documents == 4 and stats.num_skipped_empty == 1
+    assert stats.num_documents == 5 and stats.num_empty == 1
+    assert dataset.document_indices.tolist() == [0, 1, 2, 2, 3, 4]  # the empty third document holds no sequence
     assert stats.num_tokens["text"] == sum(map(len, expected))
 
 
@@ -104,7 +104,7 @@ def test_cli_writes_megatron_lm_names(tmp_path, tiny_jsonl, capsys):
                      "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
                      SHIPPED_MODEL, "--append-eod", "--workers", "2", "--no-progress"])
     assert {"cli_text_document.bin", "cli_text_document.idx"} <= set(os.listdir(tmp_path))
-    assert "4 documents" in capsys.readouterr().out
+    assert "5 documents" in capsys.readouterr().out
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         preprocess_main(["--input", tiny_jsonl, "--output-prefix", str(tmp_path / "x"),
@@ -165,3 +165,40 @@ def test_train_tokenizer_defines_special_ids_and_is_deterministic(tmp_path):
     assert sp.get_piece_size() == 512
     assert [sp.id_to_piece(i) for i in range(4)] == ["<unk>", "<s>", "</s>", "<pad>"]
     assert sp.eos_id() == 2 and sp.pad_id() == 3
+
+
+def megatron_lm_reference(path, prefix, tokenizer, append_eod):
+    """What Megatron-LM's tools/preprocess_data.py writes (its Encoder and main loop, written out
+    here for one key without sentence splitting): every JSON line is a document; its ids, EOD
+    appended only when it has ids; ``add_document(ids, [len])``, or ``add_document([], [])``."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            doc_ids, lens = [], []
+            ids = tokenizer.tokenize(json.loads(line)["text"])
+            if len(ids) > 0:
+                doc_ids.extend(ids)
+                lens.append(len(ids))
+            if len(doc_ids) > 0 and append_eod:
+                doc_ids.append(tokenizer.eod)
+                lens[-1] += 1
+            builder.add_document(numpy.asarray(doc_ids, dtype=dtype), lens)
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_preprocess_is_byte_identical_to_megatron_lm_with_empty_documents(tmp_path, append_eod):
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    texts = ["", "First document.", "", "", "Second one, after empty ones.", ""]
+    path = write_jsonl(tmp_path / "empty.jsonl", texts)
+    preprocess_data(path, str(tmp_path / "ours"), "SentencePieceTokenizer", SHIPPED_MODEL,
+                    append_eod=append_eod, progress=False)
+    megatron_lm_reference(path, str(tmp_path / "theirs"), build_tokenizer("SentencePieceTokenizer", SHIPPED_MODEL),
+                          append_eod)
+    for ext in (".bin", ".idx"):
+        with open(tmp_path / f"ours_text_document{ext}", "rb") as a, open(tmp_path / f"theirs{ext}", "rb") as b:
+            assert a.read() == b.read(), ext
