@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     # one live job per --save (held until this process ends; the kernel releases it on any death)
     save_lock = lock_save_dir(cfg.checkpoint.save) if os.environ.get("RANK", "0") == "0" else None
     d = cfg.data
-    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
+    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
 
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

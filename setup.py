@@ -25,7 +25,9 @@ setup(
         "logging": ["tensorboard", "wandb"],
         "plots": ["matplotlib"],
         "convert": ["safetensors", "transformers"],
-        "test": ["pytest", "tensorboard", "wandb", "matplotlib", "safetensors", "transformers"],
+        # --tokenizer-type HuggingFaceTokenizer / GPT2BPETokenizer
+        "hf": ["transformers", "tokenizers"],
+        "test": ["pytest", "tensorboard", "wandb", "matplotlib", "safetensors", "transformers", "tokenizers"],
         # GPU clusters: Transformer Engine layer spec and kernels (needs CUDA to build).
         "gpu": ["transformer-engine[pytorch]"],
     },

@@ -94,8 +94,10 @@ class DataConfig:
     data_path: list[str] = _f([], "Indexed dataset prefixes, optionally weighted: 'w1 prefix1 w2 prefix2'.", nargs="*")
     split: str = _f("969,30,1", "Train,valid,test split weights of each dataset.")
     mock_data: bool = _f(False, "Synthetic data (megatron-core MockGPTDataset), no files.")
-    tokenizer_type: str = _f("SentencePieceTokenizer", "NullTokenizer, SentencePieceTokenizer or GPTSentencePieceTokenizer.")
-    tokenizer_model: str | None = _f(None, "Tokenizer model file (sentencepiece .model).")
+    tokenizer_type: str = _f("SentencePieceTokenizer", "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer (a local tokenizer directory) or GPT2BPETokenizer (--vocab-file, --merge-file).")
+    tokenizer_model: str | None = _f(None, "Sentencepiece .model, or a local Hugging Face tokenizer directory (nothing is downloaded).")
+    vocab_file: str | None = _f(None, "GPT2BPETokenizer: vocab.json.")
+    merge_file: str | None = _f(None, "GPT2BPETokenizer: merges.txt.")
     vocab_size: int | None = _f(None, "Vocabulary size for NullTokenizer (EOD is the id vocab_size).")
     data_cache_path: str | None = _f(None, "Where megatron-core caches its sample indices (default: beside the data).")
     packed_sequences: bool = _f(False, "Pack whole documents into each sample of at most --seq-length tokens (THD, cu_seqlens, no attention across documents); a micro-batch joins its --micro-batch-size packs into one THD sequence.", negative_flag=True)
@@ -752,20 +754,10 @@ def _check_data(cfg: JobConfig) -> list[str]:
         out.append("--mock-data and --data-path are exclusive: give one")
     if not d.mock_data and not d.data_path:
         out.append("no data: give --data-path PREFIX (an indexed .bin/.idx pair) or --mock-data")
-    if d.tokenizer_type == "NullTokenizer":
-        if not d.vocab_size or d.vocab_size <= 0:
-            out.append("--tokenizer-type NullTokenizer needs --vocab-size N")
-    elif d.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        if not d.tokenizer_model:
-            out.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE")
-        elif not os.path.isfile(d.tokenizer_model):
-            out.append(f"--tokenizer-model {d.tokenizer_model}: no such file")
-    else:
-        out.append(
-            f"--tokenizer-type {d.tokenizer_type} is not supported: use NullTokenizer or "
-            f"SentencePieceTokenizer"
-        )
     from megatron_ext.data.indexed_check import check_indexed_dataset
+    from megatron_ext.data.tokenizers import check_tokenizer_flags
+
+    out += check_tokenizer_flags(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
 
     for prefix in _get_data_prefixes(d.data_path):
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]

@@ -60,7 +60,7 @@ def build_training_run(
     resolve_train_iters(cfg, ctx.world_size)
     if tokenizer is None:
         d = cfg.data
-        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size)
+        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
     vocab = get_padded_vocab_size(tokenizer.vocab_size, cfg)
 
     model = wrap_with_ddp(cfg, apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, vocab, device)))

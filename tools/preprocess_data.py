@@ -29,7 +29,7 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 
 quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
 
-from megatron_ext.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ext.data.tokenizers import REFUSED_TYPES, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 
 @dataclass
@@ -111,7 +111,8 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
                     tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
                     json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                     workers: int = 1, log_interval: int = 10000,
-                    progress: bool = True) -> PreprocessStats:
+                    progress: bool = True, vocab_file: Optional[str] = None,
+                    merge_file: Optional[str] = None) -> PreprocessStats:
     """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.{bin,idx}`` per key."""
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -122,7 +123,7 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     tokenizer_args = dict(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
-                          vocab_size=vocab_size)
+                          vocab_size=vocab_size, vocab_file=vocab_file, merge_file=merge_file)
     encoder = _Encoder(input_path, json_keys, tokenizer_args, append_eod)
     encoder.initialize()  # fail fast on tokenizer flags, and gives us the dtype
     dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
@@ -191,8 +192,11 @@ def main(argv=None) -> None:
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="keys to extract; each gets its own dataset")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", default=None, help="sentencepiece .model")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES + tuple(REFUSED_TYPES))
+    group.add_argument("--tokenizer-model", default=None,
+                       help="sentencepiece .model, or a local Hugging Face tokenizer directory")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     group.add_argument("--append-eod", action="store_true", help="end each document with EOD")
     group = parser.add_argument_group("output data")
@@ -207,7 +211,8 @@ def main(argv=None) -> None:
         stats = preprocess_data(args.input, args.output_prefix, args.tokenizer_type,
                                 args.tokenizer_model, args.vocab_size, args.json_keys,
                                 args.append_eod, args.workers, args.log_interval,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, vocab_file=args.vocab_file,
+                                merge_file=args.merge_file)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -14,9 +14,23 @@ Two types, with Megatron-LM's ``--tokenizer-type`` names:
   ``eod`` is the model's eos id and ``pad`` its pad id (``tools/train_tokenizer.py`` defines both
   as distinct real tokens); a model without a pad piece pads with eod.
 
+- ``HuggingFaceTokenizer``: a local Hugging Face tokenizer directory (Llama-3, Qwen, GPT-2, ...),
+  through megatron-core's ``HuggingFaceTokenizer`` library (its ids: ``text_to_ids``, no special
+  tokens added, as Megatron-LM's preprocessing writes them). ``eod`` is the tokenizer's eos token
+  (an error when it has none), ``pad`` its pad token or eod. Nothing is downloaded: the path must
+  exist (hub ids are refused) and the load runs with the hub offline. A bare ``tokenizer.json`` is
+  refused (it names no eos token): pass its directory with ``tokenizer_config.json``.
+- ``GPT2BPETokenizer``: GPT-2's byte-level BPE from ``--vocab-file`` (vocab.json) and
+  ``--merge-file`` (merges.txt), built with the ``tokenizers`` library (megatron-core 0.16.1's
+  path for this type ignores the merge file and fetches "gpt2" from the hub); ``eod`` =
+  ``<|endoftext|>``, which the vocabulary must hold; ``pad`` = eod.
+- ``TikTokenizer`` and Megatron-LM's legacy ``Llama2Tokenizer``/``Llama3Tokenizer`` are refused with
+  the type to use instead.
+
 ``identity()`` is what checkpoints store, so a resumed run can refuse a different tokenizer.
 """
 
+import contextlib
 import hashlib
 import os
 from collections import OrderedDict
@@ -26,7 +40,21 @@ from megatron_ext.config import ConfigError
 
 NULL_TYPES = ("NullTokenizer",)
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
-TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES
+HF_TYPES = ("HuggingFaceTokenizer",)
+GPT2_TYPES = ("GPT2BPETokenizer",)
+TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES + HF_TYPES + GPT2_TYPES
+REFUSED_TYPES = {
+    "TikTokenizer": "megatron-core's TikTokenizer reads Megatron's own JSON vocabulary and needs the tiktoken "
+                    "package; for Llama-3 and other tiktoken-style models use --tokenizer-type HuggingFaceTokenizer "
+                    "--tokenizer-model <the model's local tokenizer directory>",
+    "Llama3Tokenizer": "use --tokenizer-type HuggingFaceTokenizer --tokenizer-model <Llama-3's local tokenizer directory>",
+    "Llama2Tokenizer": "use --tokenizer-type SentencePieceTokenizer --tokenizer-model <Llama-2's tokenizer.model> (or "
+                       "HuggingFaceTokenizer with its directory)",
+}
+# files of a tokenizer directory that define its ids (hashed into the identity; never weights)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+GPT2_EOD = "<|endoftext|>"
 
 
 def get_file_sha256(path: str) -> str:
@@ -152,36 +180,190 @@ class SentencePieceTokenizer:
         }
 
 
+def get_files_sha256(paths: list[str]) -> str:
+    """One sha256 over files' names and bytes, in the given order."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(os.path.basename(path).encode() + b"\0" + get_file_sha256(path).encode())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    """Hugging Face loads with the hub switched off: a local path never becomes a download."""
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class HuggingFaceTokenizer:
+    """A local Hugging Face tokenizer directory through megatron-core's library."""
+
+    def __init__(self, path: str):
+        try:
+            from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import HuggingFaceTokenizer as _Impl
+        except ImportError as err:
+            raise ConfigError([f"--tokenizer-type HuggingFaceTokenizer needs the transformers package ({err}); "
+                               f"pip install transformers"]) from None
+        self.tokenizer_type, self.model_path = "HuggingFaceTokenizer", path
+        try:
+            with _hub_offline():
+                self._impl = _Impl(path)
+        except (ValueError, OSError) as err:
+            raise ConfigError([f"--tokenizer-model {path}: not a Hugging Face tokenizer directory that loads "
+                               f"offline ({' '.join(str(err).split())[:300]})"]) from None
+        if self._impl.eod is None:
+            raise ConfigError([f"--tokenizer-model {path}: the tokenizer defines no eos token, so documents could "
+                               f"not be ended with EOD; set \"eos_token\" in its tokenizer_config.json"])
+        self._eod = int(self._impl.eod)
+        pad = self._impl.tokenizer.pad_token_id
+        self._pad = int(pad) if pad is not None else self._eod
+        self._files = sorted(os.path.join(path, f) for f in os.listdir(path) if f in TOKENIZER_FILES)
+        self._sha256 = get_files_sha256(self._files)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._impl.vocab_size)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(self.identity())
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(i) for i in self._impl.text_to_ids(text)]
+
+    def detokenize(self, ids) -> str:
+        return self._impl.tokenizer.decode([int(i) for i in ids])
+
+    def identity(self) -> dict:
+        return {"type": self.tokenizer_type, "model_sha256": self._sha256, "vocab_size": self.vocab_size}
+
+
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from vocab.json and merges.txt (the ``tokenizers`` library)."""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        try:
+            from tokenizers import ByteLevelBPETokenizer
+        except ImportError as err:
+            raise ConfigError([f"--tokenizer-type GPT2BPETokenizer needs the tokenizers package ({err}); "
+                               f"pip install tokenizers"]) from None
+        self.tokenizer_type = "GPT2BPETokenizer"
+        try:
+            self._impl = ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
+        except Exception as err:  # noqa: BLE001 - the Rust library raises its own exception type
+            raise ConfigError([f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a GPT-2 BPE vocabulary "
+                               f"and merge list ({' '.join(str(err).split())[:200]})"]) from None
+        eod = self._impl.token_to_id(GPT2_EOD)
+        if eod is None:
+            raise ConfigError([f"--vocab-file {vocab_file} has no {GPT2_EOD} token, GPT-2's EOD"])
+        self._eod = int(eod)
+        self._sha256 = get_files_sha256([vocab_file, merge_file])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._impl.get_vocab_size())
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._eod
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(self.identity())
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._impl.encode(text).ids)
+
+    def detokenize(self, ids) -> str:
+        return self._impl.decode([int(i) for i in ids])
+
+    def identity(self) -> dict:
+        return {"type": self.tokenizer_type, "model_sha256": self._sha256, "vocab_size": self.vocab_size}
+
+
+def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: Optional[str] = None,
+                          vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
+                          merge_file: Optional[str] = None) -> list[str]:
+    """The tokenizer flags' problems, without loading anything (pure but for path checks)."""
+    if tokenizer_type in REFUSED_TYPES:
+        return [f"--tokenizer-type {tokenizer_type} is not supported: {REFUSED_TYPES[tokenizer_type]}"]
+    if tokenizer_type not in TOKENIZER_TYPES:
+        return [f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}"]
+    if tokenizer_type in NULL_TYPES:
+        if vocab_size is None or int(vocab_size) <= 0:
+            return [f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size}); "
+                    f"the model vocabulary is then --vocab-size + 1 (EOD = --vocab-size)"]
+        return []
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        if not tokenizer_model:
+            return [f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a sentencepiece .model (e.g. "
+                    f"data/default/tokenizer.model, or train one with tools/train_tokenizer.py)"]
+        if not os.path.isfile(tokenizer_model):
+            return [f"--tokenizer-model {tokenizer_model} does not exist; pass the path of a sentencepiece .model "
+                    f"(e.g. data/default/tokenizer.model)"]
+        return []
+    if tokenizer_type in HF_TYPES:
+        if not tokenizer_model:
+            return ["--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR, a local tokenizer directory "
+                    "(tokenizer.json, tokenizer_config.json)"]
+        if os.path.isfile(tokenizer_model):
+            return [f"--tokenizer-model {tokenizer_model} is a file: a bare tokenizer file names no eos token; pass "
+                    f"the tokenizer's directory (with tokenizer_config.json)"]
+        if not os.path.isdir(tokenizer_model):
+            return [f"--tokenizer-model {tokenizer_model} is not a local directory (hub ids are not downloaded: "
+                    f"fetch the tokenizer beforehand, e.g. huggingface-cli download, and pass its directory)"]
+        return []
+    missing = [f"{flag} {path}" if path else flag for flag, path in (("--vocab-file", vocab_file),
+                                                                      ("--merge-file", merge_file))
+               if not path or not os.path.isfile(path)]
+    if missing:
+        return [f"--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt); "
+                f"missing: {', '.join(missing)}"]
+    return []
+
+
 def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None
+    tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
+    vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
 ):
     """Build the tokenizer named by ``--tokenizer-type``.
 
-    Raises ``ValueError`` naming the flag and the fix for an unknown type, a missing
+    Raises ConfigError naming the flag and the fix for an unknown type, a missing
     ``--tokenizer-model`` file or a missing/invalid ``--vocab-size``.
     """
+    problems = check_tokenizer_flags(tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
+    if problems:
+        raise ConfigError(problems)
     if tokenizer_type in NULL_TYPES:
-        if vocab_size is None or int(vocab_size) <= 0:
-            raise ConfigError([
-                f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size}); "
-                f"the model vocabulary is then --vocab-size + 1 (EOD = --vocab-size)"])
         return NullTokenizer(int(vocab_size))
     if tokenizer_type in SENTENCEPIECE_TYPES:
-        if not tokenizer_model:
-            raise ConfigError([
-                f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a "
-                f"sentencepiece .model (e.g. data/default/tokenizer.model, or train one with "
-                f"tools/train_tokenizer.py)"])
-        if not os.path.isfile(tokenizer_model):
-            raise ConfigError([
-                f"--tokenizer-model {tokenizer_model} does not exist; pass the path of a "
-                f"sentencepiece .model (e.g. data/default/tokenizer.model)"])
         tokenizer = SentencePieceTokenizer(tokenizer_model, tokenizer_type)
-        if vocab_size is not None and int(vocab_size) != tokenizer.vocab_size:
-            raise ConfigError([
-                f"--vocab-size {vocab_size} disagrees with --tokenizer-model {tokenizer_model}, "
-                f"which has {tokenizer.vocab_size} pieces; drop --vocab-size for {tokenizer_type}"])
-        return tokenizer
-    raise ConfigError([
-        f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
-        f"{', '.join(TOKENIZER_TYPES)}"])
+    elif tokenizer_type in HF_TYPES:
+        tokenizer = HuggingFaceTokenizer(tokenizer_model)
+    else:
+        tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    if vocab_size is not None and int(vocab_size) != tokenizer.vocab_size:
+        source = f"--tokenizer-model {tokenizer_model}" if tokenizer_model else f"--vocab-file {vocab_file}"
+        raise ConfigError([f"--vocab-size {vocab_size} disagrees with {source}, which has {tokenizer.vocab_size} "
+                           f"ids; drop --vocab-size for {tokenizer_type} (the model pads the vocabulary itself)"])
+    return tokenizer

@@ -77,7 +77,7 @@ def test_data_rules():
         validate(cfg, 1)
     assert any("/nope/prefix: missing /nope/prefix.bin" in p for p in err.value.problems)
     cfg = build_job_config({"mock_data": True, "tokenizer_type": "NullTokenizer"})
-    with pytest.raises(ConfigError, match="NullTokenizer needs --vocab-size"):
+    with pytest.raises(ConfigError, match="NullTokenizer needs a positive --vocab-size"):
         validate(cfg, 1)
 
 
