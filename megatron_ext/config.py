@@ -70,6 +70,9 @@ class ModelConfig:
     position_embedding_type: str = _f("learned_absolute", "learned_absolute or rope.", choices=["learned_absolute", "rope"])
     rotary_base: int = _f(10000, "RoPE theta.")
     rotary_percent: float = _f(1.0, "Fraction of each head's dimensions rotated by RoPE.")
+    use_rope_scaling: bool = _f(False, "Llama-3.1 RoPE frequency scaling (megatron-core's: low/high frequency factors 1 and 4, original context 8192).")
+    rope_scaling_factor: float = _f(8.0, "The factor of --use-rope-scaling (Llama-3.1: 8, Llama-3.2: 32).")
+    add_qkv_bias: bool = _f(False, "Biases on the query/key/value projection only (Qwen2), with --disable-bias-linear.")
     normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.")
     swiglu: bool = _f(False, "SwiGLU MLP (Llama).")
@@ -593,6 +596,13 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
                 f"--seq-length {m.seq_length} exceeds --max-position-embeddings {max_pos}: raise "
                 f"--max-position-embeddings or use --position-embedding-type rope"
             )
+    if m.use_rope_scaling and m.position_embedding_type != "rope":
+        out.append("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")
+    if m.use_rope_scaling and not m.rope_scaling_factor > 0:
+        out.append(f"--rope-scaling-factor must be > 0, got {m.rope_scaling_factor}")
+    if m.add_qkv_bias and not m.disable_bias_linear:
+        out.append("--add-qkv-bias adds biases to the query/key/value projection only: it needs "
+                   "--disable-bias-linear (without it every linear layer has biases already)")
     out += _check_recompute(cfg)
     for name in ("hidden_dropout", "attention_dropout"):
         v = getattr(m, name)

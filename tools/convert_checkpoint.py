@@ -1,4 +1,4 @@
-"""Convert Hugging Face Llama-architecture checkpoints to ours and back.
+"""Convert Hugging Face Llama-architecture checkpoints (Llama 2/3/3.1/3.2/3.3, Qwen2/2.5) to ours and back.
 
     python tools/convert_checkpoint.py hf-to-megatron --hf-dir HF --save CKPT \\
         [--tensor-model-parallel-size 2] [--make-vocab-size-divisible-by 128]
@@ -19,6 +19,11 @@ Tensor layouts (megatron-core, checked against 0.16.1):
   half); ``linear_fc2`` is ``down_proj``;
 - RoPE: megatron-core's default (``rotary_interleaved=False``) rotates halves, as Hugging Face's
   ``rotate_half`` does, so q/k rows are copied without permutation; theta is ``--rotary-base``.
+  Llama-3.1-style scaling (``rope_type: llama3``) maps to ``--use-rope-scaling
+  --rope-scaling-factor F``: megatron-core fixes the low/high frequency factors (1, 4) and the
+  original context (8192), so other values are refused;
+- Qwen2/2.5: q/k/v biases (implied by ``model_type``) map to ``--add-qkv-bias``, grouped like the
+  weight rows; sliding-window attention is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# megatron-core 0.16.1's RotaryEmbedding._apply_scaling constants (Llama 3.1)
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -53,11 +60,21 @@ def check_supported(hf: dict[str, Any]) -> None:
         problems.append(f"hidden_act {hf['hidden_act']!r}: only silu (SwiGLU) is supported")
     for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names
         rope = hf.get(key) or {}
-        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
-            problems.append(f"{key} {rope}: RoPE scaling is not supported")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "llama3":
+            off = {k: rope.get(k) for k, v in LLAMA3_ROPE.items() if float(rope.get(k, -1)) != v}
+            if off or not float(rope.get("factor", 0)) > 0:
+                problems.append(f"{key} {rope}: Llama-3 RoPE scaling converts only with low_freq_factor 1, "
+                                f"high_freq_factor 4, original_max_position_embeddings 8192 and a factor > 0 "
+                                f"(megatron-core's fixed values); this config has {off or rope.get('factor')}")
+        elif kind != "default":
+            problems.append(f"{key} {rope}: RoPE scaling {kind!r} is not supported (only llama3)")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            problems.append(f"{flag}=true: biases in linear layers are not supported")
+            problems.append(f"{flag}=true: biases in linear layers are not supported (Qwen2's q/k/v biases are)")
+    if hf.get("model_type") == "qwen2" and (hf.get("use_sliding_window")
+                                            or "sliding_attention" in (hf.get("layer_types") or [])):
+        problems.append("use_sliding_window=true: sliding-window attention is not supported")
     for key in REQUIRED_KEYS:
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf.get(key) <= 0:
             problems.append(f"config.json: {key} must be a positive integer, got {hf.get(key)!r}")
@@ -76,6 +93,15 @@ def get_rope_theta(hf: dict[str, Any]) -> float:
     return float((hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_theta", 10000.0))
 
 
+def get_rope_scaling_factor(hf: dict[str, Any]) -> float | None:
+    """The llama3 RoPE scaling factor, or None without scaling."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key) or {}
+        if rope.get("rope_type", rope.get("type")) == "llama3":
+            return float(rope["factor"])
+    return None
+
+
 def get_padded_vocab(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
     """Rounded up to ``divisible_by`` whatever the TP size (megatron_ext.config.get_padded_vocab_size);
     ``tp`` only has to divide it."""
@@ -90,6 +116,7 @@ def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str
     """Our flat config values (flag names with underscores) for an HF Llama config."""
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
+    factor = get_rope_scaling_factor(hf)
     return dict(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
@@ -100,6 +127,9 @@ def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         max_position_embeddings=hf.get("max_position_embeddings"),
         make_vocab_size_divisible_by=divisible_by,
+        add_qkv_bias=hf.get("model_type") == "qwen2",
+        use_rope_scaling=factor is not None,
+        **({"rope_scaling_factor": factor} if factor is not None else {}),
     )
 
 
@@ -125,6 +155,11 @@ def hf_to_megatron_tensors(hf_state: dict[str, torch.Tensor], hf: dict[str, Any]
         k = hf_state[src + "self_attn.k_proj.weight"].view(groups, d, hidden)
         v = hf_state[src + "self_attn.v_proj.weight"].view(groups, d, hidden)
         out[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+        if src + "self_attn.q_proj.bias" in hf_state:  # Qwen2: grouped like the weight rows
+            qb = hf_state[src + "self_attn.q_proj.bias"].view(groups, heads // groups * d)
+            kb = hf_state[src + "self_attn.k_proj.bias"].view(groups, d)
+            vb = hf_state[src + "self_attn.v_proj.bias"].view(groups, d)
+            out[dst + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
         out[dst + "self_attention.linear_proj.weight"] = hf_state[src + "self_attn.o_proj.weight"]
         out[dst + "input_layernorm.weight"] = hf_state[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
@@ -150,6 +185,11 @@ def megatron_to_hf_tensors(ours: dict[str, torch.Tensor], hf: dict[str, Any]) ->
         out[dst + "self_attn.q_proj.weight"] = q.reshape(-1, hidden)
         out[dst + "self_attn.k_proj.weight"] = k.reshape(-1, hidden)
         out[dst + "self_attn.v_proj.weight"] = v.reshape(-1, hidden)
+        if src + "self_attention.linear_qkv.bias" in ours:
+            qkv_b = ours[src + "self_attention.linear_qkv.bias"].view(groups, (heads // groups + 2) * d)
+            qb, kb, vb = qkv_b.split([heads // groups * d, d, d], dim=1)
+            for name, b in (("q", qb), ("k", kb), ("v", vb)):
+                out[dst + f"self_attn.{name}_proj.bias"] = b.reshape(-1)
         out[dst + "self_attn.o_proj.weight"] = ours[src + "self_attention.linear_proj.weight"]
         out[dst + "input_layernorm.weight"] = ours[src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = ours[src + "pre_mlp_layernorm.weight"]
@@ -305,9 +345,16 @@ _STACKED = {
 }
 
 
+_STACKED_OPTIONAL = {"decoder.layers.self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias"}
+
+
 def unstack_layers(full: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """Checkpoint tensors (layers stacked on dim 0) -> our single-process parameter names."""
     out = {k: v for k, v in full.items() if not k.startswith(("decoder.layers.", "optimizer."))}
+    for key, name in _STACKED_OPTIONAL.items():
+        if key in full:
+            for i in range(num_layers):
+                out[f"decoder.layers.{i}.{name}"] = full[key][i]
     for key, name in _STACKED.items():
         if key not in full:
             raise ValueError(f"checkpoint has no {key}: not a Llama-style (RMSNorm, SwiGLU, no bias) model")
@@ -329,14 +376,21 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
         )
     vocab = (common.get("tokenizer") or {}).get("vocab_size") or common["padded_vocab_size"]
     heads = args["num_attention_heads"]
+    theta = float(args["rotary_base"])
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if args.get("use_rope_scaling"):
+        rope = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE, "rope_theta": theta}
+    qwen = bool(args.get("add_qkv_bias"))
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        **({"use_sliding_window": False} if qwen else {}),
         "vocab_size": vocab, "hidden_size": args["hidden_size"],
         "intermediate_size": args["ffn_hidden_size"], "num_hidden_layers": args["num_layers"],
         "num_attention_heads": heads,
         "num_key_value_heads": args["num_query_groups"] if args.get("group_query_attention") else heads,
-        "rms_norm_eps": args["norm_epsilon"], "rope_theta": float(args["rotary_base"]),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(args["rotary_base"])},
+        "rms_norm_eps": args["norm_epsilon"], "rope_theta": theta,
+        "rope_parameters": rope, "rope_scaling": rope if args.get("use_rope_scaling") else None,
         "max_position_embeddings": args.get("max_position_embeddings") or args["seq_length"],
         "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
         "hidden_act": "silu",
@@ -348,13 +402,13 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-megatron", help="HF Llama (safetensors + config.json) -> our checkpoint")
+    a = sub.add_parser("hf-to-megatron", help="HF Llama / Qwen2 (safetensors + config.json) -> our checkpoint")
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--save", required=True)
     a.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="TP size of the runs that will load it (only checked: it must divide the multiple)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    b = sub.add_parser("megatron-to-hf", help="our checkpoint -> HF Llama (safetensors + config.json)")
+    b = sub.add_parser("megatron-to-hf", help="our checkpoint -> HF Llama / Qwen2 (safetensors + config.json)")
     b.add_argument("--load", required=True)
     b.add_argument("--hf-dir", required=True)
     args = parser.parse_args(argv)

@@ -43,7 +43,7 @@ CHECKPOINT_READERS = ("direct", "megatron")
 MODEL_SHAPE_SETTINGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "normalization", "swiglu", "disable_bias_linear",
-    "untie_embeddings_and_output_weights", "position_embedding_type",
+    "untie_embeddings_and_output_weights", "position_embedding_type", "add_qkv_bias",
 )
 
 

@@ -49,6 +49,7 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=not m.disable_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
@@ -179,6 +180,8 @@ def build_model_chunks(
             position_embedding_type=m.position_embedding_type,
             rotary_base=m.rotary_base,
             rotary_percent=m.rotary_percent,
+            rope_scaling=m.use_rope_scaling,
+            rope_scaling_factor=m.rope_scaling_factor,
             vp_stage=vp_stage if placement.vp_size else None,
         )
         if not use_transformer_engine(cfg, device):

@@ -27,18 +27,37 @@ from tools.convert_checkpoint import (  # noqa: E402
 VOCAB, SEQ, BATCH = 200, 16, 2
 
 
-def _make_hf(path: str, tied: bool):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation="eager",
-    )
+# Llama-3.1-style RoPE scaling: with theta 500000 and head_dim 16, the lowest frequencies have
+# wavelengths beyond 8192 / low_freq_factor and are divided by the factor, the middle ones smoothed
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+KINDS = {
+    "llama untied": ("llama", dict(tie_word_embeddings=False)),
+    "llama tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama-3.1 rope scaling": ("llama", dict(tie_word_embeddings=False, rope_theta=500000.0,
+                                             rope_scaling=LLAMA3_ROPE, max_position_embeddings=16384)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+def _make_hf(path: str, kind: str):
+    model_type, extra = KINDS[kind]
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0, rms_norm_eps=1e-5,
+                  max_position_embeddings=64, attn_implementation="eager")
+    common.update(extra)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # random norms too, so a swapped norm shows
+    if model_type == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    model = model.eval()
+    with torch.no_grad():  # random norms and biases too, so a swapped norm or bias shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -56,7 +75,9 @@ def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torc
 
     values = {**hf_config_to_values(hf, 32), "tensor_model_parallel_size": 2,
               "pipeline_model_parallel_size": 2, "mock_data": True, "tokenizer_type": "NullTokenizer",
-              "vocab_size": VOCAB - 1, "seq_length": SEQ, "micro_batch_size": BATCH, "global_batch_size": BATCH}
+              "vocab_size": VOCAB - 1, "seq_length": tokens.shape[1], "micro_batch_size": BATCH,
+              "global_batch_size": BATCH}
+    seq = tokens.shape[1]
     run = build_tiny_run(values, None)
     model, ctx = run.model, run.ctx
     padded = 224  # 200 rounded up to 32, whatever the TP size
@@ -68,9 +89,9 @@ def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torc
         out = chunk(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
         return out, lambda o: (o.sum() * 0.0, torch.tensor(1), {"logits": o.detach()})
 
-    mb = Microbatch(tokens=tokens, labels=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
-                    num_real_tokens=BATCH * SEQ, attention_pairs=BATCH * SEQ * SEQ)
-    reports = run_forward_backward(model, [mb], SEQ, forward_only=True, forward_step_func=forward_step)
+    mb = Microbatch(tokens=tokens, labels=tokens, position_ids=torch.arange(seq).expand(BATCH, seq),
+                    num_real_tokens=BATCH * seq, attention_pairs=BATCH * seq * seq)
+    reports = run_forward_backward(model, [mb], seq, forward_only=True, forward_step_func=forward_step)
     logits = None
     if ctx.is_last_stage:
         local = reports[0]["logits"]  # [b, s, padded / TP]
@@ -85,21 +106,32 @@ def _back_to_hf(rank: int, world_size: int, save: str, out: str) -> str:
     return convert_megatron_to_hf(save, out, log=lambda s: None)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_hf_to_ours_logits_and_round_trip(tmp_path, tied):
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_hf_to_ours_logits_and_round_trip(tmp_path, kind):
     from safetensors.torch import load_file
 
+    tied = KINDS[kind][1]["tie_word_embeddings"]
     hf_dir, save, back = str(tmp_path / "hf"), str(tmp_path / "ours"), str(tmp_path / "back")
-    hf_model = _make_hf(hf_dir, tied)
+    hf_model = _make_hf(hf_dir, kind)
     hf = hf_model.config.to_dict()
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    # RoPE scaling changes only low frequencies: at 16 positions the logits move by ~2e-5, at 256 by ~2e-4
+    seq = 256 if "rope scaling" in kind else SEQ
+    tokens = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf_model(tokens).logits
+    if "rope scaling" in kind:  # control: the same weights without the scaling are told apart
+        config = hf_model.config.to_dict()
+        config.pop("rope_scaling", None)
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+        unscaled = type(hf_model)(type(hf_model.config).from_dict(config)).eval()
+        unscaled.load_state_dict(hf_model.state_dict())
+        with torch.no_grad():
+            assert ((unscaled(tokens).logits - expected).norm() / expected.norm()).item() > 1e-4
 
     run_ranks(_convert, 1, hf_dir, save, timeout=300)
     logits = run_ranks(_logits_tp2pp2, 4, save, hf, tokens, timeout=300)[-1]
     rel = ((logits - expected).norm() / expected.norm()).item()
-    assert rel <= 1e-4, f"logits differ by {rel:.2e} relative"
+    assert rel <= 2e-5, f"logits differ by {rel:.2e} relative"
 
     run_ranks(_back_to_hf, 1, save, back, timeout=300)
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
@@ -109,7 +141,7 @@ def test_hf_to_ours_logits_and_round_trip(tmp_path, tied):
     assert set(restored) == set(original)
     differ = [k for k in original if not torch.equal(original[k], restored[k])]
     assert not differ, differ
-    reloaded = transformers.LlamaForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+    reloaded = type(hf_model).from_pretrained(back, attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-6, atol=1e-6)
 
@@ -119,6 +151,11 @@ def test_hf_to_ours_logits_and_round_trip(tmp_path, tied):
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_parameters={**LLAMA3_ROPE, "low_freq_factor": 2.0}), "converts only with low_freq_factor 1"),
+    (dict(rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 4096}),
+     "{'original_max_position_embeddings': 4096}"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "RoPE scaling 'yarn' is not supported"),
+    (dict(model_type="qwen2", use_sliding_window=True), "sliding-window attention is not supported"),
 ])
 def test_unsupported_architectures_are_named(change, needle):
     hf = dict(model_type="llama", hidden_size=64, num_attention_heads=4, hidden_act="silu")
@@ -140,3 +177,18 @@ def test_malformed_hf_config_is_named(tmp_path, text, needle):
     with pytest.raises(ValueError, match="") as err:
         _read_hf(str(tmp_path))
     assert needle in str(err.value), str(err.value)
+
+
+def test_checkpoints_trained_here_export_as_qwen2_or_scaled_llama():
+    from tools.convert_checkpoint import build_hf_config
+
+    args = dict(swiglu=True, normalization="RMSNorm", disable_bias_linear=True, position_embedding_type="rope",
+                hidden_size=64, ffn_hidden_size=96, num_layers=2, num_attention_heads=4, group_query_attention=False,
+                norm_epsilon=1e-5, rotary_base=10000, seq_length=32, untie_embeddings_and_output_weights=True)
+    qwen = build_hf_config({**args, "add_qkv_bias": True}, {"padded_vocab_size": 256})
+    assert (qwen["model_type"], qwen["architectures"], qwen["use_sliding_window"]) == ("qwen2", ["Qwen2ForCausalLM"], False)
+    llama = build_hf_config({**args, "use_rope_scaling": True, "rope_scaling_factor": 32.0}, {"padded_vocab_size": 256})
+    assert llama["model_type"] == "llama"
+    assert llama["rope_parameters"] == {**LLAMA3_ROPE, "factor": 32.0, "rope_theta": 10000.0}
+    check_supported({**llama, "vocab_size": 256})
+    assert hf_config_to_values({**llama, "vocab_size": 256})["rope_scaling_factor"] == 32.0
