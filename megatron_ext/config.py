@@ -106,6 +106,9 @@ class DataConfig:
     packed_sequences: bool = _f(False, "Pack whole documents into each sample of at most --seq-length tokens (THD, cu_seqlens, no attention across documents); a micro-batch joins its --micro-batch-size packs into one THD sequence.", negative_flag=True)
     packing_strategy: str = _f("best_fit", "Packer for --packed-sequences: sequential (corpus order) or best_fit (fewest pad tokens).", choices=["sequential", "best_fit"])
     one_document_per_row: bool = _f(False, "One document per sample row, unpacked (variable-length rows, SFT-like), padded per step.")
+    reset_position_ids: bool = _f(False, "megatron-core's GPTDataset windows: position ids restart after each EOD token (Megatron-LM).")
+    reset_attention_mask: bool = _f(False, "megatron-core's GPTDataset windows: no attention across an EOD token (Megatron-LM); realised as THD document boundaries, never a dense [s, s] mask.")
+    eod_mask_loss: bool = _f(False, "Mask the loss of positions whose input token is EOD (Megatron-LM; GPTDataset path).")
     sequence_padding: str | None = _f(None, "static (to --seq-length), negotiated (one MAX over the pipeline per step) or variable (megatron-core variable_seq_lengths handshake). Default: negotiated with packed/variable-length samples, else static.", choices=["static", "negotiated", "variable"])
     pad_to_multiple_of: int = _f(64, "Round negotiated/variable lengths up to a multiple of this (--seq-length must be one).")
 
@@ -399,9 +402,17 @@ def get_recompute(cfg: JobConfig) -> dict[str, Any]:
     return out
 
 
+def uses_document_boundaries(cfg: JobConfig) -> bool:
+    """Micro-batches carry THD document boundaries: packed documents, or GPTDataset windows split
+    at their EOD tokens (--reset-attention-mask / --reset-position-ids)."""
+    d = cfg.data
+    return d.packed_sequences or ((d.reset_attention_mask or d.reset_position_ids) and not d.one_document_per_row)
+
+
 def get_max_microbatch_length(cfg: JobConfig) -> int:
-    """A micro-batch's longest possible length: --seq-length, or, packed, its b packs joined."""
-    packs = cfg.training.micro_batch_size if cfg.data.packed_sequences else 1
+    """A micro-batch's longest possible length: --seq-length, or, with THD boundaries, its b
+    samples joined."""
+    packs = cfg.training.micro_batch_size if uses_document_boundaries(cfg) else 1
     return cfg.model.seq_length * packs
 
 
@@ -768,6 +779,12 @@ def _check_data(cfg: JobConfig) -> list[str]:
     from megatron_ext.data.tokenizers import check_tokenizer_flags
 
     out += check_tokenizer_flags(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
+    if d.eod_mask_loss and uses_variable_lengths(cfg):
+        out.append("--eod-mask-loss applies to megatron-core's GPTDataset windows; with --packed-sequences or "
+                   "--one-document-per-row it is not supported yet (drop it)")
+    if d.one_document_per_row and (d.reset_attention_mask or d.reset_position_ids):
+        out.append("--reset-attention-mask/--reset-position-ids split GPTDataset windows at EOD; "
+                   "--one-document-per-row rows hold one document already: drop them")
 
     for prefix in _get_data_prefixes(d.data_path):
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]

@@ -18,7 +18,9 @@ from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.state import CheckpointMeta
-from megatron_ext.config import JobConfig, get_global_batch_size, get_padded_vocab_size, resolve_train_iters
+from megatron_ext.config import (
+    JobConfig, get_global_batch_size, get_padded_vocab_size, resolve_train_iters, uses_document_boundaries,
+)
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.tokenizers import build_tokenizer
@@ -134,5 +136,5 @@ def describe_run(run: TrainingRun) -> str:
         f" | parameters on the logging rank {local:,}\n"
         + describe_schedule(run) + "\n"
         + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
-                                     use_transformer_engine(cfg, ctx.device), cfg.data.packed_sequences)
+                                     use_transformer_engine(cfg, ctx.device), uses_document_boundaries(cfg))
     )

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from megatron_ext.config import JobConfig, uses_variable_lengths
-from megatron_ext.data.gpt_datasets import build_gpt_datasets, parse_split
+from megatron_ext.config import JobConfig, uses_document_boundaries, uses_variable_lengths
+from megatron_ext.data.gpt_datasets import EodBoundaryDataset, build_gpt_datasets, parse_split
 from megatron_ext.data.packed_dataset import build_packed_datasets
 
 
@@ -48,8 +48,12 @@ def build_train_valid_datasets(
     train_ds, valid_ds, _ = build_gpt_datasets(
         tokenizer, cfg.model.seq_length, num_samples, data_path=d.data_path, split=d.split,
         mock_data=d.mock_data, random_seed=t.seed, path_to_cache=d.data_cache_path,
-        create_attention_mask=False, unused_splits=get_unused_splits(cfg),
+        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss, create_attention_mask=False, unused_splits=get_unused_splits(cfg),
     )
+    if uses_document_boundaries(cfg):
+        train_ds, valid_ds = (EodBoundaryDataset(ds, tokenizer.eod, d.reset_attention_mask) if ds is not None else None
+                              for ds in (train_ds, valid_ds))
     return train_ds, valid_ds
 
 

@@ -223,3 +223,35 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
     with maybe_single_process_rank():
         train, valid, test = builder.build()
     return train, valid, test
+
+
+class EodBoundaryDataset:
+    """megatron-core GPTDataset windows with their EOD tokens as THD document boundaries.
+
+    megatron-core computes the sample (its ``reset_position_ids`` restarts positions after each
+    EOD, its ``eod_mask_loss`` masks the loss where the input is EOD); with
+    ``reset_attention_mask`` it would build a dense [s, s] mask, which we never ask for: the window
+    gets ``cu_seqlens`` instead, ending a document after each EOD (the EOD belongs to the document
+    it closes, as in megatron-core's mask), so the packed attention path keeps documents apart.
+    With ``reset_position_ids`` alone the window is one "document" (attention spans it) that
+    carries its restarted positions to the rotary embedding.
+    """
+
+    def __init__(self, dataset, eod: int, reset_attention_mask: bool):
+        self.dataset, self.eod, self.reset_attention_mask = dataset, int(eod), reset_attention_mask
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        import numpy as np
+
+        sample = dict(self.dataset[index])
+        tokens = np.asarray(sample["tokens"])
+        n = len(tokens)
+        ends = np.flatnonzero(tokens == self.eod) + 1 if self.reset_attention_mask else np.zeros(0, dtype=np.int64)
+        sample["cu_seqlens"] = np.concatenate([[0], ends[ends < n], [n]]).astype(np.int32)
+        return sample
+
+    def __getattr__(self, name: str):  # describe_sample and the builders read GPTDataset's indices
+        return getattr(self.dataset, name)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megatron_ext.config import (
     JobConfig, get_num_query_groups, get_params_dtype, get_recompute, get_sequence_padding, get_virtual_pipeline_size,
+    uses_document_boundaries,
 )
 from megatron_ext.model.init_weights import apply_layout_independent_init
 from megatron_ext.parallel import StagePlacement
@@ -187,7 +188,7 @@ def build_model_chunks(
         if not use_transformer_engine(cfg, device):
             apply_packed_rotary(chunk)
         chunks.append(chunk.to(device))
-    if cfg.data.packed_sequences:
+    if uses_document_boundaries(cfg):
         check_packed_sequence_support(chunks)
     apply_layout_independent_init(
         chunks,
