@@ -95,6 +95,11 @@ class DataConfig:
     """Where tokens come from."""
 
     data_path: list[str] = _f([], "Indexed dataset prefixes, optionally weighted: 'w1 prefix1 w2 prefix2'.", nargs="*")
+    data_args_path: str | None = _f(None, "A file holding what --data-path would ([w1] prefix1 [w2 prefix2 ...]; Megatron-LM).")
+    train_data_path: list[str] = _f([], "The training blend ([w1] prefix1 ...), read whole (no --split); Megatron-LM.", nargs="*")
+    valid_data_path: list[str] = _f([], "The validation blend ([w1] prefix1 ...), read whole.", nargs="*")
+    test_data_path: list[str] = _f([], "The test blend ([w1] prefix1 ...), read whole (not read by training).", nargs="*")
+    per_split_data_args_path: str | None = _f(None, "A JSON file {\"train\": \"[w1] prefix1 ...\", \"valid\": ..., \"test\": ...} (Megatron-LM).")
     split: str = _f("969,30,1", "Train,valid,test split weights of each dataset.")
     mock_data: bool = _f(False, "Synthetic data (megatron-core MockGPTDataset), no files.")
     tokenizer_type: str = _f("SentencePieceTokenizer", "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer (a local tokenizer directory) or GPT2BPETokenizer (--vocab-file, --merge-file).")
@@ -771,10 +776,15 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
 def _check_data(cfg: JobConfig) -> list[str]:
     d = cfg.data
     out = []
-    if d.mock_data and d.data_path:
-        out.append("--mock-data and --data-path are exclusive: give one")
-    if not d.mock_data and not d.data_path:
-        out.append("no data: give --data-path PREFIX (an indexed .bin/.idx pair) or --mock-data")
+    blends = None
+    try:
+        blends = get_data_blends(cfg)
+    except ConfigError as exc:
+        out += exc.problems
+    if d.mock_data and blends is not None:
+        out.append(f"--mock-data and {blends.source} are exclusive: give one")
+    if not d.mock_data and blends is None and not out:
+        out.append("no data: give --data-path PREFIX (an indexed .bin/.idx pair; or --train-data-path ...) or --mock-data")
     from megatron_ext.data.indexed_check import check_indexed_dataset
     from megatron_ext.data.tokenizers import check_tokenizer_flags
 
@@ -786,12 +796,17 @@ def _check_data(cfg: JobConfig) -> list[str]:
         out.append("--reset-attention-mask/--reset-position-ids split GPTDataset windows at EOD; "
                    "--one-document-per-row rows hold one document already: drop them")
 
-    for prefix in _get_data_prefixes(d.data_path):
+    for prefix in dict.fromkeys(blends.prefixes if blends else []):
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
-            out.append(f"--data-path {prefix}: missing {', '.join(missing)}")
+            out.append(f"{blends.source} {prefix}: missing {', '.join(missing)}")
         else:
-            out += [f"--data-path {prefix}: {p}" for p in check_indexed_dataset(prefix)]
+            out += [f"{blends.source} {prefix}: {p}" for p in check_indexed_dataset(prefix)]
+    if blends is not None and blends.per_split is not None:
+        if cfg.training.eval_interval > 0 and blends.per_split[1] is None:
+            out.append(f"--eval-interval {cfg.training.eval_interval} needs a validation blend: give "
+                       f"--valid-data-path (or 'valid' in --per-split-data-args-path), or --eval-interval 0")
+        return out + _check_packing(cfg)
     out += _check_packing(cfg)
     split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
     try:
@@ -818,8 +833,6 @@ def _check_packing(cfg: JobConfig) -> list[str]:
         flag = "--packed-sequences" if d.packed_sequences else "--one-document-per-row"
         if d.mock_data:
             out.append(f"{flag} needs documents: give --data-path (not --mock-data)")
-        if len(_get_data_prefixes(d.data_path)) > 1:
-            out.append(f"{flag} reads one indexed dataset: give a single --data-path prefix")
     if get_sequence_padding(cfg) != "static":
         k = d.pad_to_multiple_of
         if k <= 0 or m.seq_length % k:
@@ -832,15 +845,13 @@ def _check_packing(cfg: JobConfig) -> list[str]:
     return out
 
 
-def _get_data_prefixes(data_path: list[str]) -> list[str]:
-    """Prefixes of a Megatron-LM style --data-path (with or without weights)."""
-    if len(data_path) % 2 == 0 and data_path:
-        try:
-            [float(w) for w in data_path[0::2]]
-            return list(data_path[1::2])
-        except ValueError:
-            pass
-    return list(data_path)
+def get_data_blends(cfg: JobConfig):
+    """The run's ``DataBlends`` (data/blends.py) from its data flags; None for no data flag."""
+    from megatron_ext.data.blends import resolve_data_blends
+
+    d = cfg.data
+    return resolve_data_blends(d.data_path, d.data_args_path, d.train_data_path, d.valid_data_path,
+                               d.test_data_path, d.per_split_data_args_path)
 
 
 def _check_overlap(cfg: JobConfig) -> list[str]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from megatron_ext.config import JobConfig, uses_document_boundaries, uses_variable_lengths
+from megatron_ext.config import JobConfig, get_data_blends, uses_document_boundaries, uses_variable_lengths
 from megatron_ext.data.gpt_datasets import EodBoundaryDataset, build_gpt_datasets, parse_split
-from megatron_ext.data.packed_dataset import build_packed_datasets
+from megatron_ext.data.packed_dataset import build_blended_packed_datasets
 
 
 def get_num_samples(cfg: JobConfig, global_batch_size: int) -> list[int]:
@@ -31,25 +31,27 @@ def build_train_valid_datasets(
     """(train, valid) datasets; ``log`` (the logging rank's) receives the packing summary."""
     num_samples = get_num_samples(cfg, global_batch_size)
     d, t = cfg.data, cfg.training
+    blends = None if d.mock_data else get_data_blends(cfg)
     if uses_variable_lengths(cfg):
         strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
-        train_ds, valid_ds, _ = build_packed_datasets(
-            d.data_path[-1], parse_split(d.split), cfg.model.seq_length, strategy, t.seed,
+        train_ds, valid_ds, _ = build_blended_packed_datasets(
+            blends, parse_split(d.split), cfg.model.seq_length, strategy, t.seed,
             num_samples, d.data_cache_path, unused_splits=get_unused_splits(cfg), split_flag=d.split,
         )
         if log is not None:
-            index = train_ds.index
-            log(
-                f"> {strategy} samples: {index.num_bins} of <= {cfg.model.seq_length} tokens from "
-                f"{len(index.piece_len)} document pieces | packing efficiency (real tokens / slots "
-                f"at --seq-length): {index.efficiency(cfg.model.seq_length):.3f}"
-            )
+            for part in getattr(train_ds, "datasets", [train_ds]):
+                index = part.index
+                log(
+                    f"> {strategy} samples of {part.indexed.path_prefix}: {index.num_bins} of <= "
+                    f"{cfg.model.seq_length} tokens from {len(index.piece_len)} document pieces | packing "
+                    f"efficiency (real tokens / slots at --seq-length): {index.efficiency(cfg.model.seq_length):.3f}"
+                )
         return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
-        tokenizer, cfg.model.seq_length, num_samples, data_path=d.data_path, split=d.split,
-        mock_data=d.mock_data, random_seed=t.seed, path_to_cache=d.data_cache_path,
-        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss, create_attention_mask=False, unused_splits=get_unused_splits(cfg),
+        tokenizer, cfg.model.seq_length, num_samples, split=d.split, mock_data=d.mock_data, random_seed=t.seed,
+        path_to_cache=d.data_cache_path, reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss, create_attention_mask=False,
+        unused_splits=get_unused_splits(cfg), blend=blends and blends.blend, blend_per_split=blends and blends.per_split,
     )
     if uses_document_boundaries(cfg):
         train_ds, valid_ds = (EodBoundaryDataset(ds, tokenizer.eod, d.reset_attention_mask) if ds is not None else None

@@ -151,8 +151,10 @@ def build_gpt_dataset_config(tokenizer, sequence_length: int, blend: Optional[Bl
                              split: str = "969,30,1", random_seed: int = 1234,
                              path_to_cache: Optional[str] = None,
                              reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                             eod_mask_loss: bool = False, create_attention_mask: bool = True):
-    """megatron-core ``GPTDatasetConfig``; ``blend=None`` means mock data."""
+                             eod_mask_loss: bool = False, create_attention_mask: bool = True,
+                             blend_per_split=None):
+    """megatron-core ``GPTDatasetConfig``; ``blend=None`` (and no ``blend_per_split``) means mock
+    data."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     if sequence_length < 1:
@@ -161,6 +163,7 @@ def build_gpt_dataset_config(tokenizer, sequence_length: int, blend: Optional[Bl
         random_seed=random_seed,
         sequence_length=sequence_length,
         blend=blend,
+        blend_per_split=blend_per_split,
         split=None if blend is None else split,
         path_to_cache=path_to_cache,
         tokenizer=tokenizer,
@@ -178,7 +181,8 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
                        reset_position_ids: bool = False, reset_attention_mask: bool = False,
                        eod_mask_loss: bool = False, create_attention_mask: bool = True,
                        is_built_on_rank: Optional[Callable[[], bool]] = None,
-                       unused_splits: Sequence[int] = ()):
+                       unused_splits: Sequence[int] = (), blend: Optional[Blend] = None,
+                       blend_per_split=None):
     """Build (train, valid, test) datasets; a split with zero weight comes back as None.
 
     Args:
@@ -194,19 +198,33 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
         unused_splits: split indices (0 train, 1 valid, 2 test) the run never reads: not built, so
             a split without documents cannot send megatron-core's epoch loop spinning; a used
             split without documents is a ConfigError naming --split and the document counts.
+        blend: the parsed ``data_path`` (prefixes, weights), given instead of it.
+        blend_per_split: [train, valid, test] blends (``--train-data-path`` ...; None where
+            absent), each read whole, instead of ``data_path`` and ``split``.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
+    if blend_per_split is not None:
+        blend_per_split = [None if i in unused_splits else b for i, b in enumerate(blend_per_split)]
+        validate_data_prefixes([p for b in blend_per_split if b for p in b[0]])
+        sizes = validate_num_samples(num_samples, None)
+        config = build_gpt_dataset_config(
+            tokenizer, sequence_length, None, split, random_seed, path_to_cache,
+            reset_position_ids, reset_attention_mask, eod_mask_loss, create_attention_mask, blend_per_split,
+        )
+        builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
+        with maybe_single_process_rank():
+            return builder.build()
     if mock_data:
         blend, dataset_cls = None, MockGPTDataset
     else:
-        if not data_path:
+        if not data_path and blend is None:
             raise ConfigError(["--data-path is required unless --mock-data is set "
                              "(e.g. --data-path data/default/corpus_text_document)"])
-        blend, dataset_cls = parse_data_path(data_path), GPTDataset
+        blend, dataset_cls = blend or parse_data_path(data_path), GPTDataset
         validate_data_prefixes(blend[0])
         parse_split(split)
     sizes = validate_num_samples(num_samples, None if blend is None else blend[1])

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,38 +41,48 @@ def get_split_ranges(num_docs: int, weights: Sequence[float]) -> list[tuple[int,
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
-def _cache_path(prefix: str, cache_dir: str | None, key: dict) -> str:
+def _cache_path(prefix: str, cache_dir: str | None, key: dict, kind: str = "packed") -> str:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     base = os.path.join(cache_dir, os.path.basename(prefix)) if cache_dir else prefix
-    return f"{base}_packed_{digest}.npz"
+    return f"{base}_{kind}_{digest}.npz"
+
+
+def load_or_build_arrays(path: str, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Arrays cached at ``path`` (.npz), built by ``build`` on a miss and written atomically.
+
+    Under torch.distributed, global rank 0 builds and writes them first; the others then read them.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if (not distributed or dist.get_rank() == 0) and not os.path.exists(path):
+        arrays = build()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    if distributed:
+        dist.barrier()
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
 
 
 def load_or_build_index(
     prefix: str, doc_lengths: np.ndarray, doc_range: tuple[int, int], seq_length: int,
     strategy: str, cache_dir: str | None,
 ) -> PackingIndex:
-    """The packing index of documents ``doc_range``; cached on disk, written atomically.
-
-    Under torch.distributed, global rank 0 builds and writes it first; the others then read it.
-    """
-    import torch.distributed as dist
-
+    """The packing index of documents ``doc_range``; cached on disk (``load_or_build_arrays``)."""
     key = {"prefix": os.path.abspath(prefix), "num_docs": int(len(doc_lengths)),
            "range": list(doc_range), "seq": seq_length, "strategy": strategy, "v": 1}
     path = _cache_path(prefix, cache_dir, key)
-    distributed = dist.is_available() and dist.is_initialized()
-    if not distributed or dist.get_rank() == 0:
-        if not os.path.exists(path):
-            ids = np.arange(*doc_range, dtype=np.int64)
-            index = _build(ids, doc_lengths[doc_range[0]:doc_range[1]], seq_length, strategy)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}.npz"
-            np.savez(tmp, **{k: getattr(index, k) for k in ("piece_doc", "piece_start", "piece_len", "bin_offsets")})
-            os.replace(tmp, path)
-    if distributed:
-        dist.barrier()
-    with np.load(path) as z:
-        index = PackingIndex(z["piece_doc"], z["piece_start"], z["piece_len"], z["bin_offsets"])
+
+    def build() -> dict[str, np.ndarray]:
+        ids = np.arange(*doc_range, dtype=np.int64)
+        index = _build(ids, doc_lengths[doc_range[0]:doc_range[1]], seq_length, strategy)
+        return {k: getattr(index, k) for k in ("piece_doc", "piece_start", "piece_len", "bin_offsets")}
+
+    z = load_or_build_arrays(path, build)
+    index = PackingIndex(z["piece_doc"], z["piece_start"], z["piece_len"], z["bin_offsets"])
     check_index_matches_documents(index, doc_lengths, path)
     return index
 
@@ -95,8 +106,9 @@ class PackedDocumentDataset:
     """Packed (or one-document-per-row) samples of one split of an indexed dataset."""
 
     def __init__(self, indexed, index: PackingIndex, seq_length: int, seed: int, num_samples: int,
-                 one_per_row: bool = False):
+                 one_per_row: bool = False, cache_key: str = ""):
         self.indexed = indexed
+        self.cache_key = cache_key  # what identifies its sample order (blend caches key on it)
         self.one_per_row = one_per_row
         self.index = index
         self.seq_length = seq_length
@@ -179,8 +191,117 @@ def build_packed_datasets(
         if doc_range[1] <= doc_range[0] or k in unused_splits:
             out.append(None)
             continue
-        index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir)
-        out.append(PackedDocumentDataset(
-            indexed, index, seq_length, seed + k, num_samples[k], one_per_row=strategy == "one_per_row"
-        ))
+        out.append(_build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed + k,
+                                num_samples[k], cache_dir))
+    return tuple(out)
+
+
+def _build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed, num_samples, cache_dir):
+    index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir)
+    key = json.dumps({"prefix": os.path.abspath(prefix), "range": list(doc_range), "seq": seq_length,
+                      "strategy": strategy, "seed": seed, "bins": index.num_bins})
+    return PackedDocumentDataset(indexed, index, seq_length, seed, num_samples,
+                                 one_per_row=strategy == "one_per_row", cache_key=key)
+
+
+# ----------------------------------------------------------------------------- blends
+
+
+class BlendedPackedDataset:
+    """Packed samples of several indexed datasets, in megatron-core ``BlendedDataset``'s order:
+    sample i is sample ``dataset_sample_index[i]`` of component ``dataset_index[i]``, both from
+    megatron-core's own ``helpers.build_blending_indices`` (each next sample goes to the component
+    furthest below its weight), so the realised shares follow the weights within one sample at
+    every prefix of the run. Components wrap their epochs themselves (a new shuffle each), so no
+    surplus is needed. A pure function of the seed and the data: a resume at any sample is exact."""
+
+    def __init__(self, datasets: list, weights: list[float], size: int, cache_dir: str | None, anchor: str):
+        self.datasets, self.weights, self.size = datasets, weights, size
+        key = {"datasets": [d.cache_key for d in datasets], "weights": weights, "size": size, "v": 1}
+        path = _cache_path(anchor, cache_dir, key, kind="blend")
+
+        def build() -> dict[str, np.ndarray]:
+            from megatron.core.datasets import helpers
+
+            dataset_index = np.zeros(size, dtype=np.int16)
+            dataset_sample_index = np.zeros(size, dtype=np.int64)
+            helpers.build_blending_indices(dataset_index, dataset_sample_index, weights, len(datasets), size, False)
+            return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+
+        z = load_or_build_arrays(path, build)
+        self.dataset_index, self.dataset_sample_index = z["dataset_index"], z["dataset_sample_index"]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+    def describe_sample(self, i: int) -> str:
+        return self.datasets[int(self.dataset_index[i])].describe_sample(int(self.dataset_sample_index[i]))
+
+
+def get_blend_sizes(weights: list[float] | None, target: int) -> list[int] | None:
+    """Samples each component contributes to ``target``: megatron-core's rule without its surplus,
+    ceil(target x weight); None without weights."""
+    if weights is None:
+        return None
+    return [int(math.ceil(target * w)) for w in weights]
+
+
+def blend_packed_datasets(components: list, weights: list[float] | None, target: int,
+                          cache_dir: str | None, anchor: str):
+    """One component alone without weights stays itself; otherwise a ``BlendedPackedDataset``.
+    Without weights, components are weighted by their packed samples per epoch (megatron-core
+    blends unweighted prefixes by their dataset sizes)."""
+    if len(components) == 1 and weights is None:
+        return components[0]
+    if weights is None:
+        bins = [d.index.num_bins for d in components]
+        weights, size = [b / sum(bins) for b in bins], target
+    else:
+        size = sum(get_blend_sizes(weights, target))
+    return BlendedPackedDataset(components, [float(w) for w in weights], max(size, 1), cache_dir, anchor)
+
+
+def build_blended_packed_datasets(
+    blends, split: Sequence[float], seq_length: int, strategy: str, seed: int, num_samples: Sequence[int],
+    cache_dir: str | None, unused_splits: Sequence[int] = (), split_flag: str | None = None,
+):
+    """(train, valid, test) packed datasets of a ``DataBlends`` (data/blends.py): with one blend,
+    each prefix divided by --split and the splits blended; with a blend per split, each prefix read
+    whole. None for a split not read or without data."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.data.blends import get_blend_weights
+
+    out: list = [None, None, None]
+    if blends.blend is not None:
+        prefixes = blends.blend[0]
+        weights = get_blend_weights(blends.blend)
+        per_prefix = []
+        for j, prefix in enumerate(prefixes):
+            sizes = [n if weights is None else get_blend_sizes([weights[j]], n)[0] for n in num_samples]
+            per_prefix.append(build_packed_datasets(prefix, split, seq_length, strategy, seed, sizes, cache_dir,
+                                                    unused_splits=unused_splits, split_flag=split_flag))
+        for k in range(3):
+            parts = [p[k] for p in per_prefix]
+            if any(p is None for p in parts):
+                continue
+            out[k] = blend_packed_datasets(parts, weights, num_samples[k], cache_dir, prefixes[0])
+        return tuple(out)
+    for k, blend in enumerate(blends.per_split):
+        if blend is None or k in unused_splits:
+            continue
+        prefixes, weights = blend[0], get_blend_weights(blend)
+        parts = []
+        for j, prefix in enumerate(prefixes):
+            indexed = IndexedDataset(prefix)
+            doc_lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
+            if not len(doc_lengths):
+                raise ConfigError([f"{blends.source} {prefix} has no documents"])
+            n = num_samples[k] if weights is None else get_blend_sizes([weights[j]], num_samples[k])[0]
+            parts.append(_build_split(indexed, doc_lengths, (0, len(doc_lengths)), prefix, seq_length, strategy,
+                                      seed + k, n, cache_dir))
+        out[k] = blend_packed_datasets(parts, weights, num_samples[k], cache_dir, prefixes[0])
     return tuple(out)
