@@ -1,6 +1,17 @@
-"""Data: tokens/s of our packed-sample path vs megatron-core GPTDataset on the same files.
+"""Data: tokens/s of our packed-sample path vs megatron-core GPTDataset on the same files, and
+the time a training step waits for its data.
 
-    python -m bench.data [--rounds 9] [--warmup 2] [--tokens-per-block 262144]
+    python -m bench.data [--part all|tokens|wait] [--rounds 9] [--warmup 2] [--tokens-per-block 262144]
+        [--wait-steps 12]
+
+Step wait (``--part wait``): the default job (configs/default.yaml: TP2 x PP2 x VPP2 x DP2, 8 gloo
+processes, packed, negotiated padding), two runs side by side in the same processes (sharing their
+process groups): P with the background prefetch thread (the default), S with --no-data-prefetch
+(the step reads, packs, pads itself). Steps alternate P S P S ..., the first 2 of each dropped; per
+step, the ``data`` timer (the time the step waited for its micro-batches) over the whole step.
+Medians over steps, the worst rank shown. Target: P under 1% of the step.
+
+Tokens/s (``--part tokens``):
 
 Same files (``data/default/corpus_text_document`` .bin/.idx), ``--seq-length`` 2048, one thread,
 CPU time (``time.process_time``); indices are built beforehand into a temporary cache folder
@@ -53,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--data-path", default=PREFIX)
     p.add_argument("--tokenizer-model", default="data/default/tokenizer.model")
+    p.add_argument("--part", choices=["all", "tokens", "wait"], default="all")
+    p.add_argument("--wait-steps", type=int, default=12)
     args = p.parse_args(argv)
     if args.rounds - args.warmup < 5:
         p.error("need at least 5 measured rounds (--rounds - --warmup >= 5)")
@@ -178,8 +191,67 @@ def per_sample_breakdown(ours, gpt, samples: int = 300) -> dict[str, float]:
     return {k: v / samples for k, v in t.items()}
 
 
+WAIT_TARGET = 0.01
+
+
+def _step_wait_world(rank: int, world_size: int, steps: int) -> dict:
+    """Two default-job runs side by side (P: prefetch, S: synchronous), steps alternated; per
+    step, the seconds waited for data and the step's seconds."""
+    from megatron_ext.arguments import load_config_file
+    from megatron_ext.config import build_job_config
+    from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.run import build_training_run
+    from megatron_ext.training.loop import LogWindow, run_training_iteration
+
+    base = load_config_file("configs/default.yaml")
+    base.update(save=None, save_interval=None, eval_interval=0, train_iters=steps + 1, timing_log_level=1)
+    runs, ctx = {}, None
+    for name, extra in (("P", {}), ("S", {"data_prefetch": False})):
+        run = build_training_run(build_job_config(dict(base, **extra)), device=torch.device("cpu"),
+                                 log=lambda s: None, metrics=False, ctx=ctx)
+        ctx = run.ctx
+        runs[name] = run
+    out = {name: [] for name in runs}
+    for _ in range(steps):
+        for name, run in runs.items():
+            window = LogWindow()
+            before = run.timers.totals.get("data", 0.0)
+            run_training_iteration(run, window)
+            out[name].append(((run.timers.totals["data"] - before) / 1000.0, window.seconds))
+    for run in runs.values():
+        if run.prefetcher is not None:
+            run.prefetcher.close()
+    destroy_parallel_context()
+    return out
+
+
+def report_step_wait(args) -> None:
+    from megatron_ext.testing import run_ranks
+
+    per_rank = run_ranks(_step_wait_world, 8, args.wait_steps, timeout=1800)
+    print(f"step wait | default job (configs/default.yaml), 8 gloo ranks, {args.wait_steps} steps of each run "
+          f"alternated, first 2 dropped, medians over steps")
+    worst = {}
+    for name, label in (("P", "prefetch thread (default)"), ("S", "--no-data-prefetch")):
+        fractions, waits, steps = [], [], []
+        for r in per_rank:
+            rows = r[name][2:]
+            fractions.append(statistics.median(w / s for w, s in rows))
+            waits.append(statistics.median(w for w, _ in rows))
+            steps.append(statistics.median(s for _, s in rows))
+        worst[name] = max(fractions)
+        print(f"{name}  {label:28s} waited {1000 * max(waits):8.2f} ms of a {1000 * statistics.median(steps):8.1f} ms "
+              f"step -> {100 * worst[name]:.3f}% (worst rank; best {100 * min(fractions):.3f}%)")
+    print(f"P under {100 * WAIT_TARGET:.0f}% of the step -> {'PASS' if worst['P'] < WAIT_TARGET else 'MISS'}   "
+          f"(S/P wait ratio {worst['S'] / max(worst['P'], 1e-12):.1f}x)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.part in ("all", "wait"):
+        report_step_wait(args)
+    if args.part == "wait":
+        return 0
     torch.set_num_threads(1)
     from megatron_ext.data.microbatch import normalize_sample
 

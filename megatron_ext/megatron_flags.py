@@ -88,13 +88,6 @@ def _tiktoken_pattern(value, cfg):
     return f"--tiktoken-pattern {value} changes nothing with --tokenizer-type {cfg.data.tokenizer_type}", None
 
 
-def _num_workers(value, cfg):
-    if int(value) == 0:
-        return None, None
-    return None, (f"--num-workers {value}: data loader worker processes are not supported yet; samples are read in "
-                  f"the training process (--num-workers 0)")
-
-
 FLAGS = [
     MegatronFlag("--use-mcore-models", STORE_TRUE, _noop("--use-mcore-models changes nothing: the models are always megatron-core's"), "Accepted (always so)."),
     MegatronFlag("--use-dist-ckpt", STORE_TRUE, _noop("--use-dist-ckpt changes nothing: checkpoints are always megatron-core distributed checkpoints (torch_dist)"), "Accepted (always so)."),
@@ -116,7 +109,6 @@ FLAGS = [
     MegatronFlag("--kv-channels", 1, _kv_channels, "Accepted when it equals --hidden-size / --num-attention-heads."),
     MegatronFlag("--attention-backend", 1, _attention_backend, "Accepted with the local spec (no effect); refused with Transformer Engine."),
     MegatronFlag("--tiktoken-pattern", 1, _tiktoken_pattern, "Accepted (no effect) with tokenizers other than TikTokenizer."),
-    MegatronFlag("--num-workers", 1, _num_workers, "0 only (samples are read in the training process)."),
     # refused: they would change the model or the training, and we lack them
     MegatronFlag("--apply-layernorm-1p", STORE_TRUE, _refuse("--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"), "Refused."),
     MegatronFlag("--decoupled-lr", 1, _refuse("--decoupled-lr (a separate learning rate for the embedding and output layer) is not supported: leave it out"), "Refused."),

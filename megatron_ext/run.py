@@ -23,6 +23,7 @@ from megatron_ext.config import (
 )
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
+from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.model.attention import describe_attention_kernels
@@ -32,7 +33,7 @@ from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import build_optimizer, build_scheduler
 from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, ProfilerWindow, StepTimers
-from megatron_ext.training.step import configure_model_hooks
+from megatron_ext.training.step import configure_model_hooks, pad_step_samples
 from megatron_ext.training.timeline import build_pp_timeline
 
 
@@ -91,7 +92,20 @@ def build_training_run(
         profiler=build_profiler(cfg, ctx),
         manual_gc=ManualGC(cfg.logging.manual_gc_interval) if cfg.logging.manual_gc else None,
         async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,
+        prefetcher=build_prefetcher(cfg, ctx, data[0], tokenizer, global_batch_size),
     )
+
+
+def build_prefetcher(cfg: JobConfig, ctx: ParallelContext, train_ds: Any, tokenizer: Any,
+                     global_batch_size: int) -> StepPrefetcher | None:
+    """The background builder of the next step's data (--no-data-prefetch: none, unless
+    --num-workers asks for worker processes). Collective (its gloo group)."""
+    d = cfg.data
+    if not (d.data_prefetch or d.num_workers):
+        return None
+    layout = (global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size)
+    return StepPrefetcher(train_ds, functools.partial(pad_step_samples, cfg, tokenizer.pad), build_data_group(ctx),
+                          ctx.device, tokenizer.vocab_size, layout, d.num_workers)
 
 
 def build_profiler(cfg: JobConfig, ctx: ParallelContext) -> ProfilerWindow | None:

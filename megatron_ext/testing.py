@@ -74,7 +74,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600, e
     out = ctx.Queue()
     port = get_free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, out, args, env or {}), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, out, args, env or {}))  # may fork DataLoader workers
         for r in range(world_size)
     ]
     for p in procs:

@@ -26,6 +26,7 @@ from megatron_ext.checkpoint.exit_policy import EXIT_FLAGS, ExitDecider, describ
 from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint, start_async_checkpoint
 from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import get_collective_device
+from megatron_ext.data.prefetch import StepPrefetcher
 from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import get_mean_loss, reduce_reported_loss
@@ -91,6 +92,8 @@ class TrainingRun:
     steps_this_run: int = 0
     # --async-save: the save in flight (None without the flag)
     async_saver: AsyncCheckpointSaver | None = None
+    # builds the next step's data in the background (None with --no-data-prefetch)
+    prefetcher: StepPrefetcher | None = None
 
 
 @dataclasses.dataclass
@@ -144,7 +147,12 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
         run.watchdog.step_started(state.iteration + 1)
         progress = run.watchdog.progress
     with run.timers.time("data") if run.timers else contextlib.nullcontext():
-        microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
+        if run.prefetcher is None:
+            microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
+        else:
+            microbatches, length = run.prefetcher.take(state.consumed_samples)
+            if state.iteration + 1 < run.cfg.training.train_iters:  # the next step's, while this one runs
+                run.prefetcher.request(state.consumed_samples + run.global_batch_size)
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
     with traced, first_step_without_param_sync(run.model, run.steps_this_run == 0):
         run.steps_this_run += 1
@@ -263,10 +271,16 @@ def train(run: TrainingRun) -> list[float]:
         finish_async_save(run)
         with params_synced(run.model):
             pass  # --overlap-param-gather: the model leaves with the last update's parameters
+        if run.prefetcher is not None:
+            run.prefetcher.close()  # an agreed exit: every rank requested the same next step
     except TrainingDiverged:
         finish_async_save(run)  # every rank raised it after the same step: the earlier save is good
+        if run.prefetcher is not None:
+            run.prefetcher.close()
         raise
     except BaseException:
+        if run.prefetcher is not None:
+            run.prefetcher.close(wait=False)  # maybe this rank alone: never wait on a collective
         # maybe this rank alone: no collective; the save in flight is never published
         abandoned = run.async_saver.abandon() if run.async_saver is not None else None
         if abandoned is not None:

@@ -195,15 +195,20 @@ def train_step(
     return StepResult(local, grad_norm, update_successful, non_finite)
 
 
+def pad_step_samples(cfg: Any, pad_id: int, raw: list, group: Any) -> tuple[list[Microbatch], int]:
+    """A step's raw samples padded as ``--sequence-padding`` says (negotiating over ``group``)."""
+    return collate_step(raw, get_sequence_padding(cfg), group, cfg.data.pad_to_multiple_of,
+                        get_max_microbatch_length(cfg), pad_id)
+
+
 def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
     """This rank's micro-batches of the step starting at ``first_sample``: fetched, padded as
-    ``--sequence-padding`` says and moved to the device; returns them and the schedule's seq_length."""
+    ``--sequence-padding`` says and moved to the device, now, in this thread; returns them and the
+    schedule's seq_length. (Training steps come from ``run.prefetcher`` when there is one.)"""
     cfg, ctx = run.cfg, run.ctx
     indices = get_microbatch_indices(
         first_sample, run.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size
     )
-    microbatches, length = collate_step(
-        fetch_step_samples(dataset, indices, run.vocab_size), get_sequence_padding(cfg), ctx.mp_group,
-        cfg.data.pad_to_multiple_of, get_max_microbatch_length(cfg), run.pad_id,
-    )
+    microbatches, length = pad_step_samples(cfg, run.pad_id, fetch_step_samples(dataset, indices, run.vocab_size),
+                                            ctx.mp_group)
     return [mb.to(ctx.device) for mb in microbatches], length

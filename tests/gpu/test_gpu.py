@@ -240,3 +240,44 @@ def test_async_save_on_gpu_snapshots_the_save_step(tmp_path):
     assert out["buffers"] > 0 and out["pinned"], out
     assert out["in_flight"], "the write should still have been running after the three steps"
     assert out["keys"] > 10 and out["differ"] == [], out["differ"]
+
+
+PREFETCH = r"""
+import json, os, sys, torch
+from megatron_ext.cpu_platform import quiet_known_warnings; quiet_known_warnings()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
+from megatron_ext.arguments import parse_args
+from megatron_ext.run import build_training_run
+from megatron_ext.training.loop import train
+from megatron_ext.training.step import build_step_microbatches
+from megatron_ext.parallel import destroy_parallel_context
+
+flags = sys.argv[1:]
+run = build_training_run(parse_args(flags), log=lambda s: None, metrics=False)
+p = run.prefetcher
+p.request(0)
+p._pending[1].done.wait()  # built and copied on the side stream in the background
+torch.cuda.set_sync_debug_mode("error")  # taking it must not synchronise the training thread
+mbs, length = p.take(0)
+torch.cuda.set_sync_debug_mode(0)
+ref, ref_length = build_step_microbatches(run, run.train_ds, 0)
+same = length == ref_length and all(torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
+                                    and torch.equal(a.cu_seqlens, b.cu_seqlens) for a, b in zip(mbs, ref))
+out = {"device": str(mbs[0].tokens.device), "side_stream": p.stream is not None, "same": same}
+train(run)
+out["prefetch"] = [r["loss"] for r in run.records]
+destroy_parallel_context()
+run = build_training_run(parse_args(flags + ["--no-data-prefetch"]), log=lambda s: None, metrics=False)
+train(run)
+out["sync"] = [r["loss"] for r in run.records]
+print(json.dumps(out))
+"""
+
+
+def test_prefetch_on_gpu_copies_on_a_side_stream_without_syncing_the_step():
+    flags = TINY + ["--packed-sequences", "--micro-batch-size", "2", "--bf16", "--train-iters", "6"]
+    out = run_script(PREFETCH.replace("sys.argv[1:]", repr(flags)))
+    assert out["device"].startswith("cuda") and out["side_stream"] and out["same"], out
+    assert len(out["prefetch"]) == 6
+    for a, b in zip(out["prefetch"], out["sync"]):
+        assert abs(a - b) <= 1e-2 * abs(b), (out["prefetch"], out["sync"])

@@ -94,7 +94,6 @@ def test_without_the_refused_flags_the_script_runs_with_one_warning_per_no_op_fl
     (["--kv-channels", "64"], "--kv-channels 64: we use --hidden-size / --num-attention-heads = 128 per head"),
     (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
     (["--use-rotary-position-embeddings"], "add --position-embedding-type rope"),
-    (["--num-workers", "2"], "--num-workers 2: data loader worker processes are not supported yet"),
     (["--attention-backend", "fused", "--transformer-impl", "transformer_engine"], "choosing Transformer Engine's attention backend is not supported yet"),
 ])
 def test_accepted_flags_with_other_values_are_refused(argv, needle):

@@ -1,0 +1,226 @@
+"""The next step's micro-batches, built in the background while the current step runs.
+
+A step's data is: its samples read (``dataset[i]``, normalised, token ids checked; in the training
+process, or with ``--num-workers N`` in N worker processes of a torch ``DataLoader``), padded as
+``--sequence-padding`` says, and moved to the device (pinned host memory, copied on a side CUDA
+stream). ``StepPrefetcher.request(first_sample)`` starts that for a step in one background thread;
+``take(first_sample)`` returns it, waiting only if it is not ready (the wait is what
+``bench/data.py`` reports and the ``data`` timer shows).
+
+Collectives: negotiated padding needs one all-reduce MAX over the pipeline replica (TP x PP). The
+background thread issues it on a gloo group of its own (``build_data_group``), so it never shares a
+group, or a thread, with the model's collectives, and never waits on a GPU. Every rank requests the
+same steps in the same order (the loop does), so those all-reduces match across ranks; a ``take``
+of a step that was not requested first waits for the pending one, then builds synchronously.
+
+Order and resume are those of ``microbatch.get_microbatch_indices``: step k's samples are a pure
+function of ``first_sample``, wherever and whenever they are read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.data.microbatch import (
+    Microbatch, Sample, check_token_ids, fetch_step_samples, get_microbatch_indices, normalize_sample,
+)
+
+BuildStep = Callable[[list[list[Sample]], Any], tuple[list[Microbatch], int]]
+
+
+def build_data_group(ctx) -> Any:
+    """A gloo group per pipeline replica (the ranks sharing this rank's DP rank: megatron-core's
+    model-parallel group, TP x PP), for the background thread's padding negotiation; None when the
+    replica is one rank. Collective: every rank of the world calls it."""
+    if ctx.tp_size * ctx.pp_size == 1 or not dist.is_initialized():
+        return None
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, ctx.dp_rank)
+    mine = None
+    for dp in sorted(set(everyone)):
+        group = dist.new_group([r for r, d in enumerate(everyone) if d == dp], backend="gloo")
+        if dp == ctx.dp_rank:
+            mine = group
+    return mine
+
+
+class _CheckedSamples(torch.utils.data.Dataset):
+    """``dataset[i]`` normalised and checked, as a worker process returns it (a bad token id comes
+    back as a value and is raised in the training process, with its message intact)."""
+
+    def __init__(self, dataset: Any, vocab_size: int | None):
+        self.dataset, self.vocab_size = dataset, vocab_size
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        sample = normalize_sample(self.dataset[i])
+        if self.vocab_size is not None:
+            try:
+                check_token_ids(sample, self.vocab_size, self.dataset, i)
+            except ValueError as exc:
+                return exc
+        return sample
+
+
+class _StepBatches:
+    """The micro-batch index lists of one DP rank, step after step from ``first_sample``."""
+
+    def __init__(self, first_sample: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, num_samples: int):
+        self.args = (first_sample, global_batch_size, micro_batch_size, dp_rank, dp_size)
+        self.n = num_samples
+
+    def __iter__(self):
+        first, g, b, r, d = self.args
+        for start in itertools.count(first, g):
+            for mb in get_microbatch_indices(start, g, b, r, d):
+                yield [i % self.n for i in mb]
+
+
+class WorkerSampleReader:
+    """A step's samples read by ``num_workers`` worker processes (a torch ``DataLoader`` over the
+    step's micro-batch index lists, in order, running ahead by ``prefetch_factor`` micro-batches per
+    worker). Restarted when a step other than the next one is asked for."""
+
+    def __init__(self, dataset: Any, vocab_size: int | None, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int, num_workers: int):
+        self.samples = _CheckedSamples(dataset, vocab_size)
+        self.layout = (global_batch_size, micro_batch_size, dp_rank, dp_size)
+        self.num_workers = num_workers
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self._next: int | None = None
+        self._loader: Any = None
+        self._iter: Any = None
+
+    def _start(self, first_sample: int) -> None:
+        self.close()
+        g, b, r, d = self.layout
+        self._loader = torch.utils.data.DataLoader(
+            self.samples, batch_sampler=_StepBatches(first_sample, g, b, r, d, len(self.samples)),
+            num_workers=self.num_workers, collate_fn=list, multiprocessing_context="fork",
+            persistent_workers=False, prefetch_factor=2,
+        )
+        self._iter = iter(self._loader)
+        self._next = first_sample
+
+    def fetch(self, first_sample: int) -> list[list[Sample]]:
+        if self._next != first_sample:
+            self._start(first_sample)
+        out = [next(self._iter) for _ in range(self.num_microbatches)]
+        self._next = first_sample + self.layout[0]
+        for mb in out:
+            for s in mb:
+                if isinstance(s, Exception):
+                    raise s
+        return out
+
+    def close(self) -> None:
+        self._iter = self._loader = self._next = None  # the DataLoader iterator stops its workers
+
+
+class StepPrefetcher:
+    """Builds step k+1's micro-batches in one background thread while step k runs (see the module
+    docstring). ``build(raw, group)`` pads the raw samples (negotiating over ``group``); samples come
+    from ``dataset`` directly, or from ``WorkerSampleReader`` with ``num_workers`` > 0."""
+
+    def __init__(self, dataset: Any, build: BuildStep, group: Any, device: torch.device, vocab_size: int | None,
+                 layout: tuple[int, int, int, int], num_workers: int = 0):
+        self.dataset, self.build, self.group, self.device = dataset, build, group, device
+        self.vocab_size, self.layout = vocab_size, layout
+        self.reader = WorkerSampleReader(dataset, vocab_size, *layout, num_workers) if num_workers else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending: tuple[int, _Background] | None = None
+        self.wait_seconds = 0.0  # time the training thread waited in take()
+        self.steps = 0
+
+    def _read(self, first_sample: int) -> list[list[Sample]]:
+        if self.reader is not None:
+            return self.reader.fetch(first_sample)
+        g, b, r, d = self.layout
+        return fetch_step_samples(self.dataset, get_microbatch_indices(first_sample, g, b, r, d), self.vocab_size)
+
+    def _build(self, first_sample: int) -> tuple[list[Microbatch], int, Any]:
+        microbatches, length = self.build(self._read(first_sample), self.group)
+        if self.stream is None:
+            return microbatches, length, None
+        with torch.cuda.stream(self.stream):
+            moved = [mb.to(self.device) for mb in microbatches]
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return moved, length, event
+
+    def request(self, first_sample: int) -> None:
+        """Start building the step that begins at ``first_sample`` (one at a time)."""
+        self._drain()
+        self._pending = (first_sample, _Background(self._build, first_sample, self.device))
+
+    def take(self, first_sample: int) -> tuple[list[Microbatch], int]:
+        """The step's micro-batches on the device and its length: the requested build, or, when
+        none was requested for ``first_sample``, one built now."""
+        start = time.perf_counter()
+        if self._pending is not None and self._pending[0] == first_sample:
+            microbatches, length, event = self._pending[1].result()
+            self._pending = None
+        else:
+            self._drain()
+            microbatches, length, event = self._build(first_sample)
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for mb in microbatches:
+                for t in (mb.tokens, mb.labels, mb.position_ids, mb.cu_seqlens):
+                    if t is not None:
+                        t.record_stream(current)
+        self.wait_seconds += time.perf_counter() - start
+        self.steps += 1
+        return microbatches, length
+
+    def _drain(self) -> None:
+        """Wait for the pending build (its collective must finish on every rank alike)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending[1], None
+            pending.result()
+
+    def close(self, wait: bool = True) -> None:
+        """Finish (``wait``; an error of a step nobody takes is dropped) or abandon the pending
+        build; stop the worker processes. The prefetcher stays usable."""
+        pending, self._pending = self._pending, None
+        if pending is not None and wait:
+            pending[1].done.wait()
+        if self.reader is not None:
+            self.reader.close()
+
+
+class _Background:
+    """``fn(*args)`` in a daemon thread (an abandoned one never holds up the interpreter's exit)."""
+
+    def __init__(self, fn: Callable, arg: Any, device: torch.device):
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                self.value = fn(arg)
+            except BaseException as exc:  # raised again by result(), in the training thread
+                self.error = exc
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, name="data-prefetch", daemon=True).start()
+
+    def result(self) -> Any:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
