@@ -115,7 +115,7 @@ class DataConfig:
     reset_attention_mask: bool = _f(False, "megatron-core's GPTDataset windows: no attention across an EOD token (Megatron-LM); realised as THD document boundaries, never a dense [s, s] mask.")
     data_prefetch: bool = _f(True, "Build the next step's data (read, pack, pad, copy to the device) in a background thread while the current step runs (--no-data-prefetch: in the step).", negative_flag=True)
     num_workers: int = _f(0, "Worker processes reading samples (torch DataLoader, per rank); 0 reads them in the training process (its prefetch thread). Megatron-LM's default 2 would be 16 processes for 8 ranks on a 2-core machine.")
-    eod_mask_loss: bool = _f(False, "Mask the loss of positions whose input token is EOD (Megatron-LM; GPTDataset path).")
+    eod_mask_loss: bool = _f(False, "Mask the loss of positions whose input token is EOD (Megatron-LM). With --packed-sequences / --one-document-per-row it holds already: a document's last token (its EOD) predicts nothing.")
     sequence_padding: str | None = _f(None, "static (to --seq-length), negotiated (one MAX over the pipeline per step) or variable (megatron-core variable_seq_lengths handshake). Default: negotiated with packed/variable-length samples, else static.", choices=["static", "negotiated", "variable"])
     pad_to_multiple_of: int = _f(64, "Round negotiated/variable lengths up to a multiple of this (--seq-length must be one).")
 
@@ -791,9 +791,6 @@ def _check_data(cfg: JobConfig) -> list[str]:
     from megatron_ext.data.tokenizers import check_tokenizer_flags
 
     out += check_tokenizer_flags(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
-    if d.eod_mask_loss and uses_variable_lengths(cfg):
-        out.append("--eod-mask-loss applies to megatron-core's GPTDataset windows; with --packed-sequences or "
-                   "--one-document-per-row it is not supported yet (drop it)")
     if d.num_workers < 0:
         out.append(f"--num-workers {d.num_workers} must be >= 0 (0: samples are read in the training process)")
     if d.one_document_per_row and (d.reset_attention_mask or d.reset_position_ids):

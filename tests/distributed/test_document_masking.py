@@ -163,3 +163,18 @@ def test_training_with_document_masking_under_pp_vpp_dp_matches_one_process(corp
     got = max(per_rank, key=len)  # the last pipeline stage reports the loss
     assert len(ref) == 4 and np.isfinite(ref).all()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["packed_sequences", "one_document_per_row"])
+def test_eod_mask_loss_holds_already_on_the_packed_paths(corpus, layout):
+    """--eod-mask-loss is accepted with packing: every position whose input is EOD (a document's
+    last token) predicts nothing there by construction."""
+    tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
+    cfg = build_job_config(_values(corpus, eod_mask_loss=True, **{layout: True}))
+    train_ds, _ = build_train_valid_datasets(cfg, tok, 8)
+    eods = 0
+    for (s,) in fetch_step_samples(train_ds, [[i] for i in range(20)]):
+        at_eod = s["tokens"] == EOD
+        eods += int(at_eod.sum())
+        assert (s["labels"][at_eod] == IGNORE_INDEX).all()
+    assert eods >= 20

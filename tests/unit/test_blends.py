@@ -138,3 +138,10 @@ def test_blend_per_split_reads_each_prefix_whole(corpora, tmp_path, packed):
     if packed:  # whole prefixes: every document of C appears in the validation packs
         docs = {int(d) for d in valid.index.piece_doc}
         assert docs == set(range(200))
+
+
+def test_one_document_per_row_blends_too(corpora, tmp_path):
+    train, _ = _build(_values(tmp_path, data_path=["0.25", corpora["A"], "0.75", corpora["B"]], packed_sequences=False,
+                              one_document_per_row=True))
+    got = _sources(train, 200)
+    assert abs(got.count("A") - 50) <= 2 and set(got) == {"A", "B"}
