@@ -248,9 +248,12 @@ class ConfigError(ValueError):
     directories): every one found, one per line, each naming the flag or file and the fix. The
     entry point prints it once as an ``error:`` block and exits 2, without a traceback."""
 
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+    def __reduce__(self):  # from a worker process with its problems intact (not re-split per character)
+        return type(self), (self.problems,)
 
 
 def report_error_once(message: str) -> bool:

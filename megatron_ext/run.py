@@ -19,7 +19,8 @@ from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.state import CheckpointMeta
 from megatron_ext.config import (
-    JobConfig, get_global_batch_size, get_padded_vocab_size, resolve_train_iters, uses_document_boundaries,
+    JobConfig, get_global_batch_size, get_padded_vocab_size, get_sequence_padding, resolve_train_iters,
+    uses_document_boundaries,
 )
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
@@ -104,8 +105,9 @@ def build_prefetcher(cfg: JobConfig, ctx: ParallelContext, train_ds: Any, tokeni
     if not (d.data_prefetch or d.num_workers):
         return None
     layout = (global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size)
-    return StepPrefetcher(train_ds, functools.partial(pad_step_samples, cfg, tokenizer.pad), build_data_group(ctx),
-                          ctx.device, tokenizer.vocab_size, layout, d.num_workers)
+    group = build_data_group(ctx) if get_sequence_padding(cfg) == "negotiated" else None  # only it negotiates
+    return StepPrefetcher(train_ds, functools.partial(pad_step_samples, cfg, tokenizer.pad), group,
+                          ctx.device, tokenizer.vocab_size, layout, d.num_workers, background=d.data_prefetch)
 
 
 def build_profiler(cfg: JobConfig, ctx: ParallelContext) -> ProfilerWindow | None:

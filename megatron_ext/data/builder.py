@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from megatron_ext.config import JobConfig, get_data_blends, uses_document_boundaries, uses_variable_lengths
 from megatron_ext.data.gpt_datasets import EodBoundaryDataset, build_gpt_datasets, parse_split
-from megatron_ext.data.packed_dataset import build_blended_packed_datasets
+from megatron_ext.data.packed_dataset import EodLossMask, build_blended_packed_datasets
 
 
 def get_num_samples(cfg: JobConfig, global_batch_size: int) -> list[int]:
@@ -35,9 +35,11 @@ def build_train_valid_datasets(
     if uses_variable_lengths(cfg):
         strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
         train_ds, valid_ds, _ = build_blended_packed_datasets(
-            blends, parse_split(d.split), cfg.model.seq_length, strategy, t.seed,
+            blends, parse_split(d.split) if blends.blend else [1.0], cfg.model.seq_length, strategy, t.seed,
             num_samples, d.data_cache_path, unused_splits=get_unused_splits(cfg), split_flag=d.split,
         )
+        if d.eod_mask_loss:
+            train_ds, valid_ds = (None if ds is None else EodLossMask(ds, tokenizer.eod) for ds in (train_ds, valid_ds))
         if log is not None:
             for part in getattr(train_ds, "datasets", [train_ds]):
                 index = part.index

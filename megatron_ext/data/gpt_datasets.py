@@ -22,8 +22,7 @@ def parse_data_path(data_path: Sequence[str]) -> Blend:
     """``["prefA"]``, ``["prefA", "prefB"]`` or ``["0.3", "prefA", "0.7", "prefB"]`` -> blend.
 
     Returns (prefixes, weights); weights is None when no weights were given (megatron-core then
-    weights by dataset size). Weights must all be given or all be absent, and be non-negative
-    with a positive sum.
+    weights by dataset size). Weights must all be given or all be absent, and be positive.
     """
     items = [str(item).strip() for item in data_path]
     if not items or any(not item for item in items):
@@ -46,8 +45,9 @@ def parse_data_path(data_path: Sequence[str]) -> Blend:
     if any(as_weight(p) is not None for p in prefixes):
         raise ConfigError([f"--data-path {' '.join(items)}: a prefix looks like a number; "
                          f"use weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"])
-    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ConfigError([f"--data-path weights {weights} must be finite, >= 0 and sum to > 0"])
+    if any(w <= 0 or not math.isfinite(w) for w in weights):
+        raise ConfigError([f"--data-path weights {weights} must be finite and > 0 (megatron-core's BlendedDataset "
+                           f"requires it): leave a prefix out rather than weighting it 0"])
     return prefixes, weights
 
 
@@ -147,6 +147,16 @@ def check_splits_have_documents(prefixes: Sequence[str], split_matrix, split: st
                          f"the validation split"])
 
 
+def check_prefixes_have_documents(prefixes: Sequence[str]) -> None:
+    """ConfigError naming the prefixes a per-split blend reads whole that hold no document
+    (megatron-core's GPTDataset would loop forever counting their epochs)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    empty = [p for p in dict.fromkeys(prefixes) if not len(IndexedDataset(p).sequence_lengths)]
+    if empty:
+        raise ConfigError([f"--train/valid/test-data-path: {', '.join(empty)} has no documents; leave it out"])
+
+
 def build_gpt_dataset_config(tokenizer, sequence_length: int, blend: Optional[Blend],
                              split: str = "969,30,1", random_seed: int = 1234,
                              path_to_cache: Optional[str] = None,
@@ -210,6 +220,7 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
     if blend_per_split is not None:
         blend_per_split = [None if i in unused_splits else b for i, b in enumerate(blend_per_split)]
         validate_data_prefixes([p for b in blend_per_split if b for p in b[0]])
+        check_prefixes_have_documents([p for b in blend_per_split if b for p in b[0]])
         sizes = validate_num_samples(num_samples, None)
         config = build_gpt_dataset_config(
             tokenizer, sequence_length, None, split, random_seed, path_to_cache,
@@ -271,5 +282,12 @@ class EodBoundaryDataset:
         sample["cu_seqlens"] = np.concatenate([[0], ends[ends < n], [n]]).astype(np.int32)
         return sample
 
-    def __getattr__(self, name: str):  # describe_sample and the builders read GPTDataset's indices
+    def describe_sample(self, index: int) -> str:
+        from megatron_ext.data.microbatch import describe_sample
+
+        return describe_sample(self.dataset, index)
+
+    def __getattr__(self, name: str):  # the builders read GPTDataset's attributes
+        if name == "dataset":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.dataset, name)

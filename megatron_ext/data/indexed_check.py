@@ -35,7 +35,10 @@ def check_indexed_dataset(prefix: str) -> list[str]:
                 return [f"{idx} has {idx_size} bytes, its counts ({sequences} sequences, {documents} "
                         f"documents) need {expected_idx}: the file is truncated; {fix}"]
             if sequences == 0:
-                return [] if bin_size == 0 else [f"{idx} holds no sequence but {bin_} has {bin_size} bytes: {fix}"]
+                if bin_size:
+                    return [f"{idx} holds no sequence but {bin_} has {bin_size} bytes: {fix}"]
+                return [f"{prefix} has no documents (no text became tokens; megatron-core cannot even map an "
+                        f"empty .bin): leave it out"]
             f.seek(_HEAD + 4 * (sequences - 1))
             (last_length,) = struct.unpack("<i", f.read(4))
             f.seek(_HEAD + 4 * sequences + 8 * (sequences - 1))

@@ -121,9 +121,12 @@ class PackedDocumentDataset:
 
     def _bin(self, i: int) -> int:
         epoch, j = divmod(i, self.index.num_bins)
-        if epoch not in self._perms:
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.index.num_bins)
-        return int(self._perms[epoch][j])
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.index.num_bins)
+            # keep the epochs in use (a step may straddle two), not every one
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1} | {epoch: perm}
+        return int(perm[j])
 
     def describe_sample(self, i: int) -> str:
         """The file and documents of sample ``i`` (for error messages)."""
@@ -305,3 +308,28 @@ def build_blended_packed_datasets(
                                       seed + k, n, cache_dir))
         out[k] = blend_packed_datasets(parts, weights, num_samples[k], cache_dir, prefixes[0])
     return tuple(out)
+
+
+class EodLossMask:
+    """``--eod-mask-loss`` on packed samples: a position whose input is EOD predicts nothing. A
+    document's trailing EOD predicts nothing already; this also covers EOD tokens inside a stored
+    document (corpora concatenated before preprocessing)."""
+
+    def __init__(self, dataset, eod: int):
+        self.dataset, self.eod = dataset, int(eod)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        sample = dict(self.dataset[i])
+        sample["labels"] = sample["labels"].masked_fill(sample["tokens"] == self.eod, IGNORE_INDEX)
+        return sample
+
+    def describe_sample(self, i: int) -> str:
+        return self.dataset.describe_sample(i)
+
+    def __getattr__(self, name: str):
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)

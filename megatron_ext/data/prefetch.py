@@ -111,9 +111,14 @@ class WorkerSampleReader:
         self._iter = iter(self._loader)
         self._next = first_sample
 
-    def fetch(self, first_sample: int) -> list[list[Sample]]:
+    def ready_for(self, first_sample: int) -> None:
+        """(Re)start the workers so that the next step read is the one at ``first_sample``; called
+        from the training thread (workers are forked there, never from the prefetch thread)."""
         if self._next != first_sample:
             self._start(first_sample)
+
+    def fetch(self, first_sample: int) -> list[list[Sample]]:
+        self.ready_for(first_sample)
         out = [next(self._iter) for _ in range(self.num_microbatches)]
         self._next = first_sample + self.layout[0]
         for mb in out:
@@ -132,8 +137,9 @@ class StepPrefetcher:
     from ``dataset`` directly, or from ``WorkerSampleReader`` with ``num_workers`` > 0."""
 
     def __init__(self, dataset: Any, build: BuildStep, group: Any, device: torch.device, vocab_size: int | None,
-                 layout: tuple[int, int, int, int], num_workers: int = 0):
+                 layout: tuple[int, int, int, int], num_workers: int = 0, background: bool = True):
         self.dataset, self.build, self.group, self.device = dataset, build, group, device
+        self.background = background  # False (--no-data-prefetch with --num-workers): steps are built in take()
         self.vocab_size, self.layout = vocab_size, layout
         self.reader = WorkerSampleReader(dataset, vocab_size, *layout, num_workers) if num_workers else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -160,6 +166,8 @@ class StepPrefetcher:
     def request(self, first_sample: int) -> None:
         """Start building the step that begins at ``first_sample`` (one at a time)."""
         self._drain()
+        if self.reader is not None:
+            self.reader.ready_for(first_sample)
         self._pending = (first_sample, _Background(self._build, first_sample, self.device))
 
     def take(self, first_sample: int) -> tuple[list[Microbatch], int]:
@@ -171,6 +179,8 @@ class StepPrefetcher:
             self._pending = None
         else:
             self._drain()
+            if self.reader is not None:
+                self.reader.ready_for(first_sample)
             microbatches, length, event = self._build(first_sample)
         if event is not None:
             current = torch.cuda.current_stream(self.device)
@@ -190,11 +200,14 @@ class StepPrefetcher:
             pending.result()
 
     def close(self, wait: bool = True) -> None:
-        """Finish (``wait``; an error of a step nobody takes is dropped) or abandon the pending
-        build; stop the worker processes. The prefetcher stays usable."""
+        """Finish (``wait``; an error of a step nobody takes is dropped: no step reads it) or
+        abandon the pending build (a failing process: never wait on a collective); stop the worker
+        processes. After a finished close the prefetcher stays usable."""
         pending, self._pending = self._pending, None
         if pending is not None and wait:
             pending[1].done.wait()
+        if pending is not None and not pending[1].done.is_set():
+            return  # abandoned mid-build (the process is failing): its thread still uses the reader
         if self.reader is not None:
             self.reader.close()
 

@@ -151,7 +151,7 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
             microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
         else:
             microbatches, length = run.prefetcher.take(state.consumed_samples)
-            if state.iteration + 1 < run.cfg.training.train_iters:  # the next step's, while this one runs
+            if run.prefetcher.background and state.iteration + 1 < run.cfg.training.train_iters:  # the next, while this one runs
                 run.prefetcher.request(state.consumed_samples + run.global_batch_size)
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
     with traced, first_step_without_param_sync(run.model, run.steps_this_run == 0):

@@ -178,3 +178,8 @@ def test_eod_mask_loss_holds_already_on_the_packed_paths(corpus, layout):
         eods += int(at_eod.sum())
         assert (s["labels"][at_eod] == IGNORE_INDEX).all()
     assert eods >= 20
+    # an EOD inside a stored document (corpora concatenated before preprocessing) is masked too
+    from megatron_ext.data.packed_dataset import EodLossMask, build_packed_sample
+
+    inner = EodLossMask([build_packed_sample([np.array([5, EOD, 6, 7, EOD]), np.array([8, 9])])], EOD)[0]
+    assert inner["labels"].tolist() == [EOD, IGNORE_INDEX, 7, EOD, IGNORE_INDEX, 9, IGNORE_INDEX]

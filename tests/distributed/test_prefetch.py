@@ -22,7 +22,8 @@ from megatron_ext.training.loop import train
 pytestmark = pytest.mark.distributed
 
 SEQ = 64
-MODES = {"prefetch": {}, "synchronous": dict(data_prefetch=False), "workers": dict(num_workers=2)}
+MODES = {"prefetch": {}, "synchronous": dict(data_prefetch=False), "workers": dict(num_workers=2),
+         "workers_in_step": dict(num_workers=2, data_prefetch=False)}
 
 
 class RecordingDataset(PackedMarkovDataset):
@@ -72,6 +73,7 @@ def test_prefetch_and_workers_train_exactly_as_the_synchronous_path(worlds):
     assert len(last["synchronous"]["records"]) == 4
     assert last["prefetch"]["records"] == last["synchronous"]["records"]
     assert last["workers"]["records"] == last["synchronous"]["records"]
+    assert last["workers_in_step"]["records"] == last["synchronous"]["records"]
 
 
 def test_samples_after_the_first_step_are_read_in_the_background(worlds):
@@ -82,6 +84,7 @@ def test_samples_after_the_first_step_are_read_in_the_background(worlds):
         prefetch = r["prefetch"]["readers"]
         assert set(prefetch[0]) == {(main, "MainThread")}  # nothing to overlap with before step 1
         assert {reader for step in prefetch[1:] for reader in step} == {(main, "data-prefetch")}
-        workers = {pid for step in r["workers"]["readers"] for pid, _ in step}
-        assert main not in workers and len(workers) == 2
+        for mode in ("workers", "workers_in_step"):
+            workers = {pid for step in r[mode]["readers"] for pid, _ in step}
+            assert main not in workers and len(workers) == 2
         assert r["prefetch"]["waited"] == 4 and r["synchronous"]["waited"] == 0

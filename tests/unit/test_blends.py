@@ -145,3 +145,22 @@ def test_one_document_per_row_blends_too(corpora, tmp_path):
                               one_document_per_row=True))
     got = _sources(train, 200)
     assert abs(got.count("A") - 50) <= 2 and set(got) == {"A", "B"}
+
+
+def test_zero_weights_and_empty_prefixes_are_refused_by_name(corpora, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    with pytest.raises(ConfigError, match=r"weights \[0.0, 1.0\] must be finite and > 0"):
+        resolve_data_blends(["0", corpora["A"], "1", corpora["B"]])
+    empty = str(tmp_path / "empty")
+    IndexedDatasetBuilder(empty + ".bin", dtype=np.uint16).finalize(empty + ".idx")
+    for packed in (True, False):  # megatron-core's GPTDataset would count epochs forever
+        with pytest.raises(ConfigError, match="empty has no documents"):
+            _build(_values(tmp_path, train_data_path=[corpora["A"], empty], packed_sequences=packed))
+
+
+def test_config_error_keeps_its_problems_across_processes():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ConfigError(["token id 999 is outside the vocabulary"])))
+    assert err.problems == ["token id 999 is outside the vocabulary"] and str(err).count("  - ") == 1
