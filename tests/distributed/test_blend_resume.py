@@ -1,6 +1,7 @@
 """A packed run over a weighted blend resumes mid-epoch exactly: 2 ranks (DP2), 6 steps saving at
 step 3; the run resumed from step 3 logs the same losses for steps 4-6 and reads the same samples
-as the uninterrupted run (which is far from the end of any corpus' epoch)."""
+as the uninterrupted run (which is far from the end of any corpus' epoch), also when worker
+processes (--num-workers 1) read them."""
 
 from __future__ import annotations
 
@@ -64,6 +65,11 @@ def _world(rank: int, world_size: int, root: str, prefixes: list[str]) -> dict:
     out["resumed"] = [(r["iteration"], r["loss"]) for r in run.records]
     out["resumed_samples"] = seen(run, range(3, 6))
     destroy_parallel_context()
+    run = build(load=root + "/ckpt", num_workers=1)  # worker processes start at the resumed sample
+    load_checkpoint(run, root + "/ckpt", step=3)
+    train(run)
+    out["resumed_workers"] = [(r["iteration"], r["loss"]) for r in run.records]
+    destroy_parallel_context()
     return out
 
 
@@ -74,5 +80,5 @@ def test_packed_blend_resumes_mid_epoch_exactly(tmp_path):
         assert r["resumed_samples"] == r["full_samples"]
     r = results[-1]
     assert [i for i, _ in r["full"]] == list(range(1, 7))
-    assert r["resumed"] == r["full"][3:]
+    assert r["resumed"] == r["full"][3:] == r["resumed_workers"]
     assert 6 * 8 < min(r["bins"])  # mid-epoch: no corpus was read to its end
