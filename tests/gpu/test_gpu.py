@@ -245,15 +245,18 @@ def test_async_save_on_gpu_snapshots_the_save_step(tmp_path):
 PREFETCH = r"""
 import json, os, sys, torch
 from megatron_ext.cpu_platform import quiet_known_warnings; quiet_known_warnings()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
 from megatron_ext.arguments import parse_args
 from megatron_ext.run import build_training_run
 from megatron_ext.training.loop import train
 from megatron_ext.training.step import build_step_microbatches
-from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.cpu_platform import select_device
+from megatron_ext.parallel import destroy_parallel_context, init_distributed
 
 flags = sys.argv[1:]
-run = build_training_run(parse_args(flags), log=lambda s: None, metrics=False)
+cfg = parse_args(flags)
+device = select_device(cfg.parallel.device)
+init_distributed(device, 5)
+run = build_training_run(cfg, device=device, log=lambda s: None, metrics=False)
 p = run.prefetcher
 p.request(0)
 p._pending[1].done.wait()  # built and copied on the side stream in the background
@@ -267,7 +270,7 @@ out = {"device": str(mbs[0].tokens.device), "side_stream": p.stream is not None,
 train(run)
 out["prefetch"] = [r["loss"] for r in run.records]
 destroy_parallel_context()
-run = build_training_run(parse_args(flags + ["--no-data-prefetch"]), log=lambda s: None, metrics=False)
+run = build_training_run(parse_args(flags + ["--no-data-prefetch"]), device=device, log=lambda s: None, metrics=False)
 train(run)
 out["sync"] = [r["loss"] for r in run.records]
 print(json.dumps(out))
