@@ -123,7 +123,33 @@ class NullTokenizer:
         return {"type": self.tokenizer_type, "model_sha256": None, "vocab_size": self.vocab_size}
 
 
-class SentencePieceTokenizer:
+class _TokenizerFiles:
+    """What the file-backed tokenizers share: EOD and pad ids, and an identity (type, a hash of
+    the tokenizer files, vocabulary size) that a checkpoint records and a resume compares."""
+
+    tokenizer_type: str
+    _eod: int
+    _pad: int
+    _sha256: str
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """JSON-able description hashed into megatron-core's dataset cache names."""
+        return OrderedDict(self.identity())
+
+    def identity(self) -> dict:
+        return {"type": self.tokenizer_type, "model_sha256": self._sha256, "vocab_size": self.vocab_size}
+
+
+class SentencePieceTokenizer(_TokenizerFiles):
     """A sentencepiece model; ``eod`` is its eos id, ``pad`` its pad id (eod if it has none)."""
 
     def __init__(self, model_path: str, tokenizer_type: str = "SentencePieceTokenizer"):
@@ -150,34 +176,14 @@ class SentencePieceTokenizer:
         return self._sp.get_piece_size()
 
     @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
-
-    @property
     def bos(self) -> int:
         return self._sp.bos_id()
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        """JSON-able description hashed into megatron-core's dataset cache names."""
-        return OrderedDict(self.identity())
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
     def detokenize(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
-
-    def identity(self) -> dict:
-        return {
-            "type": self.tokenizer_type,
-            "model_sha256": self._sha256,
-            "vocab_size": self.vocab_size,
-        }
 
 
 def get_files_sha256(paths: list[str]) -> str:
@@ -203,7 +209,7 @@ def _hub_offline():
                 os.environ[k] = v
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_TokenizerFiles):
     """A local Hugging Face tokenizer directory through megatron-core's library."""
 
     def __init__(self, path: str):
@@ -232,29 +238,14 @@ class HuggingFaceTokenizer:
     def vocab_size(self) -> int:
         return int(self._impl.vocab_size)
 
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(self.identity())
-
     def tokenize(self, text: str) -> list[int]:
         return [int(i) for i in self._impl.text_to_ids(text)]
 
     def detokenize(self, ids) -> str:
         return self._impl.tokenizer.decode([int(i) for i in ids])
 
-    def identity(self) -> dict:
-        return {"type": self.tokenizer_type, "model_sha256": self._sha256, "vocab_size": self.vocab_size}
 
-
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(_TokenizerFiles):
     """GPT-2's byte-level BPE from vocab.json and merges.txt (the ``tokenizers`` library)."""
 
     def __init__(self, vocab_file: str, merge_file: str):
@@ -272,33 +263,18 @@ class GPT2BPETokenizer:
         eod = self._impl.token_to_id(GPT2_EOD)
         if eod is None:
             raise ConfigError([f"--vocab-file {vocab_file} has no {GPT2_EOD} token, GPT-2's EOD"])
-        self._eod = int(eod)
+        self._eod = self._pad = int(eod)  # GPT-2 has no pad token: pad with EOD (labels ignored)
         self._sha256 = get_files_sha256([vocab_file, merge_file])
 
     @property
     def vocab_size(self) -> int:
         return int(self._impl.get_vocab_size())
 
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._eod
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(self.identity())
-
     def tokenize(self, text: str) -> list[int]:
         return list(self._impl.encode(text).ids)
 
     def detokenize(self, ids) -> str:
         return self._impl.decode([int(i) for i in ids])
-
-    def identity(self) -> dict:
-        return {"type": self.tokenizer_type, "model_sha256": self._sha256, "vocab_size": self.vocab_size}
 
 
 def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: Optional[str] = None,
