@@ -171,6 +171,25 @@ WORKAROUNDS: tuple[Workaround, ...] = (
          "megatron.core.models.gpt.gpt_model.GPTModel._preprocess"),
     ),
     Workaround(
+        "varlen-attn-custom-op-overhead",
+        "torch's varlen_attn runs aten's flash varlen kernel through a Python custom op "
+        "(torch.library.custom_op, autograd registered in Python): ~0.5 ms of host time per call and "
+        "again per backward (H100, torch 2.11); our packed attention calls the aten op, whose C++ "
+        "autograd node (FlashAttentionBackward0) runs the backward",
+        "megatron_ext.model.attention:varlen_causal_attention",
+        ("torch.ops.aten._flash_attention_forward", "torch.nn.attention.varlen.varlen_attn"),
+    ),
+    Workaround(
+        "multi-tensor-fallback-host-syncs",
+        "without Apex or Transformer Engine, megatron-core's local_multi_tensor_l2_norm (grad norm) "
+        "calls .item() on every parameter's norm: one host sync per parameter per step (149 per "
+        "step for GPT-2 124M on an H100); local_multi_tensor_scale launches two kernels per tensor",
+        "megatron_ext.training.optimizer:apply_multi_tensor_fallback_fix",
+        ("megatron.core.utils.local_multi_tensor_l2_norm", "megatron.core.utils.local_multi_tensor_scale",
+         "megatron.core.optimizer.clip_grads.l2_norm_impl", "megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
+         "megatron.core.optimizer.optimizer.multi_tensor_scale_impl"),
+    ),
+    Workaround(
         "checkpoint-without-output-fp8-flag",
         "CheckpointWithoutOutput(fp8=False), its default, sets self.fp8 = (fp8 is not None) = True and "
         "calls Transformer Engine's FP8GlobalStateManager: --recompute-modules layernorm raises "

@@ -45,8 +45,51 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
         hysteresis=t.hysteresis,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
+    apply_multi_tensor_fallback_fix()
     # On the CPU every group is gloo already; separate gloo groups exist only on CUDA.
     return get_megatron_optimizer(opt_config, model, use_gloo_process_groups=device.type == "cuda")
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for megatron-core's ``local_multi_tensor_l2_norm`` (its fallback where neither Apex
+    nor Transformer Engine is installed): the l2 norm of every tensor of ``tensor_lists`` as a
+    one-element fp32 tensor, on the tensors' device, without a host synchronisation. Upstream
+    builds ``torch.tensor([torch.norm(t) for t in ...])``: one ``.item()``, i.e. one device-to-host
+    sync, per parameter in every step (149 per step for GPT-2 124M, seen in an H100 profile)."""
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for megatron-core's ``local_multi_tensor_scale``: ``dst = src * scale`` for each
+    pair, in a few multi-tensor kernels instead of two kernels per parameter (main-to-model
+    parameter copies and gradient clipping)."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def apply_multi_tensor_fallback_fix() -> None:
+    """Where megatron-core 0.16.1 fell back to its local multi-tensor implementations (no Apex, no
+    TE), use ``foreach_l2_norm`` and ``foreach_scale`` instead (registered in compat.py); with Apex
+    or TE installed their fused kernels stay. Idempotent."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
 
 
 def get_loss_scale(cfg: JobConfig) -> float | None:
