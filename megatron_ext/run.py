@@ -19,7 +19,7 @@ from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.state import CheckpointMeta
 from megatron_ext.config import (
-    JobConfig, get_global_batch_size, get_padded_vocab_size, get_sequence_padding, resolve_train_iters,
+    JobConfig, get_global_batch_size, get_padded_vocab_size, get_params_dtype, get_sequence_padding, resolve_train_iters,
     uses_document_boundaries,
 )
 from megatron_ext.cpu_platform import select_device
@@ -152,5 +152,6 @@ def describe_run(run: TrainingRun) -> str:
         f" | parameters on the logging rank {local:,}\n"
         + describe_schedule(run) + "\n"
         + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
-                                     use_transformer_engine(cfg, ctx.device), uses_document_boundaries(cfg))
+                                     use_transformer_engine(cfg, ctx.device), uses_document_boundaries(cfg),
+                                     get_params_dtype(cfg))
     )

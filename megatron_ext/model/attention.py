@@ -13,8 +13,10 @@ Kernels (one notice line at start-up says which run, ``describe_attention_kernel
   cuDNN or memory-efficient on GPUs, flash on the CPU) instead of megatron-core's [b, np, s, s]
   score matrix (measured on an H100, GPT-2 124M bf16: 224k-253k tokens/s vs 111k); anything else
   (an explicit mask, a window, a non-vanilla softmax) stays megatron-core's;
-- packed on CUDA: torch's ``varlen_attn`` (torch >= 2.10; k/v repeated for GQA where it has no
-  ``enable_gqa``); it has no dropout, so with ``--attention-dropout > 0`` the per-document loop runs;
+- packed on CUDA in bf16/fp16: the flash varlen kernel of torch's ``varlen_attn`` (torch >= 2.10),
+  called directly (``varlen_causal_attention`` says why); grouped k/v go in as they are. It is
+  FlashAttention (no fp32: seen on an H100, torch 2.11) without dropout here, so fp32 runs and
+  ``--attention-dropout > 0`` take the per-document loop;
 - packed elsewhere (the CPU) or with dropout: SDPA per document (4-D views, so torch's CPU flash
   kernel runs; ``bench/varlen.py``: 1.52x the useful tokens/CPU-s of one SDPA with a dense
   block-diagonal mask). flex_attention has no CPU backward, nested-jagged SDPA no CPU backend.
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 PER_DOCUMENT = "per-document SDPA loop"
-VARLEN = "torch varlen_attn"
+VARLEN = "flash varlen (the kernel of torch's varlen_attn)"
 
 
 @dataclasses.dataclass
@@ -58,9 +59,15 @@ class PackedMicrobatchParams(PackedSeqParams):
 # ----------------------------------------------------------------------------- kernels
 
 
+# looked up at call time, so a test can stand in for the CUDA-only kernel
+flash_attention_forward = torch.ops.aten._flash_attention_forward
+
+
 @functools.lru_cache(maxsize=None)
 def get_varlen_attn():
-    """torch's varlen attention function, or None (torch < 2.10)."""
+    """torch's varlen attention function, or None (torch < 2.10). Its presence says this torch
+    runs packed attention on flash's varlen kernel (``varlen_causal_attention`` calls that kernel
+    directly)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -68,33 +75,33 @@ def get_varlen_attn():
     return varlen_attn
 
 
-def select_packed_kernel(device_type: str, dropout_p: float, varlen_available: bool) -> str:
-    """Which kernel runs packed attention (pure; the notice line and the forward both use it)."""
-    if device_type == "cuda" and varlen_available and dropout_p == 0.0:
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def select_packed_kernel(device_type: str, dropout_p: float, varlen_available: bool, dtype: torch.dtype) -> str:
+    """Which kernel runs packed attention (pure; the notice line and the forward both use it).
+    varlen_attn is FlashAttention: CUDA, bf16/fp16 only ("FlashAttention only support fp16 and
+    bf16 data type" for fp32), no dropout."""
+    if device_type == "cuda" and varlen_available and dropout_p == 0.0 and dtype in HALF_DTYPES:
         return VARLEN
     return PER_DOCUMENT
 
 
 def varlen_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-    max_seqlen: int, scale: float, varlen_attn=None,
+    max_seqlen: int, scale: float,
 ) -> torch.Tensor:
-    """query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn] through torch's varlen_attn."""
-    varlen_attn = varlen_attn or get_varlen_attn()
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"scale": scale}
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:  # torch < 2.12
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)  # causal: no look-ahead
-    else:
-        kwargs["is_causal"] = True
-    out = varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    """query [t, np, hn], key/value [t, ng, hn] (ng divides np: flash takes grouped k/v as they
+    are) -> [t, np * hn], each document attending to itself, causally.
+
+    The kernel of torch's ``varlen_attn`` (``aten._flash_attention_forward`` with ``cu_seqlens``),
+    called directly so that aten's own C++ autograd node (FlashAttentionBackward0) runs the
+    backward: ``varlen_attn`` wraps the same kernel in a Python custom op whose dispatch cost
+    ~0.5 ms of host time per call, forward and backward again (H100 profile, torch 2.11, GPT-2
+    124M packed: 12 ms per step of host time, 0.86x the unpacked tokens/s). Registered in
+    compat.py."""
+    out = flash_attention_forward(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  0.0, True, False, scale=scale)[0]
     return out.reshape(out.shape[0], -1)
 
 
@@ -239,7 +246,7 @@ class VarlenDotProductAttention(DotProductAttention):
             query = rotate_packed(query, freqs, interleaved)
             key = rotate_packed(key, freqs, interleaved)
         p = self._dropout_p()
-        kernel = select_packed_kernel(query.device.type, p, get_varlen_attn() is not None)
+        kernel = select_packed_kernel(query.device.type, p, get_varlen_attn() is not None, query.dtype)
         if kernel == VARLEN:
             max_seqlen = params.max_seqlen_q or max(b - a for a, b in zip(host, host[1:]))
             return varlen_causal_attention(query, key, value, params.cu_seqlens_q, max_seqlen, self.softmax_scale)
@@ -247,19 +254,21 @@ class VarlenDotProductAttention(DotProductAttention):
 
 
 def describe_attention_kernels(device_type: str, attention_dropout: float, transformer_engine: bool,
-                               packed: bool) -> str:
+                               packed: bool, dtype: torch.dtype) -> str:
     """The start-up notice: which kernels this run's attention uses."""
     if transformer_engine:
         return "> attention: Transformer Engine (unpacked and packed THD)"
     line = "> attention: unpacked causal -> torch SDPA (megatron-core's kernel for explicit masks)"
     if packed:
-        kernel = select_packed_kernel(device_type, attention_dropout, get_varlen_attn() is not None)
+        kernel = select_packed_kernel(device_type, attention_dropout, get_varlen_attn() is not None, dtype)
         reason = ""
         if kernel == PER_DOCUMENT:
             if device_type != "cuda":
                 reason = " (varlen_attn needs CUDA)"
             elif get_varlen_attn() is None:
                 reason = f" (torch {torch.__version__} has no varlen_attn: torch >= 2.10 does)"
+            elif dtype not in HALF_DTYPES:
+                reason = " (varlen_attn is bf16/fp16 only: --bf16 uses it)"
             else:
                 reason = f" (varlen_attn has no dropout: --attention-dropout {attention_dropout})"
         line += f" | packed THD -> {kernel}{reason}"

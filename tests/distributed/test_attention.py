@@ -6,7 +6,7 @@ its process groups and memory buffer).
 - dropout draws from megatron-core's model-parallel RNG stream: the same tracker state gives the
   same output, the tracker advances, the default generator is untouched;
 - the packed path with the varlen kernel selected (a stand-in for torch's CUDA-only
-  ``varlen_attn`` that runs the per-document reference) equals the per-document loop;
+  flash kernel that runs the per-document reference) equals the per-document loop;
 - a packed micro-batch goes through a whole RoPE/GQA model without one device-to-host read
   (``.tolist()``, ``.item()``, ``bool()``); megatron-core's own THD path, the negative control,
   makes several per layer.
@@ -110,20 +110,20 @@ def _packed_varlen_vs_loop() -> dict:
                                     max_seqlen_kv=13, cu_seqlens_host=cu)
     calls = []
 
-    def fake_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                         enable_gqa=False):
-        """torch's signature; the per-document reference inside (the real kernel is CUDA-only)."""
-        calls.append(dict(window_size=window_size, enable_gqa=enable_gqa, max_q=max_q, heads=key.shape[1]))
+    def fake_flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None):
+        """aten._flash_attention_forward's signature; the per-document reference inside (the real
+        kernel is CUDA-only)."""
+        calls.append(dict(is_causal=is_causal, dropout_p=dropout_p, max_q=max_q, heads=key.shape[1]))
         out = document_causal_attention(query, key, value, cu_q.tolist(), scale)
-        return out.view(query.shape)
+        return out.view(query.shape), None, None, None, None
 
-    original = (attention.select_packed_kernel, attention.get_varlen_attn)
-    attention.select_packed_kernel = lambda device_type, dropout_p, available: attention.VARLEN
-    attention.get_varlen_attn = lambda: fake_varlen_attn
+    original = (attention.select_packed_kernel, attention.flash_attention_forward)
+    attention.select_packed_kernel = lambda *args: attention.VARLEN
+    attention.flash_attention_forward = fake_flash
     try:
         varlen = ours(q, k, v, None, packed_seq_params=params)
     finally:
-        attention.select_packed_kernel, attention.get_varlen_attn = original
+        attention.select_packed_kernel, attention.flash_attention_forward = original
     loop = ours(q, k, v, None, packed_seq_params=params)
     return dict(varlen=varlen, loop=loop, calls=calls)
 
@@ -199,7 +199,7 @@ def test_packed_varlen_kernel_path_equals_per_document_loop(results):
     r = results["packed"]
     torch.testing.assert_close(r["varlen"], r["loop"], rtol=1e-6, atol=1e-6)
     (call,) = r["calls"]
-    assert call["window_size"] == (-1, 0) and call["enable_gqa"] and call["heads"] == 2 and call["max_q"] == 13
+    assert call == dict(is_causal=True, dropout_p=0.0, max_q=13, heads=2)  # grouped k/v as they are
 
 
 def test_packed_forward_reads_nothing_back_from_the_device(results):

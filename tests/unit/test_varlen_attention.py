@@ -59,62 +59,57 @@ def test_packing_with_a_spec_that_ignores_boundaries_is_refused():
 def test_packed_kernel_selection():
     from megatron_ext.model.attention import PER_DOCUMENT, VARLEN, select_packed_kernel
 
-    assert select_packed_kernel("cuda", 0.0, True) == VARLEN
-    assert select_packed_kernel("cuda", 0.1, True) == PER_DOCUMENT  # varlen_attn has no dropout
-    assert select_packed_kernel("cuda", 0.0, False) == PER_DOCUMENT  # torch < 2.10
-    assert select_packed_kernel("cpu", 0.0, True) == PER_DOCUMENT  # varlen_attn is CUDA-only
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert select_packed_kernel("cuda", 0.0, True, bf16) == VARLEN
+    assert select_packed_kernel("cuda", 0.0, True, fp16) == VARLEN
+    assert select_packed_kernel("cuda", 0.0, True, fp32) == PER_DOCUMENT  # flash: no fp32 (seen on an H100)
+    assert select_packed_kernel("cuda", 0.1, True, bf16) == PER_DOCUMENT  # varlen_attn has no dropout
+    assert select_packed_kernel("cuda", 0.0, False, bf16) == PER_DOCUMENT  # torch < 2.10
+    assert select_packed_kernel("cpu", 0.0, True, bf16) == PER_DOCUMENT  # varlen_attn is CUDA-only
 
 
-def _recording_kernel(calls, with_gqa: bool):
-    """A varlen_attn stand-in with torch >= 2.12's keywords, or torch 2.11's (no enable_gqa)."""
-    def new(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        calls.append(dict(heads_kv=k.shape[1], window_size=window_size, enable_gqa=enable_gqa))
-        return torch.zeros_like(q)
-
-    def old(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
-        calls.append(dict(heads_kv=k.shape[1], window_size=window_size))
-        return torch.zeros_like(q)
-
-    return new if with_gqa else old
-
-
-@pytest.mark.parametrize("with_gqa", [True, False], ids=["torch>=2.12", "torch2.11"])
-def test_varlen_call_is_causal_and_handles_gqa_either_way(with_gqa):
-    from megatron_ext.model.attention import varlen_causal_attention
+def test_varlen_call_is_causal_without_dropout_and_keeps_grouped_kv(monkeypatch):
+    import megatron_ext.model.attention as attention
 
     calls = []
+
+    def flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None):
+        """aten._flash_attention_forward's signature (the real one is CUDA-only)."""
+        calls.append(dict(heads_kv=k.shape[1], cu_same=cu_q is cu_k, max=(max_q, max_k), dropout_p=dropout_p,
+                          is_causal=is_causal, debug=return_debug_mask, scale=scale))
+        return torch.zeros_like(q), None, None, None, None
+
+    monkeypatch.setattr(attention, "flash_attention_forward", flash)
     q, kv = torch.randn(12, 4, 8), torch.randn(12, 2, 8)
-    out = varlen_causal_attention(q, kv, kv, torch.tensor([0, 5, 12], dtype=torch.int32), 7, 0.35,
-                                  varlen_attn=_recording_kernel(calls, with_gqa))
+    out = attention.varlen_causal_attention(q, kv, kv, torch.tensor([0, 5, 12], dtype=torch.int32), 7, 0.35)
     assert out.shape == (12, 32)
-    (call,) = calls
-    assert call["window_size"] == (-1, 0)
-    if with_gqa:
-        assert call["enable_gqa"] and call["heads_kv"] == 2
-    else:
-        assert call["heads_kv"] == 4  # k/v repeated to the query heads
+    assert calls == [dict(heads_kv=2, cu_same=True, max=(7, 7), dropout_p=0.0, is_causal=True, debug=False, scale=0.35)]
 
 
 def test_torch_varlen_attn_shapes_on_meta_tensors():
-    """The real kernel's own shape logic (its meta implementation), GQA included: CUDA-only at run time."""
+    """The real kernel's own shape logic and autograd node (its meta implementation), GQA included:
+    CUDA-only at run time."""
     from megatron_ext.model.attention import get_varlen_attn, varlen_causal_attention
 
     if get_varlen_attn() is None:
         pytest.skip("torch < 2.10 has no varlen_attn")
-    q = torch.empty(512, 8, 64, device="meta", dtype=torch.bfloat16)
-    kv = torch.empty(512, 2, 64, device="meta", dtype=torch.bfloat16)
+    q = torch.empty(512, 8, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.empty(512, 2, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     cu = torch.empty(4, device="meta", dtype=torch.int32)
     out = varlen_causal_attention(q, kv, kv, cu, 300, 0.125)
     assert out.shape == (512, 8 * 64) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+    assert type(out.grad_fn.next_functions[0][0]).__name__ == "FlashAttentionBackward0"  # aten's C++ backward
 
 
 def test_attention_notice_names_the_kernel_and_why():
     from megatron_ext.model.attention import describe_attention_kernels, get_varlen_attn
 
-    assert "Transformer Engine" in describe_attention_kernels("cuda", 0.0, True, True)
-    cpu = describe_attention_kernels("cpu", 0.0, False, True)
+    bf16 = torch.bfloat16
+    assert "Transformer Engine" in describe_attention_kernels("cuda", 0.0, True, True, bf16)
+    cpu = describe_attention_kernels("cpu", 0.0, False, True, bf16)
     assert "torch SDPA" in cpu and "per-document SDPA loop (varlen_attn needs CUDA)" in cpu
-    assert "packed THD" not in describe_attention_kernels("cpu", 0.0, False, False)
+    assert "packed THD" not in describe_attention_kernels("cpu", 0.0, False, False, bf16)
     if get_varlen_attn() is not None:
-        assert "packed THD -> torch varlen_attn" in describe_attention_kernels("cuda", 0.0, False, True)
-        assert "--attention-dropout 0.1" in describe_attention_kernels("cuda", 0.1, False, True)
+        assert "packed THD -> flash varlen" in describe_attention_kernels("cuda", 0.0, False, True, bf16)
+        assert "--attention-dropout 0.1" in describe_attention_kernels("cuda", 0.1, False, True, bf16)
+        assert "bf16/fp16 only: --bf16" in describe_attention_kernels("cuda", 0.0, False, True, torch.float32)
