@@ -1,7 +1,7 @@
 """GPU throughput on one GPU: our training step beside a plain reference step, and packed beside
 unpacked, measured side by side in one run.
 
-    python -m bench.gpu_throughput [--only gpt2 1.3b packed-gpt2 packed-llama] [--steps 12]
+    python -m bench.gpu_throughput [--only gpt2 1.3b packed-gpt2 packed-llama] [--steps 12] [--accumulate N]
     python -m bench.gpu_throughput --device cpu --tiny --steps 2 --warmup 0   # smoke run, no figures
 
 Needs one CUDA GPU (megatron-core 0.16.1; Transformer Engine not required, transformers for the
@@ -88,12 +88,13 @@ class RandomPacks(RandomRows):
 
 
 PREFETCH = True  # --no-data-prefetch: build each step's data in the step (no background thread)
+ACCUMULATE = 1  # --accumulate N: micro-batches per optimizer step, on every side
 
 
 def job_values(shape: dict, micro_batch: int, packed: bool) -> dict:
     return dict(data_prefetch=PREFETCH,
         **shape, max_position_embeddings=shape["seq_length"], micro_batch_size=micro_batch,
-        global_batch_size=micro_batch, train_iters=10_000, bf16=True, lr=1e-4, min_lr=1e-4,
+        global_batch_size=micro_batch * ACCUMULATE, train_iters=10_000, bf16=True, lr=1e-4, min_lr=1e-4,
         lr_decay_style="constant", weight_decay=0.1, clip_grad=1.0, mock_data=not packed,
         data_path=["unused"] if packed else [], tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1,
         packed_sequences=packed, pad_to_multiple_of=64, log_interval=1_000_000,
@@ -147,16 +148,18 @@ class Reference:
         self.cfg_shape = shape
 
     def step(self) -> tuple[int, float]:
-        rows = [self.data[self.i * self.b + j]["tokens"] for j in range(self.b)]
-        self.i += 1
-        ids = torch.from_numpy(np.stack(rows)).to(DEVICE, non_blocking=True)
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        real = 0
+        for _ in range(ACCUMULATE):
+            rows = [self.data[self.i * self.b + j]["tokens"] for j in range(self.b)]
+            self.i += 1
+            ids = torch.from_numpy(np.stack(rows)).to(DEVICE, non_blocking=True)
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                loss = self.model(input_ids=ids, labels=ids).loss
+            (loss / ACCUMULATE).backward()
+            real += ids.numel()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        real = ids.numel()
         return real, flops_of(self.cfg_shape, VOCAB, real, real * self.cfg_shape["seq_length"])
 
     def close(self) -> None:
@@ -273,7 +276,7 @@ def free_memory() -> None:
 
 
 def main(argv=None) -> int:
-    global DEVICE, GPT2_124M, GPT_1_3B, LLAMA_24x2048, PREFETCH
+    global DEVICE, GPT2_124M, GPT_1_3B, LLAMA_24x2048, PREFETCH, ACCUMULATE
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--steps", type=int, default=12)
@@ -281,6 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: exercise the code paths on a CPU (with --tiny); its figures mean nothing")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (2 x 64, seq 128) for a smoke run")
+    p.add_argument("--accumulate", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step on every side (Megatron-LM runs use many: "
+                        "global batch > micro-batch); 1 = an optimizer step per micro-batch")
     p.add_argument("--no-data-prefetch", action="store_true",
                    help="our sides build each step's data in the step, not in the background thread")
     args = p.parse_args(argv)
@@ -288,6 +294,9 @@ def main(argv=None) -> int:
         print("bench.gpu_throughput needs a CUDA GPU (--device cpu --tiny for a smoke run)", file=sys.stderr)
         return 2
     PREFETCH = not args.no_data_prefetch
+    if args.accumulate < 1:
+        p.error(f"--accumulate {args.accumulate}: needs at least 1 micro-batch per optimizer step")
+    ACCUMULATE = args.accumulate
     if args.tiny:
         GPT2_124M = GPT_1_3B = TINY
         LLAMA_24x2048 = {**LLAMA_24x2048, **TINY}
@@ -305,6 +314,7 @@ def main(argv=None) -> int:
     print(f"gpu_throughput | {name} (bf16 peak {peak} TFLOP/s) | torch {torch.__version__} | "
           f"steps {args.steps}, first {args.warmup} dropped, medians"
           + ("" if PREFETCH else " | --no-data-prefetch")
+          + (f" | {ACCUMULATE} micro-batches per optimizer step" if ACCUMULATE > 1 else "")
           + (" | --tiny: every section runs 2 x 64 at seq 128, whatever its title says" if args.tiny else ""),
           flush=True)
     for section in args.only:
