@@ -78,7 +78,7 @@ def _attention_backend(value, cfg):
                       f"supported yet (leave it out: Transformer Engine picks one)")
     if value in ("auto", "local", "flash", "fused", "unfused"):
         return (f"--attention-backend {value} changes nothing with the local layer spec: attention runs on torch "
-                f"SDPA, and packed sequences on torch varlen_attn on CUDA (the start-up line names the kernels)"), None
+                f"SDPA, and packed sequences on flash's varlen kernel on CUDA in bf16/fp16 (the start-up line names the kernels)"), None
     return None, f"--attention-backend {value}: not a Megatron-LM attention backend"
 
 
@@ -96,7 +96,7 @@ FLAGS = [
     MegatronFlag("--no-mmap-bin-files", STORE_TRUE, _noop("--no-mmap-bin-files changes nothing here: .bin files are memory-mapped"), "Accepted, no effect."),
     MegatronFlag("--log-throughput", STORE_TRUE, _noop("--log-throughput changes nothing: tokens/s and TFLOP/s per GPU are always logged"), "Accepted (always so)."),
     MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is computed by megatron-core's vocab-parallel cross-entropy"), "Accepted, no effect."),
-    MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / varlen_attn; the start-up line names them)"), "Accepted, no effect."),
+    MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / flash's varlen kernel; the start-up line names them)"), "Accepted, no effect."),
     MegatronFlag("--no-masked-softmax-fusion", STORE_TRUE, _noop("--no-masked-softmax-fusion changes nothing: the local spec uses no masked-softmax kernel"), "Accepted, no effect."),
     MegatronFlag("--no-bias-gelu-fusion", STORE_TRUE, _noop("--no-bias-gelu-fusion changes nothing here"), "Accepted, no effect."),
     MegatronFlag("--no-bias-swiglu-fusion", STORE_TRUE, _noop("--no-bias-swiglu-fusion changes nothing here"), "Accepted, no effect."),
