@@ -1,6 +1,7 @@
-"""bench/gpu_throughput.py can only measure on a GPU; its code paths (our run on synthetic rows and
-packs, the transformers reference step, the side-by-side timing and the report) run here on tiny
-shapes so that the benchmark does not rot on CPU-only machines. Its figures are not checked."""
+"""bench/gpu_throughput.py and bench/gpu_profile.py can only measure on a GPU; their code paths (our
+run on synthetic rows and packs, the transformers reference step, the side-by-side timing, the
+profiler tables and the reports) run here on tiny shapes so that the benchmarks do not rot on
+CPU-only machines. Their figures are not checked."""
 
 from __future__ import annotations
 
@@ -29,3 +30,20 @@ def test_gpu_benchmark_code_paths_run_on_tiny_shapes():
     report = run_ranks(_smoke, 1, timeout=300)[0]
     assert report.startswith("exit 0"), report
     assert "A/C =" in report and report.count("packed/unpacked real tokens/s =") == 2, report
+
+
+def _profile_smoke(rank: int, world_size: int) -> str:
+    from bench import gpu_profile
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = gpu_profile.main(["--device", "cpu", "--tiny", "--steps", "1", "--timed-steps", "1",
+                                 "--warmup", "1", "--rows", "3"])
+    return f"exit {code}\n{out.getvalue()}"
+
+
+def test_gpu_profile_code_paths_run_on_tiny_shapes():
+    report = run_ranks(_profile_smoke, 1, timeout=300)[0]
+    assert report.startswith("exit 0"), report
+    assert "== unpacked: wall" in report and "== packed: wall" in report and "packed/unpacked: wall" in report, report
+    assert report.count("by host time (total):") == 2, report
