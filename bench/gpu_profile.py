@@ -64,8 +64,11 @@ def summarize(name: str, events, steps: int, wall: float, rows: int) -> dict:
     # kernels' time too, so summing every row counts it twice
     kernels = sum(e.self_device_time_total for e in events
                   if e.device_type != DeviceType.CPU and not e.is_user_annotation) / per
-    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize")) / steps
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx")) / steps
+    # the step's own syncs (.item(), .tolist(), ...); the profiler window's closing
+    # torch.cuda.synchronize() is a cudaDeviceSynchronize and is not counted
+    syncs = sum(e.count for e in events if e.key == "cudaStreamSynchronize") / steps
+    launches = sum(e.count for e in events
+                   if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")) / steps
     bound = "" if throughput.DEVICE.type != "cuda" else f" ({'host' if kernels < 0.9 * wall else 'device'}-bound)"
     print(f"== {name}: wall {wall:.1f} ms/step | device kernels {kernels:.1f} ms/step{bound} | host syncs {syncs:.0f}/step"
           f" | kernel launches {launches:.0f}/step", flush=True)

@@ -127,6 +127,8 @@ class Ours:
     def close(self) -> None:
         from megatron_ext.parallel import destroy_parallel_context
 
+        if self.run.prefetcher is not None:  # its background build may still run
+            self.run.prefetcher.close()
         if self.owns_groups:
             destroy_parallel_context()
 

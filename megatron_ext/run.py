@@ -153,5 +153,5 @@ def describe_run(run: TrainingRun) -> str:
         + describe_schedule(run) + "\n"
         + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
                                      use_transformer_engine(cfg, ctx.device), uses_document_boundaries(cfg),
-                                     get_params_dtype(cfg))
+                                     get_params_dtype(cfg), cfg.model.hidden_size // cfg.model.num_attention_heads)
     )

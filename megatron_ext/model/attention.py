@@ -78,6 +78,16 @@ def get_varlen_attn():
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+@functools.lru_cache(maxsize=None)
+def flash_varlen_supported(device_index: int, head_dim: int) -> bool:
+    """Whether flash's varlen kernel runs on this CUDA device: torch >= 2.10 (it has varlen_attn), an
+    sm80+ GPU (FlashAttention 2 has no kernels for Volta/Turing) and a head dimension flash takes (a
+    multiple of 8, at most 256). Host-side facts, asked once per device and head size."""
+    if get_varlen_attn() is None or head_dim % 8 or head_dim > 256:
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 def select_packed_kernel(device_type: str, dropout_p: float, varlen_available: bool, dtype: torch.dtype) -> str:
     """Which kernel runs packed attention (pure; the notice line and the forward both use it).
     varlen_attn is FlashAttention: CUDA, bf16/fp16 only ("FlashAttention only support fp16 and
@@ -246,7 +256,9 @@ class VarlenDotProductAttention(DotProductAttention):
             query = rotate_packed(query, freqs, interleaved)
             key = rotate_packed(key, freqs, interleaved)
         p = self._dropout_p()
-        kernel = select_packed_kernel(query.device.type, p, get_varlen_attn() is not None, query.dtype)
+        on_cuda = query.device.type == "cuda"
+        available = on_cuda and flash_varlen_supported(query.device.index or 0, query.shape[-1])
+        kernel = select_packed_kernel(query.device.type, p, available, query.dtype)
         if kernel == VARLEN:
             max_seqlen = params.max_seqlen_q or max(b - a for a, b in zip(host, host[1:]))
             return varlen_causal_attention(query, key, value, params.cu_seqlens_q, max_seqlen, self.softmax_scale)
@@ -254,19 +266,24 @@ class VarlenDotProductAttention(DotProductAttention):
 
 
 def describe_attention_kernels(device_type: str, attention_dropout: float, transformer_engine: bool,
-                               packed: bool, dtype: torch.dtype) -> str:
+                               packed: bool, dtype: torch.dtype, head_dim: int) -> str:
     """The start-up notice: which kernels this run's attention uses."""
     if transformer_engine:
         return "> attention: Transformer Engine (unpacked and packed THD)"
     line = "> attention: unpacked causal -> torch SDPA (megatron-core's kernel for explicit masks)"
     if packed:
-        kernel = select_packed_kernel(device_type, attention_dropout, get_varlen_attn() is not None, dtype)
+        available = device_type == "cuda" and flash_varlen_supported(torch.cuda.current_device(), head_dim)
+        kernel = select_packed_kernel(device_type, attention_dropout, available, dtype)
         reason = ""
         if kernel == PER_DOCUMENT:
             if device_type != "cuda":
                 reason = " (varlen_attn needs CUDA)"
             elif get_varlen_attn() is None:
                 reason = f" (torch {torch.__version__} has no varlen_attn: torch >= 2.10 does)"
+            elif not available:
+                major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
+                reason = (f" (flash varlen needs an sm80+ GPU and a head dimension that is a multiple of 8,"
+                          f" at most 256: sm{major}{minor}, head dimension {head_dim})")
             elif dtype not in HALF_DTYPES:
                 reason = " (varlen_attn is bf16/fp16 only: --bf16 uses it)"
             else:

@@ -21,7 +21,7 @@ def _smoke(rank: int, world_size: int) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = gpu_throughput.main(["--device", "cpu", "--tiny", "--steps", "2", "--warmup", "0",
-                                    "--only", "gpt2", "packed-llama"])
+                                    "--only", "gpt2", "packed-llama", "--accumulate", "2"])
     return f"exit {code}\n{out.getvalue()}"
 
 
@@ -30,6 +30,7 @@ def test_gpu_benchmark_code_paths_run_on_tiny_shapes():
     report = run_ranks(_smoke, 1, timeout=300)[0]
     assert report.startswith("exit 0"), report
     assert "A/C =" in report and report.count("packed/unpacked real tokens/s =") == 2, report
+    assert "2 micro-batches per optimizer step" in report, report
 
 
 def _profile_smoke(rank: int, world_size: int) -> str:

@@ -140,7 +140,9 @@ out["packed forward finite"] = bool(torch.isfinite(logits).all())
 from megatron.core.optimizer import clip_grads
 from megatron_ext.training.optimizer import apply_multi_tensor_fallback_fix, foreach_l2_norm
 apply_multi_tensor_fallback_fix()
-fallback = clip_grads.l2_norm_impl is foreach_l2_norm  # False where Apex or TE provide fused kernels
+import importlib.util
+fallback = not (importlib.util.find_spec("transformer_engine") or importlib.util.find_spec("amp_C"))
+assert (clip_grads.l2_norm_impl is foreach_l2_norm) == fallback, clip_grads.l2_norm_impl  # installed iff upstream fell back
 grads = [torch.randn(n, device="cuda") for n in (1000, 3, 4096)]
 torch.cuda.synchronize()
 torch.cuda.set_sync_debug_mode("error")

@@ -101,15 +101,44 @@ def test_torch_varlen_attn_shapes_on_meta_tensors():
     assert type(out.grad_fn.next_functions[0][0]).__name__ == "FlashAttentionBackward0"  # aten's C++ backward
 
 
-def test_attention_notice_names_the_kernel_and_why():
-    from megatron_ext.model.attention import describe_attention_kernels, get_varlen_attn
+def _fake_gpu(monkeypatch, capability):
+    """A CUDA device of this compute capability, as far as the host-side queries go."""
+    import megatron_ext.model.attention as attention
+
+    attention.flash_varlen_supported.cache_clear()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(attention, "get_varlen_attn", lambda: object())  # torch >= 2.10
+    return attention
+
+
+def test_attention_notice_names_the_kernel_and_why(monkeypatch):
+    from megatron_ext.model.attention import describe_attention_kernels
 
     bf16 = torch.bfloat16
-    assert "Transformer Engine" in describe_attention_kernels("cuda", 0.0, True, True, bf16)
-    cpu = describe_attention_kernels("cpu", 0.0, False, True, bf16)
+    assert "Transformer Engine" in describe_attention_kernels("cuda", 0.0, True, True, bf16, 64)
+    cpu = describe_attention_kernels("cpu", 0.0, False, True, bf16, 64)
     assert "torch SDPA" in cpu and "per-document SDPA loop (varlen_attn needs CUDA)" in cpu
-    assert "packed THD" not in describe_attention_kernels("cpu", 0.0, False, False, bf16)
-    if get_varlen_attn() is not None:
-        assert "packed THD -> flash varlen" in describe_attention_kernels("cuda", 0.0, False, True, bf16)
-        assert "--attention-dropout 0.1" in describe_attention_kernels("cuda", 0.1, False, True, bf16)
-        assert "bf16/fp16 only: --bf16" in describe_attention_kernels("cuda", 0.0, False, True, torch.float32)
+    assert "packed THD" not in describe_attention_kernels("cpu", 0.0, False, False, bf16, 64)
+    attention = _fake_gpu(monkeypatch, (9, 0))
+    try:
+        assert "packed THD -> flash varlen" in attention.describe_attention_kernels("cuda", 0.0, False, True, bf16, 64)
+        assert "--attention-dropout 0.1" in attention.describe_attention_kernels("cuda", 0.1, False, True, bf16, 64)
+        assert "bf16/fp16 only: --bf16" in attention.describe_attention_kernels("cuda", 0.0, False, True, torch.float32, 64)
+        odd = attention.describe_attention_kernels("cuda", 0.0, False, True, bf16, 60)
+        assert "per-document SDPA loop" in odd and "head dimension 60" in odd
+    finally:
+        attention.flash_varlen_supported.cache_clear()
+
+
+@pytest.mark.parametrize("capability,head_dim,expected", [
+    ((9, 0), 128, True), ((8, 0), 64, True), ((8, 6), 256, True),
+    ((7, 0), 64, False),  # V100: FlashAttention 2 has no kernels
+    ((9, 0), 60, False), ((9, 0), 512, False),  # head dims flash does not take
+])
+def test_flash_varlen_needs_an_ampere_or_newer_gpu_and_a_flash_head_dim(monkeypatch, capability, head_dim, expected):
+    attention = _fake_gpu(monkeypatch, capability)
+    try:
+        assert attention.flash_varlen_supported(0, head_dim) is expected
+    finally:
+        attention.flash_varlen_supported.cache_clear()
