@@ -18,7 +18,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch.autograd import DeviceType
@@ -28,22 +27,10 @@ from bench import gpu_throughput as throughput
 SHAPES = {"gpt2": "GPT2_124M", "1.3b": "GPT_1_3B", "llama": "LLAMA_24x2048"}
 
 
-def synchronize() -> None:
-    if throughput.DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def wall_ms(side, steps: int, warmup: int) -> float:
     for _ in range(warmup):
         side.step()
-    times = []
-    for _ in range(steps):
-        synchronize()
-        t0 = time.perf_counter()
-        side.step()
-        synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return 1000 * statistics.median(throughput.timed_step(side)[0] for _ in range(steps))
 
 
 def profile_steps(side, steps: int):
@@ -53,7 +40,7 @@ def profile_steps(side, steps: int):
     with profile(activities=activities) as prof:
         for _ in range(steps):
             side.step()
-        synchronize()
+        throughput.synchronize()
     return prof.key_averages()
 
 
