@@ -71,7 +71,7 @@ def init_empty_optimizer_state(optimizer) -> None:
             for param in group["params"]:
                 if not inner.state[param]:
                     inner.state[param] = {
-                        "step": torch.tensor(0.0),
+                        "step": torch.zeros((), dtype=torch.float32, device=param.device),
                         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                     }
@@ -103,6 +103,9 @@ def load_optimizer_state(optimizer, state_dict: dict[str, Any]) -> None:
         for state in getattr(inner, "state", {}).values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+    from megatron_ext.training.optimizer import use_fused_adam
+
+    use_fused_adam(optimizer)  # a saved param group's options replace ours in torch's load
 
 
 def _keep_own_step(dist_opt):

@@ -47,7 +47,38 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
     )
     apply_multi_tensor_fallback_fix()
     # On the CPU every group is gloo already; separate gloo groups exist only on CUDA.
-    return get_megatron_optimizer(opt_config, model, use_gloo_process_groups=device.type == "cuda")
+    optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=device.type == "cuda")
+    use_fused_adam(optimizer)
+    return optimizer
+
+
+def torch_adam_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch Adam/AdamW instances inside megatron-core's (chained) optimizer: what it builds
+    where neither Transformer Engine nor Apex is installed (their FusedAdam is left alone)."""
+    inner = (getattr(w, "optimizer", None) for w in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return [o for o in inner if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def use_fused_adam(optimizer) -> None:
+    """Step torch's Adam(W) with its fused kernel (``fused=True``), on CUDA and on the CPU alike.
+
+    megatron-core 0.16.1 without TE/Apex builds ``torch.optim.AdamW`` with torch's default, the
+    ``foreach`` kernels on CUDA (about 20 passes over the fp32 main parameters and moments per step
+    against 7 for the fused kernel: ~35 vs ~12 ms per step for 1.3B parameters on an H100) and the
+    per-parameter loop on the CPU. The fused kernel is the one TE/Apex's FusedAdam stands for, and
+    torch runs it on both device types, so CI covers the path GPUs run. ``fused`` is a public
+    AdamW option kept in each param group; ``load_state_dict`` restores the saved groups' options
+    and megatron-core's distributed optimizer restores states itself, so this runs after every
+    load too. The fused kernel keeps ``step`` as a float32 tensor on the parameter's device (as
+    torch's own ``_init_group`` makes it); existing step counts are moved there. Idempotent."""
+    for inner in torch_adam_optimizers(optimizer):
+        for options in [inner.defaults, *inner.param_groups]:
+            options["fused"], options["foreach"] = True, False
+        for group in inner.param_groups:
+            for param in group["params"]:
+                step = inner.state.get(param, {}).get("step")
+                if isinstance(step, torch.Tensor) and (step.device != param.device or step.dtype != torch.float32):
+                    inner.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
 
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

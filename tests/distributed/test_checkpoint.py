@@ -57,10 +57,19 @@ def _eight_rank_world(rank: int, world_size: int, root: str) -> dict:
     for reader in CHECKPOINT_READERS:
         run = _build(SAVE_LAYOUT)
         out[("loaded_iteration", reader)] = load_checkpoint(run, os.path.join(root, "saved"), reader=reader)
+        out[("fused_after_load", reader)] = _fused_adam_state(run.optimizer)
         out[("resumed", reader)] = _train_and_close(run)
         for name, layout in RESHARD_LAYOUTS.items():
             out[(name, reader)] = _load_resave_train(layout, root, name, reader)
     return out
+
+
+def _fused_adam_state(optimizer) -> list[tuple[bool, bool, str]]:
+    """(fused, foreach, step device and dtype) of every torch Adam param group and state."""
+    from megatron_ext.training.optimizer import torch_adam_optimizers
+
+    return [(g["fused"], g["foreach"], f"{o.state[p]['step'].device.type}/{o.state[p]['step'].dtype}")
+            for o in torch_adam_optimizers(optimizer) for g in o.param_groups for p in g["params"]]
 
 
 def _load_resave_train(layout: dict, root: str, name: str, reader: str) -> list[dict]:
@@ -89,6 +98,16 @@ def results(tmp_path_factory):
 
 def _losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("reader", CHECKPOINT_READERS)
+def test_resumed_optimizer_steps_with_torchs_fused_adam(results, reader):
+    """megatron-core's distributed optimizer restores Adam states itself: the fused option and a
+    float32 step on the parameter's device (what the fused kernel takes) survive the load."""
+    _, per_rank, _ = results
+    for rank in per_rank:
+        states = rank[("fused_after_load", reader)]
+        assert states and set(states) == {(True, False, "cpu/torch.float32")}
 
 
 @pytest.mark.parametrize("reader", CHECKPOINT_READERS)

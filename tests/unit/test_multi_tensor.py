@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.training.optimizer import apply_multi_tensor_fallback_fix, foreach_l2_norm, foreach_scale
+from megatron_ext.training.optimizer import (
+    apply_multi_tensor_fallback_fix, foreach_l2_norm, foreach_scale, torch_adam_optimizers, use_fused_adam,
+)
 
 
 def _tensors(dtype=torch.float32):
@@ -54,3 +56,50 @@ def test_fix_replaces_only_upstreams_local_fallbacks(monkeypatch):
     assert clip_grads.l2_norm_impl is foreach_l2_norm
     assert clip_grads.multi_tensor_scale_impl is fused
     assert optimizer.multi_tensor_scale_impl is foreach_scale
+
+
+class _Wrapper:
+    """Stands for megatron-core's optimizer wrappers: ``.optimizer`` is the torch optimizer."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def _adam_steps(fused_by: str, steps: int = 3) -> tuple[list[torch.Tensor], torch.optim.AdamW]:
+    params = [torch.nn.Parameter(t.clone()) for t in _tensors()]
+    kwargs = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    if fused_by == "constructor":
+        adam = torch.optim.AdamW(params, fused=True, **kwargs)
+    else:
+        adam = torch.optim.AdamW(params, foreach=False, **kwargs)  # torch's per-parameter loop
+        if fused_by == "use_fused_adam":
+            use_fused_adam(_Wrapper(adam))
+    for i in range(steps):
+        for p in params:
+            p.grad = torch.sin(p.detach() * (i + 1))
+        adam.step()
+    return params, adam
+
+
+def test_use_fused_adam_steps_as_torchs_fused_adamw_and_close_to_its_loop():
+    ours, adam = _adam_steps("use_fused_adam")
+    fused, _ = _adam_steps("constructor")
+    loop, _ = _adam_steps("loop")
+    assert all(torch.equal(a, b) for a, b in zip(ours, fused))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ours, loop))
+    assert not all(torch.equal(a, b) for a, b in zip(ours, loop))  # the loop really is another kernel
+    assert {(s["step"].item(), s["step"].dtype) for s in adam.state.values()} == {(3.0, torch.float32)}
+
+
+def test_use_fused_adam_survives_a_load_of_a_non_fused_state():
+    _, loop_adam = _adam_steps("loop")
+    params, adam = _adam_steps("use_fused_adam")
+    adam.load_state_dict(loop_adam.state_dict())  # torch takes the saved groups' options
+    assert adam.param_groups[0]["fused"] is None or adam.param_groups[0]["fused"] is False
+    use_fused_adam(_Wrapper(adam))
+    assert all(g["fused"] is True and g["foreach"] is False for g in adam.param_groups)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    adam.step()  # the fused kernel takes the restored step counts
+    assert {s["step"].item() for s in adam.state.values()} == {4.0}
+    assert torch_adam_optimizers(_Wrapper(torch.optim.SGD(params, lr=0.1))) == []
