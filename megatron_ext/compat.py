@@ -190,6 +190,16 @@ WORKAROUNDS: tuple[Workaround, ...] = (
          "megatron.core.optimizer.optimizer.multi_tensor_scale_impl"),
     ),
     Workaround(
+        "gradient-accumulation-fusion-without-apex",
+        "megatron-core fuses a weight gradient's GEMM with its accumulation into main_grad only through "
+        "Apex's fused_weight_gradient_mlp_cuda extension; without it each weight gradient is a new "
+        "bf16 tensor that DDP's hook adds into the fp32 buffer (~5 ms per micro-batch at 1.3B on an "
+        "H100); torch's addmm with out_dtype is the same GEMM, standing in for Apex's module",
+        "megatron_ext.model.wgrad:apply_gradient_accumulation_fusion",
+        ("megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
+         "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward"),
+    ),
+    Workaround(
         "checkpoint-without-output-fp8-flag",
         "CheckpointWithoutOutput(fp8=False), its default, sets self.fp8 = (fp8 is not None) = True and "
         "calls Transformer Engine's FP8GlobalStateManager: --recompute-modules layernorm raises "

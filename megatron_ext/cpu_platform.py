@@ -121,7 +121,11 @@ def _make_noop(name: str) -> Callable[..., None]:
 
 def _cuda_stand_ins() -> dict[str, Any]:
     return {
-        "current_device": lambda: 0,
+        # The CPU itself, not ordinal 0: code that runs outside the mode (a custom autograd
+        # backward runs inside the mode's own handler of torch.autograd.backward, where the mode is
+        # off) allocates on it as given, e.g. megatron-core's linear backward under
+        # gradient-accumulation fusion: torch.empty(..., device=torch.cuda.current_device()).
+        "current_device": lambda: torch.device("cpu"),
         "synchronize": _make_noop("synchronize"),
         "empty_cache": _make_noop("empty_cache"),
         "Stream": _NullStream,

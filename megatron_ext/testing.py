@@ -188,6 +188,8 @@ def gather_full_grads(run: TrainingRun) -> dict[str, torch.Tensor]:
     out = {}
     for chunk in run.model:
         module = chunk.module
+        if not hasattr(module, "share_embeddings_and_output_weights"):  # bf16/fp16: Float16Module
+            module = module.module
         offset = get_layer_offset(module)
         for local_name, param in module.named_parameters():
             name = get_global_name(local_name, offset)

@@ -10,6 +10,8 @@ for the interleaved schedule). The optimizer keeps fp32 main parameters (``train
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -77,7 +79,9 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         # attributes (tensor_model_parallel, partition_dim) that grad norms and checkpoints need.
         use_cpu_initialization=False,
         perform_initialization=True,
-        # Fusions stay at megatron-core's defaults (off): they need CUDA kernels.
+        # Off while building; wrap_with_ddp turns gradient-accumulation fusion on where DDP's
+        # buffers exist (model/wgrad.py). megatron-core's other fusions stay off: they need
+        # TE/Apex kernels or torch.compile.
         gradient_accumulation_fusion=False,
         # Freeing a sent activation's storage early is safe with NCCL's stream ordering; with
         # gloo's asynchronous sends it corrupted gradients under the interleaved schedule
@@ -154,12 +158,27 @@ def check_packed_sequence_support(chunks: list[torch.nn.Module]) -> None:
                     )
 
 
+@functools.cache
+def gpt_model_class():
+    """megatron-core's GPTModel with our cross-entropy (``model/cross_entropy.py``: the same fp32
+    loss in half the memory passes); everything else is upstream's."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy
+
+    class GPTModelWithLeanCrossEntropy(GPTModel):
+        def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            # as upstream: labels [b, s] -> [s, b] like the logits; the loss back to [b, s]
+            loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
+            return loss.transpose(0, 1).contiguous()
+
+    return GPTModelWithLeanCrossEntropy
+
+
 def build_model_chunks(
     cfg: JobConfig, placement: StagePlacement, padded_vocab_size: int, device: torch.device
 ) -> list[torch.nn.Module]:
     """Unwrapped GPTModel chunks of this rank, initialised layout-independently."""
-    from megatron.core.models.gpt import GPTModel
-
     from megatron_ext.model.attention import apply_packed_rotary
 
     tf_config = build_transformer_config(cfg, device)
@@ -170,7 +189,7 @@ def build_model_chunks(
     num_chunks = placement.vp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
-        chunk = GPTModel(
+        chunk = gpt_model_class()(
             config=tf_config,
             transformer_layer_spec=spec,
             vocab_size=padded_vocab_size,
@@ -213,8 +232,13 @@ def apply_mixed_precision(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list
 
 
 def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize)."""
+    """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize), with weight
+    gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_ext.model import wgrad
+
+    wgrad.enable_gradient_accumulation_fusion(chunks)
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -212,6 +212,9 @@ def test_exactly_one_extra_collective_per_step(ranks):
         neg, static = r[("skewed", "negotiated")]["counts"], r[("skewed", "static")]["counts"]
         diff = neg - static
         assert diff == collections.Counter({("megatron_ext.data.padding", "all_reduce"): 1}), diff
-        ours = {k: v for k, v in neg.items() if k[0].startswith("megatron_ext")}
+        # (the cross-entropy's TP reductions are the model's own, as megatron-core's were: the
+        # diff above shows negotiation leaves them alone)
+        ours = {k: v for k, v in neg.items()
+                if k[0].startswith("megatron_ext") and k[0] != "megatron_ext.model.cross_entropy"}
         allowed = {("megatron_ext.data.padding", "all_reduce"), ("megatron_ext.training.loop", "all_reduce")}
         assert set(ours) <= allowed and all(v == 1 for v in ours.values()), ours

@@ -134,7 +134,23 @@ def test_overlap_ends_with_the_parameters_of_no_overlap(results, name):
         got, ref = rank[name]["params"], rank["plain"]["params"]
         assert got.keys() == ref.keys()
         for k in ref:
-            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+            a, b = got[k], ref[k]
+            if k.endswith("linear_qkv.bias"):
+                # A key bias shifts every score of a query row alike, so softmax makes its gradient
+                # 0: what reaches it is rounding noise, which Adam scales to full-size steps. Any
+                # change of summation order (bucket sizes, the fused weight-gradient GEMM) moves
+                # it by a few e-6, so only the query and value biases are compared.
+                a, b = _without_key_bias(a), _without_key_bias(b)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def _without_key_bias(bias: torch.Tensor) -> torch.Tensor:
+    """megatron-core's fused QKV bias is [q, k, v] per query group (here each group holds one
+    head); drop the k part."""
+    values = tiny_values()
+    head_dim = values["hidden_size"] // values["num_attention_heads"]
+    per_group = bias.reshape(-1, 3, head_dim)
+    return per_group[:, [0, 2]].reshape(-1)
 
 
 def test_small_buckets_cut_the_parameters_into_several_buckets(results):
