@@ -156,6 +156,7 @@ class TrainingConfig:
     eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
     eval_iters: int = _f(2, "Validation batches per evaluation.")
     bf16: bool = _f(False, "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.", negative_flag=True)
+    gradient_accumulation_fusion: bool = _f(True, "Accumulate each weight gradient into its fp32 gradient buffer inside the GEMM (megatron-core's fused path, through torch's addmm with out_dtype where Apex is missing; default on, as in Megatron-LM; --no-gradient-accumulation-fusion: a bf16 gradient added by DDP's hook).", negative_flag=True)
     fp16: bool = _f(False, "fp16 mixed precision with megatron-core's loss scaler (dynamic unless --loss-scale).")
     loss_scale: float | None = _f(None, "Static loss scale for --fp16 (default: dynamic).")
     initial_loss_scale: float = _f(2.0 ** 32, "Initial dynamic loss scale (--fp16).")

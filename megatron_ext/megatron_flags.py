@@ -102,7 +102,6 @@ FLAGS = [
     MegatronFlag("--no-bias-swiglu-fusion", STORE_TRUE, _noop("--no-bias-swiglu-fusion changes nothing here"), "Accepted, no effect."),
     MegatronFlag("--no-bias-dropout-fusion", STORE_TRUE, _noop("--no-bias-dropout-fusion changes nothing here"), "Accepted, no effect."),
     MegatronFlag("--no-rope-fusion", STORE_TRUE, _noop("--no-rope-fusion changes nothing: rotary embeddings are applied by our packed-aware code, unfused"), "Accepted, no effect."),
-    MegatronFlag("--no-gradient-accumulation-fusion", STORE_TRUE, _noop("--no-gradient-accumulation-fusion changes nothing: gradient-accumulation fusion needs APEX/TE and is off"), "Accepted, no effect."),
     MegatronFlag("--distributed-backend", 1, _one_of({"nccl": None, "gloo": None}, "--distributed-backend {value}: nccl (CUDA) or gloo (CPU), chosen by device"), "nccl on CUDA, gloo on CPU (by device)."),
     MegatronFlag("--use-rotary-position-embeddings", STORE_TRUE, _needs_rope("--use-rotary-position-embeddings"), "Accepted with --position-embedding-type rope."),
     MegatronFlag("--no-position-embedding", STORE_TRUE, _needs_rope("--no-position-embedding"), "Accepted with --position-embedding-type rope (no learned absolute embedding then)."),

@@ -238,7 +238,8 @@ def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.n
 
     from megatron_ext.model import wgrad
 
-    wgrad.enable_gradient_accumulation_fusion(chunks)
+    if cfg.training.gradient_accumulation_fusion:
+        wgrad.enable_gradient_accumulation_fusion(chunks)
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

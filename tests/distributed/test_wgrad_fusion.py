@@ -17,15 +17,8 @@ pytestmark = pytest.mark.distributed
 
 
 def _step_grads(fused: bool, bf16: bool) -> tuple[bool, dict[str, torch.Tensor]]:
-    from megatron_ext.model import wgrad
-
-    original = wgrad.enable_gradient_accumulation_fusion
-    if not fused:
-        wgrad.enable_gradient_accumulation_fusion = lambda chunks: None
-    try:
-        run = build_tiny_run(tiny_values(bf16=bf16), MarkovDataset(32, mask_every=1))
-    finally:
-        wgrad.enable_gradient_accumulation_fusion = original
+    """One step's gradients, with (the default) or without --no-gradient-accumulation-fusion."""
+    run = build_tiny_run(tiny_values(bf16=bf16, gradient_accumulation_fusion=fused), MarkovDataset(32, mask_every=1))
     indices = get_microbatch_indices(0, run.global_batch_size, 2, run.ctx.dp_rank, run.ctx.dp_size)
     run_forward_backward(run.model, fetch_step_microbatches(run.train_ds, indices), 32)  # 4 micro-batches
     linears = [m for m in run.model[0].modules() if hasattr(m, "gradient_accumulation_fusion")]
