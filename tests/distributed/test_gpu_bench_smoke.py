@@ -48,3 +48,42 @@ def test_gpu_profile_code_paths_run_on_tiny_shapes():
     assert report.startswith("exit 0"), report
     assert "== unpacked: wall" in report and "== packed: wall" in report and "packed/unpacked: wall" in report, report
     assert report.count("by host time (total):") == 2, report
+
+
+def _ablation_smoke(rank: int, world_size: int) -> dict:
+    import torch
+
+    from bench import gpu_ablation, gpu_throughput
+    from megatron_ext.training.optimizer import torch_adam_optimizers
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = gpu_ablation.main(["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "0", "--micro-batch", "1"])
+
+    def state() -> tuple:
+        side = gpu_throughput.Ours(gpu_throughput.TINY, 1)
+        gpt_model = side.run.model[0].module.module
+        fused = {g["fused"] for o in torch_adam_optimizers(side.run.optimizer) for g in o.param_groups}
+        found = (fused == {True}, gpt_model.config.gradient_accumulation_fusion, type(gpt_model).__name__)
+        side.close()
+        return found
+
+    states = {"on": state()}
+    for name in gpu_ablation.ABLATIONS:
+        restore = gpu_ablation.undo(name)
+        states[name] = state()
+        restore()
+    states["restored"] = state()
+    assert torch.device("cpu") == gpu_throughput.DEVICE
+    return {"report": f"exit {code}\n{out.getvalue()}", "states": states}
+
+
+def test_gpu_ablation_undoes_one_change_at_a_time():
+    out = run_ranks(_ablation_smoke, 1, timeout=300)[0]
+    report, states = out["report"], out["states"]
+    assert report.startswith("exit 0") and report.count("off/on =") == 3 and "megatron-core/ours =" in report, report
+    on = (True, True, "GPTModelWithLeanCrossEntropy")
+    assert states["on"] == states["restored"] == on
+    assert states["fused-adam"] == (False, True, on[2])
+    assert states["wgrad-fusion"] == (True, False, on[2])
+    assert states["cross-entropy"] == (True, True, "GPTModel")

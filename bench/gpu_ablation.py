@@ -1,0 +1,156 @@
+"""What each of our GPU-step changes is worth: our training step with everything on, against the
+same step with one change undone, and our cross-entropy against megatron-core's alone.
+
+    python -m bench.gpu_ablation [--shape 1.3b|gpt2|llama] [--micro-batch 4] [--only fused-adam wgrad-fusion cross-entropy ce-kernel]
+    python -m bench.gpu_ablation --device cpu --tiny --steps 1 --warmup 0   # smoke run, no figures
+
+Sides run one after the other (two 1.3B models do not fit beside each other), as
+``on, off, on`` so that drift of the machine shows as a difference between the two ``on`` runs;
+the ratio is off / mean(on) of the median step times (> 1: the change helps). One optimizer
+step per micro-batch (``bench.gpu_throughput.Ours``, data built in the step).
+
+- ``fused-adam``: torch's fused AdamW (``training/optimizer.use_fused_adam``) vs the ``foreach``
+  kernels megatron-core gets from torch without Apex/TE.
+- ``wgrad-fusion``: weight gradients accumulated into the fp32 buffer in the GEMM
+  (``model/wgrad.py``) vs a bf16 gradient added by DDP's hook.
+- ``cross-entropy``: ``model/cross_entropy.py`` vs megatron-core's ``vocab_parallel_cross_entropy``.
+- ``ce-kernel``: the two cross-entropies alone, forward and backward over [seq x micro-batch,
+  50304] bf16 logits, alternated, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench import gpu_throughput as throughput
+
+SHAPES = {"gpt2": "GPT2_124M", "1.3b": "GPT_1_3B", "llama": "LLAMA_24x2048"}
+ABLATIONS = ("fused-adam", "wgrad-fusion", "cross-entropy")
+
+
+def undo(name: str):
+    """Patch one change away (in this process); returns the function that restores it."""
+    import megatron_ext.model.gpt as gpt
+    import megatron_ext.training.optimizer as optimizer
+
+    if name == "fused-adam":
+        original = optimizer.use_fused_adam
+        optimizer.use_fused_adam = lambda opt: None
+
+        def restore():
+            optimizer.use_fused_adam = original
+    elif name == "wgrad-fusion":
+        from megatron_ext.model import wgrad
+
+        original = wgrad.enable_gradient_accumulation_fusion
+        wgrad.enable_gradient_accumulation_fusion = lambda chunks: None
+
+        def restore():
+            wgrad.enable_gradient_accumulation_fusion = original
+    else:
+        from megatron.core.models.gpt import GPTModel
+
+        original = gpt.gpt_model_class
+        gpt.gpt_model_class = lambda: GPTModel
+
+        def restore():
+            gpt.gpt_model_class = original
+    return restore
+
+
+def step_ms(shape: dict, micro_batch: int, steps: int, warmup: int) -> float:
+    side = throughput.Ours(shape, micro_batch)
+    try:
+        for _ in range(warmup):
+            side.step()
+        return 1000 * statistics.median(throughput.timed_step(side)[0] for _ in range(steps))
+    finally:
+        side.close()
+        del side
+        throughput.free_memory()
+
+
+def ablate(name: str, shape: dict, micro_batch: int, steps: int, warmup: int) -> None:
+    first = step_ms(shape, micro_batch, steps, warmup)
+    restore = undo(name)
+    try:
+        off = step_ms(shape, micro_batch, steps, warmup)
+    finally:
+        restore()
+    second = step_ms(shape, micro_batch, steps, warmup)
+    on = (first + second) / 2
+    print(f"  {name:<14} on {first:7.1f} / {second:7.1f} ms/step | off {off:7.1f} ms/step | "
+          f"off/on = {off / on:.3f}", flush=True)
+
+
+def ce_kernel(tokens: int, vocab: int, steps: int) -> None:
+    """Both cross-entropies alone (megatron-core's needs its TP group: a side is built first)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as theirs
+
+    from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy as ours
+
+    side = throughput.Ours(throughput.TINY, 1)  # initialises megatron-core's parallel state
+    try:
+        device = throughput.DEVICE
+        logits = torch.randn(tokens, 1, vocab, device=device, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.randint(0, vocab, (tokens, 1), device=device)
+        fns = {"ours": lambda: ours(logits, target), "megatron-core": lambda: theirs(logits.float(), target)}
+        times = {name: [] for name in fns}
+        for i in range(steps + 2):
+            for name, fn in fns.items():
+                throughput.synchronize()
+                t0 = time.perf_counter()
+                fn().sum().backward()
+                throughput.synchronize()
+                if i >= 2:
+                    times[name].append(1000 * (time.perf_counter() - t0))
+        a, b = (statistics.median(t) for t in times.values())
+        print(f"  ce-kernel      [{tokens} x {vocab}] bf16, forward + backward: ours {a:.2f} ms | "
+              f"megatron-core {b:.2f} ms | megatron-core/ours = {b / a:.2f}", flush=True)
+    finally:
+        side.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1.3b")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--only", nargs="+", choices=[*ABLATIONS, "ce-kernel"], default=[*ABLATIONS, "ce-kernel"])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes for a smoke run")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench.gpu_ablation needs a CUDA GPU (--device cpu --tiny for a smoke run)", file=sys.stderr)
+        return 2
+    from megatron_ext.cpu_platform import quiet_known_warnings
+    from megatron_ext.parallel import init_distributed
+
+    quiet_known_warnings()
+    throughput.DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    throughput.PREFETCH = False
+    shape = throughput.TINY if args.tiny else getattr(throughput, SHAPES[args.shape])
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    init_distributed(throughput.DEVICE, 10)
+    name = torch.cuda.get_device_name(0) if throughput.DEVICE.type == "cuda" else "CPU (smoke run)"
+    print(f"gpu_ablation | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''}, "
+          f"micro-batch {args.micro_batch}, {args.steps} steps after {args.warmup}, medians", flush=True)
+    for section in args.only:
+        if section == "ce-kernel":
+            tokens = 256 if args.tiny else shape["seq_length"] * args.micro_batch
+            ce_kernel(tokens, 1024 if args.tiny else throughput.VOCAB + 47, args.steps)
+        else:
+            ablate(section, shape, args.micro_batch, args.steps, args.warmup)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
