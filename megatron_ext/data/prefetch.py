@@ -19,6 +19,7 @@ function of ``first_sample``, wherever and whenever they are read.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -102,6 +103,11 @@ class WorkerSampleReader:
 
     def _start(self, first_sample: int) -> None:
         self.close()
+        # Garbage with native threads (process groups of an earlier run in this process, a closed
+        # DataLoader) must be finalised here, not by the first collection inside a forked worker,
+        # where its threads do not exist: that killed workers with SIGSEGV (4-rank test world
+        # running several jobs one after the other; the crash was in libc, in a worker thread).
+        gc.collect()
         g, b, r, d = self.layout
         self._loader = torch.utils.data.DataLoader(
             self.samples, batch_sampler=_StepBatches(first_sample, g, b, r, d, len(self.samples)),
