@@ -1,8 +1,9 @@
 """CPU/gloo platform layer: megatron-core's training stack on a machine with no GPU.
 
 Invariant: while the layer is active, every device that megatron-core names as CUDA
-(``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, an integer ordinal from
-``torch.cuda.current_device()``) resolves to the CPU, the few ``torch.cuda`` helpers the
+(``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, an integer ordinal) resolves to the CPU,
+``torch.cuda.current_device()`` answers the CPU device itself (so that code running outside the
+mode, such as a custom autograd backward, allocates there too), the few ``torch.cuda`` helpers the
 schedules, DDP and optimizer call are harmless stand-ins, and megatron-core's model-parallel
 RNG tracker keeps its named states as CPU generator states. When a CUDA device is used the
 layer does nothing at all (``apply_cpu_platform`` returns without touching anything).
