@@ -9,6 +9,7 @@ passed in explicitly.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import datetime
 import os
 from typing import Any
@@ -148,7 +149,7 @@ def destroy_parallel_context() -> None:
     keeps its threads and connections alive. Measured with 8 ranks and repeated TP2 x PP4
     init/destroy cycles: 160 threads per process after a few cycles, over 1,000 and 36-54 s per
     cycle after a few hundred groups. Destroying the subgroups keeps it flat (``compat.py``:
-    torch's group registry is read to find them).
+    torch's group registry is read to find them). A garbage collection ends the teardown.
     """
     from megatron.core import parallel_state as ps
 
@@ -158,3 +159,7 @@ def destroy_parallel_context() -> None:
             if group is not default:
                 dist.destroy_process_group(group)
     ps.destroy_model_parallel()
+    # Finalise the destroyed groups (and the run's other native objects) here rather than at
+    # whichever later allocation triggers a collection: inside the next layout's collectives or in
+    # a forked DataLoader worker, that finalisation crashed processes with SIGSEGV.
+    gc.collect()
