@@ -9,8 +9,8 @@ passed in explicitly.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import datetime
+import gc
 import os
 from typing import Any
 
