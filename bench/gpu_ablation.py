@@ -21,7 +21,6 @@ step per micro-batch (``bench.gpu_throughput.Ours``, data built in the step).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 
 from bench import gpu_throughput as throughput
 
-SHAPES = {"gpt2": "GPT2_124M", "1.3b": "GPT_1_3B", "llama": "LLAMA_24x2048"}
+SHAPES = throughput.SHAPES
 ABLATIONS = ("fused-adam", "wgrad-fusion", "cross-entropy")
 
 
@@ -127,20 +126,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a smoke run")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench.gpu_ablation needs a CUDA GPU (--device cpu --tiny for a smoke run)", file=sys.stderr)
+    name = throughput.start_on_one_device(args.device, "gpu_ablation")
+    if name is None:
         return 2
-    from megatron_ext.cpu_platform import quiet_known_warnings
-    from megatron_ext.parallel import init_distributed
-
-    quiet_known_warnings()
-    throughput.DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     throughput.PREFETCH = False
-    shape = throughput.TINY if args.tiny else getattr(throughput, SHAPES[args.shape])
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    init_distributed(throughput.DEVICE, 10)
-    name = torch.cuda.get_device_name(0) if throughput.DEVICE.type == "cuda" else "CPU (smoke run)"
+    shape = throughput.shape_for(args.shape, args.tiny)
     print(f"gpu_ablation | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''}, "
           f"micro-batch {args.micro_batch}, {args.steps} steps after {args.warmup}, medians", flush=True)
     for section in args.only:

@@ -15,7 +15,6 @@ torch's ``varlen_attn`` wrapper (bench/README.md). Figures hold only within one 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
@@ -24,7 +23,7 @@ from torch.autograd import DeviceType
 
 from bench import gpu_throughput as throughput
 
-SHAPES = {"gpt2": "GPT2_124M", "1.3b": "GPT_1_3B", "llama": "LLAMA_24x2048"}
+SHAPES = throughput.SHAPES
 
 
 def wall_ms(side, steps: int, warmup: int) -> float:
@@ -80,22 +79,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (2 x 64, seq 128) for a smoke run")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench.gpu_profile needs a CUDA GPU (--device cpu --tiny for a smoke run)", file=sys.stderr)
+    name = throughput.start_on_one_device(args.device, "gpu_profile")
+    if name is None:
         return 2
-    from megatron_ext.cpu_platform import quiet_known_warnings
-    from megatron_ext.parallel import init_distributed
-
-    quiet_known_warnings()
-    throughput.DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     throughput.PREFETCH = False
-    shape = throughput.TINY if args.tiny else getattr(throughput, SHAPES[args.shape])
-    if args.tiny and args.shape == "llama":
-        shape = {**throughput.LLAMA_24x2048, **throughput.TINY}
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    init_distributed(throughput.DEVICE, 10)
-    name = torch.cuda.get_device_name(0) if throughput.DEVICE.type == "cuda" else "CPU (smoke run)"
+    shape = throughput.shape_for(args.shape, args.tiny)
     print(f"gpu_profile | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''},"
           f" micro-batch {args.micro_batch}", flush=True)
     unpacked = throughput.Ours(shape, args.micro_batch)

@@ -277,8 +277,37 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+SHAPES = {"gpt2": "GPT2_124M", "1.3b": "GPT_1_3B", "llama": "LLAMA_24x2048"}  # --shape of the other GPU benches
+
+
+def shape_for(name: str, tiny: bool) -> dict:
+    """The shape a ``--shape`` name stands for (``--tiny``: 2 x 64 at seq 128, Llama keeping its style)."""
+    if tiny:
+        return {**LLAMA_24x2048, **TINY} if name == "llama" else TINY
+    return globals()[SHAPES[name]]
+
+
+def start_on_one_device(device: str, tool: str) -> str | None:
+    """One process, one device, as the benches run: sets ``DEVICE``, a one-rank process group and
+    quiet warnings; returns the device's name, or None (after saying so) when CUDA is asked for
+    and absent."""
+    global DEVICE
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"bench.{tool} needs a CUDA GPU (--device cpu --tiny for a smoke run)", file=sys.stderr)
+        return None
+    from megatron_ext.cpu_platform import quiet_known_warnings
+    from megatron_ext.parallel import init_distributed
+
+    quiet_known_warnings()
+    DEVICE = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    init_distributed(DEVICE, 10)
+    return torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "CPU (smoke run)"
+
+
 def main(argv=None) -> int:
-    global DEVICE, GPT2_124M, GPT_1_3B, LLAMA_24x2048, PREFETCH, ACCUMULATE
+    global GPT2_124M, GPT_1_3B, LLAMA_24x2048, PREFETCH, ACCUMULATE
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--steps", type=int, default=12)
@@ -292,9 +321,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-data-prefetch", action="store_true",
                    help="our sides build each step's data in the step, not in the background thread")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench.gpu_throughput needs a CUDA GPU (--device cpu --tiny for a smoke run)", file=sys.stderr)
-        return 2
     PREFETCH = not args.no_data_prefetch
     if args.accumulate < 1:
         p.error(f"--accumulate {args.accumulate}: needs at least 1 micro-batch per optimizer step")
@@ -302,16 +328,11 @@ def main(argv=None) -> int:
     if args.tiny:
         GPT2_124M = GPT_1_3B = TINY
         LLAMA_24x2048 = {**LLAMA_24x2048, **TINY}
-    from megatron_ext.cpu_platform import quiet_known_warnings
-    from megatron_ext.parallel import init_distributed
     from megatron_ext.training.metrics import get_peak_tflops
 
-    quiet_known_warnings()
-    DEVICE = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    init_distributed(DEVICE, 10)
-    name = torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "CPU (smoke run)"
+    name = start_on_one_device(args.device, "gpu_throughput")
+    if name is None:
+        return 2
     peak = get_peak_tflops(name)
     print(f"gpu_throughput | {name} (bf16 peak {peak} TFLOP/s) | torch {torch.__version__} | "
           f"steps {args.steps}, first {args.warmup} dropped, medians"
