@@ -63,10 +63,9 @@ def init_empty_optimizer_state(optimizer) -> None:
     ``torch.optim.AdamW`` would on its first step. megatron-core's distributed optimizer reads the
     step count from that state while building its sharded state dict, also for a load (0.16.1,
     torch optimizers: it asserts one common step)."""
-    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(wrapper, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
+    from megatron_ext.training.optimizer import torch_adam_optimizers
+
+    for inner in torch_adam_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 if not inner.state[param]:
