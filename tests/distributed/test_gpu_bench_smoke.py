@@ -39,7 +39,7 @@ def _profile_smoke(rank: int, world_size: int) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = gpu_profile.main(["--device", "cpu", "--tiny", "--steps", "1", "--timed-steps", "1",
-                                 "--warmup", "1", "--rows", "3"])
+                                 "--warmup", "1", "--rows", "3", "--python", "--accumulate", "2"])
     return f"exit {code}\n{out.getvalue()}"
 
 
@@ -48,6 +48,10 @@ def test_gpu_profile_code_paths_run_on_tiny_shapes():
     assert report.startswith("exit 0"), report
     assert "== unpacked: wall" in report and "== packed: wall" in report and "packed/unpacked: wall" in report, report
     assert report.count("by host time (total):") == 2, report
+    assert "2 per optimizer step" in report, report
+    assert report.count("Python own time") == 2 and report.count("by package:") == 2, report
+    assert "operators whose self host time differs most" in report, report
+    assert "Python functions whose own time differs most" in report, report
 
 
 def _ablation_smoke(rank: int, world_size: int) -> dict:
