@@ -159,16 +159,20 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("megatron.core.transformer.dot_product_attention.DotProductAttention",),
     ),
     Workaround(
-        "packed-rope-without-host-sync",
+        "rope-in-core-attention",
         "the unfused THD rotary path (rope_utils._apply_rotary_pos_emb_thd) calls cu_seqlens.tolist() "
         "and loops over documents in every layer: a host sync per layer on GPUs (0.74x unpacked "
-        "throughput measured on an H100); the rotary module yields nothing for packed input and "
-        "our core attention rotates with per-token frequencies gathered once per micro-batch",
-        "megatron_ext.model.attention:PackedRotaryEmbedding",
+        "throughput measured on an H100); the unfused rotation (_apply_rotary_pos_emb_bshd) recomputes "
+        "cos/sin of the table for q and for k in every layer and copies its result once more (12 "
+        "kernels per tensor). The rotary module yields nothing and our core attention rotates with "
+        "cos/sin made once per sequence length or packed micro-batch (5 kernels, the same values)",
+        "megatron_ext.model.attention:CoreAttentionRotaryEmbedding",
         ("megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd",
          "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
+         "megatron.core.models.common.embeddings.rope_utils._rotate_half",
          "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb",
-         "megatron.core.models.gpt.gpt_model.GPTModel._preprocess"),
+         "megatron.core.models.gpt.gpt_model.GPTModel._preprocess",
+         "megatron.core.transformer.attention.Attention.forward"),
     ),
     Workaround(
         "varlen-attn-custom-op-overhead",

@@ -22,11 +22,16 @@ Kernels (one notice line at start-up says which run, ``describe_attention_kernel
   block-diagonal mask). flex_attention has no CPU backward, nested-jagged SDPA no CPU backend.
 - Transformer Engine's attention replaces all of this when TE is installed and CUDA is used.
 
-Packed RoPE: megatron-core 0.16.1's unfused THD rotary path calls ``cu_seqlens.tolist()`` and loops
-over documents in every layer. With the local spec the model's rotary module returns nothing for
-packed input (``PackedRotaryEmbedding``), the micro-batch's per-token frequencies are gathered once
-from its position ids (``build_packed_rotary_freqs``) and applied here to q and k with megatron-core's
-own rotation, without a per-document loop.
+RoPE: on the local spec our core attention rotates q and k, not megatron-core's attention (the
+model's rotary module yields nothing: ``CoreAttentionRotaryEmbedding``). megatron-core 0.16.1's
+unfused THD rotary path calls ``cu_seqlens.tolist()`` and loops over documents in every layer; for
+packed input the micro-batch's per-token frequencies are gathered once from its position ids
+(``build_packed_rotary_freqs``). And its unfused rotation recomputes cos and sin of the frequency
+table, scales and casts them, for q and again for k, in every layer, then copies the result once
+more (a ``cat`` with the empty unrotated part): 12 kernels per tensor. Here cos and sin in the
+activations' dtype are computed once per sequence length (``RotaryTable``) or packed micro-batch
+and each rotation is megatron-core's ``t * cos + rotate_half(t) * sin``: 5 kernels, bitwise the same
+values (``bench/rope.py`` counts the launches).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -54,6 +59,8 @@ class PackedMicrobatchParams(PackedSeqParams):
 
     cu_seqlens_host: tuple[int, ...] | None = None
     rotary_freqs: torch.Tensor | None = None  # [t, 1, rot_dim] fp32, gathered by position id
+    # dtype -> (cos, sin) of rotary_freqs, made by the first layer that rotates (``packed_cos_sin``)
+    rotary_cos_sin: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -175,23 +182,90 @@ def check_boundaries(cu_seqlens: tuple[int, ...] | list[int], num_tokens: int) -
 # ----------------------------------------------------------------------------- RoPE
 
 
-class PackedRotaryEmbedding(RotaryEmbedding):
-    """megatron-core's RotaryEmbedding that yields nothing for packed input, so megatron-core's
-    attention skips its per-document THD rotation; our core attention rotates instead."""
+class CoreAttentionRotaryEmbedding(RotaryEmbedding):
+    """megatron-core's RotaryEmbedding whose rotation our core attention applies: it yields nothing,
+    so megatron-core's attention skips its own (its per-layer cos/sin, and for packed input its
+    per-document loop with a host sync). Same state and frequencies as upstream's."""
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        if packed_seq:
-            return None
-        return super().forward(max_seq_len, offset, packed_seq, cp_group)
+        return None
 
 
-def apply_packed_rotary(model_chunk: torch.nn.Module) -> bool:
-    """Make a GPTModel chunk's rotary module a ``PackedRotaryEmbedding`` (same state, same
-    frequencies); returns whether the chunk uses RoPE."""
+class RotaryTable:
+    """cos and sin of a chunk's rotary frequencies in the activations' dtype, per sequence length,
+    computed once and kept (a few KiB to MiB each). Linked to each core attention of the chunk;
+    not a module: the frequencies are the rotary module's (``get_emb``, megatron-core's table)."""
+
+    MAX_ENTRIES = 64  # negotiated padding gives at most seq_length / pad_to_multiple_of lengths
+
+    def __init__(self, rotary: RotaryEmbedding):
+        self.rotary = rotary
+        self._cache: dict = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether our core attention rotates (megatron-core's does when the class is upstream's)."""
+        return isinstance(self.rotary, CoreAttentionRotaryEmbedding)
+
+    def cos_sin(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([s, 1, 1, rot_dim], same) for positions 0..seq_len-1."""
+        key = (seq_len, dtype, device)
+        hit = self._cache.get(key)
+        if hit is None:
+            if len(self._cache) >= self.MAX_ENTRIES:
+                self._cache.clear()
+            hit = self._cache[key] = rotary_cos_sin(self.rotary.get_emb(seq_len).to(device), dtype)
+        return hit
+
+
+def rotary_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core's ``(cos(freqs) * mscale).to(dtype)`` and the same of sin (mscale 1: plain RoPE).
+    Plain tensors even when first asked for under ``torch.inference_mode`` (they are kept, and a
+    training step after it saves them for backward)."""
+    with torch.inference_mode(False), torch.no_grad():
+        freqs = freqs.clone() if freqs.is_inference() else freqs
+        return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
+def packed_cos_sin(params: PackedMicrobatchParams, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of a packed micro-batch's per-token frequencies, made once per micro-batch."""
+    hit = params.rotary_cos_sin.get(dtype)
+    if hit is None:
+        hit = params.rotary_cos_sin[dtype] = rotary_cos_sin(params.rotary_freqs, dtype)
+    return hit
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``t`` [..., heads, hn] rotated by ``cos``/``sin`` [..., 1, rot_dim] (broadcast over heads):
+    megatron-core's ``_apply_rotary_pos_emb_bshd`` arithmetic, without its copy when every dimension
+    rotates."""
+    rot_dim = cos.shape[-1]
+    if rot_dim == t.shape[-1]:
+        return t * cos + rotate_half(t, interleaved) * sin
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    return torch.cat((t_rot * cos + rotate_half(t_rot, interleaved) * sin, t_pass), dim=-1)
+
+
+def rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """megatron-core's ``_rotate_half`` for any number of leading dimensions (its interleaved
+    branch indexes exactly four)."""
+    if not interleaved:
+        return _rotate_half(x, False)
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def apply_core_attention_rotary(model_chunk: torch.nn.Module) -> bool:
+    """Make a GPTModel chunk's rotary module a ``CoreAttentionRotaryEmbedding`` (same state, same
+    frequencies) and link its table to the chunk's core attentions; returns whether the chunk
+    uses RoPE. Only megatron-core's plain RotaryEmbedding (YaRN and others stay upstream's)."""
     rotary = getattr(model_chunk, "rotary_pos_emb", None)
-    if rotary is None or type(rotary) is not RotaryEmbedding:
-        return isinstance(rotary, PackedRotaryEmbedding)
-    rotary.__class__ = PackedRotaryEmbedding
+    if rotary is None or type(rotary) not in (RotaryEmbedding, CoreAttentionRotaryEmbedding):
+        return False
+    rotary.__class__ = CoreAttentionRotaryEmbedding
+    table = RotaryTable(rotary)
+    for module in model_chunk.modules():
+        if isinstance(module, VarlenDotProductAttention):
+            module.rotary_table = table
     return True
 
 
@@ -202,11 +276,6 @@ def build_packed_rotary_freqs(rotary: RotaryEmbedding, position_ids: torch.Tenso
     return table[position_ids.reshape(-1).to(table.device)].squeeze(1)
 
 
-def rotate_packed(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """t [t, heads, hn] rotated by per-token ``freqs`` [t, 1, rot_dim] (megatron-core's math)."""
-    return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
-
-
 # ----------------------------------------------------------------------------- the module
 
 
@@ -214,6 +283,14 @@ class VarlenDotProductAttention(DotProductAttention):
     """megatron-core's DotProductAttention with SDPA for causal attention and the packed path."""
 
     supports_packed_sequences = True
+    rotary_table: RotaryTable | None = None  # set by apply_core_attention_rotary on RoPE models
+
+    def _rotates(self) -> bool:
+        table = self.rotary_table
+        if table is None or not table.active:
+            return False
+        skip = self.config.no_rope_freq  # megatron-core's per-layer "no RoPE here" list
+        return not (skip and skip[self.layer_number - 1])
 
     def _uses_sdpa(self, attention_mask, attn_mask_type, attention_bias) -> bool:
         c = self.config
@@ -236,6 +313,13 @@ class VarlenDotProductAttention(DotProductAttention):
                 packed_seq_params=None):
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, packed_seq_params)
+        if self._rotates():
+            if key.shape[0] != query.shape[0]:
+                raise ValueError(f"RoPE in the core attention: {query.shape[0]} queries against {key.shape[0]} keys "
+                                 f"(a KV cache?); only training and evaluation forwards are supported")
+            cos, sin = self.rotary_table.cos_sin(query.shape[0], query.dtype, query.device)
+            interleaved = self.config.rotary_interleaved
+            query, key = rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)
         if not self._uses_sdpa(attention_mask, attn_mask_type, attention_bias):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
         p = self._dropout_p()
@@ -250,11 +334,10 @@ class VarlenDotProductAttention(DotProductAttention):
         if host is None:  # megatron-core's own PackedSeqParams: one device-to-host copy
             host = tuple(params.cu_seqlens_q.tolist())
         check_boundaries(host, query.shape[0])
-        freqs = getattr(params, "rotary_freqs", None)
-        if freqs is not None:
+        if getattr(params, "rotary_freqs", None) is not None and self._rotates():
+            cos, sin = packed_cos_sin(params, query.dtype)
             interleaved = self.config.rotary_interleaved
-            query = rotate_packed(query, freqs, interleaved)
-            key = rotate_packed(key, freqs, interleaved)
+            query, key = rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)
         p = self._dropout_p()
         on_cuda = query.device.type == "cuda"
         available = on_cuda and flash_varlen_supported(query.device.index or 0, query.shape[-1])

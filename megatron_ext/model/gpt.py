@@ -138,7 +138,7 @@ def build_layer_spec(cfg: JobConfig, device: torch.device):
 
     if use_transformer_engine(cfg, device):
         return get_gpt_layer_with_transformer_engine_spec()
-    # (our core attention below also applies RoPE to packed input: see model/attention.py)
+    # (our core attention below also applies RoPE: see model/attention.py)
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # megatron-core's local DotProductAttention rejects packed (THD) inputs; ours honours them.
     spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
@@ -179,7 +179,7 @@ def build_model_chunks(
     cfg: JobConfig, placement: StagePlacement, padded_vocab_size: int, device: torch.device
 ) -> list[torch.nn.Module]:
     """Unwrapped GPTModel chunks of this rank, initialised layout-independently."""
-    from megatron_ext.model.attention import apply_packed_rotary
+    from megatron_ext.model.attention import apply_core_attention_rotary
 
     tf_config = build_transformer_config(cfg, device)
     if tf_config.recompute_granularity == "selective":
@@ -205,7 +205,7 @@ def build_model_chunks(
             vp_stage=vp_stage if placement.vp_size else None,
         )
         if not use_transformer_engine(cfg, device):
-            apply_packed_rotary(chunk)
+            apply_core_attention_rotary(chunk)
         chunks.append(chunk.to(device))
     if uses_document_boundaries(cfg):
         check_packed_sequence_support(chunks)

@@ -23,7 +23,7 @@ from megatron_ext.config import get_max_microbatch_length, get_sequence_padding
 from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators, fetch_step_samples, get_microbatch_indices
 from megatron_ext.data.padding import collate_step
 from megatron_ext.guards import StepProgress
-from megatron_ext.model.attention import PackedMicrobatchParams, PackedRotaryEmbedding, build_packed_rotary_freqs
+from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import compute_token_loss, reduce_reported_loss
 from megatron_ext.training.optimizer import step_optimizer
@@ -59,7 +59,7 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
         return None
     rotary = getattr(unwrap_model(model), "rotary_pos_emb", None) if model is not None else None
     freqs = None
-    if isinstance(rotary, PackedRotaryEmbedding):
+    if isinstance(rotary, CoreAttentionRotaryEmbedding):
         freqs = build_packed_rotary_freqs(rotary, mb.position_ids, mb.max_seqlen)
     cu = mb.cu_seqlens.to(device=mb.tokens.device, dtype=torch.int32)
     return PackedMicrobatchParams(

@@ -9,7 +9,10 @@ its process groups and memory buffer).
   flash kernel that runs the per-document reference) equals the per-document loop;
 - a packed micro-batch goes through a whole RoPE/GQA model without one device-to-host read
   (``.tolist()``, ``.item()``, ``bool()``); megatron-core's own THD path, the negative control,
-  makes several per layer.
+  makes several per layer;
+- RoPE applied by our core attention gives a whole Llama-style model (fp32 and bf16, unpacked and
+  packed) the same logits and gradients as megatron-core's own rotation, bitwise, without computing
+  cos/sin in its layers (megatron-core: twice per layer).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ext.testing import run_ranks, tiny_values
 
@@ -44,6 +48,65 @@ class SyncRecorder(TorchFunctionMode):
             caller = traceback.extract_stack(limit=3)[0]
             self.calls[(func.__name__, f"{caller.filename.rsplit('/', 1)[-1]}:{caller.lineno}")] += 1
         return func(*args, **(kwargs or {}))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten operators by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _rope_model_runs(packed: bool, bf16: bool) -> dict:
+    """One Llama-style chunk, RoPE by our core attention, then (same weights, same input) by
+    megatron-core's attention: logits, gradients and cos kernels of a second forward+backward."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_ext.config import build_job_config
+    from megatron_ext.data.microbatch import collate
+    from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks
+    from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
+    from megatron_ext.training.step import get_packed_seq_params, unwrap_model
+
+    cfg = build_job_config(tiny_values(seq_length=64, packed_sequences=packed, micro_batch_size=1 if packed else 2,
+                                       bf16=bf16, **LLAMA))
+    ctx = build_parallel_context(cfg, torch.device("cpu"))
+    (model,) = apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, 128, torch.device("cpu")))
+    if packed:
+        mb = collate([build_packed_sample([np.arange(n) % 100 for n in (5, 17, 9, 33)])])
+        tokens, positions = mb.tokens, mb.position_ids
+    else:
+        tokens = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(3))
+        positions = torch.arange(64).expand(2, 64)
+    weight = torch.randn(*tokens.shape, 128, generator=torch.Generator().manual_seed(4))
+
+    def run(params):
+        model.zero_grad(set_to_none=True)
+        counter = OpCounter()
+        with counter:
+            logits = model(input_ids=tokens, position_ids=positions, attention_mask=None, packed_seq_params=params)
+            (logits.float() * weight).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return dict(logits=logits.detach().float(), grads=grads, cos=counter.counts["cos"])
+
+    ours_params = get_packed_seq_params(mb, model) if packed else None
+    run(ours_params)  # the table's first use
+    ours = run(get_packed_seq_params(mb, model) if packed else None)
+    unwrap_model(model).rotary_pos_emb.__class__ = RotaryEmbedding  # megatron-core rotates
+    control = None
+    if packed:
+        control = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                                  max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+    theirs = run(control)
+    destroy_parallel_context()
+    return dict(ours=ours, theirs=theirs, layers=cfg.model.num_layers)
 
 
 def _modules(groups: int, dropout: float = 0.0, dtype=torch.float32):
@@ -171,6 +234,9 @@ def _world(rank: int, world_size: int) -> dict:
     ps.destroy_model_parallel()
     out["syncs"] = _syncs_in_packed_forward(controlled=False)
     out["syncs_megatron"] = _syncs_in_packed_forward(controlled=True)
+    for packed in (False, True):
+        for bf16 in (False, True):
+            out[("rope", packed, bf16)] = _rope_model_runs(packed, bf16)
     return out
 
 
@@ -206,3 +272,17 @@ def test_packed_forward_reads_nothing_back_from_the_device(results):
     assert results["syncs"] == {}, f"host reads inside the model: {results['syncs']}"
     control = results["syncs_megatron"]
     assert any(name == "tolist" and "rope_utils" in where for name, where in control), control
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_rope_in_core_attention_equals_megatron_cores_rotation(results, packed, bf16):
+    r = results[("rope", packed, bf16)]
+    ours, theirs = r["ours"], r["theirs"]
+    assert torch.equal(ours["logits"], theirs["logits"]), (ours["logits"] - theirs["logits"]).abs().max()
+    assert ours["grads"].keys() == theirs["grads"].keys()
+    for name, grad in ours["grads"].items():
+        assert torch.equal(grad, theirs["grads"][name]), name
+    # packed: cos once per micro-batch (made with its frequencies); unpacked: kept from the first step
+    assert ours["cos"] == (1 if packed else 0), ours["cos"]
+    assert theirs["cos"] >= 2 * r["layers"], theirs["cos"]  # megatron-core: for q and for k, every layer

@@ -91,3 +91,25 @@ def test_gpu_ablation_undoes_one_change_at_a_time():
     assert states["fused-adam"] == (False, True, on[2])
     assert states["wgrad-fusion"] == (True, False, on[2])
     assert states["cross-entropy"] == (True, True, "GPTModel")
+
+
+def _rope_bench(rank: int, world_size: int) -> str:
+    from bench import rope
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = rope.main(["--steps", "2", "--warmup", "1", "--seq-length", "64", "--micro-batch", "1",
+                          "--num-layers", "2"])
+    return f"exit {code}\n{out.getvalue()}"
+
+
+def test_rope_bench_counts_fewer_kernels_for_the_same_logits():
+    """bench/rope.py's code paths; its kernel counts are deterministic (its times are not checked)."""
+    import re
+
+    report = run_ranks(_rope_bench, 1, timeout=300)[0]
+    assert report.startswith("exit 0"), report
+    assert "(logits equal: True)" in report, report
+    ratios = [float(x) for x in re.findall(r"kernels ([0-9.]+)x", report)]
+    assert len(ratios) == 2 and all(r < 1.0 for r in ratios), report
+    assert re.search(r"ours\s+\d+ kernels \(0 cos\)", report) and re.search(r"megatron-core\s+\d+ kernels \(4 cos\)", report), report
