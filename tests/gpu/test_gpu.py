@@ -134,6 +134,18 @@ torch.cuda.set_sync_debug_mode("error")
 logits = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, packed_seq_params=params)
 torch.cuda.set_sync_debug_mode(0)
 out["packed forward finite"] = bool(torch.isfinite(logits).all())
+# unpacked, RoPE by our core attention (cos/sin made at the first forward): no host sync either,
+# and the same logits as megatron-core's own rotation (the rotary module's class switched back)
+tokens = mb.tokens[:, :256].repeat(2, 1)
+positions = torch.arange(256, device="cuda").expand(2, 256)
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("error")
+ours_logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+torch.cuda.set_sync_debug_mode(0)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+model.module.rotary_pos_emb.__class__ = RotaryEmbedding
+theirs_logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+out["unpacked rope vs megatron-core's"] = rel(ours_logits, theirs_logits)
 
 # the gradient norm of megatron-core's optimizer (our foreach stand-in for its no-Apex fallback)
 # makes no host synchronisation either
@@ -182,6 +194,7 @@ def test_kernels_on_gpu_match_their_references():
         if key.startswith(("sdpa", "varlen")):
             assert value <= 2e-2, f"{key}: relative difference {value:.2e}"
     assert out["packed forward finite"]
+    assert out["unpacked rope vs megatron-core's"] <= 1e-3, out["unpacked rope vs megatron-core's"]  # bitwise on CPU
     assert out["grad norm without sync"] in (True, "fused")
     assert out["wgrad accumulation"] <= 1e-4, out["wgrad accumulation"]
     assert out["cross entropy"] <= 1e-2, out["cross entropy"]
