@@ -98,7 +98,7 @@ def section_rotation(args) -> None:
     k = torch.randn(s, b, 8, 64, dtype=torch.bfloat16, requires_grad=True)
 
     def ours():
-        cos, sin = table.cos_sin(s, torch.bfloat16, q.device)
+        cos, sin = table.coefficients(s, torch.bfloat16, q.device, False)
         (rotate(q, cos, sin, False).sum() + rotate(k, cos, sin, False).sum()).backward()
 
     def theirs():

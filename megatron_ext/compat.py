@@ -165,7 +165,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "throughput measured on an H100); the unfused rotation (_apply_rotary_pos_emb_bshd) recomputes "
         "cos/sin of the table for q and for k in every layer and copies its result once more (12 "
         "kernels per tensor). The rotary module yields nothing and our core attention rotates with "
-        "cos/sin made once per sequence length or packed micro-batch (5 kernels, the same values)",
+        "cos/sin made once per sequence length or packed micro-batch (4 kernels, the same values)",
         "megatron_ext.model.attention:CoreAttentionRotaryEmbedding",
         ("megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd",
          "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",

@@ -29,9 +29,9 @@ packed input the micro-batch's per-token frequencies are gathered once from its 
 (``build_packed_rotary_freqs``). And its unfused rotation recomputes cos and sin of the frequency
 table, scales and casts them, for q and again for k, in every layer, then copies the result once
 more (a ``cat`` with the empty unrotated part): 12 kernels per tensor. Here cos and sin in the
-activations' dtype are computed once per sequence length (``RotaryTable``) or packed micro-batch
-and each rotation is megatron-core's ``t * cos + rotate_half(t) * sin``: 5 kernels, bitwise the same
-values (``bench/rope.py`` counts the launches).
+activations' dtype are computed once per sequence length (``RotaryTable``) or packed micro-batch,
+with rotate_half's sign moved into sin, and each rotation is ``t * cos + swap_halves(t) * signed_sin``:
+4 kernels, bitwise megatron-core's values (``bench/rope.py`` counts the launches).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -59,8 +58,8 @@ class PackedMicrobatchParams(PackedSeqParams):
 
     cu_seqlens_host: tuple[int, ...] | None = None
     rotary_freqs: torch.Tensor | None = None  # [t, 1, rot_dim] fp32, gathered by position id
-    # dtype -> (cos, sin) of rotary_freqs, made by the first layer that rotates (``packed_cos_sin``)
-    rotary_cos_sin: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # (dtype, interleaved) -> rotary_coefficients, made by the first layer that rotates
+    rotary_coefficients: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -192,9 +191,10 @@ class CoreAttentionRotaryEmbedding(RotaryEmbedding):
 
 
 class RotaryTable:
-    """cos and sin of a chunk's rotary frequencies in the activations' dtype, per sequence length,
-    computed once and kept (a few KiB to MiB each). Linked to each core attention of the chunk;
-    not a module: the frequencies are the rotary module's (``get_emb``, megatron-core's table)."""
+    """cos and signed sin (``rotary_coefficients``) of a chunk's rotary frequencies in the
+    activations' dtype, per sequence length, computed once and kept (a few KiB to MiB each). Linked to
+    each core attention of the chunk; not a module: the frequencies are the rotary module's
+    (``get_emb``, megatron-core's table)."""
 
     MAX_ENTRIES = 64  # negotiated padding gives at most seq_length / pad_to_multiple_of lengths
 
@@ -207,51 +207,64 @@ class RotaryTable:
         """Whether our core attention rotates (megatron-core's does when the class is upstream's)."""
         return isinstance(self.rotary, CoreAttentionRotaryEmbedding)
 
-    def cos_sin(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def coefficients(self, seq_len: int, dtype: torch.dtype, device: torch.device,
+                     interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """([s, 1, 1, rot_dim], same) for positions 0..seq_len-1."""
-        key = (seq_len, dtype, device)
+        key = (seq_len, dtype, device, interleaved)
         hit = self._cache.get(key)
         if hit is None:
             if len(self._cache) >= self.MAX_ENTRIES:
                 self._cache.clear()
-            hit = self._cache[key] = rotary_cos_sin(self.rotary.get_emb(seq_len).to(device), dtype)
+            freqs = self.rotary.get_emb(seq_len).to(device)
+            hit = self._cache[key] = rotary_coefficients(freqs, dtype, interleaved)
         return hit
 
 
-def rotary_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """megatron-core's ``(cos(freqs) * mscale).to(dtype)`` and the same of sin (mscale 1: plain RoPE).
-    Plain tensors even when first asked for under ``torch.inference_mode`` (they are kept, and a
-    training step after it saves them for backward)."""
+def rotary_coefficients(freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core's ``cos_ = (cos(freqs) * mscale).to(dtype)`` (mscale 1: plain RoPE) and its
+    ``sin_`` likewise, with the sign of rotate_half moved into it: negated where rotate_half negates
+    (the first half, or the even positions when interleaved), so ``swap_halves(t) * signed_sin`` is
+    bitwise ``rotate_half(t) * sin_`` (negation is exact). Plain tensors even when first asked for
+    under ``torch.inference_mode`` (they are kept, and a training step after it saves them)."""
     with torch.inference_mode(False), torch.no_grad():
         freqs = freqs.clone() if freqs.is_inference() else freqs
-        return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        negated = sin[..., ::2] if interleaved else sin[..., : sin.shape[-1] // 2]
+        negated.neg_()
+        return cos, sin
 
 
-def packed_cos_sin(params: PackedMicrobatchParams, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of a packed micro-batch's per-token frequencies, made once per micro-batch."""
-    hit = params.rotary_cos_sin.get(dtype)
+def packed_coefficients(params: PackedMicrobatchParams, dtype: torch.dtype,
+                        interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_coefficients`` of a packed micro-batch's per-token frequencies, made once per micro-batch."""
+    key = (dtype, interleaved)
+    hit = params.rotary_coefficients.get(key)
     if hit is None:
-        hit = params.rotary_cos_sin[dtype] = rotary_cos_sin(params.rotary_freqs, dtype)
+        hit = params.rotary_coefficients[key] = rotary_coefficients(params.rotary_freqs, dtype, interleaved)
     return hit
 
 
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``t`` [..., heads, hn] rotated by ``cos``/``sin`` [..., 1, rot_dim] (broadcast over heads):
-    megatron-core's ``_apply_rotary_pos_emb_bshd`` arithmetic, without its copy when every dimension
-    rotates."""
+def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``t`` [..., heads, hn] rotated by ``rotary_coefficients`` [..., 1, rot_dim] (broadcast over
+    heads): megatron-core's ``_apply_rotary_pos_emb_bshd`` values, in 4 kernels (its 12 less the
+    table's cos, sin, scales and casts, rotate_half's negation, and its copy when every dimension
+    rotates)."""
     rot_dim = cos.shape[-1]
     if rot_dim == t.shape[-1]:
-        return t * cos + rotate_half(t, interleaved) * sin
+        return t * cos + swap_halves(t, interleaved) * signed_sin
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    return torch.cat((t_rot * cos + rotate_half(t_rot, interleaved) * sin, t_pass), dim=-1)
+    return torch.cat((t_rot * cos + swap_halves(t_rot, interleaved) * signed_sin, t_pass), dim=-1)
 
 
-def rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """megatron-core's ``_rotate_half`` for any number of leading dimensions (its interleaved
-    branch indexes exactly four)."""
-    if not interleaved:
-        return _rotate_half(x, False)
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+def swap_halves(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """megatron-core's ``_rotate_half`` without its negation: the two halves of the last dimension
+    swapped (a roll), or each even/odd pair swapped when interleaved (a flip); any number of leading
+    dimensions (upstream's interleaved branch indexes exactly four). One kernel forward and one
+    backward (CUDA's roll copies a non-contiguous input first, as GQA's key is: one more); a ``cat``
+    of the two halves would need four more in backward (each half's gradient zero-filled and copied)."""
+    if interleaved:
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.roll(x.shape[-1] // 2, dims=-1)
 
 
 def apply_core_attention_rotary(model_chunk: torch.nn.Module) -> bool:
@@ -317,8 +330,8 @@ class VarlenDotProductAttention(DotProductAttention):
             if key.shape[0] != query.shape[0]:
                 raise ValueError(f"RoPE in the core attention: {query.shape[0]} queries against {key.shape[0]} keys "
                                  f"(a KV cache?); only training and evaluation forwards are supported")
-            cos, sin = self.rotary_table.cos_sin(query.shape[0], query.dtype, query.device)
             interleaved = self.config.rotary_interleaved
+            cos, sin = self.rotary_table.coefficients(query.shape[0], query.dtype, query.device, interleaved)
             query, key = rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)
         if not self._uses_sdpa(attention_mask, attn_mask_type, attention_bias):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
@@ -335,8 +348,8 @@ class VarlenDotProductAttention(DotProductAttention):
             host = tuple(params.cu_seqlens_q.tolist())
         check_boundaries(host, query.shape[0])
         if getattr(params, "rotary_freqs", None) is not None and self._rotates():
-            cos, sin = packed_cos_sin(params, query.dtype)
             interleaved = self.config.rotary_interleaved
+            cos, sin = packed_coefficients(params, query.dtype, interleaved)
             query, key = rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)
         p = self._dropout_p()
         on_cuda = query.device.type == "cuda"
