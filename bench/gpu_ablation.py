@@ -1,7 +1,8 @@
 """What each of our GPU-step changes is worth: our training step with everything on, against the
 same step with one change undone, and our cross-entropy against megatron-core's alone.
 
-    python -m bench.gpu_ablation [--shape 1.3b|gpt2|llama] [--micro-batch 4] [--only fused-adam wgrad-fusion cross-entropy ce-kernel]
+    python -m bench.gpu_ablation [--shape 1.3b|gpt2|llama] [--micro-batch 4]
+                                 [--only fused-adam wgrad-fusion cross-entropy rope ce-kernel gqa-kernel]
     python -m bench.gpu_ablation --device cpu --tiny --steps 1 --warmup 0   # smoke run, no figures
 
 Sides run one after the other (two 1.3B models do not fit beside each other), as
@@ -14,8 +15,14 @@ step per micro-batch (``bench.gpu_throughput.Ours``, data built in the step).
 - ``wgrad-fusion``: weight gradients accumulated into the fp32 buffer in the GEMM
   (``model/wgrad.py``) vs a bf16 gradient added by DDP's hook.
 - ``cross-entropy``: ``model/cross_entropy.py`` vs megatron-core's ``vocab_parallel_cross_entropy``.
+- ``rope`` (RoPE shapes: ``--shape llama``): RoPE applied by our core attention with cos/sin made
+  once (``model/attention.py``) vs megatron-core's own unfused rotation in every layer.
 - ``ce-kernel``: the two cross-entropies alone, forward and backward over [seq x micro-batch,
   50304] bf16 logits, alternated, medians.
+- ``gqa-kernel`` (grouped-query shapes: ``--shape llama``): unpacked causal SDPA alone, forward and
+  backward, with k/v repeated to every head (what our core attention does) vs SDPA's own
+  ``enable_gqa=True``, which may change the kernel SDPA picks: the figure that decides whether our
+  attention should switch.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import torch
 from bench import gpu_throughput as throughput
 
 SHAPES = throughput.SHAPES
-ABLATIONS = ("fused-adam", "wgrad-fusion", "cross-entropy")
+ABLATIONS = ("fused-adam", "wgrad-fusion", "cross-entropy", "rope")
+KERNELS = ("ce-kernel", "gqa-kernel")
 
 
 def undo(name: str):
@@ -52,6 +60,14 @@ def undo(name: str):
 
         def restore():
             wgrad.enable_gradient_accumulation_fusion = original
+    elif name == "rope":
+        from megatron_ext.model import attention
+
+        original = attention.apply_core_attention_rotary
+        attention.apply_core_attention_rotary = lambda chunk: False  # megatron-core rotates
+
+        def restore():
+            attention.apply_core_attention_rotary = original
     else:
         from megatron.core.models.gpt import GPTModel
 
@@ -116,11 +132,45 @@ def ce_kernel(tokens: int, vocab: int, steps: int) -> None:
         side.close()
 
 
+def gqa_kernel(shape: dict, micro_batch: int, steps: int) -> None:
+    """Causal SDPA forward + backward with repeated k/v vs ``enable_gqa=True``, alternated, medians."""
+    import torch.nn.functional as F
+
+    heads = shape["num_attention_heads"]
+    groups = shape.get("num_query_groups") if shape.get("group_query_attention") else None
+    if not groups or groups == heads:
+        print("  gqa-kernel     n/a: this shape has no grouped-query attention (--shape llama has)", flush=True)
+        return
+    device, s, hn = throughput.DEVICE, shape["seq_length"], shape["hidden_size"] // heads
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(micro_batch, n, s, hn, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+               for n in (heads, groups, groups))
+    repeat = heads // groups
+    fns = {
+        "repeated k/v": lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), is_causal=True),
+        "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    }
+    times = {name: [] for name in fns}
+    for i in range(steps + 2):
+        for name, fn in fns.items():
+            throughput.synchronize()
+            t0 = time.perf_counter()
+            fn().sum().backward()
+            throughput.synchronize()
+            if i >= 2:
+                times[name].append(1000 * (time.perf_counter() - t0))
+    a, b = (statistics.median(t) for t in times.values())
+    print(f"  gqa-kernel     [{micro_batch} x {heads} heads / {groups} groups x {s} x {hn}] bf16 causal SDPA, "
+          f"forward + backward: repeated k/v {a:.2f} ms | enable_gqa {b:.2f} ms | repeated/enable_gqa = {a / b:.2f}",
+          flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="1.3b")
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--only", nargs="+", choices=[*ABLATIONS, "ce-kernel"], default=[*ABLATIONS, "ce-kernel"])
+    p.add_argument("--only", nargs="+", choices=[*ABLATIONS, *KERNELS], default=[*ABLATIONS, *KERNELS])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -137,6 +187,10 @@ def main(argv=None) -> int:
         if section == "ce-kernel":
             tokens = 256 if args.tiny else shape["seq_length"] * args.micro_batch
             ce_kernel(tokens, 1024 if args.tiny else throughput.VOCAB + 47, args.steps)
+        elif section == "gqa-kernel":
+            gqa_kernel(shape, args.micro_batch, args.steps)
+        elif section == "rope" and shape.get("position_embedding_type") != "rope":
+            print("  rope           n/a: this shape has no RoPE (--shape llama has)", flush=True)
         else:
             ablate(section, shape, args.micro_batch, args.steps, args.warmup)
     return 0

@@ -281,9 +281,10 @@ SHAPES = {"gpt2": "GPT2_124M", "1.3b": "GPT_1_3B", "llama": "LLAMA_24x2048"}  # 
 
 
 def shape_for(name: str, tiny: bool) -> dict:
-    """The shape a ``--shape`` name stands for (``--tiny``: 2 x 64 at seq 128, Llama keeping its style)."""
+    """The shape a ``--shape`` name stands for (``--tiny``: 2 x 64 at seq 128, Llama keeping its style,
+    2 KV groups for its 4 heads)."""
     if tiny:
-        return {**LLAMA_24x2048, **TINY} if name == "llama" else TINY
+        return {**LLAMA_24x2048, **TINY, "num_query_groups": 2} if name == "llama" else TINY
     return globals()[SHAPES[name]]
 
 
@@ -327,7 +328,7 @@ def main(argv=None) -> int:
     ACCUMULATE = args.accumulate
     if args.tiny:
         GPT2_124M = GPT_1_3B = TINY
-        LLAMA_24x2048 = {**LLAMA_24x2048, **TINY}
+        LLAMA_24x2048 = {**LLAMA_24x2048, **TINY, "num_query_groups": 2}
     from megatron_ext.training.metrics import get_peak_tflops
 
     name = start_on_one_device(args.device, "gpu_throughput")

@@ -20,6 +20,7 @@ CHECKS=(
   "packed-llama|300|python -m bench.gpu_throughput --only packed-llama"
   "gpt2|300|python -m bench.gpu_throughput --only gpt2 packed-gpt2 --accumulate 8"
   "ablation|360|python -m bench.gpu_ablation"
+  "ablation-llama|300|python -m bench.gpu_ablation --shape llama --micro-batch 1 --only rope gqa-kernel"
   "profile-gpt2|300|python -m bench.gpu_profile --shape gpt2 --micro-batch 8 --accumulate 8 --no-packed --python"
 )
 

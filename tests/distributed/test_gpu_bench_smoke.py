@@ -63,12 +63,15 @@ def _ablation_smoke(rank: int, world_size: int) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = gpu_ablation.main(["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "0", "--micro-batch", "1"])
+        code += gpu_ablation.main(["--device", "cpu", "--tiny", "--shape", "llama", "--steps", "1", "--warmup", "0",
+                                   "--micro-batch", "1", "--only", "rope", "gqa-kernel"])
 
     def state() -> tuple:
-        side = gpu_throughput.Ours(gpu_throughput.TINY, 1)
+        side = gpu_throughput.Ours(gpu_throughput.shape_for("llama", tiny=True), 1)
         gpt_model = side.run.model[0].module.module
         fused = {g["fused"] for o in torch_adam_optimizers(side.run.optimizer) for g in o.param_groups}
-        found = (fused == {True}, gpt_model.config.gradient_accumulation_fusion, type(gpt_model).__name__)
+        found = (fused == {True}, gpt_model.config.gradient_accumulation_fusion, type(gpt_model).__name__,
+                 type(gpt_model.rotary_pos_emb).__name__)
         side.close()
         return found
 
@@ -85,12 +88,15 @@ def _ablation_smoke(rank: int, world_size: int) -> dict:
 def test_gpu_ablation_undoes_one_change_at_a_time():
     out = run_ranks(_ablation_smoke, 1, timeout=300)[0]
     report, states = out["report"], out["states"]
-    assert report.startswith("exit 0") and report.count("off/on =") == 3 and "megatron-core/ours =" in report, report
-    on = (True, True, "GPTModelWithLeanCrossEntropy")
+    assert report.startswith("exit 0") and report.count("off/on =") == 4 and "megatron-core/ours =" in report, report
+    assert "rope           n/a" in report and "gqa-kernel     n/a" in report, report  # the GPT-2 shape
+    assert "repeated/enable_gqa =" in report, report
+    on = (True, True, "GPTModelWithLeanCrossEntropy", "CoreAttentionRotaryEmbedding")
     assert states["on"] == states["restored"] == on
-    assert states["fused-adam"] == (False, True, on[2])
-    assert states["wgrad-fusion"] == (True, False, on[2])
-    assert states["cross-entropy"] == (True, True, "GPTModel")
+    assert states["fused-adam"] == (False, *on[1:])
+    assert states["wgrad-fusion"] == (True, False, *on[2:])
+    assert states["cross-entropy"] == (True, True, "GPTModel", on[3])
+    assert states["rope"] == (*on[:3], "RotaryEmbedding")
 
 
 def _rope_bench(rank: int, world_size: int) -> str:
