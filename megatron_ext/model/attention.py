@@ -347,7 +347,10 @@ class VarlenDotProductAttention(DotProductAttention):
         if host is None:  # megatron-core's own PackedSeqParams: one device-to-host copy
             host = tuple(params.cu_seqlens_q.tolist())
         check_boundaries(host, query.shape[0])
-        if getattr(params, "rotary_freqs", None) is not None and self._rotates():
+        if self._rotates():
+            if getattr(params, "rotary_freqs", None) is None:
+                raise ValueError("packed sequences with RoPE: the THD parameters carry no rotary frequencies; build "
+                                 "them with megatron_ext.training.step.get_packed_seq_params(microbatch, model)")
             interleaved = self.config.rotary_interleaved
             cos, sin = packed_coefficients(params, query.dtype, interleaved)
             query, key = rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)

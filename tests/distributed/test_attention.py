@@ -286,3 +286,34 @@ def test_rope_in_core_attention_equals_megatron_cores_rotation(results, packed, 
     # packed: cos once per micro-batch (made with its frequencies); unpacked: kept from the first step
     assert ours["cos"] == (1 if packed else 0), ours["cos"]
     assert theirs["cos"] >= 2 * r["layers"], theirs["cos"]  # megatron-core: for q and for k, every layer
+
+
+def _packed_rope_without_frequencies() -> str:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_ext.config import build_job_config
+    from megatron_ext.data.microbatch import collate
+    from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.model.gpt import build_model_chunks
+    from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
+
+    cfg = build_job_config(tiny_values(seq_length=64, packed_sequences=True, micro_batch_size=1, **LLAMA))
+    ctx = build_parallel_context(cfg, torch.device("cpu"))
+    (model,) = build_model_chunks(cfg, ctx.placement, 128, torch.device("cpu"))
+    mb = collate([build_packed_sample([np.arange(n) % 100 for n in (5, 17, 9)])])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                             max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+    try:
+        model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, packed_seq_params=params)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        destroy_parallel_context()
+
+
+def test_packed_rope_without_frequencies_is_refused_not_skipped():
+    """megatron-core's own PackedSeqParams reach a RoPE model whose rotary module yields nothing:
+    one clear error, not a silent model without positions."""
+    message = run_ranks(lambda rank, world: _packed_rope_without_frequencies(), 1)[0]
+    assert "carry no rotary frequencies" in message and "get_packed_seq_params" in message, message
