@@ -104,6 +104,21 @@ def ablate(name: str, shape: dict, micro_batch: int, steps: int, warmup: int) ->
           f"off/on = {off / on:.3f}", flush=True)
 
 
+def forward_backward_ms(fns: dict, steps: int, warmup: int = 2) -> list[float]:
+    """Median ms of ``fn().sum().backward()`` for each function, alternated, the first ``warmup``
+    rounds dropped (a kernel-alone comparison)."""
+    times = {name: [] for name in fns}
+    for i in range(steps + warmup):
+        for name, fn in fns.items():
+            throughput.synchronize()
+            t0 = time.perf_counter()
+            fn().sum().backward()
+            throughput.synchronize()
+            if i >= warmup:
+                times[name].append(1000 * (time.perf_counter() - t0))
+    return [statistics.median(t) for t in times.values()]
+
+
 def ce_kernel(tokens: int, vocab: int, steps: int) -> None:
     """Both cross-entropies alone (megatron-core's needs its TP group: a side is built first)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as theirs
@@ -116,16 +131,7 @@ def ce_kernel(tokens: int, vocab: int, steps: int) -> None:
         logits = torch.randn(tokens, 1, vocab, device=device, dtype=torch.bfloat16, requires_grad=True)
         target = torch.randint(0, vocab, (tokens, 1), device=device)
         fns = {"ours": lambda: ours(logits, target), "megatron-core": lambda: theirs(logits.float(), target)}
-        times = {name: [] for name in fns}
-        for i in range(steps + 2):
-            for name, fn in fns.items():
-                throughput.synchronize()
-                t0 = time.perf_counter()
-                fn().sum().backward()
-                throughput.synchronize()
-                if i >= 2:
-                    times[name].append(1000 * (time.perf_counter() - t0))
-        a, b = (statistics.median(t) for t in times.values())
+        a, b = forward_backward_ms(fns, steps)
         print(f"  ce-kernel      [{tokens} x {vocab}] bf16, forward + backward: ours {a:.2f} ms | "
               f"megatron-core {b:.2f} ms | megatron-core/ours = {b / a:.2f}", flush=True)
     finally:
@@ -151,16 +157,7 @@ def gqa_kernel(shape: dict, micro_batch: int, steps: int) -> None:
             q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), is_causal=True),
         "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
     }
-    times = {name: [] for name in fns}
-    for i in range(steps + 2):
-        for name, fn in fns.items():
-            throughput.synchronize()
-            t0 = time.perf_counter()
-            fn().sum().backward()
-            throughput.synchronize()
-            if i >= 2:
-                times[name].append(1000 * (time.perf_counter() - t0))
-    a, b = (statistics.median(t) for t in times.values())
+    a, b = forward_backward_ms(fns, steps)
     print(f"  gqa-kernel     [{micro_batch} x {heads} heads / {groups} groups x {s} x {hn}] bf16 causal SDPA, "
           f"forward + backward: repeated k/v {a:.2f} ms | enable_gqa {b:.2f} ms | repeated/enable_gqa = {a / b:.2f}",
           flush=True)

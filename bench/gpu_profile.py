@@ -193,12 +193,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (2 x 64, seq 128) for a smoke run")
     args = p.parse_args(argv)
+    if args.accumulate < 1:  # before any work starts
+        p.error(f"--accumulate {args.accumulate}: needs at least 1 micro-batch per optimizer step")
     name = throughput.start_on_one_device(args.device, "gpu_profile")
     if name is None:
         return 2
     throughput.PREFETCH = False
-    if args.accumulate < 1:
-        p.error(f"--accumulate {args.accumulate}: needs at least 1 micro-batch per optimizer step")
     throughput.ACCUMULATE = args.accumulate
     shape = throughput.shape_for(args.shape, args.tiny)
     print(f"gpu_profile | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''},"
