@@ -16,7 +16,7 @@ import typing
 from typing import Any, Sequence
 
 from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, build_job_config
-from megatron_ext.megatron_flags import add_megatron_flags, judge_megatron_flags, pop_megatron_flags
+from megatron_ext.megatron_flags import add_megatron_flags, escape_help, judge_megatron_flags, pop_megatron_flags
 
 
 def _base_type(annotation: Any) -> Any:
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_flag(group: Any, f: dataclasses.Field, annotation: Any) -> None:
     flag = "--" + f.name.replace("_", "-")
     kind = _base_type(annotation)
-    help_text = f.metadata.get("help", "")
+    help_text = escape_help(f.metadata.get("help", ""))
     if kind is bool:
         # Default of None means "not given" so that a config file value survives.
         group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)

@@ -122,13 +122,19 @@ FLAGS = [
 BY_DEST = {f.dest: f for f in FLAGS}
 
 
+def escape_help(text: str) -> str:
+    """argparse formats help text with ``%``: a literal percent sign ("+9-34% of load time") must be
+    doubled, or ``--help`` fails with a TypeError."""
+    return text.replace("%", "%%")
+
+
 def add_megatron_flags(parser: Any) -> None:
     group = parser.add_argument_group("Megatron-LM compatibility (accepted where they change nothing, refused otherwise)")
     for f in FLAGS:
         if f.nargs is STORE_TRUE:
-            group.add_argument(f.flag, dest=f.dest, action="store_true", default=None, help=f.help)
+            group.add_argument(f.flag, dest=f.dest, action="store_true", default=None, help=escape_help(f.help))
         else:
-            group.add_argument(f.flag, dest=f.dest, default=None, help=f.help)
+            group.add_argument(f.flag, dest=f.dest, default=None, help=escape_help(f.help))
 
 
 def pop_megatron_flags(values: dict[str, Any]) -> dict[str, Any]:

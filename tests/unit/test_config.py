@@ -184,6 +184,17 @@ def test_bad_flag_value_is_one_config_error_not_a_usage_dump():
         parse_args(["--hidden-size", "abc"])
 
 
+def test_help_lists_every_flag_with_its_text(capsys):
+    # argparse %-formats help text: one literal "%" in a flag's help made --help a TypeError
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "+9-34% of load time" in text  # --ckpt-verify's help, percent sign and all
+    for flag in ("--tensor-model-parallel-size", "--packed-sequences", "--bf16", "--fp8-format"):
+        assert flag in text, flag
+
+
 @pytest.mark.parametrize("values, needle", [
     (dict(global_batch_size=0), "--global-batch-size must be a positive integer when given, got 0"),
     (dict(global_batch_size=-8), "--global-batch-size must be a positive integer when given, got -8"),
