@@ -104,6 +104,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_state_dict",),
     ),
     Workaround(
+        "optimizer-step-zero",
+        "the non-distributed optimizers (mixed precision and fp32) save their common Adam step only 'if step:', "
+        "so a save before the first optimizer step (step 0) loses it and the load fails with KeyError 'step'",
+        "megatron_ext.checkpoint.optimizer_state:restore_step_zero",
+        ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.sharded_state_dict",
+         "megatron.core.optimizer.optimizer.FP32Optimizer.sharded_state_dict"),
+    ),
+    Workaround(
         "incomplete-optimizer-state-warning",
         "a save that writes part of a parameter's optimizer state as zeros only logs a warning on "
         "megatron-core's logger; we repeat it as a clear per-rank warning",

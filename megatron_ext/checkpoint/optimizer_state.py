@@ -76,6 +76,24 @@ def init_empty_optimizer_state(optimizer) -> None:
                     }
 
 
+def restore_step_zero(state_dict: Any) -> None:
+    """Give back the Adam step megatron-core 0.16.1's non-distributed optimizers did not save: their
+    ``sharded_state_dict`` stores the parameters' common step only ``if step:``, so a step count of
+    0 (a save before the first optimizer step: fp16 with every step so far skipped by the loss
+    scaler, or a first step skipped as non-finite) is dropped, and torch's Adam then fails on the
+    load (``KeyError: 'step'``). A parameter's state without a step, and no ``common_step`` beside
+    it, had step 0. ``state_dict``: one optimizer's (mixed precision: under "optimizer")."""
+    if not isinstance(state_dict, dict):
+        return
+    optim = state_dict.get("optimizer", state_dict)
+    states = optim.get("state") if isinstance(optim, dict) else None
+    if not isinstance(states, dict) or "common_step" in states:
+        return
+    for state in states.values():
+        if isinstance(state, dict) and state and "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+
+
 def load_optimizer_state(optimizer, state_dict: dict[str, Any]) -> None:
     """``optimizer.load_state_dict`` plus two fixes for megatron-core 0.16.1's distributed
     optimizer over torch's Adam (no Apex/TE):
@@ -87,8 +105,14 @@ def load_optimizer_state(optimizer, state_dict: dict[str, Any]) -> None:
       once per parameter, so after a resume the bias correction would run N times too fast; each
       parameter gets its own copy.
     """
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(chained) == 1:
+        restore_step_zero(state_dict)
+    else:  # one entry per chained optimizer
+        for part in (state_dict.values() if isinstance(state_dict, dict) else state_dict):
+            restore_step_zero(part)
     patched = []
-    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for wrapper in chained:
         if hasattr(wrapper, "_set_main_param_and_optimizer_states"):
             patched.append(wrapper)
             wrapper._set_main_param_and_optimizer_states = _keep_own_step(wrapper)

@@ -98,6 +98,9 @@ def build_sharded_state_dict(
 
     state = build_model_sharded_state_dict(run.model)
     if include_optimizer:
+        # parameters no step has reached yet (fp16 steps skipped by the loss scaler) get Adam's
+        # first-step state, so a save writes, and a load expects, every parameter's state
+        init_empty_optimizer_state(run.optimizer)
         # megatron-core finds each parameter's ShardedTensor anywhere in the nested dict
         state["optimizer"] = run.optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata=dict(SHARDED_STATE_DICT_METADATA)
@@ -401,8 +404,6 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
         run.log(f"WARNING: {ckpt_dir} holds random-number states of {saved_device} generators; this run "
                 f"is on {run.ctx.device.type}: weights and optimizer load exactly, dropout and other "
                 f"random streams start afresh from --seed {run.cfg.training.seed}")
-    if load_optimizer:
-        init_empty_optimizer_state(run.optimizer)
     state = build_sharded_state_dict(
         run, meta, is_loading=True, include_optimizer=load_optimizer, include_rng=restore_rng
     )
