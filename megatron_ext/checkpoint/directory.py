@@ -83,8 +83,8 @@ def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
 def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, str] | None, str | None]:
     """The checkpoint ``--load path`` names, and a warning to print: ``path`` is a save directory
     (its newest complete checkpoint, or iteration ``step``) or one checkpoint's own ``iter_XXXXXXX``
-    directory. The warning says when the pointer file names an iteration that is not a complete
-    checkpoint here."""
+    directory. The warning says when the pointer file names another iteration than the one loaded
+    (one that is not a complete checkpoint here, or an older one)."""
     if step is not None:
         chosen = get_checkpoint_dir(path, step)
         return ((step, chosen) if os.path.isfile(os.path.join(chosen, COMPLETE_MARKER)) else None), None
@@ -94,10 +94,16 @@ def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, st
         return (int(match.group(1)), os.path.normpath(path)), None
     found = find_latest_checkpoint(path)
     pointer = read_tracker(path)
-    if found is not None and pointer is not None and pointer not in {it for it, _ in list_complete_checkpoints(path)}:
-        return found, (f"{os.path.join(path, TRACKER_FILE)} names iteration {pointer}, which is not a complete "
-                       f"checkpoint here: loading iteration {found[0]} instead")
-    return found, None
+    if found is None or pointer is None or pointer == found[0]:
+        return found, None
+    tracker = os.path.join(path, TRACKER_FILE)
+    if pointer not in {it for it, _ in list_complete_checkpoints(path)}:
+        return found, (f"{tracker} names iteration {pointer}, which is not a complete checkpoint here: "
+                       f"loading iteration {found[0]} instead")
+    # a pointer behind the newest checkpoint: a crash between the publish and the pointer update,
+    # or a pointer edited by hand to roll back (which Megatron-LM would follow)
+    return found, (f"{tracker} names iteration {pointer}, but iteration {found[0]} is the newest complete "
+                   f"checkpoint here and is loaded: give --ckpt-step {pointer} to load iteration {pointer}")
 
 
 def probe_save_dir(path: str | None) -> None:

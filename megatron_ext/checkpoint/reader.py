@@ -365,7 +365,10 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
         path = os.path.join(str(self.path), relative_path)
         needed = max(self.storage_data[r.storage_index].offset + self.storage_data[r.storage_index].length
                      for r in reqs)
-        size = os.path.getsize(path)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise ChecksumMismatch(f"{DAMAGED} (missing): {path} does not exist, its items need {needed} bytes") from None
         if size < needed:
             raise ChecksumMismatch(f"{DAMAGED} (truncated): {path} has {size} bytes, its items need {needed}")
 

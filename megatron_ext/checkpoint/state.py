@@ -380,7 +380,13 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
 
     from megatron_ext.checkpoint.reader import DAMAGED
 
-    checksums = get_checksums_to_verify(run, ckpt_dir, read_marker(ckpt_dir))
+    marker = read_marker(ckpt_dir)
+    if not isinstance(marker, dict) or not isinstance(marker.get("iteration"), int):
+        # every publish writes {"iteration": ..., ...}: an unreadable marker means a damaged
+        # checkpoint, whose checksums (and so --ckpt-verify) are lost with it
+        raise CheckpointDamaged(f"damaged checkpoint file: {os.path.join(ckpt_dir, 'complete.json')} is not the "
+                                f"marker a save writes (unreadable, or no iteration in it)")
+    checksums = get_checksums_to_verify(run, ckpt_dir, marker)
     if checksums is not None:
         _check_small_files(ckpt_dir, checksums)
     try:
@@ -428,13 +434,22 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
     if not weights_only:
         run.state = type(run.state)(**loaded.get("train_state", {}))
     if run.ctx.is_logging_rank:
-        how = "same layout" if same_layout else f"resharded from {common.get('layout')}"
+        saved_layout = common.get("layout")
+        how = ("same layout" if same_layout else f"resharded from {saved_layout}" if saved_layout
+               else "written by tools/convert_checkpoint.py, laid out for this run")
         if weights_only:
             how += "; weights only: iteration, optimizer and LR schedule start afresh"
         stats = getattr(strategy, "stats", None)
         verified = stats is not None and checksums is not None and run.cfg.checkpoint.ckpt_verify
-        checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in part "
-                   f"or by torch's reader)" if verified else "; items not verified (--ckpt-verify is off)")
+        if verified:
+            checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in "
+                       f"part or by torch's reader)")
+        elif not run.cfg.checkpoint.ckpt_verify:
+            checked = "; items not verified (--ckpt-verify is off)"
+        elif checksums is None:
+            checked = "; items not verified (--ckpt-verify: the checkpoint records no checksums this machine can check)"
+        else:
+            checked = f"; items not verified (--ckpt-verify: --ckpt-reader {reader or run.cfg.checkpoint.ckpt_reader} does not verify)"
         run.log(f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how}{checked})")
     return iteration
 

@@ -6,7 +6,7 @@ file. Then, on a copy each time: three flipped bytes in a shard of iteration 4 f
 every rank with --ckpt-verify, naming the file and byte range; --ckpt-fallback-on-corruption loads
 iteration 2 instead and continues the uninterrupted losses exactly; without --ckpt-verify (the
 default: its cost is over budget, see bench/checkpoint.py; the control) the damaged shard loads
-without a word. A truncated shard and a damaged common.pt are named by default.
+without a word. A truncated or missing shard, a damaged common.pt and a damaged marker are named by default.
 """
 
 from __future__ import annotations
@@ -55,8 +55,16 @@ def _damage(root: str, tmp: str, how: str) -> str:
             os.remove(os.path.join(copy, name))
     if how == "common":
         path = os.path.join(latest, "common.pt")
+    elif how == "marker":
+        path = os.path.join(latest, COMPLETE_MARKER)
     else:
         path = sorted(glob.glob(os.path.join(latest, "*.distcp")))[-1]
+    if how == "missing":
+        os.remove(path)
+        return copy
+    if how == "marker":
+        open(path, "w").write("{bad")
+        return copy
     data = bytearray(open(path, "rb").read())
     if how == "truncated":
         data = data[: len(data) // 2]
@@ -104,12 +112,15 @@ def _damage_free(root: str, tmp: str) -> str:
     ("flipped", r"damaged checkpoint file \(checksum mismatch\): .*iter_0000004/__\d+_0.distcp bytes \d+\.\.\d+"),
     ("truncated", r"damaged checkpoint file \(truncated\): .*iter_0000004/__\d+_0.distcp has \d+ bytes"),
     ("common", r"damaged checkpoint file \(checksum mismatch\): .*iter_0000004/common.pt"),
+    ("missing", r"damaged checkpoint file \(missing\): .*iter_0000004/__\d+_0.distcp does not exist"),
+    # the marker holds the checksums: a damaged one must not turn --ckpt-verify off unannounced
+    ("marker", r"damaged checkpoint file: .*iter_0000004/complete.json is not the marker a save writes"),
 ])
 def test_damaged_checkpoint_fails_the_load_naming_the_file(saved, tmp_path, how, needle):
     import re
 
     root, _ = saved
-    out = run_ranks(_train, 2, _damage(root, str(tmp_path), how), {"ckpt_verify": how == "flipped"})
+    out = run_ranks(_train, 2, _damage(root, str(tmp_path), how), {"ckpt_verify": how in ("flipped", "marker")})
     errors = [r.get("error", "") for r in out]
     assert all(errors), f"every rank must fail: {out}"
     assert any(re.search(needle, e) for e in errors), errors

@@ -71,6 +71,16 @@ def test_pointer_naming_a_missing_iteration_warns_which_one_loads(tmp_path):
     assert resolve_load_path(str(tmp_path))[1] is None
 
 
+def test_pointer_behind_the_newest_checkpoint_warns_and_names_ckpt_step(tmp_path):
+    # e.g. a converter's iteration 0 written beside a run's checkpoints, or a pointer edited back
+    _checkpoint(tmp_path, 6)
+    _checkpoint(tmp_path, 8)
+    (tmp_path / TRACKER_FILE).write_text("6")
+    (found, warning) = resolve_load_path(str(tmp_path))
+    assert found[0] == 8 and "names iteration 6" in warning and "--ckpt-step 6" in warning, warning
+    assert resolve_load_path(str(tmp_path), step=6) == ((6, str(tmp_path / "iter_0000006")), None)
+
+
 # ----------------------------------------------------------------------------- --save
 
 
