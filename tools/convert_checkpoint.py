@@ -69,6 +69,9 @@ def check_supported(hf: dict[str, Any]) -> None:
                                 f"(megatron-core's fixed values); this config has {off or rope.get('factor')}")
         elif kind != "default":
             problems.append(f"{key} {rope}: RoPE scaling {kind!r} is not supported (only llama3)")
+    partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        problems.append(f"partial_rotary_factor {partial}: only full-dimension RoPE converts")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             problems.append(f"{flag}=true: biases in linear layers are not supported (Qwen2's q/k/v biases are)")
@@ -273,6 +276,7 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: in
     from megatron_ext.checkpoint.directory import FORMAT_VERSION, write_checkpoint
     from megatron_ext.checkpoint.state import build_model_sharded_state_dict
 
+    check_empty_save_dir(save)
     hf, hf_state = _read_hf(hf_dir)
     log(f"read {len(hf_state)} tensors from {hf_dir} ({hf['num_hidden_layers']} layers)")
     values = hf_config_to_values(hf, divisible_by)
@@ -306,14 +310,43 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: in
     return out
 
 
+def check_empty_save_dir(save: str) -> None:
+    """The converted checkpoint is iteration 0: written beside a run's checkpoints, ``--load`` would
+    still take the run's newest one. Refuse a ``--save`` that holds checkpoints."""
+    from megatron_ext.checkpoint.directory import TRACKER_FILE
+
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ValueError(f"--save {save} is a file, not a directory")
+    held = sorted(n for n in os.listdir(save) if n.startswith("iter_") or n == TRACKER_FILE) if os.path.isdir(save) else []
+    if held:
+        raise ValueError(f"--save {save} already holds checkpoints ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+                         f"give a new or empty directory")
+
+
+def check_hf_output_dir(hf_dir: str) -> None:
+    """Never overwrite a model: ``--hf-dir`` must be new, or a directory without config.json and
+    safetensors files."""
+    if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
+        raise ValueError(f"--hf-dir {hf_dir} is a file, not a directory")
+    if os.path.isdir(hf_dir):
+        held = sorted(n for n in os.listdir(hf_dir) if n == "config.json" or n.endswith(".safetensors"))
+        if held:
+            raise ValueError(f"--hf-dir {hf_dir} already holds a model ({', '.join(held)}): give a new or "
+                             f"empty directory")
+
+
 def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = print) -> str:
-    """Our newest complete checkpoint under ``load`` -> HF safetensors + config.json."""
+    """Our newest complete checkpoint under ``load`` (or ``load`` itself, one ``iter_XXXXXXX``
+    directory) -> HF safetensors + config.json in a new or empty ``hf_dir``."""
     from safetensors.torch import save_file
 
-    from megatron_ext.checkpoint.directory import find_latest_checkpoint
+    from megatron_ext.checkpoint.directory import resolve_load_path
     from megatron_ext.checkpoint.state import load_full_tensors, read_checkpoint_common
 
-    found = find_latest_checkpoint(load)
+    check_hf_output_dir(hf_dir)
+    found, warning = resolve_load_path(load)  # a save directory or one iter_XXXXXXX, as --load takes
+    if warning:
+        log(f"WARNING: {warning}")
     if found is None:
         raise ValueError(f"--load {load}: no complete checkpoint")
     iteration, ckpt_dir = found
@@ -326,7 +359,11 @@ def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = 
     ours = unstack_layers(full, args["num_layers"])
     tensors = megatron_to_hf_tensors(ours, hf)
     os.makedirs(hf_dir, exist_ok=True)
-    save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(hf_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # safetensors creates it 0600: readable as config.json is
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     log(f"wrote {len(tensors)} tensors to {hf_dir}")
@@ -374,6 +411,10 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
             "only Llama-style checkpoints convert to HF: need --swiglu --normalization RMSNorm "
             "--disable-bias-linear --position-embedding-type rope"
         )
+    if float(args.get("rotary_percent", 1.0)) != 1.0:
+        # HF's Llama rotates every dimension of a head: the export would be another model
+        raise ValueError(f"--rotary-percent {args['rotary_percent']}: HF Llama/Qwen2 rotate the whole head, "
+                         f"only checkpoints trained with --rotary-percent 1.0 convert")
     vocab = (common.get("tokenizer") or {}).get("vocab_size") or common["padded_vocab_size"]
     heads = args["num_attention_heads"]
     theta = float(args["rotary_base"])

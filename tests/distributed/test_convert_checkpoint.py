@@ -136,6 +136,8 @@ def test_hf_to_ours_logits_and_round_trip(tmp_path, kind):
     run_ranks(_back_to_hf, 1, save, back, timeout=300)
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     restored = load_file(os.path.join(back, "model.safetensors"))
+    mode = os.stat(os.path.join(back, "model.safetensors")).st_mode & 0o777
+    assert mode == os.stat(os.path.join(back, "config.json")).st_mode & 0o777, oct(mode)  # not safetensors' 0600
     if tied:
         original.pop("lm_head.weight", None)
     assert set(restored) == set(original)
@@ -156,6 +158,7 @@ def test_hf_to_ours_logits_and_round_trip(tmp_path, kind):
      "{'original_max_position_embeddings': 4096}"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "RoPE scaling 'yarn' is not supported"),
     (dict(model_type="qwen2", use_sliding_window=True), "sliding-window attention is not supported"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5: only full-dimension RoPE converts"),
 ])
 def test_unsupported_architectures_are_named(change, needle):
     hf = dict(model_type="llama", hidden_size=64, num_attention_heads=4, hidden_act="silu")
@@ -192,3 +195,33 @@ def test_checkpoints_trained_here_export_as_qwen2_or_scaled_llama():
     assert llama["rope_parameters"] == {**LLAMA3_ROPE, "factor": 32.0, "rope_theta": 10000.0}
     check_supported({**llama, "vocab_size": 256})
     assert hf_config_to_values({**llama, "vocab_size": 256})["rope_scaling_factor"] == 32.0
+
+
+def test_partial_rotary_checkpoints_are_refused_not_exported_as_another_model():
+    from tools.convert_checkpoint import build_hf_config
+
+    args = dict(swiglu=True, normalization="RMSNorm", disable_bias_linear=True, position_embedding_type="rope",
+                hidden_size=64, ffn_hidden_size=96, num_layers=2, num_attention_heads=4, group_query_attention=False,
+                norm_epsilon=1e-5, rotary_base=10000, seq_length=32, untie_embeddings_and_output_weights=True)
+    build_hf_config({**args, "rotary_percent": 1.0}, {"padded_vocab_size": 256})
+    with pytest.raises(ValueError, match="--rotary-percent 0.5: HF Llama/Qwen2 rotate the whole head"):
+        build_hf_config({**args, "rotary_percent": 0.5}, {"padded_vocab_size": 256})
+
+
+def test_conversions_never_write_over_checkpoints_or_models(tmp_path):
+    # hf-to-megatron writes iteration 0: beside a run's checkpoints, --load would take the run's newest
+    from tools.convert_checkpoint import main
+
+    save = tmp_path / "run"
+    (save / "iter_0000010").mkdir(parents=True)
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(ValueError, match=f"--save {save} already holds checkpoints \\(iter_0000010\\)"):
+        convert_hf_to_megatron(str(tmp_path / "hf"), str(save), log=lambda s: None)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ValueError, match=f"--hf-dir {out} already holds a model \\(model.safetensors\\)"):
+        convert_megatron_to_hf(str(save), str(out), log=lambda s: None)
+    assert (out / "model.safetensors").read_bytes() == b"weights"
+    (tmp_path / "file").write_text("x")
+    assert main(["megatron-to-hf", "--load", str(save), "--hf-dir", str(tmp_path / "file")]) == 2  # one error line
