@@ -165,11 +165,16 @@ def check_compatible(
     problems = []
     args = saved.get("args", {})
     current = cfg.to_flat_dict()
+    saved_shape, shape = effective_model_shape(args), effective_model_shape(current)
     for name in MODEL_SHAPE_SETTINGS:
-        if name in args and args[name] != current[name]:
+        if name in args and saved_shape[name] != shape[name]:
+            if name == "ffn_hidden_size" and args[name] is None and current[name] is None:
+                continue  # both defaults: the --hidden-size or --swiglu difference is the one named
+            flag = ("--group-query-attention/--num-query-groups (key/value heads)" if name == "num_query_groups"
+                    else f"--{name.replace('_', '-')}")
             problems.append(
-                f"--{name.replace('_', '-')}: the checkpoint was saved with {args[name]!r}, this run "
-                f"has {current[name]!r}; use the checkpoint's value or another --load directory"
+                f"{flag}: the checkpoint was saved with {saved_shape[name]!r}, this run "
+                f"has {shape[name]!r}; use the checkpoint's value or another --load directory"
             )
     if load_optimizer and "use_distributed_optimizer" in args and (
         args["use_distributed_optimizer"] != current["use_distributed_optimizer"]
@@ -180,6 +185,18 @@ def check_compatible(
             f"their optimizer states differ in form: use the checkpoint's setting, or --no-load-optim "
             f"to load the weights only"
         )
+    saved_precision, precision = _precision(args), _precision(current)
+    if load_optimizer and "bf16" in args and saved_precision != precision:
+        # megatron-core keeps the fp32 optimizer's state and the mixed-precision one's in different
+        # forms (unless the distributed optimizer holds both), and a switch to fp16 finds no loss
+        # scaler state to load (KeyError 'scale', with either optimizer)
+        distributed = args.get("use_distributed_optimizer") and current["use_distributed_optimizer"]
+        if precision == "fp16" or not distributed:
+            problems.append(
+                f"precision: the checkpoint was saved in {saved_precision}, this run is {precision}; their "
+                f"optimizer states differ in form{'' if distributed else ' without --use-distributed-optimizer'}: "
+                f"train in {saved_precision}, or --no-load-optim to load the weights only"
+            )
     if saved.get("padded_vocab_size") not in (None, meta.padded_vocab_size):
         problems.append(
             f"vocabulary: the checkpoint's padded vocabulary is {saved['padded_vocab_size']}, this run's "
@@ -193,6 +210,26 @@ def check_compatible(
             f"this run uses {meta.tokenizer}"
         )
     return problems
+
+
+def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
+    """The MODEL_SHAPE_SETTINGS of flat config values with defaults resolved, so that a default and
+    the same value given explicitly compare equal: the MLP width, and the key/value heads (GQA with
+    as many groups as heads is plain multi-head attention)."""
+    from megatron_ext.model.gpt import resolve_ffn_hidden_size
+
+    shape = {name: args.get(name) for name in MODEL_SHAPE_SETTINGS}
+    if args.get("hidden_size") is not None:
+        shape["ffn_hidden_size"] = resolve_ffn_hidden_size(args.get("ffn_hidden_size"), args["hidden_size"],
+                                                           bool(args.get("swiglu")))
+    heads = args.get("num_attention_heads")
+    shape["num_query_groups"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    shape["group_query_attention"] = None  # its meaning is in num_query_groups
+    return shape
+
+
+def _precision(args: dict[str, Any]) -> str:
+    return "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"
 
 
 # OptimizerParamScheduler state -> (the flags that set it, how to show a value)
@@ -439,6 +476,8 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
                else "written by tools/convert_checkpoint.py, laid out for this run")
         if weights_only:
             how += "; weights only: iteration, optimizer and LR schedule start afresh"
+        elif not load_optimizer and "opt_param_scheduler" in common:
+            how += "; optimizer and LR schedule not loaded (--no-load-optim): they start afresh"
         stats = getattr(strategy, "stats", None)
         verified = stats is not None and checksums is not None and run.cfg.checkpoint.ckpt_verify
         if verified:

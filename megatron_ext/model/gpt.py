@@ -25,11 +25,16 @@ from megatron_ext.parallel import StagePlacement
 
 def get_ffn_hidden_size(cfg: JobConfig) -> int:
     m = cfg.model
-    if m.ffn_hidden_size:
-        return m.ffn_hidden_size
-    if m.swiglu:  # Llama: 2/3 of 4h, rounded up to a multiple of 64
-        return int(64 * ((int(8 * m.hidden_size / 3) + 63) // 64))
-    return 4 * m.hidden_size
+    return resolve_ffn_hidden_size(m.ffn_hidden_size, m.hidden_size, m.swiglu)
+
+
+def resolve_ffn_hidden_size(ffn_hidden_size: int | None, hidden_size: int, swiglu: bool) -> int:
+    """--ffn-hidden-size, or its default: 4h, or with --swiglu Llama's 2/3 of 4h rounded up to 64."""
+    if ffn_hidden_size:
+        return ffn_hidden_size
+    if swiglu:
+        return int(64 * ((int(8 * hidden_size / 3) + 63) // 64))
+    return 4 * hidden_size
 
 
 def build_transformer_config(cfg: JobConfig, device: torch.device):

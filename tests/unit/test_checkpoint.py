@@ -106,6 +106,38 @@ def test_distributed_optimizer_switch_is_refused_unless_weights_only():
     assert check_compatible(saved, _cfg(), meta, load_optimizer=False) == []
 
 
+def test_defaults_and_the_same_values_given_explicitly_are_one_model():
+    meta = CheckpointMeta(tokenizer={}, padded_vocab_size=128)
+    saved = {"args": _cfg(hidden_size=64, num_attention_heads=4).to_flat_dict()}  # ffn default 4 x 64, MHA
+    same = _cfg(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, group_query_attention=True,
+                num_query_groups=4)
+    assert check_compatible(saved, same, meta) == []
+    text = "\n".join(check_compatible(saved, _cfg(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                                  group_query_attention=True, num_query_groups=2), meta))
+    assert "--ffn-hidden-size: the checkpoint was saved with 256, this run has 128" in text, text
+    assert "--group-query-attention/--num-query-groups (key/value heads): the checkpoint was saved with 4, " \
+           "this run has 2" in text, text
+    assert "None" not in text
+    swiglu = "\n".join(check_compatible(saved, _cfg(hidden_size=64, num_attention_heads=4, swiglu=True), meta))
+    assert "--swiglu" in swiglu and "--ffn-hidden-size" not in swiglu, swiglu  # both widths defaulted
+
+
+def test_precision_switch_is_refused_where_the_optimizer_states_differ():
+    meta = CheckpointMeta(tokenizer={}, padded_vocab_size=128)
+    fp32, bf16 = {"args": _cfg().to_flat_dict()}, {"args": _cfg(bf16=True).to_flat_dict()}
+    (problem,) = check_compatible(fp32, _cfg(bf16=True), meta)
+    assert "precision: the checkpoint was saved in fp32, this run is bf16" in problem and "--no-load-optim" in problem
+    assert "saved in bf16, this run is fp32" in check_compatible(bf16, _cfg(), meta)[0]
+    assert check_compatible(fp32, _cfg(bf16=True), meta, load_optimizer=False) == []
+    assert "saved in bf16, this run is fp16" in check_compatible(bf16, _cfg(fp16=True), meta)[0]  # no loss scaler state
+    fp16 = {"args": _cfg(fp16=True, use_distributed_optimizer=True).to_flat_dict()}
+    dist = {"args": _cfg(use_distributed_optimizer=True).to_flat_dict()}
+    # the distributed optimizer keeps fp32 main parameters and Adam state in every precision
+    assert check_compatible(dist, _cfg(bf16=True, use_distributed_optimizer=True), meta) == []
+    assert check_compatible(fp16, _cfg(bf16=True, use_distributed_optimizer=True), meta) == []
+    assert "saved in fp32, this run is fp16" in check_compatible(dist, _cfg(fp16=True, use_distributed_optimizer=True), meta)[0]
+
+
 def test_exit_flags():
     assert get_local_exit_flags(False, 5.0, None) == 0
     assert get_local_exit_flags(True, 0.0, None) == SIGNAL_RECEIVED
