@@ -264,6 +264,9 @@ def train(run: TrainingRun) -> list[float]:
     t = cfg.training
     history: list[float] = []
     window = LogWindow()
+    if state.iteration >= t.train_iters and run.ctx.is_logging_rank:
+        run.log(f"nothing to train: the run is at iteration {state.iteration} and --train-iters is {t.train_iters} "
+                f"(raise --train-iters or --train-samples to train further)")
     try:
         while state.iteration < t.train_iters:
             if not train_one(run, window, history):

@@ -141,3 +141,10 @@ def test_without_verification_the_damage_loads_silently(saved, tmp_path):
     out = run_ranks(_train, 2, _damage(root, str(tmp_path), "flipped"), {"ckpt_verify": False})
     assert [r.get("loaded") for r in out] == [4, 4]
     assert out[-1]["losses"] != reference["losses"][4:]  # the damaged state trains differently
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(saved):
+    root, _ = saved  # its newest checkpoint is iteration 6 = --train-iters
+    out = run_ranks(_train, 2, root, {"ckpt_verify": False})
+    assert [r["loaded"] for r in out] == [6, 6] and out[-1]["losses"] == []
+    assert any("nothing to train: the run is at iteration 6 and --train-iters is 6" in line for r in out for line in r["log"])
