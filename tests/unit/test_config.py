@@ -299,3 +299,41 @@ def test_overlap_flags_parse_with_megatron_names():
     p = cfg.parallel
     assert (p.overlap_grad_reduce, p.overlap_param_gather, p.align_param_gather, p.ddp_bucket_size) == (True, True, False, 4000)
     validate(cfg, 2)
+
+
+def _rank_reports(message: str, results) -> None:
+    from megatron_ext.config import report_error_once
+
+    results.put(report_error_once(message))
+
+
+def _launch_two_ranks(message: str, results) -> None:
+    """A stand-in for torchrun's agent: two workers, its children, on one host, with the run id
+    every plain torchrun launch has."""
+    import multiprocessing as mp
+
+    os.environ.update(TORCHELASTIC_RUN_ID="none", LOCAL_WORLD_SIZE="2", WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    ctx = mp.get_context("fork")
+    workers = [ctx.Process(target=_rank_reports, args=(message, results)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+def test_a_config_error_is_printed_once_per_launch_and_on_every_launch():
+    # the marker that keeps 8 ranks from printing one error 8 times was keyed by torchrun's run id
+    # ("none" for every plain launch): the same bad command run again printed nothing at all
+    import multiprocessing as mp
+    import uuid
+
+    ctx = mp.get_context("fork")
+    message = f"--global-batch-size 998 is not divisible ... {uuid.uuid4().hex}"
+    for launch in range(2):
+        results = ctx.Queue()
+        agent = ctx.Process(target=_launch_two_ranks, args=(message, results))
+        agent.start()
+        agent.join()
+        printed = sorted(results.get(timeout=10) for _ in range(2))
+        assert printed == [False, True], f"launch {launch}: {printed}"
