@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
     load_plan, load_message = plan_load(cfg)
     probe_save_dir(cfg.checkpoint.save)
+    probe_save_dir(cfg.data.data_cache_path, "--data-cache-path")  # index caches are written there
     # one live job per --save (held until this process ends; the kernel releases it on any death)
     save_lock = lock_save_dir(cfg.checkpoint.save) if os.environ.get("RANK", "0") == "0" else None
     d = cfg.data
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     run = build_training_run(cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider)
     if run.ctx.is_logging_rank:
         run.log(describe_run(run))
-        for note in flag_notes:  # Megatron-LM flags accepted without effect
+        for note in flag_notes:  # Megatron-LM flags accepted without effect, settings adjusted as it does
             run.log(f"WARNING: {note}")
         if load_message:
             run.log(load_message)

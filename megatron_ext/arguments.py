@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Sequence
 
-from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, build_job_config
+from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, adjust_like_megatron, build_job_config
 from megatron_ext.megatron_flags import add_megatron_flags, escape_help, judge_megatron_flags, pop_megatron_flags
 
 
@@ -177,4 +177,4 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
     notes, problems = judge_megatron_flags(megatron_flags, cfg)
     if problems:
         raise ConfigError(problems)
-    return cfg, notes
+    return cfg, notes + adjust_like_megatron(cfg)

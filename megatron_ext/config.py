@@ -79,8 +79,8 @@ class ModelConfig:
     disable_bias_linear: bool = _f(False, "No biases in linear layers (Llama).")
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output layer instead of the tied input embedding.")
     init_method_std: float = _f(0.02, "Std of the normal initialisation.")
-    hidden_dropout: float = _f(0.0, "Dropout on hidden states.")
-    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.")
+    hidden_dropout: float = _f(0.0, "Dropout on hidden states (Megatron-LM's default: 0.1).")
+    attention_dropout: float = _f(0.0, "Dropout on attention probabilities (Megatron-LM's default: 0.1; packed sequences on GPUs then leave the flash varlen kernel).")
     recompute_activations: bool = _f(False, "Megatron-LM's alias of --recompute-granularity selective (core attention).")
     recompute_granularity: str | None = _f(None, "Activation recomputation: full (whole layers, with --recompute-method and --recompute-num-layers) or selective (the --recompute-modules of every layer).", choices=["full", "selective"])
     recompute_method: str | None = _f(None, "With full recompute: uniform (every layer, in groups of --recompute-num-layers) or block (the first --recompute-num-layers layers of each pipeline stage).", choices=["uniform", "block"])
@@ -140,7 +140,7 @@ class TrainingConfig:
     lr_warmup_samples: int = _f(0, "Linear warm-up in samples (with --train-samples).")
     lr_decay_samples: int | None = _f(None, "Decay length in samples (with --train-samples; default: --train-samples).")
     lr_warmup_fraction: float | None = _f(None, "Warm-up as a fraction of the decay length (instead of --lr-warmup-iters/-samples).")
-    lr_decay_style: str = _f("cosine", "constant, linear, cosine, inverse-square-root or WSD (warmup-stable-decay: --lr-wsd-decay-iters/-samples at the end of the decay length, shaped by --lr-wsd-decay-style).", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    lr_decay_style: str = _f("cosine", "constant, linear, cosine (ours; Megatron-LM's default is linear), inverse-square-root or WSD (warmup-stable-decay: --lr-wsd-decay-iters/-samples at the end of the decay length, shaped by --lr-wsd-decay-style).", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     lr_wsd_decay_style: str = _f("exponential", "Shape of the WSD decay phase.", choices=["exponential", "linear", "cosine", "minus_sqrt"])
     lr_wsd_decay_iters: int | None = _f(None, "Length of the WSD decay phase in steps (--lr-decay-style WSD with --train-iters).")
     lr_wsd_decay_samples: int | None = _f(None, "Length of the WSD decay phase in samples (--lr-decay-style WSD with --train-samples).")
@@ -453,6 +453,28 @@ def get_sequence_padding(cfg: JobConfig) -> str:
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+def adjust_like_megatron(cfg: JobConfig) -> list[str]:
+    """Settings Megatron-LM adjusts rather than refuses, adjusted the same way in ``cfg``; returns
+    one notice line for each (printed at start-up)."""
+    notes = []
+    p, t = cfg.parallel, cfg.training
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        p.sequence_parallel = False  # Megatron-LM: sequence parallelism is off without TP
+        notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
+                     "and --tensor-model-parallel-size is 1 (Megatron-LM turns it off too)")
+    if t.eval_interval and t.eval_iters == 0:
+        t.eval_interval = 0  # Megatron-LM: no validation without validation batches
+        notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
+    if not t.fp16:
+        given = [f"--{name.replace('_', '-')}" for name in
+                 ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+                 if getattr(t, name) != TrainingConfig.__dataclass_fields__[name].default]
+        if given:
+            notes.append(f"{', '.join(given)}: loss scaling is for --fp16 only; ignored in "
+                         f"{'bf16' if t.bf16 else 'fp32'}")
+    return notes
 
 
 def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
@@ -781,6 +803,8 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
     out += _check_run_length(t)
     if t.eval_interval < 0 or t.eval_iters < 0:
         out.append("--eval-interval and --eval-iters must be >= 0")
+    if not 0 <= t.seed < 2 ** 32:
+        out.append(f"--seed must be in [0, 2**32 - 1] (numpy's range, which the data sampling uses), got {t.seed}")
     if t.clip_grad < 0:
         out.append(f"--clip-grad must be >= 0, got {t.clip_grad}")
     c = cfg.checkpoint

@@ -106,9 +106,10 @@ def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, st
                    f"checkpoint here and is loaded: give --ckpt-step {pointer} to load iteration {pointer}")
 
 
-def probe_save_dir(path: str | None) -> None:
-    """Create ``--save`` and write a file in it, at start-up: an unwritable directory is a named
-    error now, not after --save-interval steps of work. Every rank probes (its shards go there)."""
+def probe_save_dir(path: str | None, flag: str = "--save") -> None:
+    """Create ``--save`` (or another directory the job writes to, named by ``flag``) and write a
+    file in it, at start-up: an unwritable directory is a named error now, not after
+    --save-interval steps of work. Every rank probes (its shards go there)."""
     if not path:
         return
     from megatron_ext.config import ConfigError
@@ -120,7 +121,7 @@ def probe_save_dir(path: str | None) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as err:
-        raise ConfigError([f"--save {path} is not a writable directory ({err.strerror}: {err.filename}): "
+        raise ConfigError([f"{flag} {path} is not a writable directory ({err.strerror}: {err.filename}): "
                            f"give a directory this job can create and write"]) from None
 
 

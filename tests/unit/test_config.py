@@ -337,3 +337,22 @@ def test_a_config_error_is_printed_once_per_launch_and_on_every_launch():
         agent.join()
         printed = sorted(results.get(timeout=10) for _ in range(2))
         assert printed == [False, True], f"launch {launch}: {printed}"
+
+
+def test_settings_megatron_lm_adjusts_are_adjusted_with_a_notice():
+    from megatron_ext.arguments import parse_args_with_notes
+
+    cfg, notes = parse_args_with_notes(["--sequence-parallel", "--eval-interval", "2", "--eval-iters", "0",
+                                        "--loss-scale", "128", "--bf16"])
+    assert cfg.parallel.sequence_parallel is False and cfg.training.eval_interval == 0
+    text = "\n".join(notes)
+    assert "--sequence-parallel is off" in text and "--eval-iters 0: no validation" in text, text
+    assert "--loss-scale: loss scaling is for --fp16 only; ignored in bf16" in text, text
+    cfg, notes = parse_args_with_notes(["--sequence-parallel", "--tensor-model-parallel-size", "2", "--fp16",
+                                        "--loss-scale", "128", "--eval-interval", "2"])
+    assert cfg.parallel.sequence_parallel and cfg.training.eval_interval == 2 and notes == []
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 32])
+def test_seed_outside_numpys_range_is_refused_up_front(seed):
+    assert any("--seed must be in [0, 2**32 - 1]" in p for p in _problems(1, seed=seed))

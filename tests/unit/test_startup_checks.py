@@ -93,6 +93,17 @@ def test_unwritable_save_is_named_at_start_up(tmp_path):
     assert os.listdir(tmp_path / "fresh" / "ckpt") == []  # created, probe removed
 
 
+def test_a_data_cache_path_that_is_a_file_stops_the_entry_point_before_any_work(tmp_path):
+    # it used to fail after the model was built, inside megatron-core's or our index cache writer
+    import pretrain_gpt
+
+    blocker = tmp_path / "cache"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"--data-cache-path .*/cache is not a writable directory"):
+        pretrain_gpt.main(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                           "--device", "cpu", "--data-cache-path", str(blocker)])
+
+
 # ----------------------------------------------------------------------------- LR schedule on resume
 
 
