@@ -21,7 +21,7 @@ from megatron_ext.data.packed_dataset import EodLossMask, build_blended_packed_d
 def get_num_samples(cfg: JobConfig, global_batch_size: int) -> list[int]:
     """[train, valid, test] samples the run will read."""
     t = cfg.training
-    num_evals = t.train_iters // t.eval_interval if t.eval_interval else 0
+    num_evals = -(-t.train_iters // t.eval_interval) if t.eval_interval else 0  # and one at the end
     return [t.train_iters * global_batch_size, max(num_evals * t.eval_iters * global_batch_size, 1), 1]
 
 

@@ -7,7 +7,9 @@ steps) -> evaluate (every ``--eval-interval``) -> agree on an exit (signal, time
 says whether every rank finished writing the save in flight, which is then published) -> save (on
 ``--save-interval``, at ``--train-iters`` and before an exit; never in a run of non-finite steps;
 ``--async-save`` starts a background save, except for the last one and before an exit) -> stop
-if exiting. The loss is reported as global sum / global count.
+if exiting. At ``--train-iters`` (not at an earlier exit) a run whose length is not a multiple of
+``--eval-interval`` is evaluated once more, as Megatron-LM evaluates at the end of training. The
+loss is reported as global sum / global count.
 """
 
 from __future__ import annotations
@@ -241,8 +243,11 @@ def _log_timers_and_memory(run: TrainingRun, timers: dict[str, float]) -> None:
     if lg.log_memory_to_tensorboard:
         run.writer.write({f"memory/{k}": v for k, v in get_memory_stats(run.ctx.device).items()}, iteration)
 def evaluate_and_log(run: TrainingRun) -> None:
+    """Validation at ``--eval-interval`` and at the end of training: evaluation k (1, 2, ...) reads
+    the k-th ``--eval-iters`` global batches of the validation set; the end of a run whose length is
+    not a multiple of the interval is one more evaluation (``builder.get_num_samples`` counts it)."""
     t, iteration = run.cfg.training, run.state.iteration
-    eval_start = (iteration // t.eval_interval - 1) * t.eval_iters * run.global_batch_size
+    eval_start = (-(-iteration // t.eval_interval) - 1) * t.eval_iters * run.global_batch_size
     with params_synced(run.model):
         val = evaluate(run, eval_start)
     if run.ctx.is_logging_rank:
@@ -267,10 +272,16 @@ def train(run: TrainingRun) -> list[float]:
     if state.iteration >= t.train_iters and run.ctx.is_logging_rank:
         run.log(f"nothing to train: the run is at iteration {state.iteration} and --train-iters is {t.train_iters} "
                 f"(raise --train-iters or --train-samples to train further)")
+    started = state.iteration
     try:
+        finished = True
         while state.iteration < t.train_iters:
             if not train_one(run, window, history):
+                finished = state.iteration >= t.train_iters
                 break
+        if (finished and state.iteration > started and t.eval_interval and state.iteration % t.eval_interval
+                and run.valid_ds is not None):
+            evaluate_and_log(run)  # the end of training, as Megatron-LM evaluates it
         finish_async_save(run)
         with params_synced(run.model):
             pass  # --overlap-param-gather: the model leaves with the last update's parameters

@@ -179,3 +179,22 @@ def test_resume_of_an_overlapped_run_is_exact(results):
     # the checkpoint of iteration 3 holds the parameters after step 3's update (gathered before saving)
     assert out["resumed"]["losses"] == out["--overlap-param-gather"]["losses"][3:]
     assert out["resumed"]["val"] == out["--overlap-param-gather"]["val"][1:]
+
+
+def _final_evaluation(rank: int, world_size: int) -> dict:
+    from megatron_ext.data.builder import get_num_samples
+
+    run = build_tiny_run(tiny_values(global_batch_size=4, micro_batch_size=2, train_iters=5, eval_interval=2,
+                                     eval_iters=1), *_datasets())
+    lines: list[str] = []
+    run.log = lines.append
+    train(run)
+    destroy_parallel_context()
+    return {"validated at": [int(x.split("iteration")[1].split()[0]) for x in lines if "validation" in x],
+            "valid samples": get_num_samples(run.cfg, 4)[1]}
+
+
+def test_training_ends_with_a_validation_when_its_length_is_not_a_multiple_of_the_interval():
+    out = run_ranks(_final_evaluation, 1)[0]
+    assert out["validated at"] == [2, 4, 5], out  # Megatron-LM evaluates at the end of training too
+    assert out["valid samples"] == 3 * 4  # the third evaluation reads batches of its own
