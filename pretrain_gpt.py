@@ -27,6 +27,7 @@ from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.run import build_training_run, describe_run  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
+from megatron_ext.training.metrics import check_wandb_ready  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
     load_plan, load_message = plan_load(cfg)
+    wandb_problem = check_wandb_ready(cfg.logging.wandb_project)
+    if wandb_problem:
+        raise ConfigError([wandb_problem])
     probe_save_dir(cfg.checkpoint.save)
     probe_save_dir(cfg.data.data_cache_path, "--data-cache-path")  # index caches are written there
     # one live job per --save (held until this process ends; the kernel releases it on any death)

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
+import re
 import tomllib
 import types
 import typing
 from typing import Any, Sequence
 
 from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, adjust_like_megatron, build_job_config
-from megatron_ext.megatron_flags import add_megatron_flags, escape_help, judge_megatron_flags, pop_megatron_flags
+from megatron_ext.megatron_flags import (
+    MEGATRON_FLAG_NAMES, add_megatron_flags, escape_help, judge_megatron_flags, pop_megatron_flags,
+)
 
 
 def _base_type(annotation: Any) -> Any:
@@ -35,6 +39,12 @@ class _Parser(argparse.ArgumentParser):
     whole usage text from every rank."""
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = [f"{flag} (did you mean {close[0]}?)" for flag in message.split(":", 1)[1].split()
+                     if flag.startswith("--") and (close := difflib.get_close_matches(flag.split("=")[0], known, 1, 0.8))]
+            if hints:
+                message += "; " + "; ".join(hints)
         raise ConfigError([f"{message} (python pretrain_gpt.py --help lists the flags)"])
 
 
@@ -104,6 +114,15 @@ def get_field_types() -> dict[str, tuple[Any, bool, tuple | None]]:
     return out
 
 
+def _looks_like_exponent(text: str) -> bool:
+    return re.fullmatch(r"[+-]?\d+[eE][+-]?\d+", text.strip()) is not None
+
+
+def _with_dot(text: str) -> str:
+    mantissa, exponent = re.split(r"[eE]", text.strip())
+    return f"{mantissa}.0e{exponent}"
+
+
 def check_value(name: str, value: Any, types: dict) -> tuple[Any, str | None]:
     """A config-file value converted to its field's type, or a problem naming what was expected.
     Booleans take YAML/TOML booleans only: the string "false" is an error, not True."""
@@ -146,11 +165,22 @@ def load_config_file(path: str) -> dict[str, Any]:
         else:
             flat[str(key).replace("-", "_")] = value
     types = get_field_types()
-    problems = [f"--config {path}: unknown key '{k}'" for k in sorted(k for k in flat if k not in types)]
+    problems = []
+    for k in sorted(k for k in flat if k not in types):
+        close = difflib.get_close_matches(k, list(types), 1, 0.8)
+        dashed = "--" + k.replace("_", "-")
+        if dashed in MEGATRON_FLAG_NAMES:
+            hint = f" ({dashed} is a Megatron-LM flag: give it on the command line, where it is judged)"
+        else:
+            hint = f" (did you mean '{close[0].replace('_', '-')}'?)" if close else ""
+        problems.append(f"--config {path}: unknown key '{k}'{hint}")
     for key in sorted(k for k in flat if k in types):
         flat[key], expected = check_value(key, flat[key], types)
         if expected:
-            problems.append(f"--config {path}: key '{key.replace('_', '-')}' = {flat[key]!r} should be {expected}")
+            hint = ""
+            if expected == "a number" and isinstance(flat[key], str) and _looks_like_exponent(flat[key]):
+                hint = f" (YAML reads {flat[key]} as a string: write it with a dot, e.g. {_with_dot(flat[key])})"
+            problems.append(f"--config {path}: key '{key.replace('_', '-')}' = {flat[key]!r} should be {expected}{hint}")
     if problems:
         raise ConfigError(problems)
     return flat

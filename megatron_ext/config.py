@@ -565,7 +565,8 @@ def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
     if vpp is not None and vpp > 1 and pp == 1:
         out.append(
             f"interleaved schedule ({vpp} virtual stages per pipeline rank) needs "
-            f"--pipeline-model-parallel-size > 1, got 1: drop --num-layers-per-virtual-pipeline-stage"
+            f"--pipeline-model-parallel-size > 1, got 1: drop --num-layers-per-virtual-pipeline-stage / "
+            f"--num-virtual-stages-per-pipeline-rank"
         )
     return out
 
@@ -805,8 +806,6 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
         out.append("--eval-interval and --eval-iters must be >= 0")
     if not 0 <= t.seed < 2 ** 32:
         out.append(f"--seed must be in [0, 2**32 - 1] (numpy's range, which the data sampling uses), got {t.seed}")
-    if t.clip_grad < 0:
-        out.append(f"--clip-grad must be >= 0, got {t.clip_grad}")
     c = cfg.checkpoint
     if c.save_interval is not None and (c.save_interval <= 0 or not c.save):
         out.append("--save-interval needs --save DIR and a positive interval")
@@ -819,6 +818,8 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
                         ("--exit-duration-in-mins", c.exit_duration_in_mins)):
         if value and not c.save:
             out.append(f"{flag} saves a checkpoint before exiting: give --save DIR")
+    if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
+        out.append(f"--exit-duration-in-mins must be > 0, got {c.exit_duration_in_mins}")
     return out
 
 
@@ -837,7 +838,12 @@ def _check_data(cfg: JobConfig) -> list[str]:
     from megatron_ext.data.indexed_check import check_indexed_dataset
     from megatron_ext.data.tokenizers import check_tokenizer_flags
 
-    out += check_tokenizer_flags(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
+    tokenizer_problems = check_tokenizer_flags(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file,
+                                               d.merge_file)
+    if d.mock_data and tokenizer_problems and not d.tokenizer_model:
+        tokenizer_problems = [p + " (with --mock-data, --tokenizer-type NullTokenizer --vocab-size N needs no file)"
+                              for p in tokenizer_problems]
+    out += tokenizer_problems
     if d.num_workers < 0:
         out.append(f"--num-workers {d.num_workers} must be >= 0 (0: samples are read in the training process)")
     if d.one_document_per_row and (d.reset_attention_mask or d.reset_position_ids):
@@ -847,7 +853,10 @@ def _check_data(cfg: JobConfig) -> list[str]:
     for prefix in dict.fromkeys(blends.prefixes if blends else []):
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
-            out.append(f"{blends.source} {prefix}: missing {', '.join(missing)}")
+            hint = ""
+            if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix[:-4] + ".bin"):
+                hint = f" (give the prefix without the extension: {prefix[:-4]})"
+            out.append(f"{blends.source} {prefix}: missing {', '.join(missing)}{hint}")
         else:
             out += [f"{blends.source} {prefix}: {p}" for p in check_indexed_dataset(prefix)]
     if blends is not None and blends.per_split is not None:
@@ -959,7 +968,7 @@ def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
             "support it): drop --sequence-parallel on CPU"
         )
     if cfg.training.bf16 and cfg.training.fp16:
-        out.append("--bf16 and --fp16 are exclusive: give one")
+        out.append("--bf16 and --fp16 are exclusive: give one (--no-bf16 turns off a --bf16 from --config)")
     if cfg.model.transformer_impl == "transformer_engine" and not cuda:
         out.append("--transformer-impl transformer_engine needs CUDA: use local or auto on CPU")
     return out

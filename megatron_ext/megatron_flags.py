@@ -95,7 +95,7 @@ FLAGS = [
     MegatronFlag("--no-create-attention-mask-in-dataloader", STORE_TRUE, _noop("--no-create-attention-mask-in-dataloader changes nothing: no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)"), "Accepted (always so)."),
     MegatronFlag("--no-mmap-bin-files", STORE_TRUE, _noop("--no-mmap-bin-files changes nothing here: .bin files are memory-mapped"), "Accepted, no effect."),
     MegatronFlag("--log-throughput", STORE_TRUE, _noop("--log-throughput changes nothing: tokens/s and TFLOP/s per GPU are always logged"), "Accepted (always so)."),
-    MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is computed by megatron-core's vocab-parallel cross-entropy"), "Accepted, no effect."),
+    MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is our fused vocab-parallel cross-entropy (model/cross_entropy.py) in any case"), "Accepted, no effect."),
     MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / flash's varlen kernel; the start-up line names them)"), "Accepted, no effect."),
     MegatronFlag("--no-masked-softmax-fusion", STORE_TRUE, _noop("--no-masked-softmax-fusion changes nothing: the local spec uses no masked-softmax kernel"), "Accepted, no effect."),
     MegatronFlag("--no-bias-gelu-fusion", STORE_TRUE, _noop("--no-bias-gelu-fusion changes nothing here"), "Accepted, no effect."),
@@ -120,6 +120,7 @@ FLAGS = [
     MegatronFlag("--use-checkpoint-args", STORE_TRUE, _refuse("--use-checkpoint-args is not supported: give the model flags (a mismatch with the checkpoint is refused by name)"), "Refused."),
 ]
 BY_DEST = {f.dest: f for f in FLAGS}
+MEGATRON_FLAG_NAMES = frozenset(f.flag for f in FLAGS)
 
 
 def escape_help(text: str) -> str:

@@ -12,6 +12,7 @@ in file order, single-threaded, so the same input gives the same model.
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Iterator, Sequence
 
@@ -52,6 +53,22 @@ def train_tokenizer(input_path: str, output_prefix: str, vocab_size: int = 8192,
         raise ValueError(f"--model-type must be bpe or unigram, got {model_type!r}")
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
+    if vocab_size < 300:  # 256 byte-fallback pieces, the special tokens and "\n" come first
+        raise ValueError(f"--vocab-size {vocab_size} is too small: byte fallback alone takes 256 pieces; give >= 300")
+    try:
+        _train(input_path, output_prefix, vocab_size, json_keys, model_type)
+    except RuntimeError as err:
+        found = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(err))
+        if found is None:
+            raise
+        raise ValueError(f"--vocab-size {found.group(1)} is more pieces than {input_path} holds: give "
+                         f"--vocab-size {found.group(2)} or less, or more text") from None
+    return output_prefix + ".model"
+
+
+def _train(input_path: str, output_prefix: str, vocab_size: int, json_keys: Sequence[str], model_type: str) -> None:
+    import sentencepiece
+
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter_training_sentences(input_path, json_keys),
         model_prefix=output_prefix,
@@ -71,7 +88,6 @@ def train_tokenizer(input_path: str, output_prefix: str, vocab_size: int = 8192,
         num_threads=1,
         minloglevel=2,
     )
-    return output_prefix + ".model"
 
 
 def main(argv=None) -> None:

@@ -138,6 +138,30 @@ def format_validation_line(iteration: int, loss: float) -> str:
     )
 
 
+def check_wandb_ready(wandb_project: str | None) -> str | None:
+    """A problem that would stop ``wandb.init`` on the logging rank alone, after start-up (the other
+    ranks would wait in a collective), said before any work; None when wandb will start. Looks
+    only at the environment: the package, WANDB_MODE, WANDB_API_KEY, ~/.netrc (``wandb login``)."""
+    if not wandb_project:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        return f"--wandb-project {wandb_project} needs the wandb package: pip install wandb"
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return None
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (f"--wandb-project {wandb_project}: wandb has no API key on this machine: run `wandb login`, set "
+            f"WANDB_API_KEY, or WANDB_MODE=offline (then `wandb sync` the run directory)")
+
 class MetricWriter:
     """TensorBoard and wandb scalars; a no-op unless configured (and on non-logging ranks)."""
 

@@ -356,3 +356,47 @@ def test_settings_megatron_lm_adjusts_are_adjusted_with_a_notice():
 @pytest.mark.parametrize("seed", [-1, 2 ** 32])
 def test_seed_outside_numpys_range_is_refused_up_front(seed):
     assert any("--seed must be in [0, 2**32 - 1]" in p for p in _problems(1, seed=seed))
+
+
+def test_typos_get_the_nearest_flag_or_key(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--num-layer", "3"])
+    assert "(did you mean --num-layers?)" in err.value.problems[0], err.value.problems
+    path = tmp_path / "c.yaml"
+    path.write_text("seq_lenght: 128\nlr: 1e-3\nuse-mcore-models: true\n")
+    with pytest.raises(ConfigError) as err:
+        load_config_file(str(path))
+    text = "\n".join(err.value.problems)
+    assert "unknown key 'seq_lenght' (did you mean 'seq-length'?)" in text, text
+    assert "(YAML reads 1e-3 as a string: write it with a dot, e.g. 1.0e-3)" in text, text
+    assert "--use-mcore-models is a Megatron-LM flag: give it on the command line" in text, text
+
+
+@pytest.mark.parametrize("values, needle", [
+    (dict(exit_duration_in_mins=-1.0, save="/tmp/x"), "--exit-duration-in-mins must be > 0, got -1.0"),
+    (dict(num_virtual_stages_per_pipeline_rank=2), "drop --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"),
+    (dict(bf16=True, fp16=True), "--no-bf16 turns off a --bf16 from --config"),
+])
+def test_more_flag_problems_name_the_fix(values, needle):
+    problems = _problems(1, **values)
+    assert any(needle in p for p in problems), problems
+
+
+def test_a_negative_clip_grad_is_one_problem():
+    assert sum("--clip-grad" in p for p in _problems(1, clip_grad=-1.0)) == 1
+
+
+def test_mock_data_without_a_tokenizer_file_points_at_the_null_tokenizer():
+    cfg = build_job_config(dict(mock_data=True))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert any("--tokenizer-type NullTokenizer --vocab-size N needs no file" in p for p in err.value.problems)
+
+
+def test_a_data_path_with_its_extension_is_told_to_drop_it(tmp_path):
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus{ext}").write_bytes(b"")
+    cfg = build_job_config(dict(data_path=[str(tmp_path / "corpus.bin")], tokenizer_type="NullTokenizer", vocab_size=10))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert any(f"give the prefix without the extension: {tmp_path / 'corpus'}" in p for p in err.value.problems)

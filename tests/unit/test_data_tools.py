@@ -167,6 +167,15 @@ def test_train_tokenizer_defines_special_ids_and_is_deterministic(tmp_path):
     assert sp.eos_id() == 2 and sp.pad_id() == 3
 
 
+def test_train_tokenizer_names_a_vocabulary_size_the_text_cannot_fill(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"tiny text {i}"}) for i in range(20)) + "\n")
+    with pytest.raises(ValueError, match=r"--vocab-size 32000 is more pieces than .*c.jsonl holds: give --vocab-size \d+ or less"):
+        train_tokenizer(str(corpus), str(tmp_path / "t"), vocab_size=32000)
+    with pytest.raises(ValueError, match="--vocab-size 100 is too small"):
+        train_tokenizer(str(corpus), str(tmp_path / "t"), vocab_size=100)
+
+
 def megatron_lm_reference(path, prefix, tokenizer, append_eod):
     """What Megatron-LM's tools/preprocess_data.py writes (its Encoder and main loop, written out
     here for one key without sentence splitting): every JSON line is a document; its ids, EOD

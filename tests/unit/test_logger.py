@@ -36,3 +36,19 @@ def test_tensorboard_and_offline_wandb_write_files(tmp_path, monkeypatch):
     assert glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))
     silent = MetricWriter(cfg, enabled=False)  # non-logging ranks write nothing
     assert silent.tb is None and silent.wandb is None
+
+
+def test_wandb_without_a_key_is_named_before_any_work(tmp_path, monkeypatch):
+    from megatron_ext.training.metrics import check_wandb_ready
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no ~/.netrc entry: never logged in
+    problem = check_wandb_ready("proj")
+    assert problem and "run `wandb login`, set WANDB_API_KEY, or WANDB_MODE=offline" in problem
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    assert check_wandb_ready("proj") is None  # what `wandb login` writes
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert check_wandb_ready("proj") is None
+    assert check_wandb_ready(None) is None
