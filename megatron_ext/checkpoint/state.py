@@ -212,6 +212,23 @@ def check_compatible(
     return problems
 
 
+# settings a checkpoint loads under whatever their value, but that change what the model computes
+# or which samples come next: a resume that changes one says so (Megatron-LM is silent)
+WARNED_SETTINGS = ("rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon",
+                   "seed", "seq_length", "hidden_dropout", "attention_dropout", "packed_sequences")
+
+
+def describe_changed_settings(saved: dict[str, Any], cfg: JobConfig) -> str | None:
+    """One warning line naming each WARNED_SETTINGS value that differs from the checkpoint's, or None."""
+    args, current = saved.get("args", {}), cfg.to_flat_dict()
+    changed = [f"--{n.replace('_', '-')} {args[n]!r} -> {current[n]!r}" for n in WARNED_SETTINGS
+               if n in args and n in current and args[n] != current[n]]
+    if not changed:
+        return None
+    return (f"this run changes settings the checkpoint was trained with: {', '.join(changed)} (the weights "
+            f"load; what the model computes or which samples come next differs from an uninterrupted run)")
+
+
 def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
     """The MODEL_SHAPE_SETTINGS of flat config values with defaults resolved, so that a default and
     the same value given explicitly compare equal: the MLP width, and the key/value heads (GQA with
@@ -436,6 +453,9 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
         problems += check_scheduler_flags(common["opt_param_scheduler"], run.scheduler, run.cfg, run.global_batch_size)
     if problems:
         raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
+    changed = None if weights_only else describe_changed_settings(common, run.cfg)
+    if changed and run.ctx.is_logging_rank:
+        run.log(f"WARNING: {changed}")
     if load_optimizer and "opt_param_scheduler" not in common:
         load_optimizer = False  # weights only, e.g. converted by tools/convert_checkpoint.py
         if run.ctx.is_logging_rank:

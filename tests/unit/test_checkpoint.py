@@ -138,6 +138,15 @@ def test_precision_switch_is_refused_where_the_optimizer_states_differ():
     assert "saved in fp32, this run is fp16" in check_compatible(dist, _cfg(fp16=True, use_distributed_optimizer=True), meta)[0]
 
 
+def test_a_resume_that_changes_what_the_model_computes_says_so():
+    from megatron_ext.checkpoint.state import describe_changed_settings
+
+    saved = {"args": _cfg(position_embedding_type="rope", seed=1).to_flat_dict()}
+    assert describe_changed_settings(saved, _cfg(position_embedding_type="rope", seed=1)) is None
+    line = describe_changed_settings(saved, _cfg(position_embedding_type="rope", seed=2, rotary_base=500000))
+    assert "--rotary-base 10000 -> 500000" in line and "--seed 1 -> 2" in line, line
+
+
 def test_exit_flags():
     assert get_local_exit_flags(False, 5.0, None) == 0
     assert get_local_exit_flags(True, 0.0, None) == SIGNAL_RECEIVED
