@@ -274,7 +274,7 @@ def get_launch_id() -> str | None:
     return f"{parent}-{started}-{slurm}"
 
 
-def report_error_once(message: str, launch: str | None = "auto") -> bool:
+def report_error_once(message: str) -> bool:
     """Print ``error: message`` to stderr unless another rank of this launch on this host already
     did (every rank usually finds the same problem); returns whether this rank printed it. A
     process launched alone always prints; so does every launch, the same command again included."""
@@ -282,7 +282,7 @@ def report_error_once(message: str, launch: str | None = "auto") -> bool:
     import sys
     import tempfile
 
-    launch = get_launch_id() if launch == "auto" else launch
+    launch = get_launch_id()
     if launch is not None:
         digest = hashlib.sha256(f"{launch}:{message}".encode()).hexdigest()[:20]
         try:
@@ -455,6 +455,11 @@ def get_sequence_padding(cfg: JobConfig) -> str:
 # ----------------------------------------------------------------------------- validation
 
 
+def precision_name(bf16: bool, fp16: bool) -> str:
+    """The training precision of the --bf16/--fp16 flags: bf16, fp16 or fp32."""
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
 def adjust_like_megatron(cfg: JobConfig) -> list[str]:
     """Settings Megatron-LM adjusts rather than refuses, adjusted the same way in ``cfg``; returns
     one notice line for each (printed at start-up)."""
@@ -473,7 +478,7 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
                  if getattr(t, name) != TrainingConfig.__dataclass_fields__[name].default]
         if given:
             notes.append(f"{', '.join(given)}: loss scaling is for --fp16 only; ignored in "
-                         f"{'bf16' if t.bf16 else 'fp32'}")
+                         f"{precision_name(t.bf16, t.fp16)}")
     return notes
 
 

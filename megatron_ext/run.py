@@ -19,8 +19,8 @@ from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.state import CheckpointMeta
 from megatron_ext.config import (
-    JobConfig, get_global_batch_size, get_padded_vocab_size, get_params_dtype, get_sequence_padding, resolve_train_iters,
-    uses_document_boundaries,
+    JobConfig, get_global_batch_size, get_padded_vocab_size, get_params_dtype, get_sequence_padding, precision_name,
+    resolve_train_iters, uses_document_boundaries,
 )
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
@@ -143,7 +143,7 @@ def describe_run(run: TrainingRun) -> str:
     """The start-up summary lines of the logging rank: layout, precision, attention kernels."""
     ctx, cfg = run.ctx, run.cfg
     local = sum(prm.numel() for chunk in run.model for prm in chunk.parameters())
-    precision = "bf16" if cfg.training.bf16 else "fp16" if cfg.training.fp16 else "fp32"
+    precision = precision_name(cfg.training.bf16, cfg.training.fp16)
     return (
         f"> layout: world {ctx.world_size} = TP {ctx.tp_size} x PP {ctx.pp_size} x DP {ctx.dp_size}"
         f" | virtual stages per pipeline rank {ctx.vp_size or 1}"

@@ -28,7 +28,7 @@ from megatron_ext.checkpoint.checksum import file_digest, is_available
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
-from megatron_ext.config import ConfigError, JobConfig
+from megatron_ext.config import ConfigError, JobConfig, precision_name
 from megatron_ext.training.optimizer import get_scheduler_state, load_scheduler_state
 
 # The distributed optimizer's form that can change TP/PP/DP on load (docs/megatron-core-on-cpu.md:
@@ -185,7 +185,8 @@ def check_compatible(
             f"their optimizer states differ in form: use the checkpoint's setting, or --no-load-optim "
             f"to load the weights only"
         )
-    saved_precision, precision = _precision(args), _precision(current)
+    saved_precision = precision_name(bool(args.get("bf16")), bool(args.get("fp16")))
+    precision = precision_name(current["bf16"], current["fp16"])
     if load_optimizer and "bf16" in args and saved_precision != precision:
         # megatron-core keeps the fp32 optimizer's state and the mixed-precision one's in different
         # forms (unless the distributed optimizer holds both), and a switch to fp16 finds no loss
@@ -243,10 +244,6 @@ def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
     shape["num_query_groups"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
     shape["group_query_attention"] = None  # its meaning is in num_query_groups
     return shape
-
-
-def _precision(args: dict[str, Any]) -> str:
-    return "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"
 
 
 # OptimizerParamScheduler state -> (the flags that set it, how to show a value)
@@ -434,20 +431,7 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
 
     from megatron_ext.checkpoint.reader import DAMAGED
 
-    marker = read_marker(ckpt_dir)
-    if not isinstance(marker, dict) or not isinstance(marker.get("iteration"), int):
-        # every publish writes {"iteration": ..., ...}: an unreadable marker means a damaged
-        # checkpoint, whose checksums (and so --ckpt-verify) are lost with it
-        raise CheckpointDamaged(f"damaged checkpoint file: {os.path.join(ckpt_dir, 'complete.json')} is not the "
-                                f"marker a save writes (unreadable, or no iteration in it)")
-    checksums = get_checksums_to_verify(run, ckpt_dir, marker)
-    if checksums is not None:
-        _check_small_files(ckpt_dir, checksums)
-    try:
-        common = read_checkpoint_common(ckpt_dir)
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointDamaged(f"{os.path.join(ckpt_dir, 'common.pt')} cannot be read "
-                                f"({' '.join(str(err).split())[:160]})") from None
+    checksums, common = _read_coordinator_files(run, ckpt_dir)
     problems = check_compatible(common, run.cfg, meta, load_optimizer)
     if load_optimizer and "opt_param_scheduler" in common:
         problems += check_scheduler_flags(common["opt_param_scheduler"], run.scheduler, run.cfg, run.global_batch_size)
@@ -491,26 +475,54 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
     if not weights_only:
         run.state = type(run.state)(**loaded.get("train_state", {}))
     if run.ctx.is_logging_rank:
-        saved_layout = common.get("layout")
-        how = ("same layout" if same_layout else f"resharded from {saved_layout}" if saved_layout
-               else "written by tools/convert_checkpoint.py, laid out for this run")
-        if weights_only:
-            how += "; weights only: iteration, optimizer and LR schedule start afresh"
-        elif not load_optimizer and "opt_param_scheduler" in common:
-            how += "; optimizer and LR schedule not loaded (--no-load-optim): they start afresh"
-        stats = getattr(strategy, "stats", None)
-        verified = stats is not None and checksums is not None and run.cfg.checkpoint.ckpt_verify
-        if verified:
-            checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in "
-                       f"part or by torch's reader)")
-        elif not run.cfg.checkpoint.ckpt_verify:
-            checked = "; items not verified (--ckpt-verify is off)"
-        elif checksums is None:
-            checked = "; items not verified (--ckpt-verify: the checkpoint records no checksums this machine can check)"
-        else:
-            checked = f"; items not verified (--ckpt-verify: --ckpt-reader {reader or run.cfg.checkpoint.ckpt_reader} does not verify)"
-        run.log(f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how}{checked})")
+        run.log(_describe_load(run, ckpt_dir, iteration, common, same_layout, weights_only, load_optimizer,
+                               checksums, strategy, reader))
     return iteration
+
+
+def _read_coordinator_files(run, ckpt_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The marker's checksums to verify (None: none usable) and ``common.pt``, each checked first;
+    CheckpointDamaged names the file that is not what the save wrote."""
+    marker = read_marker(ckpt_dir)
+    if not isinstance(marker, dict) or not isinstance(marker.get("iteration"), int):
+        # every publish writes {"iteration": ..., ...}: an unreadable marker means a damaged
+        # checkpoint, whose checksums (and so --ckpt-verify) are lost with it
+        raise CheckpointDamaged(f"damaged checkpoint file: {os.path.join(ckpt_dir, 'complete.json')} is not the "
+                                f"marker a save writes (unreadable, or no iteration in it)")
+    checksums = get_checksums_to_verify(run, ckpt_dir, marker)
+    if checksums is not None:
+        _check_small_files(ckpt_dir, checksums)
+    try:
+        common = read_checkpoint_common(ckpt_dir)
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointDamaged(f"{os.path.join(ckpt_dir, 'common.pt')} cannot be read "
+                                f"({' '.join(str(err).split())[:160]})") from None
+    return checksums, common
+
+
+def _describe_load(run, ckpt_dir: str, iteration: int, common: dict[str, Any], same_layout: bool,
+                   weights_only: bool, load_optimizer: bool, checksums: dict[str, Any] | None, strategy: Any,
+                   reader: str | None) -> str:
+    """The "loaded checkpoint" line: layout, what was loaded, what was verified."""
+    saved_layout = common.get("layout")
+    how = ("same layout" if same_layout else f"resharded from {saved_layout}" if saved_layout
+           else "written by tools/convert_checkpoint.py, laid out for this run")
+    if weights_only:
+        how += "; weights only: iteration, optimizer and LR schedule start afresh"
+    elif not load_optimizer and "opt_param_scheduler" in common:
+        how += "; optimizer and LR schedule not loaded (--no-load-optim): they start afresh"
+    stats = getattr(strategy, "stats", None)
+    verify = run.cfg.checkpoint.ckpt_verify
+    if stats is not None and checksums is not None and verify:
+        checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in "
+                   f"part or by torch's reader)")
+    elif not verify:
+        checked = "; items not verified (--ckpt-verify is off)"
+    elif checksums is None:
+        checked = "; items not verified (--ckpt-verify: the checkpoint records no checksums this machine can check)"
+    else:
+        checked = f"; items not verified (--ckpt-verify: --ckpt-reader {reader or run.cfg.checkpoint.ckpt_reader} does not verify)"
+    return f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how}{checked})"
 
 
 def build_load_strategy(reader: str, checksums: dict[str, Any] | None = None):
