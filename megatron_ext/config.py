@@ -472,6 +472,12 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
     if t.eval_interval and t.eval_iters == 0:
         t.eval_interval = 0  # Megatron-LM: no validation without validation batches
         notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
+    d = cfg.data
+    per_split = [flag for flag, given in (("--train-data-path", d.train_data_path),
+                                          ("--per-split-data-args-path", d.per_split_data_args_path)) if given]
+    if per_split and d.split != DataConfig.__dataclass_fields__["split"].default:
+        notes.append(f"--split {d.split}: ignored, {per_split[0]} gives each split its own data "
+                     f"(read whole; Megatron-LM ignores --split there too)")
     if not t.fp16:
         given = [f"--{name.replace('_', '-')}" for name in
                  ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")

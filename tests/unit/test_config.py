@@ -351,6 +351,11 @@ def test_settings_megatron_lm_adjusts_are_adjusted_with_a_notice():
     cfg, notes = parse_args_with_notes(["--sequence-parallel", "--tensor-model-parallel-size", "2", "--fp16",
                                         "--loss-scale", "128", "--eval-interval", "2"])
     assert cfg.parallel.sequence_parallel and cfg.training.eval_interval == 2 and notes == []
+    _, notes = parse_args_with_notes(["--train-data-path", "a", "--valid-data-path", "b", "--split", "90,10,0"])
+    assert notes == ["--split 90,10,0: ignored, --train-data-path gives each split its own data (read whole; "
+                     "Megatron-LM ignores --split there too)"], notes
+    _, notes = parse_args_with_notes(["--data-path", "a", "--split", "90,10,0"])
+    assert notes == [], notes
 
 
 @pytest.mark.parametrize("seed", [-1, 2 ** 32])
