@@ -303,8 +303,18 @@ class _DirectRead:
     req: ReadItem
     target: torch.Tensor  # keeps the destination memory alive until the read is committed
     item: _ItemFile
-    buffer: memoryview  # the destination's bytes
+    buffer: memoryview  # the destination's bytes (the staging tensor's, for a device target)
     data_start: int  # of the requested bytes within the item
+    staging: torch.Tensor | None = None  # host copy read (and checked) first when target is not on the CPU
+
+
+# host memory a file's device-bound items are staged in at once (read, checked, copied, then the next)
+_STAGING_MAX = 1 << 30
+
+
+def _reads_in_place(target: torch.Tensor) -> bool:
+    """Whether the file's bytes can be read straight into ``target``'s memory (host memory)."""
+    return target.device.type == "cpu"
 
 
 _PIECE_MIN = 1 << 20
@@ -372,9 +382,9 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
         if size < needed:
             raise ChecksumMismatch(f"{DAMAGED} (truncated): {path} has {size} bytes, its items need {needed}")
 
-    def _verify(self, relative_path: str, reads: list[_DirectRead], others: int) -> None:
+    def _verify(self, relative_path: str, reads: list[_DirectRead]) -> None:
         """Check every item read whole against the marker (threads for large ones: zlib.crc32
-        releases the GIL); count the rest as unverified."""
+        releases the GIL); count the partly read ones as unverified."""
         if self.checksums is None:
             return
         table = self.checksums.get(relative_path, {})
@@ -389,7 +399,6 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
                 self.stats.unverified += 1
                 continue
             jobs.append((md, expected, r))
-        self.stats.unverified += others
 
         def check(job) -> None:
             md, (length, digest), r = job
@@ -436,10 +445,11 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
         if lookup is None or type(lookup(req.dest_index)) is not torch.Tensor:
             return None  # e.g. FP8: megatron-core's resolve_tensor keeps state for commit_tensor
         target = planner.resolve_tensor(req).detach()
-        if (type(target) is not torch.Tensor or target.device.type != "cpu"
-                or target.dtype != stored.dtype or tuple(target.shape) != shape
+        if (type(target) is not torch.Tensor or target.dtype != stored.dtype or tuple(target.shape) != shape
                 or not target.is_contiguous()):
             return None  # resolve_tensor has no side effect for plain tensors
+        # a GPU's tensors: read (and checked) in host memory, then one copy to the device
+        staging = None if _reads_in_place(target) else torch.empty(shape, dtype=target.dtype, device="cpu")
         itemsize = target.element_size()
         nbytes = target.numel() * itemsize
         if start < 0 or start + target.numel() > stored.storage_numel:
@@ -447,9 +457,20 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
         data_start = data_offset + start * itemsize
         if data_start + nbytes > item_md.length:
             return None
-        buffer = memoryview((ctypes.c_char * nbytes).from_address(target.data_ptr())).cast("B") \
+        host = target if staging is None else staging
+        buffer = memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B") \
             if nbytes else memoryview(b"")
-        return _DirectRead(req, target, item, buffer, data_start)
+        return _DirectRead(req, target, item, buffer, data_start, staging)
+
+    def _finish(self, relative_path: str, reads: list[_DirectRead], planner: LoadPlanner) -> None:
+        """Read, check and commit a batch of planned items (staged ones copied to their device)."""
+        _read_all(reads, self.read_threads)
+        self._verify(relative_path, reads)
+        for read in reads:
+            if read.staging is not None:
+                read.target.copy_(read.staging)
+                read.staging = None
+            planner.commit_tensor(read.req, read.target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -467,17 +488,21 @@ class DirectReadFileSystemReader(CachedMetadataFileSystemReader):
             self._check_size(relative_path, reqs)
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                 fd = stream.fileno() if hasattr(os, "preadv") else None
-                direct = []
+                direct, staged, fallback = [], 0, 0
                 for req in tensor_reqs:
                     read = self._plan_direct(stream, fd, req, planner) if fd is not None else None
                     if read is None:
                         rest.append(req)
-                    else:
-                        direct.append(read)
-                _read_all(direct, self.read_threads)
-                self._verify(relative_path, direct, len(tensor_reqs) - len(direct))
-            for read in direct:
-                planner.commit_tensor(read.req, read.target)
+                        fallback += 1
+                        continue
+                    direct.append(read)
+                    staged += len(read.buffer) if read.staging is not None else 0
+                    if staged >= _STAGING_MAX:  # bounded host memory for a GPU's checkpoint
+                        self._finish(relative_path, direct, planner)
+                        direct, staged = [], 0
+                self._finish(relative_path, direct, planner)
+                if self.checksums is not None:
+                    self.stats.unverified += fallback
         if rest:
             return super().read_data(dataclasses.replace(plan, items=rest), planner)
         fut: Future = Future()

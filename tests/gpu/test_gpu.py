@@ -105,8 +105,11 @@ for groups in (1, 4):
     params = attention.PackedMicrobatchParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=262,
                                               max_seqlen_kv=262, cu_seqlens_host=cu_host)
     qt, kt, vt = q[:, 0], k[:, 0], v[:, 0]
-    assert attention.select_packed_kernel("cuda", 0.0, attention.get_varlen_attn() is not None, torch.bfloat16) == attention.VARLEN
+    flash, calls = attention.flash_attention_forward, []
+    attention.flash_attention_forward = lambda *a, **k: calls.append(1) or flash(*a, **k)
     varlen = run(ours, qt, kt, vt, packed_seq_params=params)
+    attention.flash_attention_forward = flash
+    assert calls, "the packed forward did not run the flash varlen kernel (flash_varlen_supported false?)"
     original = attention.select_packed_kernel
     attention.select_packed_kernel = lambda *a: attention.PER_DOCUMENT
     loop = run(ours, qt, kt, vt, packed_seq_params=params)
@@ -234,7 +237,8 @@ b = load_full_tensors(os.path.join(dst, f"iter_{iteration:07d}"))
 keys = sorted(k for k in a if not k.startswith("optimizer.") or ".exp_avg" in k or "param" in k)
 print(json.dumps({"device": str(device), "iteration": iteration, "keys": len(keys),
                   "differ": [k for k in keys if k not in b or not torch.equal(a[k], b[k])],
-                  "warned": any("random-number states" in line for line in lines)}))
+                  "warned": any("random-number states" in line for line in lines),
+                  "loaded": [line for line in lines if line.startswith("loaded checkpoint")]}))
 """
 
 
@@ -246,11 +250,14 @@ def test_checkpoint_moves_between_gpu_and_cpu(tmp_path, first, second):
     run_python(["pretrain_gpt.py", *flags, "--save", saved, "--device", first],
                gpu=first == "cuda")
     out = run_script(COPY.replace("sys.argv[1], sys.argv[2]", f"{saved!r}, {copied!r}")
-                     .replace("parse_args(sys.argv[3:])", f"parse_args({flags + ['--device', second]!r})"),
+                     .replace("parse_args(sys.argv[3:])", f"parse_args({flags + ['--device', second, '--ckpt-verify']!r})"),
                      gpu=second == "cuda")
     assert out["iteration"] == 3 and out["keys"] > 10
     assert out["differ"] == [], f"{first} -> {second}: {out['differ']}"
     assert out["warned"], "RNG states of another device type must be re-seeded with a warning"
+    # read straight into host memory on the CPU, staged through it on the GPU: checked either way
+    (line,) = out["loaded"]
+    assert "checksums verified for" in line and "(0 read in part or by torch's reader)" in line, line
 
 
 ASYNC = r"""
@@ -279,7 +286,7 @@ save_checkpoint(run, root + "/sync")          # the same iteration, written from
 pinned = all(b.is_pinned() for b in run.async_saver.snapshot._buffers)
 for _ in range(3):
     run_training_iteration(run, window)       # the parameters change on the GPU meanwhile
-in_flight = run.async_saver.in_flight
+in_flight = not run.async_saver.write.written  # the background write had not finished yet
 finish_async_save(run)
 a = load_full_tensors(os.path.join(root, "async", "iter_0000002"))
 b = load_full_tensors(os.path.join(root, "sync", "iter_0000002"))
