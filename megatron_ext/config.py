@@ -41,7 +41,7 @@ class ParallelConfig:
     pipeline_model_parallel_layout: str | None = _f(None, "Megatron-LM's explicit layer layout: not supported (refused); use the flags above.")
     microbatch_group_size_per_vp_stage: int | None = _f(None, "Contiguous micro-batches per virtual stage in the interleaved schedule (default: PP).")
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
-    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (needs CUDA: megatron-core's CPU norm does not support it).")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms, dropout and residuals on a 1/TP slice of the sequence (needs TP > 1).")
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduce with the backward pass.")
     overlap_param_gather: bool = _f(False, "Overlap the distributed optimizer's parameter all-gather with the next forward pass (needs --use-distributed-optimizer and --overlap-grad-reduce).")
     align_param_gather: bool = _f(True, "With --overlap-param-gather, dispatch every pipeline stage's all-gathers together at the schedule's start (Megatron-LM's default; --no-align-param-gather dispatches them from each bucket's first use).", negative_flag=True)
@@ -910,6 +910,9 @@ def _check_packing(cfg: JobConfig) -> list[str]:
             )
         if cfg.parallel.sequence_parallel and k % cfg.parallel.tensor_model_parallel_size:
             out.append(f"--pad-to-multiple-of {k} must be a multiple of --tensor-model-parallel-size with --sequence-parallel")
+    elif cfg.parallel.sequence_parallel and m.seq_length % cfg.parallel.tensor_model_parallel_size:
+        out.append(f"--seq-length {m.seq_length} must be a multiple of --tensor-model-parallel-size "
+                   f"{cfg.parallel.tensor_model_parallel_size} with --sequence-parallel (each rank holds an equal slice)")
     return out
 
 
@@ -973,11 +976,6 @@ def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
                        f"(ZeRO-1) and the model with --tensor/--pipeline-model-parallel-size")
     if p.optimizer_cpu_offload:
         out.append("--optimizer-cpu-offload is not supported: shard the optimizer state with --use-distributed-optimizer")
-    if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size > 1 and not cuda:
-        out.append(
-            "--sequence-parallel needs CUDA (megatron-core's torch norm on the local spec does not "
-            "support it): drop --sequence-parallel on CPU"
-        )
     if cfg.training.bf16 and cfg.training.fp16:
         out.append("--bf16 and --fp16 are exclusive: give one (--no-bf16 turns off a --bf16 from --config)")
     if cfg.model.transformer_impl == "transformer_engine" and not cuda:

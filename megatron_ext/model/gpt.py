@@ -139,7 +139,10 @@ def build_layer_spec(cfg: JobConfig, device: torch.device):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     from megatron_ext.model.attention import VarlenDotProductAttention
+    from megatron_ext.model.norm import TorchNorm
 
     if use_transformer_engine(cfg, device):
         return get_gpt_layer_with_transformer_engine_spec()
@@ -147,7 +150,25 @@ def build_layer_spec(cfg: JobConfig, device: torch.device):
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     # megatron-core's local DotProductAttention rejects packed (THD) inputs; ours honours them.
     spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+    # its torch norms refuse --sequence-parallel; ours support it (model/norm.py)
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(spec.submodules, name) is WrappedTorchNorm:
+            setattr(spec.submodules, name, TorchNorm)
     return spec
+
+
+def build_block_spec(layer_spec, tf_config, vp_stage: int | None, pp_rank: int):
+    """The chunk's decoder spec: as megatron-core builds it from a layer spec (that many layers on
+    this stage), with our ``TorchNorm`` as the final norm where upstream would take its torch norm."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_ext.model.norm import TorchNorm
+
+    if transformer_block.LayerNormImpl is not WrappedTorchNorm:  # TE's or Apex's norm: upstream's path
+        return layer_spec
+    layers = transformer_block.get_num_layers_to_build(tf_config, vp_stage, pp_rank)
+    return transformer_block.TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=TorchNorm)
 
 
 def check_packed_sequence_support(chunks: list[torch.nn.Module]) -> None:
@@ -196,7 +217,8 @@ def build_model_chunks(
     for vp_stage in range(num_chunks):
         chunk = gpt_model_class()(
             config=tf_config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=build_block_spec(spec, tf_config, vp_stage if placement.vp_size else None,
+                                                    placement.pp_rank),
             vocab_size=padded_vocab_size,
             max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=placement.is_first(vp_stage),

@@ -6,8 +6,9 @@ one; (b) the per-iteration loss over 20 iterations matches the single-process ru
 clipping is active (clip threshold below the measured norms), so a wrong global grad norm shows.
 The model must learn in those iterations, so that a wrong gradient shows in the losses too.
 
-Worlds are forked from the test process: one 1-rank reference, one 2-rank world running four
-layouts one after the other, one 8-rank world for TP2 x PP2 x VPP2 x DP2.
+Worlds are forked from the test process: one 1-rank reference, one 2-rank world running its
+layouts one after the other, one 8-rank world for TP2 x PP2 x VPP2 x DP2 (Llama style with
+sequence parallelism).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ TWO_RANK_LAYOUTS = {
     "PP2+VPP2": (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1), 1e-6),
     "DP2+distopt": (dict(use_distributed_optimizer=True), 1e-5),
     "llama TP2": (dict(tensor_model_parallel_size=2, **LLAMA), 1e-5),
+    # sequence parallelism on the local spec (model/norm.py): norm gradients summed over TP
+    "TP2+SP": (dict(tensor_model_parallel_size=2, sequence_parallel=True), 1e-5),
+    "llama TP2+SP": (dict(tensor_model_parallel_size=2, sequence_parallel=True, **LLAMA), 1e-5),
 }
 EIGHT_RANK_LAYOUTS = {
     "TP2xPP2xVPP2xDP2": (
@@ -44,9 +48,9 @@ EIGHT_RANK_LAYOUTS = {
              num_layers_per_virtual_pipeline_stage=1, use_distributed_optimizer=True),
         1e-5,
     ),
-    "llama TP2xPP2xVPP2xDP2": (
+    "llama TP2xPP2xVPP2xDP2+SP": (
         dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-             num_layers_per_virtual_pipeline_stage=1, **LLAMA),
+             num_layers_per_virtual_pipeline_stage=1, sequence_parallel=True, **LLAMA),
         1e-5,
     ),
 }

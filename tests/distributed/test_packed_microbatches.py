@@ -5,7 +5,7 @@ length up to b x ``--seq-length``); attention still never crosses a document and
 still counts packs, so the step is the same computation whatever b is. For b = 1, 2, 4 under
 TP2 x PP2 x VPP2 x DP2 (negotiated padding, token-sum loss), the step-1 gradient of every parameter
 and 6 iterations of losses equal one process training the same packs with b = 1; GPT-2 and
-Llama style (RoPE through our packed rotation).
+Llama style (RoPE through our packed rotation; with --sequence-parallel).
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ def _runs(rank: int, world_size: int, cases: list[tuple[str, int]]) -> dict:
     out = {}
     layout = LAYOUT if world_size == 8 else {}
     for style, b in cases:
-        run = build_tiny_run(tiny_values(**BASE, **STYLES[style], **layout, micro_batch_size=b), PackedMarkovDataset(SEQ))
+        # Llama style with sequence parallelism: each TP rank holds a slice of the joined THD sequence
+        sp = dict(sequence_parallel=True) if layout and style == "llama" else {}
+        run = build_tiny_run(tiny_values(**BASE, **STYLES[style], **layout, **sp, micro_batch_size=b),
+                             PackedMarkovDataset(SEQ))
         mbs, length = build_step_microbatches(run, run.train_ds, 0)
         run_forward_backward(run.model, mbs, length)
         grads = gather_full_grads(run)

@@ -55,7 +55,9 @@ def test_valid_layout_passes_and_derives_sizes():
         (2, dict(tensor_model_parallel_size=2, group_query_attention=True, num_query_groups=1),
          "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
         (1, dict(seq_length=512, max_position_embeddings=256), "--seq-length 512 exceeds --max-position-embeddings 256"),
-        (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), "--sequence-parallel needs CUDA"),
+        (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, seq_length=63, max_position_embeddings=64,
+                 sequence_padding="static"),
+         "--seq-length 63 must be a multiple of --tensor-model-parallel-size 2 with --sequence-parallel"),
     ],
 )
 def test_each_layout_rule_names_flags_and_values(world, values, expected):
