@@ -12,17 +12,20 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-gpu_checks}"
 export PYTHONUNBUFFERED=1
 
-# name | time limit (s) | command
+# name | time limit (s) | command, in the order of what issue 12 still needs measured. The limits add
+# up to more than one 30-minute device session: run them a few per call, e.g.
+#   call 1: tests profile-llama     call 2: 1.3b packed-llama     call 3: ablation-llama gpt2
 CHECKS=(
   "tests|420|python -m pytest tests/gpu -rs -q"
-  "1.3b|300|python -m bench.gpu_throughput --only 1.3b --accumulate 8 --steps 8 --warmup 2"
   "profile-llama|300|python -m bench.gpu_profile --shape llama --micro-batch 1 --python"
+  "1.3b|300|python -m bench.gpu_throughput --only 1.3b --accumulate 8 --steps 8 --warmup 2"
   "packed-llama|300|python -m bench.gpu_throughput --only packed-llama"
-  "gpt2|300|python -m bench.gpu_throughput --only gpt2 packed-gpt2 --accumulate 8"
-  "ablation|360|python -m bench.gpu_ablation"
   "ablation-llama|300|python -m bench.gpu_ablation --shape llama --micro-batch 1 --only rope gqa-kernel"
+  "gpt2|300|python -m bench.gpu_throughput --only gpt2 packed-gpt2 --accumulate 8"
   "profile-gpt2|300|python -m bench.gpu_profile --shape gpt2 --micro-batch 8 --accumulate 8 --no-packed --python"
+  "ablation|360|python -m bench.gpu_ablation"
 )
+export MEGATRON_EXT_REQUIRE_GPU=1  # the gpu tests fail, not skip, if they cannot see the GPU
 
 if [[ "${1:-}" == "--list" ]]; then
   for c in "${CHECKS[@]}"; do IFS='|' read -r name limit cmd <<<"$c"; printf '%-14s %4ss  %s\n' "$name" "$limit" "$cmd"; done
