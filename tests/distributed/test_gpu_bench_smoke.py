@@ -119,3 +119,18 @@ def test_rope_bench_counts_fewer_kernels_for_the_same_logits():
     ratios = [float(x) for x in re.findall(r"kernels ([0-9.]+)x", report)]
     assert len(ratios) == 2 and all(r < 1.0 for r in ratios), report
     assert re.search(r"ours\s+\d+ kernels \(0 cos\)", report) and re.search(r"megatron-core\s+\d+ kernels \(4 cos\)", report), report
+
+
+def _packed_host_smoke(rank: int, world_size: int) -> str:
+    from bench import packed_host
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = packed_host.main(["--layers", "2", "--seq", "128", "--steps", "1"])
+    return f"exit {code}\n{out.getvalue()}"
+
+
+def test_packed_host_bench_takes_the_varlen_branch_on_the_cpu():
+    report = run_ranks(_packed_host_smoke, 1, timeout=300)[0]
+    assert report.startswith("exit 0") and "packed/unpacked: wall" in report, report
+    assert "varlen-branch forwards: 0" not in report and "varlen-branch forwards: " in report, report
