@@ -18,6 +18,9 @@ NNODES=${NNODES:-1}
 NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 NODE_RANK=${NODE_RANK:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Megatron-LM's setting: one hardware queue per GPU, so the TP/sequence-parallel communication
+# kernels megatron-core issues before a GEMM start before it (its TP linear layers warn otherwise)
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/pretrain_gpt.py"}
 
 args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK")

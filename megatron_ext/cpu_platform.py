@@ -220,6 +220,10 @@ def apply_cpu_platform(device: torch.device) -> PlatformHandle:
         return _ACTIVE
     from megatron.core.tensor_parallel import random as mcore_random
 
+    import warnings
+
+    # megatron-core's TP linear layers advise CUDA_DEVICE_MAX_CONNECTIONS=1: meaningless on the CPU
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     handle = PlatformHandle(active=True)
     for name, value in _cuda_stand_ins().items():
         _set_attr(handle, torch.cuda, name, value)
@@ -245,14 +249,14 @@ def remove_cpu_platform() -> None:
 
 def quiet_known_warnings() -> None:
     """Silence the warnings megatron-core and torch print on every CPU run, all expected here:
-    no Transformer Engine/Apex, CUDA tuning advice, deprecated gloo collective names, and the
-    non-leaf ``.grad`` access megatron-core's schedules make."""
+    no Transformer Engine/Apex, deprecated gloo collective names, and the non-leaf ``.grad``
+    access megatron-core's schedules make. (CUDA tuning advice is silenced by
+    ``apply_cpu_platform``, on the CPU only: on a GPU it is advice worth reading.)"""
     import warnings
 
     for pattern in (
         ".*Transformer Engine and Apex are not installed.*",
         ".*Apex is not installed.*",
-        ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
         ".*is deprecated. Please use `torch.distributed.*",
         ".*The .grad attribute of a Tensor that is not a leaf Tensor.*",
         ".*full scope is deprecated.*",
