@@ -228,7 +228,7 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
         )
         builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
         with maybe_single_process_rank():
-            return builder.build()
+            return build_with_cache_check(builder, path_to_cache)
     if mock_data:
         blend, dataset_cls = None, MockGPTDataset
     else:
@@ -250,8 +250,26 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
         dataset_cls, sizes, is_built_on_rank or (lambda: True), config
     )
     with maybe_single_process_rank():
-        train, valid, test = builder.build()
+        train, valid, test = build_with_cache_check(builder, path_to_cache)
     return train, valid, test
+
+
+def build_with_cache_check(builder, path_to_cache: Optional[str]):
+    """``builder.build()``; megatron-core's failure to write its index cache (beside the data unless
+    --data-cache-path: a read-only dataset directory) becomes one error naming the flag."""
+    try:
+        return builder.build()
+    except OSError as exc:  # one process: megatron-core's own OSError, unwrapped
+        if str(exc.filename or "").endswith((".bin", ".idx")):
+            raise
+        cause = exc
+    except Exception as exc:  # under torch.distributed megatron-core wraps it in a plain Exception
+        if "Failed to write dataset materials to the data cache directory" not in str(exc):
+            raise
+        cause = exc.__cause__
+    where = f"--data-cache-path {path_to_cache}" if path_to_cache else "the cache directory beside the data"
+    raise ConfigError([f"cannot write megatron-core's dataset index cache to {where} ({cause}): give "
+                       f"--data-cache-path a writable directory (e.g. on local disk)"]) from None
 
 
 class EodBoundaryDataset:

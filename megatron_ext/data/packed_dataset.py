@@ -18,10 +18,12 @@ Samples beyond one epoch wrap around with a new shuffle per epoch (seeded).
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import math
 import os
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -30,6 +32,50 @@ import torch
 from megatron_ext.config import ConfigError
 from megatron_ext.data.microbatch import IGNORE_INDEX
 from megatron_ext.data.packing import PackingIndex, build_packing_index, split_documents
+
+
+class IndexedDocuments:
+    """The documents of a megatron-core ``IndexedDataset`` (its ``document_indices``), each read as
+    one run of tokens. A document is usually one sequence; a dataset preprocessed with Megatron-LM's
+    ``--split-sentences`` stores each sentence as a sequence of its document, and packing those
+    as documents would cut attention, restart positions and drop a label at every sentence. A
+    document's sequences lie back to back in the ``.bin`` (megatron-core's builder writes them so;
+    checked here), so one ``get`` from its first sequence reads any span of it. Everything else
+    (``path_prefix``, ``index``, ``bin_reader``) is the indexed dataset's."""
+
+    def __init__(self, indexed):
+        self.indexed = indexed
+        seq_lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
+        bounds = np.asarray(indexed.document_indices, dtype=np.int64)
+        n = len(seq_lengths)
+        if len(bounds) == n + 1 and np.array_equal(bounds, np.arange(n + 1)):
+            self.first_sequence, self.lengths = np.arange(n, dtype=np.int64), seq_lengths
+            return
+        ends = np.concatenate([[0], np.cumsum(seq_lengths)])
+        self.lengths = ends[bounds[1:]] - ends[bounds[:-1]]
+        self.first_sequence = bounds[:-1]
+        pointers = np.asarray(indexed.index.sequence_pointers, dtype=np.int64)
+        itemsize = np.dtype(indexed.index.dtype).itemsize
+        follows = pointers[1:] == pointers[:-1] + seq_lengths[:-1] * itemsize  # sequence i + 1 right after i
+        starts = np.zeros(n + 1, dtype=bool)
+        starts[bounds] = True
+        if not np.all(follows | starts[1:n]):
+            raise ConfigError([f"{indexed.path_prefix}: the sequences of a document are not stored back to back "
+                               f"in the .bin (not written by megatron-core's IndexedDatasetBuilder?); "
+                               f"--packed-sequences needs them so: preprocess it again with tools/preprocess_data.py"])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        if length is None:
+            length = int(self.lengths[doc]) - offset
+        return self.indexed.get(int(self.first_sequence[doc]), offset=offset, length=length)
+
+    def __getattr__(self, name: str):
+        if name == "indexed":
+            raise AttributeError(name)
+        return getattr(self.indexed, name)
 
 
 def get_split_ranges(num_docs: int, weights: Sequence[float]) -> list[tuple[int, int]]:
@@ -47,24 +93,71 @@ def _cache_path(prefix: str, cache_dir: str | None, key: dict, kind: str = "pack
     return f"{base}_{kind}_{digest}.npz"
 
 
-def load_or_build_arrays(path: str, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+# how long the other ranks wait for rank 0 to build an index: a large corpus may take longer than
+# --distributed-timeout-minutes (the limit of the run's own collectives)
+BUILD_WAIT = datetime.timedelta(hours=2)
+
+
+def _build_and_write(path: str, build: Callable[[], dict[str, np.ndarray]], what: str) -> dict[str, np.ndarray]:
+    start = time.monotonic()
+    print(f"> building {what} ...", flush=True)
+    arrays = build()
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError([f"cannot write {path} ({exc.strerror}): index caches are written beside the data "
+                           f"unless --data-cache-path names a writable directory; give one (e.g. on local disk)"]) from None
+    print(f"> built {what} in {time.monotonic() - start:.1f} s: {path}", flush=True)
+    return arrays
+
+
+def load_or_build_arrays(path: str, build: Callable[[], dict[str, np.ndarray]],
+                         what: str = "an index") -> dict[str, np.ndarray]:
     """Arrays cached at ``path`` (.npz), built by ``build`` on a miss and written atomically.
 
-    Under torch.distributed, global rank 0 builds and writes them first; the others then read them.
+    Under torch.distributed, global rank 0 builds and writes them first while the others wait (up to
+    ``BUILD_WAIT``, on a gloo group of their own), then everyone reads them; a rank that does not see
+    the file (a node-local --data-cache-path) builds its own. A failure on rank 0 fails every rank.
     """
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    failed = 0
     if (not distributed or dist.get_rank() == 0) and not os.path.exists(path):
-        arrays = build()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    if distributed:
-        dist.barrier()
+        if not distributed:
+            return _build_and_write(path, build, what)
+        try:
+            _build_and_write(path, build, what)
+        except BaseException:
+            failed = 1
+            raise
+        finally:
+            _agree_built(failed)
+    elif distributed:
+        _agree_built(0)
+    if not os.path.exists(path):  # rank 0 wrote it where this node cannot see it
+        return _build_and_write(path, build, what)
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
+
+
+def _agree_built(failed: int) -> None:
+    """Every rank waits here for rank 0's build (which may outlast the run's collective timeout);
+    raises on the others when rank 0 failed (its own error is in its output)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=BUILD_WAIT)
+    flag = torch.tensor([failed], dtype=torch.int32)
+    dist.all_reduce(flag, group=group)
+    dist.destroy_process_group(group)
+    if flag.item() and not failed:
+        raise ConfigError(["rank 0 failed to build a data index (its error is in its output)"])
 
 
 def load_or_build_index(
@@ -72,8 +165,11 @@ def load_or_build_index(
     strategy: str, cache_dir: str | None,
 ) -> PackingIndex:
     """The packing index of documents ``doc_range``; cached on disk (``load_or_build_arrays``)."""
+    # the index is a function of the documents' lengths: keyed on them, a dataset preprocessed again
+    # into the same prefix gets a new index (a stale one read a shorter corpus without a word)
     key = {"prefix": os.path.abspath(prefix), "num_docs": int(len(doc_lengths)),
-           "range": list(doc_range), "seq": seq_length, "strategy": strategy, "v": 1}
+           "range": list(doc_range), "seq": seq_length, "strategy": strategy, "v": 1,
+           "lengths": lengths_digest(doc_lengths[doc_range[0]:doc_range[1]])}
     path = _cache_path(prefix, cache_dir, key)
 
     def build() -> dict[str, np.ndarray]:
@@ -81,10 +177,17 @@ def load_or_build_index(
         index = _build(ids, doc_lengths[doc_range[0]:doc_range[1]], seq_length, strategy)
         return {k: getattr(index, k) for k in ("piece_doc", "piece_start", "piece_len", "bin_offsets")}
 
-    z = load_or_build_arrays(path, build)
+    what = (f"the {strategy} packing index of {prefix} (documents {doc_range[0]}..{doc_range[1]}, "
+            f"--seq-length {seq_length})")
+    z = load_or_build_arrays(path, build, what)
     index = PackingIndex(z["piece_doc"], z["piece_start"], z["piece_len"], z["bin_offsets"])
     check_index_matches_documents(index, doc_lengths, path)
     return index
+
+
+def lengths_digest(lengths: np.ndarray) -> str:
+    """A short content hash of document lengths (~0.2 s per 20M documents)."""
+    return hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
 def _build(ids: np.ndarray, lengths: np.ndarray, seq_length: int, strategy: str) -> PackingIndex:
@@ -178,8 +281,8 @@ def build_packed_datasets(
     --split and the document counts."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    indexed = IndexedDataset(prefix)
-    doc_lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
+    indexed = IndexedDocuments(IndexedDataset(prefix))
+    doc_lengths = indexed.lengths
     ranges = get_split_ranges(len(doc_lengths), split)
     # a split with weight but no documents (a zero weight means "no such split")
     empty = [name for k, (name, r, w) in enumerate(zip(("train", "valid", "test"), ranges, list(split) + [0.0] * 3))
@@ -202,7 +305,8 @@ def build_packed_datasets(
 def _build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed, num_samples, cache_dir):
     index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir)
     key = json.dumps({"prefix": os.path.abspath(prefix), "range": list(doc_range), "seq": seq_length,
-                      "strategy": strategy, "seed": seed, "bins": index.num_bins})
+                      "strategy": strategy, "seed": seed, "bins": index.num_bins,
+                      "lengths": lengths_digest(doc_lengths[doc_range[0]:doc_range[1]])})
     return PackedDocumentDataset(indexed, index, seq_length, seed, num_samples,
                                  one_per_row=strategy == "one_per_row", cache_key=key)
 
@@ -231,7 +335,7 @@ class BlendedPackedDataset:
             helpers.build_blending_indices(dataset_index, dataset_sample_index, weights, len(datasets), size, False)
             return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
 
-        z = load_or_build_arrays(path, build)
+        z = load_or_build_arrays(path, build, f"the blend index of {len(datasets)} datasets ({size} samples)")
         self.dataset_index, self.dataset_sample_index = z["dataset_index"], z["dataset_sample_index"]
 
     def __len__(self) -> int:
@@ -299,8 +403,8 @@ def build_blended_packed_datasets(
         prefixes, weights = blend[0], get_blend_weights(blend)
         parts = []
         for j, prefix in enumerate(prefixes):
-            indexed = IndexedDataset(prefix)
-            doc_lengths = np.asarray(indexed.sequence_lengths, dtype=np.int64)
+            indexed = IndexedDocuments(IndexedDataset(prefix))
+            doc_lengths = indexed.lengths
             if not len(doc_lengths):
                 raise ConfigError([f"{blends.source} {prefix} has no documents"])
             n = num_samples[k] if weights is None else get_blend_sizes([weights[j]], num_samples[k])[0]

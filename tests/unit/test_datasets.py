@@ -146,3 +146,16 @@ def test_weighted_blend_needs_all_sample_counts(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="sample count"):
         build_gpt_datasets(tokenizer, SEQ, [10, None, 1], ["1", SHIPPED_PREFIX],
                            path_to_cache=str(tmp_path))
+
+
+def test_an_unwritable_index_cache_names_data_cache_path(tokenizer, tmp_path):
+    """megatron-core writes its index cache beside the data (read-only on many clusters) unless
+    --data-cache-path says where: its failure is one error naming the flag, not a traceback."""
+    from megatron_ext.config import ConfigError
+
+    for suffix in (".bin", ".idx"):
+        shutil.copy(SHIPPED_PREFIX + suffix, tmp_path / ("corpus" + suffix))
+    (tmp_path / "corpus").write_text("a file where megatron-core's cache directory (<prefix>/cache) would be")
+    with pytest.raises(ConfigError) as err:
+        build_gpt_datasets(tokenizer, SEQ, [20, 2, 0], [str(tmp_path / "corpus")], split="98,2,0")
+    assert "--data-cache-path" in str(err.value) and "Not a directory" in str(err.value), err.value

@@ -103,3 +103,94 @@ def test_real_corpus_train_split_keeps_every_token_once(tmp_path):
         pieces = [p for _, p in sorted(rebuilt[d], key=lambda x: x[0])]
         assert np.array_equal(np.concatenate(pieces), indexed[d])
     assert os.listdir(tmp_path), "the packing index is cached"
+
+
+def _write_sentence_dataset(prefix: str, docs: list[list[list[int]]]) -> None:
+    """A Megatron-LM --split-sentences style dataset: each document several sequences (sentences)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for doc in docs:
+        builder.add_document(torch.tensor([t for sentence in doc for t in sentence]), [len(x) for x in doc])
+    builder.finalize(prefix + ".idx")
+
+
+def test_documents_of_several_sequences_are_packed_whole(tmp_path):
+    """Sentences of one document are one document: packed together, positions running on, the
+    last token of a sentence predicting the next sentence's first (only the document's last
+    predicts nothing)."""
+    from megatron_ext.data.packed_dataset import build_packed_datasets
+
+    rng = np.random.default_rng(0)
+    docs = [[list(rng.integers(1, 1000, int(rng.integers(2, 9)))) for _ in range(int(rng.integers(1, 5)))]
+            for _ in range(40)]
+    prefix = str(tmp_path / "sent_text_sentence")
+    _write_sentence_dataset(prefix, docs)
+    train, _, _ = build_packed_datasets(prefix, [1.0], 64, "best_fit", 0, [1, 1, 1], str(tmp_path))
+    whole = {tuple(t for sentence in doc for t in sentence) for doc in docs}
+    seen = []
+    for b in range(train.index.num_bins):
+        sample = train[b]
+        cu = sample["cu_seqlens"].tolist()
+        for s, e in zip(cu, cu[1:]):
+            tokens = tuple(sample["tokens"][s:e].tolist())
+            assert tokens in whole, f"bin {b} holds {tokens}: not one whole document"
+            assert sample["position_ids"][s:e].tolist() == list(range(e - s))
+            assert sample["labels"][s:e - 1].tolist() == list(tokens[1:]) and sample["labels"][e - 1] == IGNORE_INDEX
+            seen.append(tokens)
+    assert sorted(seen) == sorted(tuple(t for sentence in doc for t in sentence) for doc in docs)
+
+
+def test_a_dataset_written_again_gets_a_new_packing_index(tmp_path):
+    """The index is keyed on the documents' lengths: preprocessing another corpus into the same
+    prefix must not reuse the old index (it read a shorter corpus without a word)."""
+    from megatron_ext.data.packed_dataset import build_packed_datasets
+
+    prefix = str(tmp_path / "x_text_document")
+    _write_sentence_dataset(prefix, [[[1, 2, 3]] for _ in range(20)])
+    first, _, _ = build_packed_datasets(prefix, [1.0], 16, "best_fit", 0, [1, 1, 1], str(tmp_path / "cache"))
+    _write_sentence_dataset(prefix, [[[1, 2, 3, 4, 5, 6, 7]] for _ in range(20)])
+    again, _, _ = build_packed_datasets(prefix, [1.0], 16, "best_fit", 0, [1, 1, 1], str(tmp_path / "cache"))
+    assert int(first.index.piece_len.sum()) == 60 and int(again.index.piece_len.sum()) == 140
+    assert len(os.listdir(tmp_path / "cache")) == 2
+
+
+def test_an_unwritable_cache_directory_names_data_cache_path(tmp_path):
+    from megatron_ext.config import ConfigError
+    from megatron_ext.data.packed_dataset import build_packed_datasets
+
+    prefix = str(tmp_path / "ro_text_document")
+    _write_sentence_dataset(prefix, [[[1, 2, 3]] for _ in range(5)])
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would be")
+    with pytest.raises(ConfigError) as err:
+        build_packed_datasets(prefix, [1.0], 16, "best_fit", 0, [1, 1, 1], str(blocked / "cache"))
+    assert "--data-cache-path" in str(err.value) and not list(tmp_path.glob("**/*.tmp-*")), err.value
+
+
+def _best_fit_reference(lengths: np.ndarray, seq_length: int) -> list[list[int]]:
+    """Best-fit decreasing, plainly: each piece into the bin with the least room that fits; among
+    equal rooms the bin that reached that room last; else a new bin."""
+    bins, rooms, stamp, clock = [], [], [], 0
+    for p in np.argsort(-lengths, kind="stable").tolist():
+        n = int(lengths[p])
+        fits = [b for b in range(len(bins)) if rooms[b] >= n]
+        if not fits:
+            bins.append([p]), rooms.append(seq_length - n), stamp.append(clock)
+        else:
+            b = min(fits, key=lambda b: (rooms[b], -stamp[b]))
+            bins[b].append(p)
+            rooms[b] -= n
+            stamp[b] = clock
+        clock += 1
+    return bins
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_best_fit_matches_a_plain_reference(seed):
+    from megatron_ext.data.packing import pack_best_fit
+
+    lengths = np.minimum(64, np.maximum(1, np.random.default_rng(seed).lognormal(2.5, 1.0, 300).astype(np.int64)))
+    order, offsets = pack_best_fit(lengths, 64)
+    got = [order[offsets[b]:offsets[b + 1]].tolist() for b in range(len(offsets) - 1)]
+    assert got == _best_fit_reference(lengths, 64)
