@@ -47,6 +47,7 @@ def build_train_valid_datasets(
                     f"> {strategy} samples of {part.indexed.path_prefix}: {index.num_bins} of <= "
                     f"{cfg.model.seq_length} tokens from {len(index.piece_len)} document pieces | packing "
                     f"efficiency (real tokens / slots at --seq-length): {index.efficiency(cfg.model.seq_length):.3f}"
+                    f" | this run reads {part.samples_read} of them, {part.samples_read / max(index.num_bins, 1):.2f} epochs"
                 )
         return train_ds, valid_ds
     train_ds, valid_ds, _ = build_gpt_datasets(
@@ -55,6 +56,9 @@ def build_train_valid_datasets(
         reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss, create_attention_mask=False,
         unused_splits=get_unused_splits(cfg), blend=blends and blends.blend, blend_per_split=blends and blends.per_split,
     )
+    if log is not None and train_ds is not None:
+        for part in getattr(train_ds, "datasets", [train_ds]):
+            log(describe_windows(part, cfg.model.seq_length))
     if uses_document_boundaries(cfg):
         train_ds, valid_ds = (EodBoundaryDataset(ds, tokenizer.eod, d.reset_attention_mask) if ds is not None else None
                               for ds in (train_ds, valid_ds))
@@ -64,3 +68,17 @@ def build_train_valid_datasets(
 def get_unused_splits(cfg: JobConfig) -> tuple[int, ...]:
     """The test split always (nothing reads it), the validation split without --eval-interval."""
     return (2,) if cfg.training.eval_interval else (1, 2)
+
+
+def describe_windows(ds: Any, seq_length: int) -> str:
+    """One line on a megatron-core GPTDataset's training windows: how many, over how much data, and
+    how many passes over it this run makes (megatron-core logs this only at INFO level)."""
+    lengths = getattr(getattr(ds, "dataset", None), "sequence_lengths", None)
+    indices = getattr(ds, "indices", None)
+    if lengths is None or indices is None or not len(indices):
+        return f"> {type(ds).__name__}: {len(ds)} samples of {seq_length} tokens"
+    tokens = int(lengths[indices].sum())
+    epochs = ds.num_samples * seq_length / max(tokens, 1)
+    return (f"> windows of {ds.dataset.path_prefix} ({ds.index_split.name}): {len(ds)} samples of {seq_length} "
+            f"tokens over {len(indices)} documents ({tokens:,} tokens) | this run reads {ds.num_samples} "
+            f"samples, {epochs:.2f} epochs")

@@ -216,6 +216,7 @@ class PackedDocumentDataset:
         self.index = index
         self.seq_length = seq_length
         self.seed = seed
+        self.samples_read = num_samples  # what the run asked for (the log's epochs)
         self.num_samples = max(num_samples, index.num_bins)
         self._perms: dict[int, np.ndarray] = {}
 

@@ -159,3 +159,17 @@ def test_an_unwritable_index_cache_names_data_cache_path(tokenizer, tmp_path):
     with pytest.raises(ConfigError) as err:
         build_gpt_datasets(tokenizer, SEQ, [20, 2, 0], [str(tmp_path / "corpus")], split="98,2,0")
     assert "--data-cache-path" in str(err.value) and "Not a directory" in str(err.value), err.value
+
+
+def test_the_window_line_says_how_many_epochs_the_run_reads(tokenizer, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.data.builder import describe_windows
+
+    train, _, _ = build_gpt_datasets(tokenizer, SEQ, [2000, 20, 0], [SHIPPED_PREFIX], split="98,2,0",
+                                     path_to_cache=str(tmp_path))
+    lengths = IndexedDataset(SHIPPED_PREFIX).sequence_lengths
+    tokens = int(lengths[train.indices].sum())
+    line = describe_windows(train, SEQ)
+    assert f"over {len(train.indices)} documents ({tokens:,} tokens)" in line, line
+    assert f"this run reads 2000 samples, {2000 * SEQ / tokens:.2f} epochs" in line, line
