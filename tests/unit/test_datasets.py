@@ -168,8 +168,8 @@ def test_the_window_line_says_how_many_epochs_the_run_reads(tokenizer, tmp_path)
 
     train, _, _ = build_gpt_datasets(tokenizer, SEQ, [2000, 20, 0], [SHIPPED_PREFIX], split="98,2,0",
                                      path_to_cache=str(tmp_path))
-    lengths = IndexedDataset(SHIPPED_PREFIX).sequence_lengths
-    tokens = int(lengths[train.indices].sum())
+    indexed = IndexedDataset(SHIPPED_PREFIX)  # kept: its lengths are a view of its memory map
+    tokens = int(indexed.sequence_lengths[train.indices].sum())
     line = describe_windows(train, SEQ)
     assert f"over {len(train.indices)} documents ({tokens:,} tokens)" in line, line
     assert f"this run reads 2000 samples, {2000 * SEQ / tokens:.2f} epochs" in line, line
