@@ -15,7 +15,8 @@ forward's output tensor (the object the schedule hands back to ``backward_step``
 its (chunk, micro-batch).
 
 Clock: ``time.time()`` in every rank, so traces of ranks on one host share one clock and the
-renderer can align them. Across nodes it is only as good as NTP (typically 0.1-1 ms): fine for
+renderer can align them. It is the host's clock: on CUDA a span is when the host issued the work
+(kernels run asynchronously), not when the GPU ran it (torch.profiler shows that). Across nodes it is only as good as NTP (typically 0.1-1 ms): fine for
 a picture, not for cross-node dependency checks.
 
 Records (one JSON object per line), per step:
