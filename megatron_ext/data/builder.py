@@ -75,10 +75,11 @@ def describe_windows(ds: Any, seq_length: int) -> str:
     how many passes over it this run makes (megatron-core logs this only at INFO level)."""
     lengths = getattr(getattr(ds, "dataset", None), "sequence_lengths", None)
     indices = getattr(ds, "indices", None)
-    if lengths is None or indices is None or not len(indices):
+    prefix = getattr(getattr(ds, "dataset", None), "path_prefix", None)
+    if lengths is None or indices is None or not len(indices) or prefix is None:  # e.g. --mock-data
         return f"> {type(ds).__name__}: {len(ds)} samples of {seq_length} tokens"
     tokens = int(lengths[indices].sum())
     epochs = ds.num_samples * seq_length / max(tokens, 1)
-    return (f"> windows of {ds.dataset.path_prefix} ({ds.index_split.name}): {len(ds)} samples of {seq_length} "
+    return (f"> windows of {prefix} ({ds.index_split.name}): {len(ds)} samples of {seq_length} "
             f"tokens over {len(indices)} documents ({tokens:,} tokens) | this run reads {ds.num_samples} "
             f"samples, {epochs:.2f} epochs")

@@ -129,6 +129,9 @@ def test_mock_data(tmp_path):
     assert sample["tokens"].shape == (SEQ,)
     assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
     assert int(sample["tokens"].max()) < tokenizer.vocab_size
+    from megatron_ext.data.builder import describe_windows
+
+    assert describe_windows(train, SEQ).startswith(f"> MockGPTDataset: {len(train)} samples")  # no files to name
 
 
 def test_missing_files_name_data_path(tokenizer, tmp_path):
