@@ -121,7 +121,10 @@ def probe_save_dir(path: str | None, flag: str = "--save") -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as err:
-        raise ConfigError([f"{flag} {path} is not a writable directory ({err.strerror}: {err.filename}): "
+        with contextlib.suppress(OSError):
+            os.remove(probe)  # a full disk fails the write after the file was created
+        where = f": {err.filename}" if err.filename else ""
+        raise ConfigError([f"{flag} {path} is not a writable directory ({err.strerror}{where}{describe_free_space(path)}): "
                            f"give a directory this job can create and write"]) from None
 
 
@@ -312,12 +315,22 @@ def write_shards(write: CheckpointWrite) -> None:
             write.request.async_fn(*write.request.async_fn_args)
         maybe_inject_fault("in_shard_writer", dist.get_rank(), write.iteration)
         writer = write.strategy.writer
-        result = writer.retrieve_write_results() if writer is not None and writer.write_buckets else None
-        if isinstance(result, BaseException):
-            raise result
+        error = writer.write_error() if writer is not None and writer.write_buckets else None
+        if error is not None:
+            raise error
     except Exception as exc:  # noqa: BLE001 - reported on every rank by publish_checkpoint_write
         write.error = exc
     write.written = True
+
+
+def describe_free_space(path: str) -> str:
+    """", its file system has N MiB free" (a full disk fails torch's zip writer with a message that
+    does not say so), or nothing when that cannot be asked."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f" ({path} has {free / 2**20:.1f} MiB free{': the disk is full?' if free < 64 * 2**20 else ''})"
 
 
 def agree_write_failed(write: CheckpointWrite) -> bool:
@@ -341,7 +354,8 @@ def publish_checkpoint_write(write: CheckpointWrite, failed_anywhere: bool | Non
         dist.barrier()
         if rank == 0:
             shutil.rmtree(write.tmp_dir, ignore_errors=True)
-        mine = f"this rank's write failed: {write.error!r}" if write.error is not None else "another rank's write failed (see its error)"
+        mine = f"this rank's write failed: {write.error!r}{describe_free_space(write.root)}" \
+            if write.error is not None else "another rank's write failed (see its error)"
         raise CheckpointWriteFailed(
             f"checkpoint of iteration {write.iteration} not saved to {write.root}: {mine}; the previous "
             f"checkpoint is untouched") from write.error

@@ -135,6 +135,15 @@ class InProcessFileSystemWriter(FileSystemWriterAsync):
         except BaseException as exc:  # reported through retrieve_write_results, like the parent
             self._results = exc
 
+    def write_error(self) -> BaseException | None:
+        """The exception that stopped this rank's write (``retrieve_write_results`` returns it
+        wrapped as torch's (exception, traceback) tuple, which is not an exception), or None."""
+        if isinstance(self._results, BaseException):
+            return self._results
+        if len(self._results) != len(self.write_buckets or []):
+            return RuntimeError(f"wrote {len(self._results)} of {len(self.write_buckets or [])} buckets")
+        return None
+
     def retrieve_write_results(self):
         if isinstance(self._results, BaseException):
             return _wrap_exception(self._results)

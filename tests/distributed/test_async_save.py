@@ -54,9 +54,19 @@ def _patch_writer(rank: int, fail_at: int | None = None):
 
     def write_shards(write):
         time.sleep(SLOW_WRITE_S)
-        if write.iteration == fail_at and rank == 1:
-            write.error, write.written = OSError("No space left on device (injected)"), True
-            return
+        if write.iteration == fail_at and rank == 1:  # the disk fills under the real shard writer
+            import errno
+
+            import megatron_ext.checkpoint.writer as writer_module
+
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+            real, writer_module._write_item = writer_module._write_item, full
+            try:
+                return original(write)
+            finally:
+                writer_module._write_item = real
         original(write)
 
     async_save.write_shards = write_shards

@@ -243,3 +243,31 @@ def test_async_save_bits_stay_out_of_the_exit_reasons():
 
     assert not (ASYNC_SAVE_WRITING | ASYNC_SAVE_FAILED) & EXIT_FLAGS
     assert describe_exit((ASYNC_SAVE_WRITING | SIGNAL_RECEIVED) & EXIT_FLAGS) == "exit signal received"
+
+
+def test_a_full_disk_at_the_save_probe_leaves_no_probe_file(tmp_path, monkeypatch):
+    """The probe file is created, then its write fails (ENOSPC): named error, and the file goes."""
+    import builtins
+    import errno
+
+    from megatron_ext.checkpoint import directory
+    from megatron_ext.config import ConfigError
+
+    class Full:
+        def __init__(self, path, mode):
+            self.f = builtins.open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(directory, "open", Full, raising=False)
+    with pytest.raises(ConfigError) as err:
+        directory.probe_save_dir(str(tmp_path / "ck"))
+    assert "No space left on device" in str(err.value) and "MiB free" in str(err.value), err.value
+    assert os.listdir(tmp_path / "ck") == []
