@@ -21,6 +21,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Megatron-LM's setting: one hardware queue per GPU, so the TP/sequence-parallel communication
 # kernels megatron-core issues before a GEMM start before it (its TP linear layers warn otherwise)
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# How long torchrun lets workers finish after a SIGTERM before it SIGKILLs them: the last step and
+# the checkpoint saved before exiting (--exit-signal-handler). torchrun's default, 30 s, killed
+# saves of large models; 110 s fits inside the 120 s launch/slurm.sbatch signals before its limit.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/pretrain_gpt.py"}
 
 args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK")

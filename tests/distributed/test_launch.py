@@ -178,3 +178,31 @@ def test_launcher_exit_status(tmp_path, worker_code):
         assert rc == 0, output[-4000:]
     else:
         assert rc != 0, output[-4000:]
+
+
+SLOW_EXIT_WORKER = r"""
+import os, signal, sys, time
+marker_dir = os.environ["MEGATRON_EXT_EXIT_MARKER_DIR"]
+def on_term(signum, frame):  # a large model's last step and checkpoint: longer than torchrun's 30 s
+    time.sleep(float(sys.argv[1]))
+    open(os.path.join(marker_dir, "rank%s.ok" % os.environ["RANK"]), "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(sys.argv[2], "w").close()  # the handler is in place
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_save_on_sigterm_may_outlast_torchruns_default_30_s(tmp_path):
+    worker, started = tmp_path / "slow_exit_worker.py", tmp_path / "started"
+    worker.write_text(SLOW_EXIT_WORKER)
+    log = tmp_path / "launch.log"
+    proc = start_launcher(["34", str(started)], {"NPROC_PER_NODE": "1", "TRAIN_SCRIPT": str(worker)}, log)
+    deadline = time.monotonic() + 60
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started.exists(), open(log).read()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    [(rc, output)] = finish([proc], [log], timeout=90)
+    assert "forcefully exiting via 9" not in output and rc == 0, output[-3000:]
