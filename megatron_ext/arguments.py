@@ -41,10 +41,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         if message.startswith("unrecognized arguments:"):
             known = [o for a in self._actions for o in a.option_strings]
-            hints = [f"{flag} (did you mean {close[0]}?)" for flag in message.split(":", 1)[1].split()
-                     if flag.startswith("--") and (close := difflib.get_close_matches(flag.split("=")[0], known, 1, 0.8))]
-            if hints:
-                message += "; " + "; ".join(hints)
+
+            def hinted(flag: str) -> str:
+                close = difflib.get_close_matches(flag.split("=")[0], known, 1, 0.8) if flag.startswith("--") else []
+                return f"{flag} (did you mean {close[0]}?)" if close else flag
+
+            message = "unrecognized arguments: " + " ".join(hinted(f) for f in message.split(":", 1)[1].split())
         raise ConfigError([f"{message} (python pretrain_gpt.py --help lists the flags)"])
 
 

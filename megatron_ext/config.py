@@ -472,6 +472,11 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
     if t.eval_interval and t.eval_iters == 0:
         t.eval_interval = 0  # Megatron-LM: no validation without validation batches
         notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
+    c = cfg.checkpoint
+    for flag, value in (("--exit-signal-handler", c.exit_signal_handler), ("--exit-interval", c.exit_interval),
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins)):
+        if value and not c.save:  # Megatron-LM: exits, and saves only with --save
+            notes.append(f"{flag} without --save: the run stops there without saving a checkpoint")
     d = cfg.data
     per_split = [flag for flag, given in (("--train-data-path", d.train_data_path),
                                           ("--per-split-data-args-path", d.per_split_data_args_path)) if given]
@@ -825,10 +830,6 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
     if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
         out.append("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive: "
                    "say which schedule wins with one of them")
-    for flag, value in (("--exit-signal-handler", c.exit_signal_handler), ("--exit-interval", c.exit_interval),
-                        ("--exit-duration-in-mins", c.exit_duration_in_mins)):
-        if value and not c.save:
-            out.append(f"{flag} saves a checkpoint before exiting: give --save DIR")
     if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
         out.append(f"--exit-duration-in-mins must be > 0, got {c.exit_duration_in_mins}")
     return out

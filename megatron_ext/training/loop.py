@@ -92,6 +92,8 @@ class TrainingRun:
     nan_origin: str = ""
     # steps taken by this process (the first runs without the overlapped parameter all-gather)
     steps_this_run: int = 0
+    # the memory report follows this process's first log line (a resumed run's too)
+    memory_reported: bool = False
     # --async-save: the save in flight (None without the flag)
     async_saver: AsyncCheckpointSaver | None = None
     # builds the next step's data in the background (None with --no-data-prefetch)
@@ -380,5 +382,6 @@ def _log_iteration(
          "tokens/s": stats.tokens_per_second, "throughput per GPU (TFLOP/s/GPU)": tflops},
         state.iteration,
     )
-    if state.iteration == cfg.logging.log_interval:  # the first log line: memory after the first steps
+    if not run.memory_reported:  # this process's first log line: memory after its first steps
+        run.memory_reported = True
         run.log(f"> memory after iteration {state.iteration}: {get_memory_report(ctx.device)}")

@@ -98,6 +98,8 @@ def test_clean_resume_verifies_what_it_reads_and_is_exact(saved, tmp_path):
     assert out[-1]["loaded"] == 4 and out[-1]["losses"] == reference["losses"][4:]
     (line,) = [x for x in out[-1]["log"] if x.startswith("loaded checkpoint")]
     assert "checksums verified for" in line and "verified for 0 items" not in line
+    # a resumed run reports its memory after its first log line too (it did only at iteration --log-interval)
+    assert [x for x in out[-1]["log"] if x.startswith("> memory after iteration 5:")], out[-1]["log"]
 
 
 def test_device_targets_are_staged_checked_and_copied(saved, tmp_path, monkeypatch):

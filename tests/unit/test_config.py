@@ -358,6 +358,8 @@ def test_settings_megatron_lm_adjusts_are_adjusted_with_a_notice():
                      "Megatron-LM ignores --split there too)"], notes
     _, notes = parse_args_with_notes(["--data-path", "a", "--split", "90,10,0"])
     assert notes == [], notes
+    _, notes = parse_args_with_notes(["--exit-interval", "5"])  # Megatron-LM exits, saving only with --save
+    assert notes == ["--exit-interval without --save: the run stops there without saving a checkpoint"], notes
 
 
 @pytest.mark.parametrize("seed", [-1, 2 ** 32])
@@ -369,6 +371,7 @@ def test_typos_get_the_nearest_flag_or_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         parse_args(["--num-layer", "3"])
     assert "(did you mean --num-layers?)" in err.value.problems[0], err.value.problems
+    assert err.value.problems[0].startswith("unrecognized arguments: --num-layer (did you mean --num-layers?) 3 (python"), err.value.problems
     path = tmp_path / "c.yaml"
     path.write_text("seq_lenght: 128\nlr: 1e-3\nuse-mcore-models: true\n")
     with pytest.raises(ConfigError) as err:
