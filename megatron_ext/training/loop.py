@@ -275,6 +275,10 @@ def train(run: TrainingRun) -> list[float]:
         run.log(f"nothing to train: the run is at iteration {state.iteration} and --train-iters is {t.train_iters} "
                 f"(raise --train-iters or --train-samples to train further)")
     started = state.iteration
+    if run.profiler is not None:
+        warning = run.profiler.begin(state.iteration)
+        if warning:
+            run.log(warning)
     try:
         finished = True
         while state.iteration < t.train_iters:

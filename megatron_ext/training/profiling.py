@@ -75,31 +75,56 @@ def format_timers(means: dict[str, float]) -> str:
 
 
 class ProfilerWindow:
-    """``torch.profiler`` over iterations [start, end) of this rank, traces into ``out_dir``."""
+    """``torch.profiler`` over iterations [start, end) of this rank (global iterations: a resumed run
+    counts from its checkpoint's), with the iteration before as warm-up when there is one; traces into
+    ``out_dir``. The profiler starts only when the window comes (``begin`` at the run's start,
+    ``after_step`` after each iteration)."""
 
     def __init__(self, start: int, end: int, out_dir: str, device: torch.device):
-        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        wait = max(start - 1, 0)
-        warmup = 1 if start > 0 else 0
-        self.profiler = profile(
-            activities=activities, record_shapes=True, with_stack=False,
-            schedule=schedule(wait=wait, warmup=warmup, active=end - start, repeat=1),
-            on_trace_ready=tensorboard_trace_handler(out_dir),
-        )
-        self.profiler.start()
+        self.start, self.end, self.out_dir, self.device = start, end, out_dir, device
+        self.profiler = None
         self.done = False
 
+    def begin(self, iteration_done: int) -> str | None:
+        """Before the run's first step (``iteration_done``: where it starts); a warning line when
+        the window is already behind it."""
+        if iteration_done + 1 >= self.end:
+            self.done = True
+            return (f"WARNING: --profile-step-start {self.start} --profile-step-end {self.end}: the run starts after "
+                    f"iteration {iteration_done}, past the window; nothing is profiled")
+        self._maybe_start(iteration_done)
+        return None
+
+    def _maybe_start(self, iteration_done: int) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        following = iteration_done + 1
+        if self.profiler is not None or self.done or following < self.start - 1 or following >= self.end:
+            return
+        warmup = 1 if following < self.start else 0
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self.profiler = profile(
+            activities=activities, record_shapes=True, with_stack=False,
+            schedule=schedule(wait=0, warmup=warmup, active=self.end - following - warmup, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(self.out_dir),
+        )
+        self.profiler.start()
+
     def after_step(self, iteration: int) -> None:
-        """After every iteration (the profiler's own schedule decides what it records)."""
-        if not self.done:
+        """After every iteration (once started, the profiler's own schedule decides what it records)."""
+        if self.done:
+            return
+        if self.profiler is None:
+            self._maybe_start(iteration)
+        else:
             self.profiler.step()
+            if iteration + 1 >= self.end:
+                self.close()
 
     def close(self) -> None:
-        if not self.done:
+        if not self.done and self.profiler is not None:
             self.profiler.stop()
-            self.done = True
+        self.done = True
 
 
 class CudaProfilerRange:
@@ -108,8 +133,12 @@ class CudaProfilerRange:
 
     def __init__(self, start: int, end: int):
         self.start, self.end, self.active = start, end, False
-        if start == 0:
+
+    def begin(self, iteration_done: int) -> str | None:
+        """Before the run's first step: open the range now when the window starts at or before it."""
+        if self.start <= iteration_done < self.end:
             self._begin()
+        return None
 
     def _begin(self) -> None:
         torch.cuda.cudart().cudaProfilerStart()
