@@ -25,7 +25,7 @@ from megatron_ext.config import ConfigError, report_error_once, validate  # noqa
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
-from megatron_ext.run import build_training_run, describe_run  # noqa: E402
+from megatron_ext.run import build_training_run, describe_run, describe_schedule  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 from megatron_ext.training.metrics import check_wandb_ready  # noqa: E402
 
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     if load_plan is not None:
         load_checkpoint(run, load_plan.path, load_optimizer=not cfg.checkpoint.no_load_optim, step=load_plan.step,
                         weights_only=load_plan.weights_only, load_rng=load_plan.load_rng)
+        if cfg.checkpoint.use_checkpoint_opt_param_scheduler and run.ctx.is_logging_rank:
+            run.log(describe_schedule(run, "schedule taken from the checkpoint (--use-checkpoint-opt-param-scheduler)"))
     history = train(run)
     run.writer.close()
     if run.watchdog is not None:

@@ -129,14 +129,16 @@ def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext) -> StepWatchdog | 
     return StepWatchdog(minutes * 60.0, lambda: where, StepProgress())
 
 
-def describe_schedule(run: TrainingRun) -> str:
-    """Run length and LR schedule in steps and samples (megatron-core counts samples)."""
+def describe_schedule(run: TrainingRun, label: str = "schedule") -> str:
+    """Run length and LR schedule in steps and samples (megatron-core counts samples), as the
+    scheduler holds it (after a load with --use-checkpoint-opt-param-scheduler: the checkpoint's)."""
     t, sch, gbs = run.cfg.training, run.scheduler, run.global_batch_size
     length = f"{t.train_iters} steps x {gbs} samples" + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
-    wsd = (f", WSD {t.lr_wsd_decay_style} decay over the last {sch.wsd_decay_steps} samples"
-           if t.lr_decay_style == "WSD" else "")
-    return (f"> schedule: {length} | lr {t.lr} -> {t.min_lr}, warm-up {sch.lr_warmup_steps} samples, "
-            f"{t.lr_decay_style} decay over {sch.lr_decay_steps} samples{wsd}")
+    style = getattr(sch, "lr_decay_style", t.lr_decay_style)
+    wsd = (f", WSD {getattr(sch, 'lr_wsd_decay_style', t.lr_wsd_decay_style)} decay over the last "
+           f"{sch.wsd_decay_steps} samples" if style == "WSD" else "")
+    return (f"> {label}: {length} | lr {getattr(sch, 'max_lr', t.lr)} -> {getattr(sch, 'min_lr', t.min_lr)}, "
+            f"warm-up {sch.lr_warmup_steps} samples, {style} decay over {sch.lr_decay_steps} samples{wsd}")
 
 
 def describe_run(run: TrainingRun) -> str:

@@ -255,3 +255,20 @@ def test_load_plan_for_finetune_pretrained_step_and_rng(tmp_path):
     assert plan.path == str(root) and plan.weights_only and "fine-tuning from --pretrained-checkpoint" in message
     with pytest.raises(ConfigError, match="--pretrained-checkpoint .* holds no complete checkpoint"):
         plan_load(_cfg(pretrained_checkpoint=str(tmp_path / "nothing")))
+
+
+def test_the_schedule_line_shows_the_schedulers_values_not_the_flags():
+    """After --use-checkpoint-opt-param-scheduler the scheduler holds the checkpoint's schedule:
+    the line printed after the load must show it (it showed the flags')."""
+    from types import SimpleNamespace
+
+    from megatron_ext.config import build_job_config
+    from megatron_ext.run import describe_schedule
+
+    cfg = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, lr=1e-3,
+                                min_lr=1e-4, train_iters=6))
+    checkpoints = SimpleNamespace(max_lr=3e-4, min_lr=3e-5, lr_decay_style="linear", lr_warmup_steps=4,
+                                  lr_decay_steps=16, wsd_decay_steps=None)
+    line = describe_schedule(SimpleNamespace(cfg=cfg, scheduler=checkpoints, global_batch_size=8), "schedule X")
+    assert line == ("> schedule X: 6 steps x 8 samples | lr 0.0003 -> 3e-05, warm-up 4 samples, "
+                    "linear decay over 16 samples"), line
