@@ -271,13 +271,13 @@ def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, glob
         if key not in saved or saved[key] == getattr(scheduler, key):
             continue
 
-        def show(v):
-            if unit and global_batch_size and isinstance(v, int):
-                return f"{v} ({v // global_batch_size} iterations)"
+        def show(v, iterations: bool):  # the checkpoint's in samples: its batch size may differ from this run's
+            if unit and isinstance(v, int):
+                return f"{v} samples" + (f" ({v // global_batch_size} iterations)" if iterations and global_batch_size else "")
             return repr(v)
 
-        out.append(f"{flag}: the checkpoint's schedule has {key} = {show(saved[key])}, this run's flags give "
-                   f"{show(getattr(scheduler, key))}; add --override-opt-param-scheduler to use this run's "
+        out.append(f"{flag}: the checkpoint's schedule has {key} = {show(saved[key], False)}, this run's flags give "
+                   f"{show(getattr(scheduler, key), True)}; add --override-opt-param-scheduler to use this run's "
                    f"flags or --use-checkpoint-opt-param-scheduler to keep the checkpoint's")
     return out
 
