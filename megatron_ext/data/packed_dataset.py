@@ -162,14 +162,15 @@ def _agree_built(failed: int) -> None:
 
 def load_or_build_index(
     prefix: str, doc_lengths: np.ndarray, doc_range: tuple[int, int], seq_length: int,
-    strategy: str, cache_dir: str | None,
+    strategy: str, cache_dir: str | None, digest: str,
 ) -> PackingIndex:
-    """The packing index of documents ``doc_range``; cached on disk (``load_or_build_arrays``)."""
+    """The packing index of documents ``doc_range`` (``digest``: ``lengths_digest`` of their lengths);
+    cached on disk (``load_or_build_arrays``)."""
     # the index is a function of the documents' lengths: keyed on them, a dataset preprocessed again
     # into the same prefix gets a new index (a stale one read a shorter corpus without a word)
     key = {"prefix": os.path.abspath(prefix), "num_docs": int(len(doc_lengths)),
            "range": list(doc_range), "seq": seq_length, "strategy": strategy, "v": 1,
-           "lengths": lengths_digest(doc_lengths[doc_range[0]:doc_range[1]])}
+           "lengths": digest}
     path = _cache_path(prefix, cache_dir, key)
 
     def build() -> dict[str, np.ndarray]:
@@ -304,10 +305,11 @@ def build_packed_datasets(
 
 
 def _build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed, num_samples, cache_dir):
-    index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir)
+    digest = lengths_digest(doc_lengths[doc_range[0]:doc_range[1]])  # keys the index and the sample order
+    index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir, digest)
     key = json.dumps({"prefix": os.path.abspath(prefix), "range": list(doc_range), "seq": seq_length,
                       "strategy": strategy, "seed": seed, "bins": index.num_bins,
-                      "lengths": lengths_digest(doc_lengths[doc_range[0]:doc_range[1]])})
+                      "lengths": digest})
     return PackedDocumentDataset(indexed, index, seq_length, seed, num_samples,
                                  one_per_row=strategy == "one_per_row", cache_key=key)
 
