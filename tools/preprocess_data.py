@@ -89,8 +89,11 @@ def _init_worker(encoder: _Encoder) -> None:
     # and its pool.terminate()'s SIGTERM just ends a worker (not the parent's handler, inherited).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+<<<<<<< Updated upstream
     if hasattr(signal, "pthread_sigmask"):  # forked with them blocked (_signals_to_main_thread)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+=======
+>>>>>>> Stashed changes
     _WORKER_ENCODER = encoder
     _WORKER_ENCODER.initialize()
 
@@ -138,6 +141,7 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
+<<<<<<< Updated upstream
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
@@ -156,6 +160,8 @@ def _signals_to_main_thread():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+=======
+>>>>>>> Stashed changes
 @contextlib.contextmanager
 def _sigterm_raises():
     """SIGTERM raises ``Interrupted`` in the main thread while this is open (unless a handler is
@@ -222,12 +228,22 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
             for key in json_keys:
                 builders[key] = IndexedDatasetBuilder(stats.output_prefixes[key] + ".bin.tmp", dtype=dtype)
             lines = iter_jsonl_lines(input_path)
+<<<<<<< Updated upstream
             with _signals_to_main_thread():
                 if workers > 1:
                     pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
                 bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
                            file=sys.stderr)
             encoded = _encode_in_pool(pool, lines, workers) if pool else map(encoder.encode, lines)
+=======
+            if workers > 1:
+                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
+                encoded = _encode_in_pool(pool, lines, workers)
+            else:
+                encoded = map(encoder.encode, lines)
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
+                       file=sys.stderr)
+>>>>>>> Stashed changes
             start = time.time()
             for ids_per_key, num_bytes in encoded:
                 bar.update(num_bytes)
