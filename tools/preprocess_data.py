@@ -89,11 +89,6 @@ def _init_worker(encoder: _Encoder) -> None:
     # and its pool.terminate()'s SIGTERM just ends a worker (not the parent's handler, inherited).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-<<<<<<< Updated upstream
-    if hasattr(signal, "pthread_sigmask"):  # forked with them blocked (_signals_to_main_thread)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-=======
->>>>>>> Stashed changes
     _WORKER_ENCODER = encoder
     _WORKER_ENCODER.initialize()
 
@@ -141,27 +136,6 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
-<<<<<<< Updated upstream
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-
-
-@contextlib.contextmanager
-def _signals_to_main_thread():
-    """Threads started inside (the pool's, tqdm's monitor) block SIGTERM and SIGINT, so the kernel
-    gives those to the main thread: that interrupts even its read of a stalled pipe (``--input
-    /dev/stdin``), where a signal taken by another thread would wait for the read to return."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-=======
->>>>>>> Stashed changes
 @contextlib.contextmanager
 def _sigterm_raises():
     """SIGTERM raises ``Interrupted`` in the main thread while this is open (unless a handler is
@@ -228,14 +202,6 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
             for key in json_keys:
                 builders[key] = IndexedDatasetBuilder(stats.output_prefixes[key] + ".bin.tmp", dtype=dtype)
             lines = iter_jsonl_lines(input_path)
-<<<<<<< Updated upstream
-            with _signals_to_main_thread():
-                if workers > 1:
-                    pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
-                bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
-                           file=sys.stderr)
-            encoded = _encode_in_pool(pool, lines, workers) if pool else map(encoder.encode, lines)
-=======
             if workers > 1:
                 pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
                 encoded = _encode_in_pool(pool, lines, workers)
@@ -243,7 +209,6 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
                 encoded = map(encoder.encode, lines)
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
                        file=sys.stderr)
->>>>>>> Stashed changes
             start = time.time()
             for ids_per_key, num_bytes in encoded:
                 bar.update(num_bytes)
