@@ -8,17 +8,22 @@ non-empty document with the tokenizer's EOD. A document that tokenizes to nothin
 Megatron-LM records it, as a document holding no sequence (so the ``.idx`` is byte-identical to
 Megatron-LM's; training reads sequences and never sees it).
 
-``--workers N`` tokenizes in a process pool; ``imap`` keeps the input order, so the output is
+``--workers N`` tokenizes in a process pool, batches collected in input order, so the output is
 byte-identical for any N. Everything is written under ``*.tmp`` names and renamed only after the
-whole input succeeded, so a malformed line (reported with file and line number) leaves no
-half-written dataset behind.
+whole input succeeded, so a malformed line (reported with file and line number: bad JSON, a missing
+key, a lone surrogate such as ``\\ud800``), an input that gives a key no token at all (a dataset
+training refuses), SIGTERM or Ctrl-C leave no half-written dataset behind. ``--input`` may be
+gzipped (``corpus.jsonl.gz``, found by gzip's magic bytes; Megatron-LM's tool reads .gz too).
 """
 
 import argparse
-import json
+import collections
+import contextlib
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -30,6 +35,7 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
 
 from megatron_ext.data.tokenizers import REFUSED_TYPES, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from tools.train_tokenizer import check_input_path, is_gzip, iter_jsonl_lines, parse_jsonl_line  # noqa: E402
 
 
 @dataclass
@@ -37,7 +43,8 @@ class PreprocessStats:
     """What ``preprocess_data`` wrote."""
 
     num_documents: int = 0
-    num_empty: int = 0  # documents that tokenized to nothing (recorded without a sequence)
+    num_bytes: int = 0  # JSONL bytes read (after gunzip)
+    num_empty: dict = field(default_factory=dict)  # key -> documents that tokenized to nothing (no sequence)
     num_tokens: dict = field(default_factory=dict)  # key -> total tokens
     document_lengths: dict = field(default_factory=dict)  # key -> [tokens per document]
     output_prefixes: dict = field(default_factory=dict)  # key -> dataset path prefix
@@ -59,21 +66,12 @@ class _Encoder:
     def encode(self, numbered_line: tuple[int, bytes]) -> tuple[dict, int]:
         line_number, raw = numbered_line
         where = f"--input {self.input_path} line {line_number}"
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{where}: malformed JSON ({exc})") from exc
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        # ValueError naming the line for bad JSON, a missing or non-string key, a lone surrogate
+        texts = parse_jsonl_line(self.input_path, line_number, raw, self.json_keys)
         ids_per_key = {}
-        for key in self.json_keys:
-            if key not in record:
-                raise ValueError(
-                    f"{where}: no key {key!r} (--json-keys {' '.join(self.json_keys)})")
-            if not isinstance(record[key], str):
-                raise ValueError(f"{where}: {key!r} is {type(record[key]).__name__}, not a string")
+        for key, (text, _) in texts.items():
             try:
-                ids = self.tokenizer.tokenize(record[key])
+                ids = self.tokenizer.tokenize(text)
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from exc
             if ids and self.append_eod:
@@ -87,19 +85,70 @@ _WORKER_ENCODER: Optional[_Encoder] = None
 
 def _init_worker(encoder: _Encoder) -> None:
     global _WORKER_ENCODER
+    # The parent cleans up and ends the pool: Ctrl-C (sent to the whole process group) is its alone,
+    # and its pool.terminate()'s SIGTERM just ends a worker (not the parent's handler, inherited).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_ENCODER = encoder
     _WORKER_ENCODER.initialize()
 
 
-def _encode_in_worker(numbered_line):
-    return _WORKER_ENCODER.encode(numbered_line)
+def _encode_batch_in_worker(batch):
+    return [_WORKER_ENCODER.encode(numbered_line) for numbered_line in batch]
 
 
-def _iter_numbered_lines(path: str):
-    with open(path, "rb") as f:
-        for line_number, raw in enumerate(f, start=1):
-            if raw.strip():
-                yield line_number, raw
+def _batches(lines, max_lines: int = 256, max_bytes: int = 1 << 20):
+    batch, size = [], 0
+    for numbered_line in lines:
+        batch.append(numbered_line)
+        size += len(numbered_line[1])
+        if len(batch) == max_lines or size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode_in_pool(pool, lines, workers: int):
+    """``encode`` of every line, in input order. The main thread reads the input and keeps 8 batches
+    (256 lines or about 1 MB each) per worker in flight: the pool's task thread never reads the
+    input, so it is never stuck on a stalled pipe when ``Pool.terminate()`` needs it (on an error or
+    a signal; with ``imap`` over the input a SIGTERM could hang there)."""
+    pending = collections.deque()
+    for batch in _batches(lines):
+        pending.append(pool.apply_async(_encode_batch_in_worker, (batch,)))
+        if len(pending) >= 8 * workers:
+            yield from pending.popleft().get()
+    while pending:
+        yield from pending.popleft().get()
+
+
+class Interrupted(BaseException):
+    """A signal stopped ``preprocess_data`` (raised by its SIGTERM handler, so the ``*.tmp`` files are
+    removed as on an error; Ctrl-C raises KeyboardInterrupt, which does the same)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises ``Interrupted`` in the main thread while this is open (unless a handler is
+    already set, or this is not the main thread: signals reach only it)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def get_output_prefix(output_prefix: str, key: str) -> str:
@@ -118,8 +167,14 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
-    if not os.path.isfile(input_path):
-        raise ValueError(f"--input {input_path} does not exist")
+    check_input_path(input_path)
+    json_keys = list(json_keys)
+    if not json_keys:
+        raise ValueError("--json-keys is empty: name at least one key (default: text)")
+    repeated = sorted({key for key in json_keys if json_keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"--json-keys {' '.join(json_keys)} names {', '.join(map(repr, repeated))} more than "
+                         f"once: each key writes its own dataset; give each once")
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     tokenizer_args = dict(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
@@ -135,60 +190,83 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
         prefix = get_output_prefix(output_prefix, key)
         stats.output_prefixes[key] = prefix
         stats.num_tokens[key] = 0
+        stats.num_empty[key] = 0
         stats.document_lengths[key] = []
         final_paths += [prefix + ".bin", prefix + ".idx"]
-        builders[key] = IndexedDatasetBuilder(prefix + ".bin.tmp", dtype=dtype)
 
-    pool = None
-    try:
-        lines = _iter_numbered_lines(input_path)
-        if workers > 1:
-            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
-            encoded = pool.imap(_encode_in_worker, lines, chunksize=32)
-        else:
-            encoded = map(encoder.encode, lines)
-        bar = tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True,
-                   desc="preprocess", disable=not progress, file=sys.stderr)
-        start = time.time()
-        for ids_per_key, num_bytes in encoded:
-            bar.update(num_bytes)
-            if not any(ids_per_key.values()):
-                stats.num_empty += 1
-            for key, ids in ids_per_key.items():
-                # Megatron-LM's add_document(ids, sentence_lens): no sequence for an empty document
-                builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)] if ids else [])
-                stats.num_tokens[key] += len(ids)
-                if ids:
-                    stats.document_lengths[key].append(len(ids))
-            stats.num_documents += 1
-            if log_interval and stats.num_documents % log_interval == 0:
-                elapsed = max(time.time() - start, 1e-9)
-                bar.write(f"processed {stats.num_documents} documents "
-                          f"({stats.num_documents / elapsed:.0f} docs/s, "
-                          f"{bar.n / elapsed / 1e6:.2f} MB/s)")
-        bar.close()
-        for key, builder in builders.items():
-            builder.finalize(stats.output_prefixes[key] + ".idx.tmp")
-    except BaseException:
-        for builder in builders.values():
-            builder.data_file.close()
-        for path in final_paths:
-            if os.path.exists(path + ".tmp"):
-                os.remove(path + ".tmp")
-        raise
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-    for path in final_paths:
-        os.replace(path + ".tmp", path)
+    pool = bar = None
+    # total: the bytes to read, known for a plain file (not a .gz's, nor a pipe's)
+    total = os.path.getsize(input_path) if os.path.isfile(input_path) and not is_gzip(input_path) else None
+    with _sigterm_raises():
+        try:
+            for key in json_keys:
+                builders[key] = IndexedDatasetBuilder(stats.output_prefixes[key] + ".bin.tmp", dtype=dtype)
+            lines = iter_jsonl_lines(input_path)
+            if workers > 1:
+                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
+                encoded = _encode_in_pool(pool, lines, workers)
+            else:
+                encoded = map(encoder.encode, lines)
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
+                       file=sys.stderr)
+            start = time.time()
+            for ids_per_key, num_bytes in encoded:
+                bar.update(num_bytes)
+                stats.num_bytes += num_bytes  # (a disabled bar counts nothing)
+                for key, ids in ids_per_key.items():
+                    # Megatron-LM's add_document(ids, sentence_lens): no sequence for an empty document
+                    builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)] if ids else [])
+                    stats.num_tokens[key] += len(ids)
+                    if ids:
+                        stats.document_lengths[key].append(len(ids))
+                    else:
+                        stats.num_empty[key] += 1
+                stats.num_documents += 1
+                if log_interval and stats.num_documents % log_interval == 0:
+                    elapsed = max(time.time() - start, 1e-9)
+                    bar.write(f"processed {stats.num_documents} documents "
+                              f"({stats.num_documents / elapsed:.0f} docs/s, "
+                              f"{stats.num_bytes / elapsed / 1e6:.2f} MB/s)")
+            bar.close()
+            _check_not_empty(input_path, stats)
+            for key, builder in builders.items():
+                builder.finalize(stats.output_prefixes[key] + ".idx.tmp")
+            for path in final_paths:
+                os.replace(path + ".tmp", path)
+        except BaseException:
+            if bar is not None:
+                bar.close()  # so the error starts a line of its own
+            for builder in builders.values():
+                builder.data_file.close()
+            for path in final_paths:
+                if os.path.exists(path + ".tmp"):
+                    os.remove(path + ".tmp")
+            raise
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
     return stats
+
+
+def _check_not_empty(input_path: str, stats: PreprocessStats) -> None:
+    """ValueError for a dataset training would refuse ("has no documents": no sequence at all)."""
+    if not stats.num_documents:
+        raise ValueError(f"--input {input_path} holds no JSON line (it is empty or blank): nothing to "
+                         f"tokenize; give a JSONL file with one document per line")
+    empty = [key for key in stats.output_prefixes if not stats.num_tokens[key]]
+    if empty:
+        raise ValueError(
+            f"--input {input_path}: every one of its {stats.num_documents} documents is empty under "
+            f"{', '.join(map(repr, empty))}: no tokens, a dataset training refuses (\"has no documents\"); "
+            f"wrote nothing; leave {'it' if len(empty) == 1 else 'them'} out of --json-keys or give text")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
+    group.add_argument("--input", required=True,
+                       help="JSONL file, one JSON object per line; gzipped (.jsonl.gz) too")
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="keys to extract; each gets its own dataset")
     group = parser.add_argument_group("tokenizer")
@@ -216,10 +294,16 @@ def main(argv=None) -> None:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"error: stopped by {signal.Signals(signum).name}; removed the unfinished "
+              f"{args.output_prefix}_*_document.bin.tmp/.idx.tmp files (earlier datasets are untouched)",
+              file=sys.stderr)
+        sys.exit(128 + signum)
     for key, prefix in stats.output_prefixes.items():
         print(f"wrote {prefix}.bin/.idx: {stats.num_documents} documents, "
-              f"{stats.num_tokens[key]} tokens ({stats.num_empty} of them empty, recorded without a sequence as "
-              f"Megatron-LM does)")
+              f"{stats.num_tokens[key]} tokens ({stats.num_empty[key]} of them empty, recorded without a sequence "
+              f"as Megatron-LM does)")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_preprocess_sentencepiece_matches_direct_tokenisation(tmp_path, tiny_jso
     dataset, documents = read_documents(str(tmp_path / "out_text_document"))
     assert documents == expected
     assert dataset.index.dtype == numpy.uint16
-    assert stats.num_documents == 5 and stats.num_empty == 1
+    assert stats.num_documents == 5 and stats.num_empty == {"text": 1}
     assert dataset.document_indices.tolist() == [0, 1, 2, 2, 3, 4]  # the empty third document holds no sequence
     assert stats.num_tokens["text"] == sum(map(len, expected))
 
@@ -211,3 +211,192 @@ def test_preprocess_is_byte_identical_to_megatron_lm_with_empty_documents(tmp_pa
     for ext in (".bin", ".idx"):
         with open(tmp_path / f"ours_text_document{ext}", "rb") as a, open(tmp_path / f"theirs{ext}", "rb") as b:
             assert a.read() == b.read(), ext
+
+
+def _write_lines(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+    return str(path)
+
+
+def test_split_long_line_cuts_bytes_at_whitespace_or_character_boundaries():
+    from tools.train_tokenizer import MAX_SENTENCE_BYTES, split_long_line
+
+    assert split_long_line("short line") == ["short line"]
+    words = "naïve café 数据 " * 20  # 2- and 3-byte characters
+    pieces = split_long_line(words, limit=64)
+    assert "".join(pieces) == words and len(pieces) > 1
+    assert all(len(p.encode()) <= 64 for p in pieces)
+    assert all(p.startswith(" ") for p in pieces[1:])  # cut before a space, as sentencepiece's ▁word
+    solid = "数" * 50  # 150 bytes, no whitespace: cut at character boundaries only
+    pieces = split_long_line(solid, limit=64)
+    assert "".join(pieces) == solid and [len(p.encode()) for p in pieces] == [63, 63, 24]
+    long_line = "word " * (MAX_SENTENCE_BYTES // 2)
+    assert max(len(p.encode()) for p in split_long_line(long_line)) <= MAX_SENTENCE_BYTES
+
+
+def test_train_tokenizer_trains_on_lines_longer_than_sentencepieces_limit(tmp_path, capsys):
+    """sentencepiece skips a sentence over 16 KB: documents without newlines must still be seen."""
+    import sentencepiece
+
+    # Long documents (> 20 KB, one line each) are the only ones holding "zqxjkv"; short ones are ordinary text.
+    records = [{"text": " ".join(["zqxjkv blorf"] * 2000)} for _ in range(5)]
+    records += [{"text": text} for text in DOCS * 4]
+    corpus = _write_lines(tmp_path / "long.jsonl", records)
+    total = sum(len(r["text"].encode()) for r in records)
+    model = train_tokenizer(corpus, str(tmp_path / "t"), vocab_size=320)
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    assert sp.encode("zqxjkv", out_type=str) == ["▁zqxjkv"]
+    out = capsys.readouterr().out
+    used = int(out.split("trained on ")[1].split(" of the")[0].replace(",", ""))
+    assert f"of the {total:,} bytes of text in {len(records)} documents" in out
+    assert "5 lines over 16,384 bytes cut at whitespace" in out
+    newlines = sum(r["text"].count("\n") for r in records)
+    blank = sum(len(line.encode()) for r in records for line in r["text"].split("\n") if line and not line.strip())
+    assert used == total - newlines - blank  # every byte but newlines and whitespace-only lines
+
+
+def test_gzipped_input_in_both_tools(tmp_path, tiny_jsonl):
+    import gzip
+
+    import sentencepiece
+
+    gz = tmp_path / "tiny.jsonl.gz"
+    with open(tiny_jsonl, "rb") as src, gzip.open(gz, "wb") as dst:
+        dst.write(src.read())
+    for name, path in (("plain", tiny_jsonl), ("gz", str(gz))):
+        preprocess_data(path, str(tmp_path / name), "SentencePieceTokenizer", SHIPPED_MODEL, append_eod=True,
+                        workers=2 if name == "gz" else 1, progress=False)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"gz_text_document{ext}").read_bytes() == (tmp_path / f"plain_text_document{ext}").read_bytes()
+    with pytest.raises(ValueError, match=r"--vocab-size 300 is fewer pieces than the characters of .*tiny\.jsonl need"):
+        train_tokenizer(tiny_jsonl, str(tmp_path / "small"), vocab_size=300)
+    models = [train_tokenizer(path, str(tmp_path / name), vocab_size=310)
+              for name, path in (("t_plain", tiny_jsonl), ("t_gz", str(gz)))]
+    sp, sp_gz = (sentencepiece.SentencePieceProcessor(model_file=m) for m in models)
+    assert [sp.id_to_piece(i) for i in range(310)] == [sp_gz.id_to_piece(i) for i in range(310)]
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(gz.read_bytes()[:-12])
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: the gzip data is truncated or corrupt"):
+        preprocess_data(str(truncated), str(tmp_path / "cut"), "SentencePieceTokenizer", SHIPPED_MODEL, progress=False)
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("cut_")]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_lone_surrogate_names_the_line(tmp_path, workers, capsys):
+    from tools.train_tokenizer import main as train_tokenizer_main
+
+    path = tmp_path / "sur.jsonl"
+    path.write_text('{"text":"ok"}\n{"text":"bad \\ud800"}\n')  # valid JSON, but not Unicode text
+    with pytest.raises(ValueError, match=r"sur\.jsonl line 2: 'text' holds a lone surrogate \('\\ud800' at character 4\)"):
+        preprocess_data(str(path), str(tmp_path / "out"), "SentencePieceTokenizer", SHIPPED_MODEL,
+                        workers=workers, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["sur.jsonl"]
+    with pytest.raises(SystemExit) as exit_info:
+        train_tokenizer_main(["--input", str(path), "--output-prefix", str(tmp_path / "t"), "--vocab-size", "300"])
+    assert exit_info.value.code == 2
+    assert "sur.jsonl line 2: 'text' holds a lone surrogate" in capsys.readouterr().err
+
+
+def test_train_tokenizer_missing_empty_or_malformed_input_exits_2(tmp_path, capsys):
+    from tools.train_tokenizer import main as train_tokenizer_main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n{"text": " \\n "}\n')
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    expected = {"nope.jsonl": r"--input \S*nope\.jsonl does not exist",
+                "empty.jsonl": r"empty\.jsonl holds no text to train on: 0 non-blank lines",
+                "blank.jsonl": r"blank\.jsonl holds no text to train on: 2 non-blank lines, 3 bytes",
+                "bad.jsonl": r"bad\.jsonl line 2: malformed JSON"}
+    for name, message in expected.items():
+        with pytest.raises(SystemExit) as exit_info:
+            train_tokenizer_main(["--input", str(tmp_path / name), "--output-prefix", str(tmp_path / "out" / "t"),
+                                  "--vocab-size", "300"])
+        assert exit_info.value.code == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("error: --input") and err.count("\n") == 1, err  # one line, no traceback
+        import re
+
+        assert re.search(message, err), err
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_preprocess_counts_empty_documents_per_key_and_bytes_without_progress(tmp_path, capsys):
+    import re
+
+    words = "word " * 5000
+    path = _write_lines(tmp_path / "two.jsonl", [{"text": "", "title": words}, {"text": words, "title": ""},
+                                                {"text": words, "title": words}])
+    preprocess_main(["--input", path, "--output-prefix", str(tmp_path / "two"), "--json-keys", "text", "title",
+                     "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", SHIPPED_MODEL,
+                     "--no-progress", "--log-interval", "1"])
+    out = capsys.readouterr().out
+    assert out.count(": 3 documents") == 2 and out.count("(1 of them empty") == 2, out
+    rates = [float(rate) for rate in re.findall(r"([\d.]+) MB/s", out)]
+    assert len(rates) == 3 and all(rate > 0 for rate in rates), out
+    stats = preprocess_data(path, str(tmp_path / "lib"), "SentencePieceTokenizer", SHIPPED_MODEL,
+                            json_keys=("text", "title"), progress=False)
+    assert stats.num_empty == {"text": 1, "title": 1} and stats.num_bytes == os.path.getsize(path)
+
+
+def test_preprocess_refuses_repeated_keys_and_inputs_training_would_refuse(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    no_title = _write_lines(tmp_path / "no_title.jsonl", [{"text": "some text", "title": ""}] * 3)
+    cases = [((no_title, "text", "text"), r"--json-keys text text names 'text' more than once"),
+             ((str(empty), "text"), r"empty\.jsonl holds no JSON line"),
+             ((no_title, "text", "title"), r"no_title\.jsonl: every one of its 3 documents is empty under 'title'")]
+    import re
+
+    for (path, *keys), message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            preprocess_main(["--input", path, "--output-prefix", str(tmp_path / "out"), "--json-keys", *keys,
+                             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", SHIPPED_MODEL,
+                             "--no-progress"])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err) and "Traceback" not in err, err
+        assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "no_title.jsonl"]  # nothing written
+
+
+def test_sigterm_removes_the_temporary_files(tmp_path):
+    """The input is a named pipe kept open, so the tool is surely mid-run (its main thread waiting
+    on the pipe, which the signal must interrupt) when SIGTERM comes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", str(fifo),
+                             "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer",
+                             "--tokenizer-model", SHIPPED_MODEL, "--workers", "2", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    fd = None
+    try:
+        while fd is None:  # the writer's open fails until the tool opens the pipe
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.05)
+        os.set_blocking(fd, True)
+        # 40 of the tool's batches of 256 lines: more than it keeps in flight, so tokens reach the .bin.tmp
+        os.write(fd, (json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 4}) + "\n").encode() * 10240)
+        tmp_bin = tmp_path / "out_text_document.bin.tmp"
+        while not (tmp_bin.exists() and tmp_bin.stat().st_size):  # tokens reached the file: mid-run
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # a failed test leaves no process (nor its pool's workers) behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if fd is not None:
+            os.close(fd)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM; removed the unfinished" in err and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["pipe.jsonl"]
