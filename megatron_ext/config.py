@@ -13,6 +13,7 @@ pure: it runs before any process group, file or model is created.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
 from dataclasses import dataclass, field
@@ -866,8 +867,12 @@ def _check_data(cfg: JobConfig) -> list[str]:
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             hint = ""
+            written = sorted(glob.glob(glob.escape(prefix) + "_*_document.bin"))
             if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix[:-4] + ".bin"):
                 hint = f" (give the prefix without the extension: {prefix[:-4]})"
+            elif written:  # preprocess_data.py --output-prefix P writes P_{json key}_document.bin/.idx
+                hint = (f" (preprocess_data.py --output-prefix {prefix} wrote "
+                        f"{', '.join(w[:-4] for w in written)}: give that prefix)")
             out.append(f"{blends.source} {prefix}: missing {', '.join(missing)}{hint}")
         else:
             out += [f"{blends.source} {prefix}: {p}" for p in check_indexed_dataset(prefix)]

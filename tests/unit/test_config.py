@@ -410,3 +410,14 @@ def test_a_data_path_with_its_extension_is_told_to_drop_it(tmp_path):
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
     assert any(f"give the prefix without the extension: {tmp_path / 'corpus'}" in p for p in err.value.problems)
+
+
+def test_a_data_path_missing_its_json_key_suffix_names_what_preprocess_wrote(tmp_path):
+    # preprocess_data.py --output-prefix my writes my_text_document.bin/.idx, not my.bin/.idx
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"my_text_document{ext}").write_bytes(b"")
+    cfg = build_job_config(dict(data_path=[str(tmp_path / "my")], tokenizer_type="NullTokenizer", vocab_size=10))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert any(f"wrote {tmp_path / 'my_text_document'}: give that prefix" in p for p in err.value.problems), \
+        err.value.problems
