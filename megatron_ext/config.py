@@ -799,8 +799,12 @@ def _check_run_length(t: TrainingConfig) -> list[str]:
             out.append(f"--lr-warmup-fraction must be in [0, 1), got {t.lr_warmup_fraction}")
         warmup = int(t.lr_warmup_fraction * decay) if decay else 0
     if warmup < 0 or (decay and warmup >= decay):
-        out.append(f"--lr-warmup-{unit} {warmup} must lie in [0, --lr-decay-{unit} {decay}) (megatron-core's "
-                   f"scheduler needs a warm-up shorter than the decay)")
+        # the decay length defaults to the run's: name the flag the user gave
+        given_decay = t.lr_decay_samples if by_samples else t.lr_decay_iters
+        decay_flag = (f"--lr-decay-{unit} {decay}" if given_decay else
+                      f"--lr-decay-{unit} {decay} (not given: it defaults to --train-{unit} {total})")
+        out.append(f"--lr-warmup-{unit} {warmup} must lie in [0, {decay_flag}) (megatron-core's scheduler needs a "
+                   f"warm-up shorter than the decay): shorten the warm-up or lengthen the decay")
     if t.lr_decay_style == "WSD":
         wsd = t.lr_wsd_decay_samples if by_samples else t.lr_wsd_decay_iters
         if wsd is None:

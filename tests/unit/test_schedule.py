@@ -87,7 +87,11 @@ def test_wsd_follows_warmup_stable_decay():
     (dict(train_iters=10, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters N"),
     (dict(train_samples=80, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-samples N"),
     (dict(train_iters=10, lr_decay_style="WSD", lr_wsd_decay_iters=11), "--lr-wsd-decay-iters 11 is longer than --lr-decay-iters 10"),
-    (dict(train_iters=10, lr_warmup_iters=10), "--lr-warmup-iters 10 must lie in [0, --lr-decay-iters 10)"),
+    (dict(train_iters=10, lr_warmup_iters=10, lr_decay_iters=10), "--lr-warmup-iters 10 must lie in [0, --lr-decay-iters 10)"),
+    # the decay length was not given: its default, the run's length, is named
+    (dict(train_iters=5, lr_warmup_iters=5),
+     "--lr-warmup-iters 5 must lie in [0, --lr-decay-iters 5 (not given: it defaults to --train-iters 5))"),
+    (dict(train_samples=40, lr_warmup_samples=48, lr_decay_samples=40), "--lr-warmup-samples 48 must lie in [0, --lr-decay-samples 40)"),
     (dict(train_iters=10, lr_warmup_fraction=0.1, lr_warmup_iters=1), "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive"),
     (dict(train_iters=10, lr_warmup_fraction=1.5), "--lr-warmup-fraction must be in [0, 1)"),
     (dict(train_samples=4), "--train-samples 4 is less than one global batch (8 samples)"),
