@@ -16,6 +16,7 @@ and by uneven stages (e.g. the embedding / loss on the first / last stage).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -107,16 +108,35 @@ def get_default_step(steps: dict[int, dict[int, list[dict]]]) -> int:
     return max(s for s, by_rank in steps.items() if len(by_rank) == num_ranks)
 
 
+def _fail(message: str) -> None:
+    """A user error: one line on stderr, exit 2 (as pretrain_gpt.py and the other tools)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace_dir", help="the --pp-timeline directory (rank<N>.jsonl files)")
-    parser.add_argument("--output", default="timeline.png", help="PNG to write")
+    parser.add_argument("--output", default="timeline.png", help="PNG to write (default: timeline.png)")
     parser.add_argument("--step", type=int, default=None, help="step to draw (default: last complete)")
     args = parser.parse_args(argv)
-    steps = read_timeline(args.trace_dir)
+    # user errors are one line, before any work (a missing matplotlib used to fail after the table)
+    if importlib.util.find_spec("matplotlib") is None:
+        _fail("tools/pp_timeline.py draws with matplotlib, which is not installed: "
+                         "pip install -e '.[plots]' (or pip install matplotlib)")
+    if not os.path.isdir(args.trace_dir):
+        _fail(f"{args.trace_dir}: no such directory (give the directory the run wrote with "
+                         f"--pp-timeline DIR)")
+    try:
+        steps = read_timeline(args.trace_dir)
+    except ValueError as err:
+        _fail(str(err))
+    if not steps:
+        _fail(f"{args.trace_dir}: the rank<N>.jsonl files hold no step yet (the run stopped "
+                         f"before its first step ended)")
     step = args.step if args.step is not None else get_default_step(steps)
     if step not in steps:
-        raise SystemExit(f"--step {step}: not in the trace (recorded steps: {sorted(steps)})")
+        _fail(f"--step {step}: not in the trace (recorded steps: {sorted(steps)})")
     first = parse_rank_step(next(iter(steps[step].values())))
     title = (f"step {step}: PP={first.pp_size}, VPP={first.vp_size}, m={first.num_microbatches}, "
              f"{len(steps[step])} ranks")

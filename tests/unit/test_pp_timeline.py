@@ -173,3 +173,25 @@ def test_saved_tensor_meter_counts_activations_exactly():
         y.sum().backward()
     assert meter.live == 0 and meter.peak == 3 * x.numel() * 4
     assert all(layer.weight.grad is not None for layer in layers)
+
+
+def test_pp_timeline_tool_names_a_wrong_directory_or_a_missing_matplotlib_in_one_line(tmp_path, monkeypatch, capsys):
+    """A typo in the trace directory, one without traces, one whose run stopped before a step and a
+    machine without matplotlib are one 'error:' line each and exit 2, not a traceback."""
+    from tools import pp_timeline
+
+    def message(*argv):
+        with pytest.raises(SystemExit) as exc:
+            pp_timeline.main([*argv, "--output", str(tmp_path / "t.png")])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        return err
+
+    assert message(str(tmp_path / "nope")).startswith(f"error: {tmp_path / 'nope'}: no such directory")
+    assert "no rank<N>.jsonl files" in message(str(tmp_path))
+    (tmp_path / "rank0.jsonl").write_text("")
+    assert "hold no step yet" in message(str(tmp_path))
+    monkeypatch.setattr(pp_timeline.importlib.util, "find_spec", lambda name: None)
+    assert "pip install -e '.[plots]'" in message(str(tmp_path))
+    assert not (tmp_path / "t.png").exists()
