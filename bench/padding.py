@@ -172,7 +172,8 @@ def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_to
     ctx = build_parallel_context(cfgs["static"], device)
     runs, models = {}, {}
     for mode in MODES:
-        runs[mode] = types.SimpleNamespace(cfg=cfgs[mode], ctx=ctx, global_batch_size=M, pad_id=0)
+        # vocab_size None: no token-id check (the rows' ids are arbitrary, the simulated chunks never embed them)
+        runs[mode] = types.SimpleNamespace(cfg=cfgs[mode], ctx=ctx, global_batch_size=M, pad_id=0, vocab_size=None)
         config = build_transformer_config(cfgs[mode], device)
         models[mode] = [_bench_chunk(config, us_per_token * 1e-6, pre_process=ctx.pp_rank == 0)]
     out = {mode: [] for mode in MODES}

@@ -134,3 +134,15 @@ def test_packed_host_bench_takes_the_varlen_branch_on_the_cpu():
     report = run_ranks(_packed_host_smoke, 1, timeout=300)[0]
     assert report.startswith("exit 0") and "packed/unpacked: wall" in report, report
     assert "varlen-branch forwards: 0" not in report and "varlen-branch forwards: " in report, report
+
+
+def test_padding_bench_steps_every_mode():
+    """bench/padding.py (README: 'Measured in bench/padding.py') builds a stand-in run for
+    build_step_microbatches: one step of each padding mode on its 4 pipeline ranks, tiny compute."""
+    from bench import padding
+
+    rows = padding.LognormalRows(300.0, 1.0, padding.SEQ)
+    res = run_ranks(padding.throughput_rank, padding.PP, "unpacked", 1, 0.001, rows, timeout=600)
+    for mode in padding.MODES:
+        (step,) = res[0][mode]
+        assert step["useful"] > 0 and step["slots"] >= step["useful"], (mode, step)
