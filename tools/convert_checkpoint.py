@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import sys
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -456,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.cpu_platform import quiet_known_warnings
 
     quiet_known_warnings()
+    # torch DCP's note when it reads without a process group, which is what this tool means to do
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+    if importlib.util.find_spec("safetensors") is None:  # checked before any work, not after the read
+        print("error: tools/convert_checkpoint.py reads and writes Hugging Face safetensors, which is not "
+              "installed: pip install -e '.[convert]' (or pip install safetensors)", file=sys.stderr)
+        return 2
     try:
         if args.direction == "hf-to-megatron":
             convert_hf_to_megatron(args.hf_dir, args.save, args.tensor_model_parallel_size,

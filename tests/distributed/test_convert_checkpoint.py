@@ -225,3 +225,14 @@ def test_conversions_never_write_over_checkpoints_or_models(tmp_path):
     assert (out / "model.safetensors").read_bytes() == b"weights"
     (tmp_path / "file").write_text("x")
     assert main(["megatron-to-hf", "--load", str(save), "--hf-dir", str(tmp_path / "file")]) == 2  # one error line
+
+
+def test_a_missing_safetensors_is_one_error_line_before_any_work(tmp_path, monkeypatch, capsys):
+    # the quick start installs the [logging] extras only: safetensors comes with [convert]
+    import tools.convert_checkpoint as convert
+
+    monkeypatch.setattr(convert.importlib.util, "find_spec", lambda name: None)
+    assert convert.main(["megatron-to-hf", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "pip install -e '.[convert]'" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
