@@ -70,3 +70,19 @@ def test_rng_tracker_forks_named_cpu_states():
         assert torch.equal(torch.cat([first, second]), expected)
     finally:
         platform.remove_cpu_platform()
+
+
+def test_known_warnings_are_quiet_and_others_are_not():
+    """torch's ShardedTensor deprecation (printed by every rank on every resume: megatron-core's
+    torch_dist load goes through ShardedTensors) is silenced; an unrelated warning still shows."""
+    import warnings
+
+    from torch.distributed._shard._utils import DEPRECATE_MSG
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        platform.quiet_known_warnings()
+        warnings.warn(DEPRECATE_MSG, FutureWarning)
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back", UserWarning)
+        warnings.warn("something users should read", FutureWarning)
+    assert [str(w.message) for w in caught] == ["something users should read"]
