@@ -316,6 +316,11 @@ def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
         return (LoadPlan(c.pretrained_checkpoint, weights_only=True, load_rng=False),
                 f"> {where}fine-tuning from --pretrained-checkpoint {c.pretrained_checkpoint} (weights only)")
     if not c.load:
+        held = list_complete_checkpoints(c.save) if c.save else []
+        if held:  # e.g. the README's default job run twice: its config saves but does not --load
+            return None, (f"WARNING: --save {c.save} already holds checkpoints (newest: iteration {held[-1][0]}) "
+                          f"and no --load is given: this run starts from scratch and saves beside them; add "
+                          f"--load {c.save} to resume, or give another --save")
         return None, None
     restartable = c.save and os.path.abspath(c.save) == os.path.abspath(c.load)
     if restartable and not c.exit_on_missing_checkpoint:

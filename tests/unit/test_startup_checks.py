@@ -54,6 +54,18 @@ def test_load_equal_to_save_starts_from_scratch_with_one_line_unless_told_otherw
     assert check_load_flags(_cfg(load=root, save=root, exit_on_missing_checkpoint=True)) is None
 
 
+def test_save_holding_checkpoints_without_load_warns_that_the_run_starts_from_scratch(tmp_path):
+    # running the README's default job twice: the second run neither resumes nor says so
+    root = str(tmp_path / "ckpt")
+    assert check_load_flags(_cfg(save=root)) is None  # a new --save: nothing to say
+    _checkpoint(tmp_path / "ckpt", 40)
+    _checkpoint(tmp_path / "ckpt", 80)
+    message = check_load_flags(_cfg(save=root))
+    assert message.startswith(f"WARNING: --save {root} already holds checkpoints (newest: iteration 80)"), message
+    assert f"add --load {root} to resume" in message
+    assert check_load_flags(_cfg(save=root, load=root)) is None  # resuming: nothing to warn about
+
+
 def test_load_of_one_iteration_directory_loads_that_iteration(tmp_path):
     older = _checkpoint(tmp_path, 6)
     _checkpoint(tmp_path, 8)
