@@ -475,6 +475,11 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
         load_scheduler_state(run.scheduler, loaded["opt_param_scheduler"])
     for i, chunk in enumerate(run.model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
+    if not load_optimizer:
+        # the optimizer's fp32 main parameters (--bf16/--fp16) were copied from the initial weights
+        # when it was built: without this, its first step writes them back over the loaded weights
+        # (Megatron-LM's load_checkpoint calls it for the same reason)
+        run.optimizer.reload_model_params()
     if restore_rng:
         set_rng_state(loaded["rng_state"], run.ctx.device)
     if not weights_only:
