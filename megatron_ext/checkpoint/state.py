@@ -437,18 +437,21 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
     from megatron_ext.checkpoint.reader import DAMAGED
 
     checksums, common = _read_coordinator_files(run, ckpt_dir)
+    # weights only, e.g. converted by tools/convert_checkpoint.py: no optimizer state whose form
+    # (distributed optimizer, precision) must match this run's
+    holds_no_optimizer = load_optimizer and "opt_param_scheduler" not in common
+    if holds_no_optimizer:
+        load_optimizer = False
     problems = check_compatible(common, run.cfg, meta, load_optimizer)
-    if load_optimizer and "opt_param_scheduler" in common:
+    if load_optimizer:
         problems += check_scheduler_flags(common["opt_param_scheduler"], run.scheduler, run.cfg, run.global_batch_size)
     if problems:
         raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
     changed = None if weights_only else describe_changed_settings(common, run.cfg)
     if changed and run.ctx.is_logging_rank:
         run.log(f"WARNING: {changed}")
-    if load_optimizer and "opt_param_scheduler" not in common:
-        load_optimizer = False  # weights only, e.g. converted by tools/convert_checkpoint.py
-        if run.ctx.is_logging_rank:
-            run.log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
+    if holds_no_optimizer and run.ctx.is_logging_rank:
+        run.log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
     same_layout = common.get("layout") == get_layout(run)
     saved_device = common.get("device_type", "cpu")
     restore_rng = load_rng and same_layout and saved_device == run.ctx.device.type

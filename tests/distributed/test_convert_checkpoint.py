@@ -236,3 +236,27 @@ def test_a_missing_safetensors_is_one_error_line_before_any_work(tmp_path, monke
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "pip install -e '.[convert]'" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def _load_converted(rank: int, world_size: int, save: str, hf: dict, extra: dict) -> int:
+    from megatron_ext.checkpoint.state import CheckpointMeta, load_checkpoint
+    from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.testing import build_tiny_run
+
+    values = {**hf_config_to_values(hf, 32), "mock_data": True, "tokenizer_type": "NullTokenizer",
+              "vocab_size": VOCAB - 1, "seq_length": SEQ, "micro_batch_size": 1, "global_batch_size": 1, **extra}
+    run = build_tiny_run(values, None)
+    loaded = load_checkpoint(run, save, CheckpointMeta(tokenizer={}, padded_vocab_size=224))
+    destroy_parallel_context()
+    return loaded
+
+
+@pytest.mark.parametrize("extra", [dict(use_distributed_optimizer=True), dict(bf16=True)],
+                         ids=["distributed optimizer", "bf16"])
+def test_a_converted_checkpoint_loads_whatever_the_optimizer_form(tmp_path, extra):
+    # it holds weights only: the checks that a resumed optimizer state has this run's form do not apply
+    # (README: "the converted model loads at any TP/PP/VPP"; its "load it with" flags came first)
+    hf_dir, save = str(tmp_path / "hf"), str(tmp_path / "ours")
+    hf = _make_hf(hf_dir, "llama untied").config.to_dict()
+    run_ranks(_convert, 1, hf_dir, save, timeout=300)
+    assert run_ranks(_load_converted, 1, save, hf, extra, timeout=300) == [0]
