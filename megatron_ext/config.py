@@ -321,14 +321,17 @@ def get_data_parallel_size(cfg: JobConfig, world_size: int) -> int:
 
 
 def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
-    """Virtual stages per pipeline rank, or None without interleaving."""
+    """Virtual stages per pipeline rank, or None without interleaving (one virtual stage per rank,
+    e.g. a config's --num-layers-per-virtual-pipeline-stage 1 with 4 layers at PP 4: megatron-core
+    would otherwise be told VPP = 1 and assert that every layer names its virtual stage)."""
     p, m = cfg.parallel, cfg.model
+    vpp = None
     # 0 means "not set", so that a flag can switch off a config file's interleaving
     if p.num_virtual_stages_per_pipeline_rank:
-        return p.num_virtual_stages_per_pipeline_rank
-    if p.num_layers_per_virtual_pipeline_stage:
-        return m.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
-    return None
+        vpp = p.num_virtual_stages_per_pipeline_rank
+    elif p.num_layers_per_virtual_pipeline_stage:
+        vpp = m.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+    return vpp if vpp is not None and vpp > 1 else None
 
 
 def get_global_batch_size(cfg: JobConfig, world_size: int) -> int:

@@ -108,3 +108,19 @@ def test_even_checkpoint_loads_into_an_uneven_split(results):
     assert per_rank[-1]["loaded"] == 3
     got, ref = torch.tensor(per_rank[-1]["resumed"]), torch.tensor(reference[4]["losses"][3:])
     assert got.shape == ref.shape and ((got - ref).abs() / ref).max() <= TOL
+
+
+def _losses(rank: int, world_size: int, values: dict) -> list[float]:
+    run = build_tiny_run(tiny_values(**{**BASE, **values, "train_iters": 3}), MarkovDataset(32, mask_every=1))
+    train(run)
+    destroy_parallel_context()
+    return [r["loss"] for r in run.records]
+
+
+def test_one_virtual_stage_per_rank_trains_as_plain_1f1b():
+    # a config's --num-layers-per-virtual-pipeline-stage that gives 1 virtual stage at this PP size
+    # (the README's reshard of the default job to PP4) used to fail in megatron-core's layer build
+    plain = run_ranks(_losses, 2, dict(num_layers=2, pipeline_model_parallel_size=2), timeout=300)
+    one = run_ranks(_losses, 2, dict(num_layers=2, pipeline_model_parallel_size=2,
+                                     num_layers_per_virtual_pipeline_stage=1), timeout=300)
+    assert one == plain and len(plain[-1]) == 3

@@ -421,3 +421,15 @@ def test_a_data_path_missing_its_json_key_suffix_names_what_preprocess_wrote(tmp
         validate(cfg, 1)
     assert any(f"wrote {tmp_path / 'my_text_document'}: give that prefix" in p for p in err.value.problems), \
         err.value.problems
+
+
+def test_one_virtual_stage_per_rank_is_no_interleaving():
+    # configs/default.yaml's --num-layers-per-virtual-pipeline-stage 1 at PP4 with its 4 layers: VPP 1
+    # is plain 1F1B (megatron-core, told VPP = 1, asserted in every layer: "vp_stage must be provided")
+    cfg = build_job_config({**MOCK, "num_layers": 4, "pipeline_model_parallel_size": 4,
+                            "num_layers_per_virtual_pipeline_stage": 1, "global_batch_size": 8})
+    validate(cfg, 4)
+    assert get_virtual_pipeline_size(cfg) is None
+    cfg = build_job_config({**MOCK, "num_layers": 4, "pipeline_model_parallel_size": 2,
+                            "num_virtual_stages_per_pipeline_rank": 1, "global_batch_size": 8})
+    assert get_virtual_pipeline_size(cfg) is None
