@@ -61,7 +61,7 @@ class ModelConfig:
 
     num_layers: int = _f(4, "Number of transformer layers.")
     hidden_size: int = _f(128, "Hidden size.")
-    ffn_hidden_size: int | None = _f(None, "MLP hidden size (default 4 x hidden, or Llama's 8/3 x hidden rounded with --swiglu).")
+    ffn_hidden_size: int | None = _f(None, "MLP hidden size (default 4 x hidden, or with --swiglu 2/3 of that rounded down to a multiple of 64, as Megatron-LM).")
     num_attention_heads: int = _f(4, "Attention heads.")
     group_query_attention: bool = _f(False, "Use grouped-query attention (with --num-query-groups).")
     num_query_groups: int | None = _f(None, "Key/value head groups under --group-query-attention.")
@@ -669,6 +669,12 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
     ffn = m.ffn_hidden_size
     if ffn is not None and tp > 0 and ffn % tp:
         out.append(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+    if ffn is None and m.swiglu and m.hidden_size > 0:
+        from megatron_ext.model.gpt import resolve_ffn_hidden_size
+
+        if resolve_ffn_hidden_size(None, m.hidden_size, True) == 0:
+            out.append(f"--swiglu with --hidden-size {m.hidden_size}: the default --ffn-hidden-size (2/3 of 4 x hidden, "
+                       f"rounded down to a multiple of 64, as Megatron-LM) is 0; give --ffn-hidden-size")
     if m.position_embedding_type == "learned_absolute":
         max_pos = m.max_position_embeddings or m.seq_length
         if max_pos < m.seq_length:
