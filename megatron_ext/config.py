@@ -354,16 +354,17 @@ def resolve_train_iters(cfg: JobConfig, world_size: int) -> None:
 class ScheduleSteps:
     """megatron-core's OptimizerParamScheduler lengths, in samples."""
 
-    lr_warmup_steps: int
+    lr_warmup_steps: float  # not rounded with --lr-warmup-fraction, as in Megatron-LM
     lr_decay_steps: int
     wd_incr_steps: int
     wsd_decay_steps: int | None
 
 
 def get_schedule_steps(cfg: JobConfig, global_batch_size: int, train_iters: int) -> ScheduleSteps:
-    """The schedule in samples, as Megatron-LM's ``_get_scheduler`` computes it: from iteration
-    flags times the global batch, or from the sample flags with --train-samples; a warm-up
-    fraction is of the decay length."""
+    """The schedule in samples, as Megatron-LM's ``get_optimizer_param_scheduler`` computes it:
+    from iteration flags times the global batch, or from the sample flags with --train-samples; a
+    warm-up fraction is of the decay length, not rounded (Megatron-LM passes
+    ``lr_warmup_fraction * lr_decay_steps`` to the scheduler as it is)."""
     t = cfg.training
     if t.train_samples is None:
         decay = (t.lr_decay_iters or train_iters) * global_batch_size
@@ -376,7 +377,7 @@ def get_schedule_steps(cfg: JobConfig, global_batch_size: int, train_iters: int)
         wsd = t.lr_wsd_decay_samples
         warmup = t.lr_warmup_samples
     if t.lr_warmup_fraction is not None:
-        warmup = int(t.lr_warmup_fraction * decay)
+        warmup = t.lr_warmup_fraction * decay
     return ScheduleSteps(warmup, decay, wd_incr, wsd if t.lr_decay_style == "WSD" else None)
 
 
@@ -802,7 +803,7 @@ def _check_run_length(t: TrainingConfig) -> list[str]:
                        "warm-up one way")
         if not 0.0 <= t.lr_warmup_fraction < 1.0:
             out.append(f"--lr-warmup-fraction must be in [0, 1), got {t.lr_warmup_fraction}")
-        warmup = int(t.lr_warmup_fraction * decay) if decay else 0
+        warmup = t.lr_warmup_fraction * decay if decay else 0
     if warmup < 0 or (decay and warmup >= decay):
         out.append(f"--lr-warmup-{unit} {warmup} must lie in [0, --lr-decay-{unit} {decay}) (megatron-core's "
                    f"scheduler needs a warm-up shorter than the decay)")

@@ -41,3 +41,37 @@ def test_hf_export_of_a_default_width_checkpoint_names_the_width_it_trained():
                 hidden_size=256, ffn_hidden_size=None, num_layers=2, num_attention_heads=4, group_query_attention=False,
                 norm_epsilon=1e-5, rotary_base=10000, seq_length=32, untie_embeddings_and_output_weights=True)
     assert build_hf_config(args, {"padded_vocab_size": 256})["intermediate_size"] == 640
+
+
+def megatron_lm_cosine_lr(num_samples: float, warmup: float, decay: float, lr: float, min_lr: float) -> float:
+    """megatron-core's OptimizerParamScheduler.get_lr for cosine decay, written out."""
+    import math
+
+    if warmup > 0 and num_samples <= warmup:
+        return lr * num_samples / warmup
+    ratio = min(1.0, (num_samples - warmup) / (decay - warmup))
+    return min_lr + (lr - min_lr) * 0.5 * (math.cos(math.pi * ratio) + 1.0)
+
+
+@pytest.mark.parametrize("by", ["iters", "samples"])
+def test_warmup_fraction_is_not_rounded_and_the_lr_of_each_step_is_megatron_lms(by):
+    """Megatron-LM's get_optimizer_param_scheduler passes lr_warmup_fraction * lr_decay_steps as it
+    is: 0.07 x 80 samples = 5.6, not 5 (which moved every step's learning rate of the run)."""
+    from megatron_ext.config import get_schedule_steps
+    from megatron_ext.training.optimizer import build_scheduler
+    import types
+
+    length = dict(train_iters=10) if by == "iters" else dict(train_samples=80)
+    cfg = build_job_config({**MOCK, **length, "lr_warmup_fraction": 0.07, "lr": 1e-3, "min_lr": 1e-4,
+                            "lr_decay_style": "cosine"})
+    validate(cfg, 1)
+    cfg.training.train_iters = 10  # what run.build_training_run resolves --train-samples 80 to
+    assert get_schedule_steps(cfg, 8, 10).lr_warmup_steps == pytest.approx(5.6)
+    optimizer = types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}])
+    scheduler = build_scheduler(cfg, optimizer, 8)
+    got = [optimizer.param_groups[0]["lr"]]  # the first step's, set when the scheduler is built
+    for _ in range(10):
+        scheduler.step(increment=8)
+        got.append(optimizer.param_groups[0]["lr"])
+    expected = [megatron_lm_cosine_lr(8 * i, 0.07 * 80, 80, 1e-3, 1e-4) for i in range(11)]
+    assert got == pytest.approx(expected, rel=1e-12, abs=0)
