@@ -154,7 +154,7 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = _f(True, "Skip, on every rank, an update whose loss or gradients are not finite, and count it in 'nan iterations' (default on; --no-check-for-nan-in-loss-and-grad applies such updates, as before).", negative_flag=True)
     max_nan_iterations: int = _f(3, "Stop (exit 1, no checkpoint written) after this many consecutive non-finite iterations (ours).")
     eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
-    eval_iters: int = _f(2, "Validation batches per evaluation.")
+    eval_iters: int = _f(100, "Validation batches (global batches) per evaluation (default 100, as Megatron-LM).")
     bf16: bool = _f(False, "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.", negative_flag=True)
     gradient_accumulation_fusion: bool = _f(True, "Accumulate each weight gradient into its fp32 gradient buffer inside the GEMM (megatron-core's fused path, through torch's addmm with out_dtype where Apex is missing; default on, as in Megatron-LM; --no-gradient-accumulation-fusion: a bf16 gradient added by DDP's hook).", negative_flag=True)
     fp16: bool = _f(False, "fp16 mixed precision with megatron-core's loss scaler (dynamic unless --loss-scale).")
@@ -170,7 +170,7 @@ class TrainingConfig:
 class LoggingConfig:
     """What is printed and recorded."""
 
-    log_interval: int = _f(1, "Print a log line every N steps.")
+    log_interval: int = _f(100, "Print a log line every N steps (and at the last; default 100, as Megatron-LM).")
     tensorboard_dir: str | None = _f(None, "Write TensorBoard scalars here.")
     wandb_project: str | None = _f(None, "Weights & Biases project (WANDB_MODE=offline works).")
     wandb_exp_name: str | None = _f(None, "Weights & Biases run name.")

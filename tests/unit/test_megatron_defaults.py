@@ -75,3 +75,37 @@ def test_warmup_fraction_is_not_rounded_and_the_lr_of_each_step_is_megatron_lms(
         got.append(optimizer.param_groups[0]["lr"])
     expected = [megatron_lm_cosine_lr(8 * i, 0.07 * 80, 80, 1e-3, 1e-4) for i in range(11)]
     assert got == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+# Megatron-LM core_v0.16.1 defaults of the flags we share (megatron/training/arguments.py,
+# training_config.py, common_config.py; megatron/core/transformer/transformer_config.py), after
+# validate_args resolves them. eval_interval None there (no evaluation during training) is our 0.
+MEGATRON_LM_DEFAULTS = {
+    "clip_grad": 1.0, "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
+    "optimizer": "adam", "init_method_std": 0.02, "min_lr": 0.0, "lr_warmup_iters": 0, "lr_warmup_samples": 0,
+    "lr_warmup_fraction": None, "lr_decay_iters": None, "lr_decay_samples": None, "lr_wsd_decay_style": "exponential",
+    "eval_iters": 100, "eval_interval": 0, "log_interval": 100, "split": "969,30,1", "seed": 1234,
+    "untie_embeddings_and_output_weights": False, "normalization": "LayerNorm", "norm_epsilon": 1e-5,
+    "swiglu": False, "ffn_hidden_size": None, "make_vocab_size_divisible_by": 128,
+    "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
+    "rope_scaling_factor": 8.0, "global_batch_size": None, "initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0,
+    "loss_scale_window": 1000, "hysteresis": 2, "loss_scale": None, "distributed_timeout_minutes": 10,
+    "check_for_nan_in_loss_and_grad": True, "timing_log_level": 0, "profile_step_start": 10, "profile_step_end": 12,
+    "manual_gc_interval": 0, "empty_unused_memory_level": 0, "disable_bias_linear": False,
+    "group_query_attention": False, "num_query_groups": None, "use_distributed_optimizer": False,
+    "sequence_parallel": False, "overlap_grad_reduce": False, "overlap_param_gather": False, "ddp_bucket_size": None,
+}
+# Defaults the README lists as differing from Megatron-LM's (give the flag for Megatron-LM's).
+DOCUMENTED_DIFFERENCES = {"lr_decay_style": "linear", "hidden_dropout": 0.1, "attention_dropout": 0.1,
+                          "calculate_per_token_loss": False, "num_workers": 2}
+
+
+def test_defaults_are_megatron_lms_unless_documented():
+    flat = build_job_config({}).to_flat_dict()
+    differ = {k: (flat[k], v) for k, v in MEGATRON_LM_DEFAULTS.items() if flat[k] != v}
+    assert differ == {}, f"(ours, Megatron-LM's) defaults: {differ}"
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for name, theirs in DOCUMENTED_DIFFERENCES.items():
+        assert flat[name] != theirs and f"--{name.replace('_', '-')}" in readme, name
