@@ -40,7 +40,24 @@ def test_hf_export_of_a_default_width_checkpoint_names_the_width_it_trained():
     args = dict(swiglu=True, normalization="RMSNorm", disable_bias_linear=True, position_embedding_type="rope",
                 hidden_size=256, ffn_hidden_size=None, num_layers=2, num_attention_heads=4, group_query_attention=False,
                 norm_epsilon=1e-5, rotary_base=10000, seq_length=32, untie_embeddings_and_output_weights=True)
-    assert build_hf_config(args, {"padded_vocab_size": 256})["intermediate_size"] == 640
+    # the checkpoint records the width its model was built with
+    assert build_hf_config(args, {"padded_vocab_size": 256, "ffn_hidden_size": 640})["intermediate_size"] == 640
+    # one saved before it did had our earlier default: 2/3 of 4h rounded UP to 64 (256 -> 704)
+    assert build_hf_config(args, {"padded_vocab_size": 256})["intermediate_size"] == 704
+
+
+def test_a_checkpoint_of_the_earlier_swiglu_default_names_its_width_on_load():
+    from megatron_ext.checkpoint.state import CheckpointMeta, check_compatible
+
+    run = build_job_config({**MOCK, "hidden_size": 256, "num_attention_heads": 4, "swiglu": True})
+    meta = CheckpointMeta(tokenizer={}, padded_vocab_size=128)
+    recorded = {"args": run.to_flat_dict(), "ffn_hidden_size": 640}
+    assert check_compatible(recorded, run, meta) == []
+    (problem,) = check_compatible({"args": run.to_flat_dict()}, run, meta)  # saved before the width was recorded
+    assert "--ffn-hidden-size: the checkpoint was saved with 704, this run has 640" in problem, problem
+    given = build_job_config({**MOCK, "hidden_size": 256, "num_attention_heads": 4, "swiglu": True,
+                              "ffn_hidden_size": 704})
+    assert check_compatible({"args": run.to_flat_dict()}, given, meta) == []  # the fix the message names
 
 
 def megatron_lm_cosine_lr(num_samples: float, warmup: float, decay: float, lr: float, min_lr: float) -> float:
