@@ -62,7 +62,7 @@ class ModelConfig:
 
     num_layers: int = _f(4, "Number of transformer layers.")
     hidden_size: int = _f(128, "Hidden size.")
-    ffn_hidden_size: int | None = _f(None, "MLP hidden size (default 4 x hidden, or Llama's 8/3 x hidden rounded with --swiglu).")
+    ffn_hidden_size: int | None = _f(None, "MLP hidden size (default 4 x hidden, or with --swiglu 2/3 of that rounded down to a multiple of 64, as Megatron-LM).")
     num_attention_heads: int = _f(4, "Attention heads.")
     group_query_attention: bool = _f(False, "Use grouped-query attention (with --num-query-groups).")
     num_query_groups: int | None = _f(None, "Key/value head groups under --group-query-attention.")
@@ -155,7 +155,7 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = _f(True, "Skip, on every rank, an update whose loss or gradients are not finite, and count it in 'nan iterations' (default on; --no-check-for-nan-in-loss-and-grad applies such updates, as before).", negative_flag=True)
     max_nan_iterations: int = _f(3, "Stop (exit 1, no checkpoint written) after this many consecutive non-finite iterations (ours).")
     eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
-    eval_iters: int = _f(2, "Validation batches per evaluation.")
+    eval_iters: int = _f(100, "Validation batches (global batches) per evaluation (default 100, as Megatron-LM).")
     bf16: bool = _f(False, "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.", negative_flag=True)
     gradient_accumulation_fusion: bool = _f(True, "Accumulate each weight gradient into its fp32 gradient buffer inside the GEMM (megatron-core's fused path, through torch's addmm with out_dtype where Apex is missing; default on, as in Megatron-LM; --no-gradient-accumulation-fusion: a bf16 gradient added by DDP's hook).", negative_flag=True)
     fp16: bool = _f(False, "fp16 mixed precision with megatron-core's loss scaler (dynamic unless --loss-scale).")
@@ -171,7 +171,7 @@ class TrainingConfig:
 class LoggingConfig:
     """What is printed and recorded."""
 
-    log_interval: int = _f(1, "Print a log line every N steps.")
+    log_interval: int = _f(100, "Print a log line every N steps (and at the last; default 100, as Megatron-LM).")
     tensorboard_dir: str | None = _f(None, "Write TensorBoard scalars here.")
     wandb_project: str | None = _f(None, "Weights & Biases project (WANDB_MODE=offline works).")
     wandb_exp_name: str | None = _f(None, "Weights & Biases run name.")
@@ -358,16 +358,17 @@ def resolve_train_iters(cfg: JobConfig, world_size: int) -> None:
 class ScheduleSteps:
     """megatron-core's OptimizerParamScheduler lengths, in samples."""
 
-    lr_warmup_steps: int
+    lr_warmup_steps: float  # not rounded with --lr-warmup-fraction, as in Megatron-LM
     lr_decay_steps: int
     wd_incr_steps: int
     wsd_decay_steps: int | None
 
 
 def get_schedule_steps(cfg: JobConfig, global_batch_size: int, train_iters: int) -> ScheduleSteps:
-    """The schedule in samples, as Megatron-LM's ``_get_scheduler`` computes it: from iteration
-    flags times the global batch, or from the sample flags with --train-samples; a warm-up
-    fraction is of the decay length."""
+    """The schedule in samples, as Megatron-LM's ``get_optimizer_param_scheduler`` computes it:
+    from iteration flags times the global batch, or from the sample flags with --train-samples; a
+    warm-up fraction is of the decay length, not rounded (Megatron-LM passes
+    ``lr_warmup_fraction * lr_decay_steps`` to the scheduler as it is)."""
     t = cfg.training
     if t.train_samples is None:
         decay = (t.lr_decay_iters or train_iters) * global_batch_size
@@ -380,7 +381,7 @@ def get_schedule_steps(cfg: JobConfig, global_batch_size: int, train_iters: int)
         wsd = t.lr_wsd_decay_samples
         warmup = t.lr_warmup_samples
     if t.lr_warmup_fraction is not None:
-        warmup = int(t.lr_warmup_fraction * decay)
+        warmup = t.lr_warmup_fraction * decay
     return ScheduleSteps(warmup, decay, wd_incr, wsd if t.lr_decay_style == "WSD" else None)
 
 
@@ -673,6 +674,12 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
     ffn = m.ffn_hidden_size
     if ffn is not None and tp > 0 and ffn % tp:
         out.append(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+    if ffn is None and m.swiglu and m.hidden_size > 0:
+        from megatron_ext.model.gpt import resolve_ffn_hidden_size
+
+        if resolve_ffn_hidden_size(None, m.hidden_size, True) == 0:
+            out.append(f"--swiglu with --hidden-size {m.hidden_size}: the default --ffn-hidden-size (2/3 of 4 x hidden, "
+                       f"rounded down to a multiple of 64, as Megatron-LM) is 0; give --ffn-hidden-size")
     if m.position_embedding_type == "learned_absolute":
         max_pos = m.max_position_embeddings or m.seq_length
         if max_pos < m.seq_length:
@@ -800,7 +807,7 @@ def _check_run_length(t: TrainingConfig) -> list[str]:
                        "warm-up one way")
         if not 0.0 <= t.lr_warmup_fraction < 1.0:
             out.append(f"--lr-warmup-fraction must be in [0, 1), got {t.lr_warmup_fraction}")
-        warmup = int(t.lr_warmup_fraction * decay) if decay else 0
+        warmup = t.lr_warmup_fraction * decay if decay else 0
     if warmup < 0 or (decay and warmup >= decay):
         # the decay length defaults to the run's: name the flag the user gave
         given_decay = t.lr_decay_samples if by_samples else t.lr_decay_iters

@@ -424,12 +424,16 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
     if args.get("use_rope_scaling"):
         rope = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE, "rope_theta": theta}
     qwen = bool(args.get("add_qkv_bias"))
+    from megatron_ext.checkpoint.state import saved_ffn_hidden_size
+
     return {
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
         "model_type": "qwen2" if qwen else "llama",
         **({"use_sliding_window": False} if qwen else {}),
         "vocab_size": vocab, "hidden_size": args["hidden_size"],
-        "intermediate_size": args["ffn_hidden_size"], "num_hidden_layers": args["num_layers"],
+        # the width the model had: --ffn-hidden-size, or its default (None in args) when it was saved
+        "intermediate_size": saved_ffn_hidden_size({**common, "args": args}),
+        "num_hidden_layers": args["num_layers"],
         "num_attention_heads": heads,
         "num_key_value_heads": args["num_query_groups"] if args.get("group_query_attention") else heads,
         "rms_norm_eps": args["norm_epsilon"], "rope_theta": theta,

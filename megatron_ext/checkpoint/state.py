@@ -115,6 +115,7 @@ def build_sharded_state_dict(
     state["args"] = run.cfg.to_flat_dict()
     state["tokenizer"] = dict(meta.tokenizer)
     state["padded_vocab_size"] = meta.padded_vocab_size
+    state["ffn_hidden_size"] = effective_model_shape(state["args"])["ffn_hidden_size"]  # the width built
     state["layout"] = get_layout(run)
     state["device_type"] = run.ctx.device.type
     state["checkpoint_version"] = FORMAT_VERSION
@@ -166,9 +167,11 @@ def check_compatible(
     args = saved.get("args", {})
     current = cfg.to_flat_dict()
     saved_shape, shape = effective_model_shape(args), effective_model_shape(current)
+    saved_shape["ffn_hidden_size"] = saved_ffn_hidden_size(saved)
     for name in MODEL_SHAPE_SETTINGS:
         if name in args and saved_shape[name] != shape[name]:
-            if name == "ffn_hidden_size" and args[name] is None and current[name] is None:
+            if (name == "ffn_hidden_size" and args[name] is None and current[name] is None
+                    and any(args.get(n) != current[n] for n in ("hidden_size", "swiglu"))):
                 continue  # both defaults: the --hidden-size or --swiglu difference is the one named
             flag = ("--group-query-attention/--num-query-groups (key/value heads)" if name == "num_query_groups"
                     else f"--{name.replace('_', '-')}")
@@ -244,6 +247,18 @@ def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
     shape["num_query_groups"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
     shape["group_query_attention"] = None  # its meaning is in num_query_groups
     return shape
+
+
+def saved_ffn_hidden_size(saved: dict[str, Any]) -> int | None:
+    """The MLP width a checkpoint's model had: recorded since the --swiglu default became
+    Megatron-LM's (2/3 of 4h rounded down to 64); before, a --swiglu run without --ffn-hidden-size
+    got 2/3 of 4h rounded UP to 64, which the width of its older checkpoints is computed by."""
+    if saved.get("ffn_hidden_size") is not None:
+        return saved["ffn_hidden_size"]
+    args = saved.get("args", {})
+    if args.get("ffn_hidden_size") or not args.get("swiglu") or args.get("hidden_size") is None:
+        return effective_model_shape(args)["ffn_hidden_size"]
+    return int(64 * ((int(8 * args["hidden_size"] / 3) + 63) // 64))  # our default before 2026-11-23
 
 
 # OptimizerParamScheduler state -> (the flags that set it, how to show a value)

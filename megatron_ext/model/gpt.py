@@ -29,11 +29,13 @@ def get_ffn_hidden_size(cfg: JobConfig) -> int:
 
 
 def resolve_ffn_hidden_size(ffn_hidden_size: int | None, hidden_size: int, swiglu: bool) -> int:
-    """--ffn-hidden-size, or its default: 4h, or with --swiglu Llama's 2/3 of 4h rounded up to 64."""
+    """--ffn-hidden-size, or Megatron-LM's default (``validate_args``): 4h, or with --swiglu 2/3 of
+    4h rounded DOWN to a multiple of 64 (h 4096 -> 10880), so that a Megatron-LM script without
+    --ffn-hidden-size builds the same model here."""
     if ffn_hidden_size:
         return ffn_hidden_size
     if swiglu:
-        return int(64 * ((int(8 * hidden_size / 3) + 63) // 64))
+        return int((4 * hidden_size * 2 / 3) / 64) * 64
     return 4 * hidden_size
 
 

@@ -8,8 +8,10 @@ says whether every rank finished writing the save in flight, which is then publi
 ``--save-interval``, at ``--train-iters`` and before an exit; never in a run of non-finite steps;
 ``--async-save`` starts a background save, except for the last one and before an exit) -> stop
 if exiting. At ``--train-iters`` (not at an earlier exit) a run whose length is not a multiple of
-``--eval-interval`` is evaluated once more, as Megatron-LM evaluates at the end of training. The
-loss is reported as global sum / global count.
+``--eval-interval`` is evaluated once more, as Megatron-LM evaluates at the end of training. An
+iteration's loss is its global sum / global count (every micro-batch and DP rank); a log line
+reports the mean of those over its iterations whose update was applied, and counts the skipped and
+non-finite ones of its interval, as Megatron-LM's ``training_log`` does.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.prefetch import StepPrefetcher
 from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
-from megatron_ext.training.loss import get_mean_loss, reduce_reported_loss
+from megatron_ext.training.loss import get_interval_loss, get_mean_loss, reduce_reported_loss
 from megatron_ext.training.metrics import (
     IterationStats, MetricWriter, format_iteration_line, format_validation_line, get_memory_report, get_memory_stats,
     get_peak_tflops,
@@ -103,10 +105,14 @@ class TrainingRun:
 @dataclasses.dataclass
 class LogWindow:
     """What accumulates between two log lines. ``totals`` = [loss sum, valid-token count, real
-    tokens, model FLOPs] of this rank's micro-batches: summed over DP in the one all-reduce the
-    logged loss needs anyway."""
+    tokens, model FLOPs] of this rank's micro-batches, and ``iteration_losses`` each iteration's
+    [loss sum, valid-token count]: summed over DP in the one all-reduce the logged loss needs."""
 
     totals: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
+    iteration_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [2] float64 each
+    advanced: list[bool] = dataclasses.field(default_factory=list)  # each iteration's update was applied
+    skipped_iterations: int = 0  # of this interval (fp16 overflows), as Megatron-LM's log line counts them
+    nan_iterations: int = 0  # of this interval
     seconds: float = 0.0
     iterations: int = 0
     real_tokens: int = 0  # this rank's, for the padding fraction
@@ -175,9 +181,14 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     window.real_tokens += real
     window.slots += sum(mb.num_slots for mb in microbatches)
     window.totals += torch.cat([result.loss_sum_count, torch.tensor([real, flops], dtype=torch.float64)])
+    window.iteration_losses.append(result.loss_sum_count)
+    window.advanced.append(result.update_successful)
+    skipped = int(not result.update_successful and not result.non_finite)
+    window.skipped_iterations += skipped
+    window.nan_iterations += int(result.non_finite)
     state.iteration += 1
     state.consumed_samples += run.global_batch_size
-    state.skipped_iterations += int(not result.update_successful and not result.non_finite)
+    state.skipped_iterations += skipped
     return result, length
 
 
@@ -220,9 +231,12 @@ def count_non_finite(run: TrainingRun, result: StepResult) -> None:
 
 
 def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length: int) -> float:
-    """The global token-mean loss since the last log line, logged and recorded; resets ``window``."""
-    totals = reduce_loss_over_dp(window.totals, run.ctx)
-    loss = get_mean_loss(totals[:2])
+    """The loss since the last log line (``get_interval_loss`` of each iteration's global token
+    mean), logged and recorded; resets ``window``."""
+    per_iteration = torch.stack(window.iteration_losses).flatten()  # [iterations x 2]
+    reduced = reduce_loss_over_dp(torch.cat([window.totals, per_iteration]), run.ctx)
+    totals = reduced[:4]
+    loss = get_interval_loss(reduced[4:].view(-1, 2), window.advanced)
     if run.ctx.is_last_stage:
         run.records.append({
             "iteration": run.state.iteration, "loss": loss, "grad_norm": result.grad_norm,
@@ -373,8 +387,8 @@ def _log_iteration(
         global_batch_size=run.global_batch_size,
         lm_loss=loss,
         grad_norm=result.grad_norm,
-        skipped_iterations=state.skipped_iterations,
-        nan_iterations=state.nan_iterations,
+        skipped_iterations=window.skipped_iterations,
+        nan_iterations=window.nan_iterations,
         seq_length=seq_length,
         padding_fraction=1.0 - window.real_tokens / max(window.slots, 1),
         tflops_per_gpu=tflops,

@@ -53,3 +53,18 @@ def get_mean_loss(total: torch.Tensor) -> float:
     """Global sum / global count; NaN-free when no token counted (returns 0)."""
     count = float(total[1])
     return float(total[0]) / count if count > 0 else 0.0
+
+
+def get_interval_loss(per_iteration: torch.Tensor, advanced: list[bool]) -> float:
+    """The loss of a log line, as Megatron-LM's ``training_log`` averages it: the mean, over the
+    interval's iterations whose update was applied, of each iteration's global token mean.
+
+    ``per_iteration`` [iterations, 2] holds each iteration's global [sum, count]. Pooling the
+    interval's tokens instead would weight an iteration by its valid tokens, which packed and masked
+    data make uneven. An iteration without a valid token has no mean and is left out (Megatron-LM
+    would average a NaN in). When no iteration qualifies (every update skipped), the interval's
+    pooled mean is reported, so that a non-finite loss shows as one."""
+    means = [get_mean_loss(row) for row, applied in zip(per_iteration, advanced) if applied and float(row[1]) > 0]
+    if means:
+        return sum(means) / len(means)
+    return get_mean_loss(per_iteration.sum(dim=0))

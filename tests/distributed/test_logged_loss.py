@@ -1,0 +1,85 @@
+"""The lm loss and iteration counts of a log line over a --log-interval, as Megatron-LM's
+``training_log`` (megatron/training/training.py, core_v0.16.1) reports them.
+
+Megatron-LM's ``train_step`` makes each iteration's loss its global token mean (sum and count over
+micro-batches and DP ranks); ``training_log`` adds those up over the interval's iterations whose
+update was applied and divides by their number, and prints the skipped and NaN iterations of the
+interval (reset at every log line). Reference: the same run logged every iteration. Valid-token
+counts differ between iterations (masked label prefixes), so pooling the interval's tokens gives
+another number; a NaN injected into one iteration's micro-batch on DP rank 1 makes that
+iteration's update skipped. DP2, 2 forked ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.loop import train
+
+pytestmark = pytest.mark.distributed
+
+BASE = dict(global_batch_size=8, micro_batch_size=2, train_iters=4)
+
+
+def _inject_nan(run, iteration: int) -> None:
+    """NaN embedding output for the second micro-batch of DP rank 1 in ``iteration``."""
+    if run.ctx.dp_rank != 1:
+        return
+    seen = {"step": None, "index": -1}
+
+    def hook(module, inputs, output):
+        step = run.state.iteration + 1
+        if seen["step"] != step:
+            seen.update(step=step, index=-1)
+        seen["index"] += 1
+        return output * float("nan") if step == iteration and seen["index"] == 1 and module.training else output
+
+    run.model[0].module.embedding.register_forward_hook(hook)
+
+
+def _logged(log_interval: int, nan_at: int | None = None) -> dict:
+    run = build_tiny_run(tiny_values(**BASE, log_interval=log_interval), MarkovDataset(32, mask_every=1))
+    lines: list[str] = []
+    run.log = lines.append
+    if nan_at is not None:
+        _inject_nan(run, nan_at)
+    train(run)
+    out = {"records": [(r["iteration"], r["loss"]) for r in run.records],
+           "lines": [line for line in lines if "lm loss:" in line]}
+    destroy_parallel_context()
+    return out
+
+
+def _world(rank: int, world_size: int) -> dict:
+    return {"every": _logged(1), "pairs": _logged(2), "nan every": _logged(1, nan_at=1),
+            "nan pairs": _logged(2, nan_at=1)}
+
+
+@pytest.fixture(scope="module")
+def logged():
+    per_rank = run_ranks(_world, 2, timeout=300)
+    return per_rank[-1]  # the logging rank
+
+
+def test_a_log_line_averages_its_iterations_losses(logged):
+    every = dict(logged["every"]["records"])
+    pairs = dict(logged["pairs"]["records"])
+    assert sorted(pairs) == [2, 4]
+    for last in (2, 4):
+        assert pairs[last] == pytest.approx((every[last - 1] + every[last]) / 2, rel=1e-12, abs=0)
+
+
+def test_a_skipped_iteration_is_left_out_of_the_loss_and_counted_in_its_interval_only(logged):
+    every = dict(logged["nan every"]["records"])
+    assert math.isnan(every[1]) and all(math.isfinite(every[i]) for i in (2, 3, 4))
+    pairs = dict(logged["nan pairs"]["records"])
+    assert pairs[2] == pytest.approx(every[2], rel=1e-12, abs=0)  # iteration 1 skipped: not averaged in
+    assert pairs[4] == pytest.approx((every[3] + every[4]) / 2, rel=1e-12, abs=0)
+    nan_counts = [int(line.split("number of nan iterations:")[1].split("|")[0]) for line in logged["nan every"]["lines"]]
+    assert nan_counts == [1, 0, 0, 0]  # per log interval, as Megatron-LM resets them at each line
+    nan_counts = [int(line.split("number of nan iterations:")[1].split("|")[0]) for line in logged["nan pairs"]["lines"]]
+    assert nan_counts == [1, 0]
