@@ -21,7 +21,7 @@ from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
 from megatron_ext.checkpoint.exit_policy import build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.directory import probe_save_dir  # noqa: E402
 from megatron_ext.checkpoint.state import load_checkpoint, plan_load  # noqa: E402
-from megatron_ext.config import ConfigError, report_error_once, validate  # noqa: E402
+from megatron_ext.config import ConfigError, check_data_tokenizer, report_error_once, validate  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     save_lock = lock_save_dir(cfg.checkpoint.save) if os.environ.get("RANK", "0") == "0" else None
     d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
+    check_data_tokenizer(cfg, tokenizer.identity())  # data made by another tokenizer: one error, before any work
 
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

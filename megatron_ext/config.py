@@ -936,6 +936,18 @@ def _check_packing(cfg: JobConfig) -> list[str]:
     return out
 
 
+def check_data_tokenizer(cfg: JobConfig, identity: dict) -> None:
+    """ConfigError naming each data prefix whose ``PREFIX.tokenizer.json`` (written by
+    tools/preprocess_data.py) records another tokenizer than this run's ``identity``."""
+    from megatron_ext.data.indexed_check import check_tokenizer_record
+
+    blends = None if cfg.data.mock_data else get_data_blends(cfg)
+    problems = [f"{blends.source} {p}" for prefix in dict.fromkeys(blends.prefixes if blends else [])
+                for p in check_tokenizer_record(prefix, identity)]
+    if problems:
+        raise ConfigError(problems)
+
+
 def get_data_blends(cfg: JobConfig):
     """The run's ``DataBlends`` (data/blends.py) from its data flags; None for no data flag."""
     from megatron_ext.data.blends import resolve_data_blends

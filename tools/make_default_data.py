@@ -37,7 +37,7 @@ def write_readme(output_dir: str, corpus: dict, stats, vocab_size: int, max_byte
     lengths = sorted(stats.document_lengths["text"])
     sizes = {name: os.path.getsize(os.path.join(output_dir, name))
              for name in ("tokenizer.model", "corpus_text_document.bin",
-                          "corpus_text_document.idx")}
+                          "corpus_text_document.idx", "corpus_text_document.tokenizer.json")}
     lines = [
         "# Default data",
         "",

@@ -6,7 +6,10 @@ Same output as Megatron-LM's ``tools/preprocess_data.py`` without sentence split
 dtype ``DType.optimal_dtype(vocab_size)`` (uint16 below 65,500 ids). ``--append-eod`` ends every
 non-empty document with the tokenizer's EOD. A document that tokenizes to nothing is recorded, as
 Megatron-LM records it, as a document holding no sequence (so the ``.idx`` is byte-identical to
-Megatron-LM's; training reads sequences and never sees it).
+Megatron-LM's; training reads sequences and never sees it). Beside each pair,
+``{output_prefix}_{key}_document.tokenizer.json`` records the tokenizer (type, sha256 of its files,
+vocabulary size), so that training under another tokenizer is refused at start-up (Megatron-LM's
+format records none; a pair without the record is not checked).
 
 ``--workers N`` tokenizes in a process pool, batches collected in input order, so the output is
 byte-identical for any N. Everything is written under ``*.tmp`` names and renamed only after the
@@ -19,6 +22,7 @@ gzipped (``corpus.jsonl.gz``, found by gzip's magic bytes; Megatron-LM's tool re
 import argparse
 import collections
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
@@ -34,6 +38,7 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 
 quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
 
+from megatron_ext.data.indexed_check import TOKENIZER_RECORD_SUFFIX, build_tokenizer_record  # noqa: E402
 from megatron_ext.data.tokenizers import REFUSED_TYPES, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from tools.train_tokenizer import check_input_path, is_gzip, iter_jsonl_lines, parse_jsonl_line  # noqa: E402
 
@@ -192,7 +197,7 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
         stats.num_tokens[key] = 0
         stats.num_empty[key] = 0
         stats.document_lengths[key] = []
-        final_paths += [prefix + ".bin", prefix + ".idx"]
+        final_paths += [prefix + ".bin", prefix + ".idx", prefix + TOKENIZER_RECORD_SUFFIX]
 
     pool = bar = None
     # total: the bytes to read, known for a plain file (not a .gz's, nor a pipe's)
@@ -231,6 +236,9 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
             _check_not_empty(input_path, stats)
             for key, builder in builders.items():
                 builder.finalize(stats.output_prefixes[key] + ".idx.tmp")
+                record = build_tokenizer_record(encoder.tokenizer.identity(), tokenizer_model, key, append_eod)
+                with open(stats.output_prefixes[key] + TOKENIZER_RECORD_SUFFIX + ".tmp", "w") as f:
+                    json.dump(record, f, indent=1)
             for path in final_paths:
                 os.replace(path + ".tmp", path)
         except BaseException:
@@ -301,7 +309,7 @@ def main(argv=None) -> None:
               file=sys.stderr)
         sys.exit(128 + signum)
     for key, prefix in stats.output_prefixes.items():
-        print(f"wrote {prefix}.bin/.idx: {stats.num_documents} documents, "
+        print(f"wrote {prefix}.bin/.idx/{TOKENIZER_RECORD_SUFFIX[1:]}: {stats.num_documents} documents, "
               f"{stats.num_tokens[key]} tokens ({stats.num_empty[key]} of them empty, recorded without a sequence "
               f"as Megatron-LM does)")
 

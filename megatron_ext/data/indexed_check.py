@@ -51,3 +51,58 @@ def check_indexed_dataset(prefix: str) -> list[str]:
         return [f"{bin_} has {bin_size} bytes but {idx} describes {expected_bin}: the .bin is {how} or the "
                 f"pair does not belong together; {fix}"]
     return []
+
+
+# ``PREFIX.tokenizer.json``, beside the pair: the tokenizer tools/preprocess_data.py wrote it with.
+# Megatron-LM's format records none, so ids made by one tokenizer train silently under another (in
+# range, or with NullTokenizer's EOD = --vocab-size another id); a pair without a record (made by
+# Megatron-LM's tool) is not checked.
+TOKENIZER_RECORD_SUFFIX = ".tokenizer.json"
+
+
+def build_tokenizer_record(identity: dict, tokenizer_model: str | None, json_key: str, append_eod: bool) -> dict:
+    """What ``PREFIX.tokenizer.json`` holds: the tokenizer's identity (type, sha256 of its files,
+    vocabulary size; as checkpoints record it), where its files were, and how the text was read."""
+    return {"tokenizer": dict(identity), "tokenizer_model": tokenizer_model, "json_key": json_key,
+            "append_eod": append_eod, "written_by": "tools/preprocess_data.py"}
+
+
+def _describe_tokenizer(identity: dict, model: str | None = None) -> str:
+    text = f"{identity.get('type')} (vocabulary {identity.get('vocab_size')}"
+    if identity.get("model_sha256"):
+        text += f", files sha256 {str(identity['model_sha256'])[:12]}"
+    return text + (f", from {model})" if model else ")")
+
+
+def same_tokenizer(saved: dict, identity: dict) -> bool:
+    """Whether ids made by ``saved`` mean the same under ``identity``: the same tokenizer files and
+    vocabulary (a type that reads the same files the same way may differ, e.g. Llama2Tokenizer and
+    SentencePieceTokenizer); without files (NullTokenizer), the same type and vocabulary."""
+    if saved.get("vocab_size") != identity.get("vocab_size"):
+        return False
+    if saved.get("model_sha256") or identity.get("model_sha256"):
+        return saved.get("model_sha256") == identity.get("model_sha256")
+    return saved.get("type") == identity.get("type")
+
+
+def check_tokenizer_record(prefix: str, identity: dict) -> list[str]:
+    """A problem if ``PREFIX.tokenizer.json`` names another tokenizer than ``identity`` (this run's),
+    or cannot be read; nothing without a record."""
+    import json
+
+    path = prefix + TOKENIZER_RECORD_SUFFIX
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        saved = dict(record["tokenizer"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [f"{path} (the tokenizer the pair was made with) cannot be read ({type(err).__name__}: {err}): "
+                f"delete it to train unchecked, or preprocess the data again"]
+    if same_tokenizer(saved, identity):
+        return []
+    return [f"{prefix} was tokenized with {_describe_tokenizer(saved, record.get('tokenizer_model'))} (recorded in "
+            f"{path}), but this run's tokenizer is {_describe_tokenizer(identity)}: its ids would mean other "
+            f"tokens; give the tokenizer it was made with (--tokenizer-type/--tokenizer-model/--vocab-size) or "
+            f"preprocess it again with this one"]

@@ -400,3 +400,53 @@ def test_sigterm_removes_the_temporary_files(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM; removed the unfinished" in err and "Traceback" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["pipe.jsonl"]
+
+
+def test_preprocess_records_its_tokenizer_and_training_under_another_is_refused(tmp_path):
+    # Megatron-LM's .bin/.idx say nothing of the tokenizer: ids of one trained silently under another
+    # (NullTokenizer: EOD is --vocab-size, so another --vocab-size moves EOD to an ordinary id)
+    import shutil
+
+    import pretrain_gpt
+    from megatron_ext.config import ConfigError
+    from megatron_ext.data.indexed_check import check_tokenizer_record
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    path = write_jsonl(tmp_path / "ids.jsonl", [" ".join(str(i % 50) for i in range(j, j + 300)) for j in range(40)])
+    preprocess_data(path, str(tmp_path / "ids"), "NullTokenizer", vocab_size=100, append_eod=True, progress=False)
+    prefix = str(tmp_path / "ids_text_document")
+    with open(prefix + ".tokenizer.json") as f:
+        record = json.load(f)
+    assert record["tokenizer"] == build_tokenizer("NullTokenizer", vocab_size=100).identity()
+    assert record["json_key"] == "text" and record["append_eod"] is True
+    assert sorted(os.listdir(tmp_path)) == ["ids.jsonl", "ids_text_document.bin", "ids_text_document.idx",
+                                            "ids_text_document.tokenizer.json"]  # no .tmp left
+    assert check_tokenizer_record(prefix, build_tokenizer("NullTokenizer", vocab_size=100).identity()) == []
+    (problem,) = check_tokenizer_record(prefix, build_tokenizer("NullTokenizer", vocab_size=120).identity())
+    assert "was tokenized with NullTokenizer (vocabulary 101)" in problem and "this run's tokenizer is " \
+           "NullTokenizer (vocabulary 121)" in problem and "--tokenizer-type/--tokenizer-model/--vocab-size" in problem
+
+    # sentencepiece: the same model under another name (and type) is the same tokenizer; another is not
+    texts = [DOCS[0], DOCS[1], DOCS[3]] * 5
+    sp_input = write_jsonl(tmp_path / "sp.jsonl", texts)
+    preprocess_data(sp_input, str(tmp_path / "sp"), "SentencePieceTokenizer", SHIPPED_MODEL, append_eod=True,
+                    progress=False)
+    sp_prefix = str(tmp_path / "sp_text_document")
+    shutil.copy(SHIPPED_MODEL, tmp_path / "copy.model")
+    assert check_tokenizer_record(sp_prefix, build_tokenizer("GPTSentencePieceTokenizer",
+                                                             str(tmp_path / "copy.model")).identity()) == []
+    other = train_tokenizer(sp_input, str(tmp_path / "other"), vocab_size=320)
+    (problem,) = check_tokenizer_record(sp_prefix, build_tokenizer("SentencePieceTokenizer", other).identity())
+    assert f"from {SHIPPED_MODEL})" in problem and "files sha256" in problem
+
+    # the entry point: one error naming the flag and the prefix, before any process group or model
+    job = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--device", "cpu", "--seq-length", "64",
+           "--split", "100,0,0"]
+    with pytest.raises(ConfigError, match=r"--data-path .*ids_text_document was tokenized with NullTokenizer "
+                                          r"\(vocabulary 101\)"):
+        pretrain_gpt.main(job + ["--vocab-size", "120"])
+    with open(prefix + ".tokenizer.json", "w") as f:
+        f.write("{broken")
+    with pytest.raises(ConfigError, match=r"ids_text_document.tokenizer.json \(the tokenizer the pair was made "
+                                          r"with\) cannot be read"):
+        pretrain_gpt.main(job + ["--vocab-size", "100"])

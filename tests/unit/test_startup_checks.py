@@ -152,7 +152,12 @@ def copy(tmp_path):
 
 
 def test_shipped_dataset_passes():
+    from megatron_ext.data.indexed_check import check_tokenizer_record
+    from megatron_ext.data.tokenizers import build_tokenizer
+
     assert check_indexed_dataset(SHIPPED) == []
+    assert os.path.isfile(SHIPPED + ".tokenizer.json")  # and it names the shipped tokenizer
+    assert check_tokenizer_record(SHIPPED, build_tokenizer("SentencePieceTokenizer", MODEL).identity()) == []
 
 
 def test_truncated_bin_idx_and_garbage_are_named(copy):
