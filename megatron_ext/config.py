@@ -173,6 +173,7 @@ class LoggingConfig:
 
     log_interval: int = _f(100, "Print a log line every N steps (and at the last; default 100, as Megatron-LM).")
     tensorboard_dir: str | None = _f(None, "Write TensorBoard scalars here.")
+    tensorboard_log_interval: int = _f(1, "Write each N-th iteration's lm loss, learning rate and grad norm to TensorBoard/wandb (default 1, as Megatron-LM; written at each log line, without another all-reduce); throughput and timers at log lines.")
     wandb_project: str | None = _f(None, "Weights & Biases project (WANDB_MODE=offline works).")
     wandb_exp_name: str | None = _f(None, "Weights & Biases run name.")
     wandb_save_dir: str | None = _f(None, "Weights & Biases directory.")
@@ -523,7 +524,7 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     sizes = [
         ("tensor_model_parallel_size", p), ("pipeline_model_parallel_size", p), ("num_layers", m),
         ("hidden_size", m), ("num_attention_heads", m), ("seq_length", m), ("micro_batch_size", t),
-        ("log_interval", cfg.logging), ("make_vocab_size_divisible_by", m),
+        ("log_interval", cfg.logging), ("tensorboard_log_interval", cfg.logging), ("make_vocab_size_divisible_by", m),
         ("pad_to_multiple_of", d), ("max_nan_iterations", t),
     ]
     optional_sizes = [("global_batch_size", t), ("ffn_hidden_size", m), ("num_query_groups", m),

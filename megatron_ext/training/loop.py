@@ -111,6 +111,8 @@ class LogWindow:
     totals: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
     iteration_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [2] float64 each
     advanced: list[bool] = dataclasses.field(default_factory=list)  # each iteration's update was applied
+    # each iteration's (iteration, learning rate, grad norm), for --tensorboard-log-interval
+    iteration_scalars: list[tuple[int, float, float | None]] = dataclasses.field(default_factory=list)
     skipped_iterations: int = 0  # of this interval (fp16 overflows), as Megatron-LM's log line counts them
     nan_iterations: int = 0  # of this interval
     seconds: float = 0.0
@@ -189,6 +191,7 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     state.iteration += 1
     state.consumed_samples += run.global_batch_size
     state.skipped_iterations += skipped
+    window.iteration_scalars.append((state.iteration, run.optimizer.param_groups[0]["lr"], result.grad_norm))
     return result, length
 
 
@@ -237,6 +240,8 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
     reduced = reduce_loss_over_dp(torch.cat([window.totals, per_iteration]), run.ctx)
     totals = reduced[:4]
     loss = get_interval_loss(reduced[4:].view(-1, 2), window.advanced)
+    if run.ctx.is_logging_rank:
+        write_iteration_scalars(run, reduced[4:].view(-1, 2), window)
     if run.ctx.is_last_stage:
         run.records.append({
             "iteration": run.state.iteration, "loss": loss, "grad_norm": result.grad_norm,
@@ -248,6 +253,23 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
         _log_timers_and_memory(run, timers)
     window.__init__()
     return loss
+
+
+def write_iteration_scalars(run: TrainingRun, per_iteration: torch.Tensor, window: LogWindow) -> None:
+    """TensorBoard/wandb scalars of each ``--tensorboard-log-interval``-th iteration of the window
+    (Megatron-LM writes them as each iteration ends, after an all-reduce per iteration; here they
+    come from the log line's one all-reduce): its lm loss (global token mean; none for a skipped
+    update, as Megatron-LM), learning rate and grad norm."""
+    every = run.cfg.logging.tensorboard_log_interval
+    for (iteration, lr, grad_norm), row, applied in zip(window.iteration_scalars, per_iteration, window.advanced):
+        if iteration % every:
+            continue
+        values = {"learning rate": lr}
+        if applied and float(row[1]) > 0:
+            values["lm loss"] = get_mean_loss(row)
+        if grad_norm is not None:
+            values["grad norm"] = grad_norm
+        run.writer.write(values, iteration)
 
 
 def _log_timers_and_memory(run: TrainingRun, timers: dict[str, float]) -> None:
@@ -395,11 +417,8 @@ def _log_iteration(
         mfu=tflops / peak if peak else None,
     )
     run.log(format_iteration_line(stats))
-    run.writer.write(
-        {"lm loss": loss, "learning rate": lr, "grad norm": result.grad_norm or 0.0,
-         "tokens/s": stats.tokens_per_second, "throughput per GPU (TFLOP/s/GPU)": tflops},
-        state.iteration,
-    )
+    # (lm loss, learning rate and grad norm per iteration: write_iteration_scalars)
+    run.writer.write({"tokens/s": stats.tokens_per_second, "throughput per GPU (TFLOP/s/GPU)": tflops}, state.iteration)
     if not run.memory_reported:  # this process's first log line: memory after its first steps
         run.memory_reported = True
         run.log(f"> memory after iteration {state.iteration}: {get_memory_report(ctx.device)}")

@@ -41,22 +41,40 @@ def _inject_nan(run, iteration: int) -> None:
     run.model[0].module.embedding.register_forward_hook(hook)
 
 
-def _logged(log_interval: int, nan_at: int | None = None) -> dict:
-    run = build_tiny_run(tiny_values(**BASE, log_interval=log_interval), MarkovDataset(32, mask_every=1))
+class _Recorder:
+    """Stands in for the TensorBoard/wandb writer: what was written, at which iteration."""
+
+    def __init__(self):
+        self.written: list[tuple[int, dict]] = []
+
+    def write(self, values: dict, step: int) -> None:
+        self.written.append((step, dict(values)))
+
+    def close(self) -> None:
+        pass
+
+
+def _logged(log_interval: int, nan_at: int | None = None, tensorboard_log_interval: int = 1) -> dict:
+    run = build_tiny_run(tiny_values(**BASE, log_interval=log_interval, tensorboard_log_interval=tensorboard_log_interval),
+                         MarkovDataset(32, mask_every=1))
     lines: list[str] = []
     run.log = lines.append
+    run.writer = _Recorder()
     if nan_at is not None:
         _inject_nan(run, nan_at)
     train(run)
     out = {"records": [(r["iteration"], r["loss"]) for r in run.records],
-           "lines": [line for line in lines if "lm loss:" in line]}
+           "lr": {r["iteration"]: r["lr"] for r in run.records},
+           "grad_norm": {r["iteration"]: r["grad_norm"] for r in run.records},
+           "lines": [line for line in lines if "lm loss:" in line],
+           "written": {step: values for step, values in run.writer.written if "learning rate" in values}}
     destroy_parallel_context()
     return out
 
 
 def _world(rank: int, world_size: int) -> dict:
     return {"every": _logged(1), "pairs": _logged(2), "nan every": _logged(1, nan_at=1),
-            "nan pairs": _logged(2, nan_at=1)}
+            "nan pairs": _logged(2, nan_at=1), "pairs, tb every 2": _logged(2, tensorboard_log_interval=2)}
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +101,16 @@ def test_a_skipped_iteration_is_left_out_of_the_loss_and_counted_in_its_interval
     assert nan_counts == [1, 0, 0, 0]  # per log interval, as Megatron-LM resets them at each line
     nan_counts = [int(line.split("number of nan iterations:")[1].split("|")[0]) for line in logged["nan pairs"]["lines"]]
     assert nan_counts == [1, 0]
+
+
+def test_tensorboard_gets_every_iterations_loss_lr_and_grad_norm_between_log_lines(logged):
+    # Megatron-LM's --tensorboard-log-interval (default 1): per-iteration scalars, not one per log line
+    every, pairs = logged["every"], logged["pairs"]
+    assert sorted(pairs["written"]) == [1, 2, 3, 4]  # log lines at 2 and 4 only
+    for iteration, values in pairs["written"].items():
+        assert values["lm loss"] == pytest.approx(dict(every["records"])[iteration], rel=1e-12, abs=0)
+        assert values["learning rate"] == every["lr"][iteration]
+        assert values["grad norm"] == pytest.approx(every["grad_norm"][iteration], rel=1e-12)
+    assert sorted(logged["pairs, tb every 2"]["written"]) == [2, 4]
+    nan = logged["nan pairs"]["written"]
+    assert "lm loss" not in nan[1] and "lm loss" in nan[2]  # a skipped update writes no loss, as Megatron-LM
