@@ -261,39 +261,53 @@ def saved_ffn_hidden_size(saved: dict[str, Any]) -> int | None:
     return int(64 * ((int(8 * args["hidden_size"] / 3) + 63) // 64))  # our default before 2026-11-23
 
 
-# OptimizerParamScheduler state -> (the flags that set it, how to show a value)
+# OptimizerParamScheduler state -> (the flags that set it, how to show a value, what it is)
 _SCHEDULE_FLAGS = {
-    "max_lr": ("--lr", None), "min_lr": ("--min-lr", None), "lr_decay_style": ("--lr-decay-style", None),
-    "lr_warmup_steps": ("--lr-warmup-iters/-samples/-fraction", "samples"),
-    "lr_decay_steps": ("--lr-decay-iters or --lr-decay-samples (default the run's length)", "samples"),
-    "start_wd": ("--weight-decay", None), "end_wd": ("--weight-decay", None),
-    "wd_incr_steps": ("--train-iters or --train-samples", "samples"), "wd_incr_style": ("weight-decay schedule", None),
-    "wsd_decay_steps": ("--lr-wsd-decay-iters or --lr-wsd-decay-samples", "samples"),
-    "lr_wsd_decay_style": ("--lr-wsd-decay-style", None),
+    "max_lr": ("--lr", None, "peak learning rate"), "min_lr": ("--min-lr", None, "minimum learning rate"),
+    "lr_decay_style": ("--lr-decay-style", None, "decay style"),
+    "lr_warmup_steps": ("--lr-warmup-iters/-samples/-fraction", "samples", "warm-up length"),
+    "lr_decay_steps": ("--lr-decay-iters or --lr-decay-samples (default the run's length)", "samples", "decay length"),
+    "start_wd": ("--weight-decay", None, "weight decay"), "end_wd": ("--weight-decay", None, "final weight decay"),
+    "wd_incr_steps": ("--train-iters or --train-samples", "samples", "weight-decay schedule length"),
+    "wd_incr_style": ("weight-decay schedule", None, "weight-decay schedule"),
+    "wsd_decay_steps": ("--lr-wsd-decay-iters or --lr-wsd-decay-samples", "samples", "WSD decay phase"),
+    "lr_wsd_decay_style": ("--lr-wsd-decay-style", None, "WSD decay style"),
 }
+_SCHEDULE_CHOICE = ("add --override-opt-param-scheduler to use this run's flags or "
+                    "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
 
 
 def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, global_batch_size: int) -> list[str]:
     """Schedule values this run's flags give that differ from the checkpoint's, unless
     --override-opt-param-scheduler or --use-checkpoint-opt-param-scheduler says which wins
     (megatron-core would assert without naming a flag; silently keeping the checkpoint's schedule
-    ran a longer --train-iters at learning rate 0)."""
-    c = cfg.checkpoint
+    ran a longer --train-iters at learning rate 0). A changed run length (the usual resume with a
+    larger --train-iters) is one line, though it moves two of the scheduler's values."""
+    c, t = cfg.checkpoint, cfg.training
     if c.override_opt_param_scheduler or c.use_checkpoint_opt_param_scheduler:
         return []
+    changed = [key for key in _SCHEDULE_FLAGS if key in saved and saved[key] != getattr(scheduler, key)]
+
+    def show(key: str, v, iterations: bool) -> str:  # the checkpoint's in samples: its batch size may differ
+        if _SCHEDULE_FLAGS[key][1] and isinstance(v, int):
+            return f"{v} samples" + (f" ({v // global_batch_size} iterations)" if iterations and global_batch_size else "")
+        return repr(v)
+
     out = []
-    for key, (flag, unit) in _SCHEDULE_FLAGS.items():
-        if key not in saved or saved[key] == getattr(scheduler, key):
-            continue
-
-        def show(v, iterations: bool):  # the checkpoint's in samples: its batch size may differ from this run's
-            if unit and isinstance(v, int):
-                return f"{v} samples" + (f" ({v // global_batch_size} iterations)" if iterations and global_batch_size else "")
-            return repr(v)
-
-        out.append(f"{flag}: the checkpoint's schedule has {key} = {show(saved[key], False)}, this run's flags give "
-                   f"{show(getattr(scheduler, key), True)}; add --override-opt-param-scheduler to use this run's "
-                   f"flags or --use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+    decay_given = t.lr_decay_iters is not None or t.lr_decay_samples is not None
+    if {"lr_decay_steps", "wd_incr_steps"} <= set(changed) and not decay_given:
+        changed = [key for key in changed if key not in ("lr_decay_steps", "wd_incr_steps")]
+        out.append(
+            f"--train-iters or --train-samples: the checkpoint's schedule runs over "
+            f"{show('wd_incr_steps', saved['wd_incr_steps'], False)}, this run's over "
+            f"{show('wd_incr_steps', scheduler.wd_incr_steps, True)} (the decay length follows the run's length "
+            f"without --lr-decay-iters/-samples); add --override-opt-param-scheduler to stretch the schedule to "
+            f"this run's length, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's (past its end the "
+            f"learning rate stays at --min-lr)")
+    for key in changed:
+        flag, _, label = _SCHEDULE_FLAGS[key]
+        out.append(f"{flag}: the checkpoint's {label} is {show(key, saved[key], False)}, this run's flags give "
+                   f"{show(key, getattr(scheduler, key), True)}; {_SCHEDULE_CHOICE}")
     return out
 
 

@@ -127,11 +127,20 @@ def _scheduler(**values):
 
 def test_changed_schedule_flags_on_resume_name_both_values():
     saved = vars(_scheduler())
-    problems = check_scheduler_flags(saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600), _cfg(), 8)
+    # a longer --train-iters (no --lr-decay-iters): one line naming the run's length, not two
+    # naming megatron-core's lr_decay_steps and wd_incr_steps
+    (problem,) = check_scheduler_flags(saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600), _cfg(), 8)
     # the checkpoint's in samples only: its global batch size may not be this run's
-    assert any("--lr-decay-iters" in p and "has lr_decay_steps = 800 samples," in p
-               and "give 1600 samples (200 iterations)" in p for p in problems), problems
-    assert any("--override-opt-param-scheduler" in p for p in problems)
+    assert problem.startswith("--train-iters or --train-samples: the checkpoint's schedule runs over 800 samples, "
+                              "this run's over 1600 samples (200 iterations)"), problem
+    assert "--override-opt-param-scheduler" in problem and "_steps" not in problem
+    # with --lr-decay-iters given, the decay length is that flag's
+    problems = check_scheduler_flags(saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600),
+                                     _cfg(lr_decay_iters=200), 8)
+    assert any(p.startswith("--lr-decay-iters or --lr-decay-samples (default the run's length): the checkpoint's "
+                            "decay length is 800 samples, this run's flags give 1600 samples (200 iterations)")
+               for p in problems), problems
+    assert any("weight-decay schedule length is 800 samples" in p for p in problems), problems
     assert any("--lr: " in p for p in check_scheduler_flags(saved, _scheduler(max_lr=1e-3), _cfg(), 8))
     assert check_scheduler_flags(saved, _scheduler(), _cfg(), 8) == []
     for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
