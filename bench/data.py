@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rounds - args.warmup < 5:
         p.error("need at least 5 measured rounds (--rounds - --warmup >= 5)")
+    if args.wait_steps < 5:  # the first 2 are dropped, and a median wants at least 3
+        p.error(f"--wait-steps {args.wait_steps}: need at least 5 (the first 2 steps are dropped)")
     return args
 
 
