@@ -9,8 +9,10 @@ barrier; without a process group it simply builds. Each sample is a window of
 """
 
 import contextlib
+import logging
 import math
 import os
+import warnings
 from typing import Callable, Optional, Sequence
 
 from megatron_ext.config import ConfigError
@@ -258,7 +260,8 @@ def build_with_cache_check(builder, path_to_cache: Optional[str]):
     """``builder.build()``; megatron-core's failure to write its index cache (beside the data unless
     --data-cache-path: a read-only dataset directory) becomes one error naming the flag."""
     try:
-        return builder.build()
+        with _quiet_expected_messages(builder.config.tokenizer):
+            return builder.build()
     except OSError as exc:  # one process: megatron-core's own OSError, unwrapped
         if str(exc.filename or "").endswith((".bin", ".idx")):
             raise
@@ -270,6 +273,29 @@ def build_with_cache_check(builder, path_to_cache: Optional[str]):
     where = f"--data-cache-path {path_to_cache}" if path_to_cache else "the cache directory beside the data"
     raise ConfigError([f"cannot write megatron-core's dataset index cache to {where} ({cause}): give "
                        f"--data-cache-path a writable directory (e.g. on local disk)"]) from None
+
+
+class _DropMockCacheNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to save MockGPTDataset indexes" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_expected_messages(tokenizer):
+    """megatron-core's dataset build without two messages that are expected here, once per split
+    and rank: ``MockGPTDataset`` has no index cache to save (--mock-data), and "the pad token id
+    collides with another special token" when pad is EOD, which our tokenizers without a pad
+    piece choose (megatron-core then masks no pad id, as wanted: EOD stays a trained token)."""
+    dataset_logger = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    drop = _DropMockCacheNotice()
+    dataset_logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            if getattr(tokenizer, "pad", None) is not None and tokenizer.pad == getattr(tokenizer, "eod", None):
+                warnings.filterwarnings("ignore", message=".*pad token id in the tokenizer collides.*")
+            yield
+    finally:
+        dataset_logger.removeFilter(drop)
 
 
 class EodBoundaryDataset:

@@ -176,3 +176,19 @@ def test_the_window_line_says_how_many_epochs_the_run_reads(tokenizer, tmp_path)
     line = describe_windows(train, SEQ)
     assert f"over {len(train.indices)} documents ({tokens:,} tokens)" in line, line
     assert f"this run reads 2000 samples, {2000 * SEQ / tokens:.2f} epochs" in line, line
+
+
+def test_mock_data_builds_without_megatron_cores_expected_noise(caplog):
+    # without a cache path MockGPTDataset logged "Unable to save ... indexes" per split, and pad = EOD
+    # (NullTokenizer's, our tokenizers' without a pad piece) warned of a pad collision per split
+    import logging
+    import warnings
+
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=500)
+    assert tokenizer.pad == tokenizer.eod
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.DEBUG):
+        warnings.simplefilter("always")
+        build_gpt_datasets(tokenizer, SEQ, [30, 5, 5], mock_data=True)
+    assert not [w for w in caught if "pad token id" in str(w.message)], [str(w.message) for w in caught]
+    assert "Unable to save" not in caplog.text
+    assert "MockGPTDataset" in caplog.text  # megatron-core's other messages still pass
