@@ -51,9 +51,12 @@ GPT_1_3B = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_len
 LLAMA_24x2048 = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
                      normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                      group_query_attention=True, num_query_groups=4, disable_bias_linear=True,
-                     untie_embeddings_and_output_weights=True)
+                     untie_embeddings_and_output_weights=True,
+                     # pinned: the width the figures of earlier sessions were measured at (the
+                     # --swiglu default was then 8h/3 rounded up to 64; it is now Megatron-LM's, 5440)
+                     ffn_hidden_size=5504)
 VOCAB = 50257
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128)
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, ffn_hidden_size=None)
 DEVICE = torch.device("cuda", 0)  # --device cpu: a smoke run of the code paths on a CPU (tiny shapes)
 
 

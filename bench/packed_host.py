@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     stand_in_kernels()
     throughput.VOCAB, throughput.RandomRows, throughput.RandomPacks = VOCAB, _Rows, _Packs
     throughput.PREFETCH = False  # the step's own thread only
-    shape = dict(throughput.LLAMA_24x2048, num_layers=args.layers, hidden_size=args.hidden,
+    shape = dict(throughput.LLAMA_24x2048, num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=None,
                  num_attention_heads=4, num_query_groups=2, seq_length=args.seq)
     unpacked = throughput.Ours(shape, 1)
     sides = {"unpacked": unpacked, "packed": throughput.Ours(shape, 1, packed=True, beside=unpacked)}
