@@ -335,6 +335,39 @@ def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
     return vpp if vpp is not None and vpp > 1 else None
 
 
+def get_chunk_layer_counts(cfg: JobConfig) -> list[int] | None:
+    """Transformer layers of each model chunk, (pipeline rank, virtual stage) in order, as
+    megatron-core's ``get_num_layers_to_build`` splits them (even, first/last or accounted
+    splits); None when the layout flags do not split the layers (reported by ``_check_layout``)."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp, v = p.pipeline_model_parallel_size, get_virtual_pipeline_size(cfg) or 1
+    if pp <= 0 or layers <= 0:
+        return None
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    emb, loss = bool(p.account_for_embedding_in_pipeline_split), bool(p.account_for_loss_in_pipeline_split)
+    if first is not None or last is not None:
+        middle_layers = layers - (first or 0) - (last or 0)
+        middle_stages = pp - (first is not None) - (last is not None)
+        if middle_layers < 0 or (middle_stages > 0 and middle_layers % middle_stages):
+            return None
+        per_stage = [middle_layers // middle_stages if middle_stages > 0 else 0] * pp
+        if first is not None:
+            per_stage[0] = first
+        if last is not None:
+            per_stage[-1] = last
+    else:
+        units = layers + emb + loss
+        if units % pp:
+            return None
+        per_stage = [units // pp] * pp
+    if any(n % v for n in per_stage):
+        return None
+    counts = [n // v for n in per_stage for _ in range(v)]
+    counts[0] -= emb  # the embedding and the loss counted as layers take a layer's place
+    counts[-1] -= loss
+    return counts if min(counts) >= 0 else None
+
+
 def get_global_batch_size(cfg: JobConfig, world_size: int) -> int:
     t = cfg.training
     return t.global_batch_size or t.micro_batch_size * get_data_parallel_size(cfg, world_size)
@@ -711,6 +744,7 @@ def _check_recompute(cfg: JobConfig) -> list[str]:
     granularity = m.recompute_granularity or ("selective" if m.recompute_activations else None)
     full_flags = m.recompute_method is not None or m.recompute_num_layers is not None
     if granularity == "full":
+        reported = len(out)
         if m.recompute_method is None or m.recompute_num_layers is None:
             out.append("--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N")
         elif pp > 0 and m.num_layers % pp == 0 and not uses_uneven_split(cfg):
@@ -718,6 +752,18 @@ def _check_recompute(cfg: JobConfig) -> list[str]:
             if not 1 <= m.recompute_num_layers <= per_stage:
                 out.append(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the {per_stage} "
                            f"layers of a pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
+        if (m.recompute_method == "uniform" and m.recompute_num_layers is not None and m.recompute_num_layers > 0
+                and len(out) == reported):
+            # megatron-core checkpoints layers [i, i + N) of each model chunk and indexes past its last
+            # layer (IndexError mid-forward) when N does not divide the chunk's layers
+            counts = get_chunk_layer_counts(cfg)
+            bad = sorted({c for c in counts or [] if c % m.recompute_num_layers})
+            if bad:
+                sizes = sorted(set(counts))
+                out.append(f"--recompute-method uniform: --recompute-num-layers {m.recompute_num_layers} must divide the "
+                           f"layers of every model chunk (a pipeline stage, or a virtual stage with interleaving), "
+                           f"which hold {', '.join(map(str, sizes))} layers here (megatron-core would index past a "
+                           f"chunk's last layer): use a divisor of {math.gcd(*counts)}, or --recompute-method block")
         if m.recompute_modules:
             out.append("--recompute-modules applies to --recompute-granularity selective, not full")
     elif full_flags:

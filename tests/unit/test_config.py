@@ -235,6 +235,36 @@ def test_recompute_flags_are_checked(values, needle):
     assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)
 
 
+UNIFORM = dict(recompute_granularity="full", recompute_method="uniform")
+
+
+@pytest.mark.parametrize("world, values, needle", [
+    # megatron-core indexes past the chunk's last layer (IndexError mid-forward) without these
+    (1, dict(num_layers=4, recompute_num_layers=3), "--recompute-method uniform: --recompute-num-layers 3 must divide the "
+                                                    "layers of every model chunk"),
+    (2, dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
+             recompute_num_layers=4), "use a divisor of 2, or --recompute-method block"),
+    (2, dict(num_layers=5, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1,
+             recompute_num_layers=2), "which hold 1, 4 layers here"),
+    (4, dict(num_layers=7, pipeline_model_parallel_size=4, account_for_embedding_in_pipeline_split=True,
+             recompute_num_layers=2), "which hold 1, 2 layers here"),
+])
+def test_uniform_recompute_groups_must_divide_each_chunk(world, values, needle):
+    problems = _problems(world, global_batch_size=8, **UNIFORM, **values)
+    assert any(needle in p for p in problems), problems
+
+
+@pytest.mark.parametrize("world, values", [
+    (1, dict(num_layers=4, recompute_num_layers=2)),
+    (2, dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
+             recompute_num_layers=2)),
+    (4, dict(num_layers=7, pipeline_model_parallel_size=4, account_for_embedding_in_pipeline_split=True,
+             recompute_num_layers=1)),
+])
+def test_uniform_recompute_groups_that_divide_each_chunk_pass(world, values):
+    validate(build_job_config({**MOCK, "global_batch_size": 8, **UNIFORM, **values}), world)
+
+
 def test_recompute_activations_is_selective_core_attention():
     from megatron_ext.config import get_recompute
 
