@@ -721,6 +721,19 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
                 f"--seq-length {m.seq_length} exceeds --max-position-embeddings {max_pos}: raise "
                 f"--max-position-embeddings or use --position-embedding-type rope"
             )
+    if m.position_embedding_type == "rope":
+        if not 0.0 < m.rotary_percent <= 1.0:
+            # megatron-core rotates the whole head above 1 (silently 1.0) and nothing at 0
+            out.append(f"--rotary-percent must be in (0, 1] (the fraction of each head's dimensions RoPE rotates), "
+                       f"got {m.rotary_percent}")
+        elif m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
+            head = m.hidden_size // m.num_attention_heads
+            if head % 2 and int(head * m.rotary_percent) == head:
+                # megatron-core builds ceil(d / 2) frequency pairs: d + 1 rotated dimensions, a shape error
+                # mid-forward
+                out.append(f"--position-embedding-type rope rotates dimension pairs, but the head dimension "
+                           f"(--hidden-size {m.hidden_size} / --num-attention-heads {m.num_attention_heads}) "
+                           f"is {head}, odd: choose an even head dimension (or --rotary-percent below 1)")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         out.append("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")
     if m.use_rope_scaling and not m.rope_scaling_factor > 0:

@@ -235,6 +235,28 @@ def test_recompute_flags_are_checked(values, needle):
     assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)
 
 
+ROPE = dict(position_embedding_type="rope")
+
+
+@pytest.mark.parametrize("values, needle", [
+    # megatron-core: a shape error mid-forward (15 dimensions against 16 rotated)
+    (dict(hidden_size=60, num_attention_heads=4), "the head dimension (--hidden-size 60 / --num-attention-heads 4) is 15, odd"),
+    # above 1 megatron-core silently rotates the whole head; 0 rotates nothing
+    (dict(rotary_percent=1.5), "--rotary-percent must be in (0, 1]"),
+    (dict(rotary_percent=0.0), "--rotary-percent must be in (0, 1]"),
+])
+def test_rope_shapes_are_checked(values, needle):
+    problems = _problems(1, **ROPE, **values)
+    assert any(needle in p for p in problems), problems
+
+
+@pytest.mark.parametrize("values", [dict(hidden_size=64, num_attention_heads=4, rotary_percent=0.5),
+                                    dict(hidden_size=60, num_attention_heads=4, rotary_percent=0.5),
+                                    dict(hidden_size=60, num_attention_heads=4, position_embedding_type="learned_absolute")])
+def test_rope_shapes_that_work_pass(values):
+    validate(build_job_config({**MOCK, **ROPE, **values}), 1)
+
+
 UNIFORM = dict(recompute_granularity="full", recompute_method="uniform")
 
 
