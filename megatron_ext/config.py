@@ -133,7 +133,7 @@ class TrainingConfig:
     train_iters: int | None = _f(None, f"Training steps (default {DEFAULT_TRAIN_ITERS} unless --train-samples).")
     train_samples: int | None = _f(None, "Run length in samples instead of --train-iters (Megatron-LM): steps = samples // global batch, and the LR/WD schedule is given in samples (--lr-warmup-samples, --lr-decay-samples, --lr-wsd-decay-samples).")
     seed: int = _f(1234, "Random seed (initial weights depend only on it and each parameter's name and shape).")
-    optimizer: str = _f("adam", "adam (AdamW, decoupled weight decay) or sgd.", choices=["adam", "sgd"])
+    optimizer: str = _f("adam", "adam (AdamW, decoupled weight decay) or sgd (not with --use-distributed-optimizer, which shards Adam only).", choices=["adam", "sgd"])
     lr: float = _f(3e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Learning rate at the end of the decay.")
     lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
@@ -1020,6 +1020,10 @@ def get_data_blends(cfg: JobConfig):
 def _check_overlap(cfg: JobConfig) -> list[str]:
     p = cfg.parallel
     out = []
+    if p.use_distributed_optimizer and cfg.training.optimizer != "adam":
+        # megatron-core asserts it in DistributedOptimizer.__init__, after the model is built
+        out.append(f"--optimizer {cfg.training.optimizer} with --use-distributed-optimizer: megatron-core 0.16.1's "
+                   f"distributed optimizer shards Adam only: use --optimizer adam or drop --use-distributed-optimizer")
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         out.append("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
     if p.ddp_bucket_size is not None and p.ddp_bucket_size <= 0:

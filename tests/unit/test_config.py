@@ -341,6 +341,8 @@ def test_profiling_flags_are_checked(values, needle):
     (dict(overlap_param_gather=True, overlap_grad_reduce=True), "--overlap-param-gather needs --use-distributed-optimizer"),
     (dict(ddp_bucket_size=1000), "--ddp-bucket-size 1000 has no effect without --overlap-grad-reduce"),
     (dict(ddp_bucket_size=0, overlap_grad_reduce=True), "--ddp-bucket-size 0 must be a positive number"),
+    # megatron-core: an AssertionError traceback from DistributedOptimizer after the model is built
+    (dict(optimizer="sgd", use_distributed_optimizer=True), "--optimizer sgd with --use-distributed-optimizer"),
 ])
 def test_overlap_flags_are_checked(values, needle):
     assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)
