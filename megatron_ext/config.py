@@ -711,9 +711,15 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
     if ffn is None and m.swiglu and m.hidden_size > 0:
         from megatron_ext.model.gpt import resolve_ffn_hidden_size
 
-        if resolve_ffn_hidden_size(None, m.hidden_size, True) == 0:
-            out.append(f"--swiglu with --hidden-size {m.hidden_size}: the default --ffn-hidden-size (2/3 of 4 x hidden, "
-                       f"rounded down to a multiple of 64, as Megatron-LM) is 0; give --ffn-hidden-size")
+        default = resolve_ffn_hidden_size(None, m.hidden_size, True)
+        what = (f"--swiglu with --hidden-size {m.hidden_size}: the default --ffn-hidden-size (2/3 of 4 x hidden, "
+                f"rounded down to a multiple of 64, as Megatron-LM) is {default}")
+        if default == 0:
+            out.append(f"{what}; give --ffn-hidden-size")
+        elif tp > 0 and default % tp:
+            # megatron-core: an AssertionError traceback from ColumnParallelLinear while building the MLP
+            out.append(f"{what}, not divisible by --tensor-model-parallel-size {tp}: give --ffn-hidden-size, a "
+                       f"multiple of {tp}")
     if m.position_embedding_type == "learned_absolute":
         max_pos = m.max_position_embeddings or m.seq_length
         if max_pos < m.seq_length:

@@ -257,6 +257,17 @@ def test_rope_shapes_that_work_pass(values):
     validate(build_job_config({**MOCK, **ROPE, **values}), 1)
 
 
+def test_swiglu_default_ffn_must_split_over_tp():
+    # megatron-core: "512 is not divisible by 3" (AssertionError) while building ColumnParallelLinear
+    values = dict(tensor_model_parallel_size=3, hidden_size=96, num_attention_heads=6, swiglu=True,
+                  make_vocab_size_divisible_by=96)
+    problems = _problems(3, **values)
+    assert any("the default --ffn-hidden-size (2/3 of 4 x hidden, rounded down to a multiple of 64, as Megatron-LM) "
+               "is 256, not divisible by --tensor-model-parallel-size 3: give --ffn-hidden-size" in p
+               for p in problems), problems
+    validate(build_job_config({**MOCK, **values, "ffn_hidden_size": 258}), 3)
+
+
 UNIFORM = dict(recompute_granularity="full", recompute_method="uniform")
 
 
