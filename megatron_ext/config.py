@@ -542,6 +542,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_schedule(cfg)
         + _check_data(cfg)
         + _check_device(cfg, cuda)
+        + _check_loss_scaling(cfg)
     )
     if problems:
         raise ConfigError(problems)
@@ -575,6 +576,25 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(t, name) < 1.0:
             out.append(f"{_flag(name)} must be in [0, 1), got {getattr(t, name)}")
+    return out
+
+
+def _check_loss_scaling(cfg: JobConfig) -> list[str]:
+    """--fp16's loss-scale flags, which megatron-core's grad scalers assert on (an AssertionError
+    with no message after the model is built); without --fp16 they are ignored with a notice."""
+    t = cfg.training
+    if not t.fp16:
+        return []
+    if t.loss_scale is not None:
+        if not t.loss_scale > 0:  # megatron-core reads 0 as "dynamic", below 0 it asserts
+            return [f"--loss-scale must be > 0, got {t.loss_scale} (leave it out for dynamic loss scaling)"]
+        return []
+    out = [f"{_flag(name)} must be > 0, got {getattr(t, name)}"
+           for name in ("initial_loss_scale", "min_loss_scale") if not getattr(t, name) > 0]
+    if not out and t.min_loss_scale > t.initial_loss_scale:
+        out.append(f"--min-loss-scale {t.min_loss_scale} is larger than --initial-loss-scale {t.initial_loss_scale}")
+    out += [f"{_flag(name)} must be a positive integer, got {getattr(t, name)}"
+            for name in ("loss_scale_window", "hysteresis") if not getattr(t, name) > 0]
     return out
 
 

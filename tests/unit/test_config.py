@@ -268,6 +268,26 @@ def test_swiglu_default_ffn_must_split_over_tp():
     validate(build_job_config({**MOCK, **values, "ffn_hidden_size": 258}), 3)
 
 
+@pytest.mark.parametrize("values, needle", [
+    # each an AssertionError without a message from megatron-core's grad scalers
+    (dict(loss_scale=-1.0), "--loss-scale must be > 0, got -1.0 (leave it out for dynamic loss scaling)"),
+    (dict(loss_scale=0.0), "--loss-scale must be > 0, got 0.0"),  # megatron-core: silently dynamic
+    (dict(initial_loss_scale=0.0), "--initial-loss-scale must be > 0, got 0.0"),
+    (dict(min_loss_scale=0.0), "--min-loss-scale must be > 0, got 0.0"),
+    (dict(min_loss_scale=8.0, initial_loss_scale=4.0), "--min-loss-scale 8.0 is larger than --initial-loss-scale 4.0"),
+    (dict(loss_scale_window=0), "--loss-scale-window must be a positive integer, got 0"),
+    (dict(hysteresis=0), "--hysteresis must be a positive integer, got 0"),
+])
+def test_fp16_loss_scaling_flags_are_checked(values, needle):
+    problems = _problems(1, fp16=True, **values)
+    assert any(needle in p for p in problems), problems
+
+
+def test_loss_scaling_flags_outside_their_use_pass():
+    validate(build_job_config({**MOCK, "fp16": True, "loss_scale": 128.0, "hysteresis": 0}), 1)  # static: unused
+    validate(build_job_config({**MOCK, "bf16": True, "loss_scale": -1.0}), 1)  # ignored with a notice
+
+
 UNIFORM = dict(recompute_granularity="full", recompute_method="uniform")
 
 
