@@ -560,6 +560,8 @@ def _check_positive(cfg: JobConfig) -> list[str]:
         ("hidden_size", m), ("num_attention_heads", m), ("seq_length", m), ("micro_batch_size", t),
         ("log_interval", cfg.logging), ("tensorboard_log_interval", cfg.logging), ("make_vocab_size_divisible_by", m),
         ("pad_to_multiple_of", d), ("max_nan_iterations", t),
+        ("distributed_timeout_minutes", p),  # 0: torch's process-group creation times out at once
+        ("rotary_base", m),  # 0 or below: NaN RoPE frequencies, a NaN loss from the first step
     ]
     optional_sizes = [("global_batch_size", t), ("ffn_hidden_size", m), ("num_query_groups", m),
                       ("max_position_embeddings", m), ("lr_decay_iters", t), ("vocab_size", d), ("train_iters", t),

@@ -206,6 +206,11 @@ def test_help_lists_every_flag_with_its_text(capsys):
     (dict(lr=-1.0, min_lr=-2.0), "--lr must be a number >= 0, got -1.0"),
     (dict(weight_decay=-0.1), "--weight-decay must be a number >= 0"),
     (dict(adam_beta2=1.0), "--adam-beta2 must be in [0, 1)"),
+    # torch: "DistStoreError: wait timeout after 0ms" creating megatron-core's process groups
+    (dict(distributed_timeout_minutes=0), "--distributed-timeout-minutes must be a positive integer, got 0"),
+    # NaN RoPE frequencies: a NaN loss from the first step, naming no flag
+    (dict(position_embedding_type="rope", rotary_base=0), "--rotary-base must be a positive integer, got 0"),
+    (dict(position_embedding_type="rope", rotary_base=-10), "--rotary-base must be a positive integer, got -10"),
 ])
 def test_sizes_and_rates_are_checked_with_the_other_problems(values, needle):
     problems = _problems(1, **values)
