@@ -508,6 +508,11 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
         p.sequence_parallel = False  # Megatron-LM: sequence parallelism is off without TP
         notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
                      "and --tensor-model-parallel-size is 1 (Megatron-LM turns it off too)")
+    m = cfg.model
+    if m.num_query_groups is not None and not m.group_query_attention:
+        notes.append(f"--num-query-groups {m.num_query_groups}: ignored without --group-query-attention, every "
+                     f"attention head keeps its own key/value head (as in Megatron-LM); add --group-query-attention "
+                     f"for grouped-query attention")
     if t.eval_interval and t.eval_iters == 0:
         t.eval_interval = 0  # Megatron-LM: no validation without validation batches
         notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")

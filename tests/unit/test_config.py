@@ -452,6 +452,19 @@ def test_settings_megatron_lm_adjusts_are_adjusted_with_a_notice():
     assert notes == ["--exit-interval without --save: the run stops there without saving a checkpoint"], notes
 
 
+def test_query_groups_without_group_query_attention_get_a_notice():
+    from megatron_ext.arguments import parse_args_with_notes
+
+    # Megatron-LM builds plain multi-head attention then: say so rather than train it silently
+    cfg, notes = parse_args_with_notes(["--num-query-groups", "2"])
+    assert cfg.model.group_query_attention is False
+    assert notes == ["--num-query-groups 2: ignored without --group-query-attention, every attention head keeps "
+                     "its own key/value head (as in Megatron-LM); add --group-query-attention for grouped-query "
+                     "attention"], notes
+    _, notes = parse_args_with_notes(["--num-query-groups", "2", "--group-query-attention"])
+    assert notes == [], notes
+
+
 @pytest.mark.parametrize("seed", [-1, 2 ** 32])
 def test_seed_outside_numpys_range_is_refused_up_front(seed):
     assert any("--seed must be in [0, 2**32 - 1]" in p for p in _problems(1, seed=seed))
