@@ -536,3 +536,38 @@ def test_one_virtual_stage_per_rank_is_no_interleaving():
     cfg = build_job_config({**MOCK, "num_layers": 4, "pipeline_model_parallel_size": 2,
                             "num_virtual_stages_per_pipeline_rank": 1, "global_batch_size": 8})
     assert get_virtual_pipeline_size(cfg) is None
+
+
+def test_chunk_layer_counts_equal_megatron_cores_split():
+    """get_chunk_layer_counts (which the uniform-recompute rule reads) splits every layout that
+    validation accepts as megatron-core's get_num_layers_to_build does."""
+    import itertools
+    import types
+
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megatron_ext.config import get_chunk_layer_counts
+
+    compared = 0
+    for layers, pp, vps, first, last, emb, loss in itertools.product(
+            range(1, 9), [2, 3, 4], [None, 2], [None, 1, 2], [None, 1, 4], [False, True], [False, True]):
+        values = dict(num_layers=layers, pipeline_model_parallel_size=pp, num_virtual_stages_per_pipeline_rank=vps,
+                      decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
+                      account_for_embedding_in_pipeline_split=emb, account_for_loss_in_pipeline_split=loss,
+                      global_batch_size=12)
+        cfg = build_job_config({**MOCK, **values})
+        try:
+            validate(cfg, pp)
+        except ConfigError:
+            continue
+        vp = get_virtual_pipeline_size(cfg)
+        tf = types.SimpleNamespace(
+            pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=first,
+            num_layers_in_last_pipeline_stage=last, account_for_embedding_in_pipeline_split=emb,
+            account_for_loss_in_pipeline_split=loss, num_layers=layers, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp)
+        theirs = [get_num_layers_to_build(tf, vp_stage=s if vp else None, pp_rank=r)
+                  for r in range(pp) for s in range(vp or 1)]
+        assert get_chunk_layer_counts(cfg) == theirs, values
+        compared += 1
+    assert compared > 80
