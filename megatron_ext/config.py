@@ -133,7 +133,7 @@ class TrainingConfig:
     train_iters: int | None = _f(None, f"Training steps (default {DEFAULT_TRAIN_ITERS} unless --train-samples).")
     train_samples: int | None = _f(None, "Run length in samples instead of --train-iters (Megatron-LM): steps = samples // global batch, and the LR/WD schedule is given in samples (--lr-warmup-samples, --lr-decay-samples, --lr-wsd-decay-samples).")
     seed: int = _f(1234, "Random seed (initial weights depend only on it and each parameter's name and shape).")
-    optimizer: str = _f("adam", "adam (AdamW, decoupled weight decay) or sgd.", choices=["adam", "sgd"])
+    optimizer: str = _f("adam", "adam (AdamW, decoupled weight decay) or sgd (not with --use-distributed-optimizer, which shards Adam only).", choices=["adam", "sgd"])
     lr: float = _f(3e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Learning rate at the end of the decay.")
     lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
@@ -335,6 +335,39 @@ def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
     return vpp if vpp is not None and vpp > 1 else None
 
 
+def get_chunk_layer_counts(cfg: JobConfig) -> list[int] | None:
+    """Transformer layers of each model chunk, (pipeline rank, virtual stage) in order, as
+    megatron-core's ``get_num_layers_to_build`` splits them (even, first/last or accounted
+    splits); None when the layout flags do not split the layers (reported by ``_check_layout``)."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp, v = p.pipeline_model_parallel_size, get_virtual_pipeline_size(cfg) or 1
+    if pp <= 0 or layers <= 0:
+        return None
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    emb, loss = bool(p.account_for_embedding_in_pipeline_split), bool(p.account_for_loss_in_pipeline_split)
+    if first is not None or last is not None:
+        middle_layers = layers - (first or 0) - (last or 0)
+        middle_stages = pp - (first is not None) - (last is not None)
+        if middle_layers < 0 or (middle_stages > 0 and middle_layers % middle_stages):
+            return None
+        per_stage = [middle_layers // middle_stages if middle_stages > 0 else 0] * pp
+        if first is not None:
+            per_stage[0] = first
+        if last is not None:
+            per_stage[-1] = last
+    else:
+        units = layers + emb + loss
+        if units % pp:
+            return None
+        per_stage = [units // pp] * pp
+    if any(n % v for n in per_stage):
+        return None
+    counts = [n // v for n in per_stage for _ in range(v)]
+    counts[0] -= emb  # the embedding and the loss counted as layers take a layer's place
+    counts[-1] -= loss
+    return counts if min(counts) >= 0 else None
+
+
 def get_global_batch_size(cfg: JobConfig, world_size: int) -> int:
     t = cfg.training
     return t.global_batch_size or t.micro_batch_size * get_data_parallel_size(cfg, world_size)
@@ -475,6 +508,11 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
         p.sequence_parallel = False  # Megatron-LM: sequence parallelism is off without TP
         notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
                      "and --tensor-model-parallel-size is 1 (Megatron-LM turns it off too)")
+    m = cfg.model
+    if m.num_query_groups is not None and not m.group_query_attention:
+        notes.append(f"--num-query-groups {m.num_query_groups}: ignored without --group-query-attention, every "
+                     f"attention head keeps its own key/value head (as in Megatron-LM); add --group-query-attention "
+                     f"for grouped-query attention")
     if t.eval_interval and t.eval_iters == 0:
         t.eval_interval = 0  # Megatron-LM: no validation without validation batches
         notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
@@ -509,6 +547,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_schedule(cfg)
         + _check_data(cfg)
         + _check_device(cfg, cuda)
+        + _check_loss_scaling(cfg)
     )
     if problems:
         raise ConfigError(problems)
@@ -526,6 +565,8 @@ def _check_positive(cfg: JobConfig) -> list[str]:
         ("hidden_size", m), ("num_attention_heads", m), ("seq_length", m), ("micro_batch_size", t),
         ("log_interval", cfg.logging), ("tensorboard_log_interval", cfg.logging), ("make_vocab_size_divisible_by", m),
         ("pad_to_multiple_of", d), ("max_nan_iterations", t),
+        ("distributed_timeout_minutes", p),  # 0: torch's process-group creation times out at once
+        ("rotary_base", m),  # 0 or below: NaN RoPE frequencies, a NaN loss from the first step
     ]
     optional_sizes = [("global_batch_size", t), ("ffn_hidden_size", m), ("num_query_groups", m),
                       ("max_position_embeddings", m), ("lr_decay_iters", t), ("vocab_size", d), ("train_iters", t),
@@ -542,6 +583,25 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(t, name) < 1.0:
             out.append(f"{_flag(name)} must be in [0, 1), got {getattr(t, name)}")
+    return out
+
+
+def _check_loss_scaling(cfg: JobConfig) -> list[str]:
+    """--fp16's loss-scale flags, which megatron-core's grad scalers assert on (an AssertionError
+    with no message after the model is built); without --fp16 they are ignored with a notice."""
+    t = cfg.training
+    if not t.fp16:
+        return []
+    if t.loss_scale is not None:
+        if not t.loss_scale > 0:  # megatron-core reads 0 as "dynamic", below 0 it asserts
+            return [f"--loss-scale must be > 0, got {t.loss_scale} (leave it out for dynamic loss scaling)"]
+        return []
+    out = [f"{_flag(name)} must be > 0, got {getattr(t, name)}"
+           for name in ("initial_loss_scale", "min_loss_scale") if not getattr(t, name) > 0]
+    if not out and t.min_loss_scale > t.initial_loss_scale:
+        out.append(f"--min-loss-scale {t.min_loss_scale} is larger than --initial-loss-scale {t.initial_loss_scale}")
+    out += [f"{_flag(name)} must be a positive integer, got {getattr(t, name)}"
+            for name in ("loss_scale_window", "hysteresis") if not getattr(t, name) > 0]
     return out
 
 
@@ -678,9 +738,15 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
     if ffn is None and m.swiglu and m.hidden_size > 0:
         from megatron_ext.model.gpt import resolve_ffn_hidden_size
 
-        if resolve_ffn_hidden_size(None, m.hidden_size, True) == 0:
-            out.append(f"--swiglu with --hidden-size {m.hidden_size}: the default --ffn-hidden-size (2/3 of 4 x hidden, "
-                       f"rounded down to a multiple of 64, as Megatron-LM) is 0; give --ffn-hidden-size")
+        default = resolve_ffn_hidden_size(None, m.hidden_size, True)
+        what = (f"--swiglu with --hidden-size {m.hidden_size}: the default --ffn-hidden-size (2/3 of 4 x hidden, "
+                f"rounded down to a multiple of 64, as Megatron-LM) is {default}")
+        if default == 0:
+            out.append(f"{what}; give --ffn-hidden-size")
+        elif tp > 0 and default % tp:
+            # megatron-core: an AssertionError traceback from ColumnParallelLinear while building the MLP
+            out.append(f"{what}, not divisible by --tensor-model-parallel-size {tp}: give --ffn-hidden-size, a "
+                       f"multiple of {tp}")
     if m.position_embedding_type == "learned_absolute":
         max_pos = m.max_position_embeddings or m.seq_length
         if max_pos < m.seq_length:
@@ -688,6 +754,19 @@ def _check_model(cfg: JobConfig, world_size: int) -> list[str]:
                 f"--seq-length {m.seq_length} exceeds --max-position-embeddings {max_pos}: raise "
                 f"--max-position-embeddings or use --position-embedding-type rope"
             )
+    if m.position_embedding_type == "rope":
+        if not 0.0 < m.rotary_percent <= 1.0:
+            # megatron-core rotates the whole head above 1 (silently 1.0) and nothing at 0
+            out.append(f"--rotary-percent must be in (0, 1] (the fraction of each head's dimensions RoPE rotates), "
+                       f"got {m.rotary_percent}")
+        elif m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
+            head = m.hidden_size // m.num_attention_heads
+            if head % 2 and int(head * m.rotary_percent) == head:
+                # megatron-core builds ceil(d / 2) frequency pairs: d + 1 rotated dimensions, a shape error
+                # mid-forward
+                out.append(f"--position-embedding-type rope rotates dimension pairs, but the head dimension "
+                           f"(--hidden-size {m.hidden_size} / --num-attention-heads {m.num_attention_heads}) "
+                           f"is {head}, odd: choose an even head dimension (or --rotary-percent below 1)")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         out.append("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")
     if m.use_rope_scaling and not m.rope_scaling_factor > 0:
@@ -711,6 +790,7 @@ def _check_recompute(cfg: JobConfig) -> list[str]:
     granularity = m.recompute_granularity or ("selective" if m.recompute_activations else None)
     full_flags = m.recompute_method is not None or m.recompute_num_layers is not None
     if granularity == "full":
+        reported = len(out)
         if m.recompute_method is None or m.recompute_num_layers is None:
             out.append("--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N")
         elif pp > 0 and m.num_layers % pp == 0 and not uses_uneven_split(cfg):
@@ -718,6 +798,18 @@ def _check_recompute(cfg: JobConfig) -> list[str]:
             if not 1 <= m.recompute_num_layers <= per_stage:
                 out.append(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the {per_stage} "
                            f"layers of a pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
+        if (m.recompute_method == "uniform" and m.recompute_num_layers is not None and m.recompute_num_layers > 0
+                and len(out) == reported):
+            # megatron-core checkpoints layers [i, i + N) of each model chunk and indexes past its last
+            # layer (IndexError mid-forward) when N does not divide the chunk's layers
+            counts = get_chunk_layer_counts(cfg)
+            bad = sorted({c for c in counts or [] if c % m.recompute_num_layers})
+            if bad:
+                sizes = sorted(set(counts))
+                out.append(f"--recompute-method uniform: --recompute-num-layers {m.recompute_num_layers} must divide the "
+                           f"layers of every model chunk (a pipeline stage, or a virtual stage with interleaving), "
+                           f"which hold {', '.join(map(str, sizes))} layers here (megatron-core would index past a "
+                           f"chunk's last layer): use a divisor of {math.gcd(*counts)}, or --recompute-method block")
         if m.recompute_modules:
             out.append("--recompute-modules applies to --recompute-granularity selective, not full")
     elif full_flags:
@@ -961,6 +1053,10 @@ def get_data_blends(cfg: JobConfig):
 def _check_overlap(cfg: JobConfig) -> list[str]:
     p = cfg.parallel
     out = []
+    if p.use_distributed_optimizer and cfg.training.optimizer != "adam":
+        # megatron-core asserts it in DistributedOptimizer.__init__, after the model is built
+        out.append(f"--optimizer {cfg.training.optimizer} with --use-distributed-optimizer: megatron-core 0.16.1's "
+                   f"distributed optimizer shards Adam only: use --optimizer adam or drop --use-distributed-optimizer")
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         out.append("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
     if p.ddp_bucket_size is not None and p.ddp_bucket_size <= 0:

@@ -206,6 +206,11 @@ def test_help_lists_every_flag_with_its_text(capsys):
     (dict(lr=-1.0, min_lr=-2.0), "--lr must be a number >= 0, got -1.0"),
     (dict(weight_decay=-0.1), "--weight-decay must be a number >= 0"),
     (dict(adam_beta2=1.0), "--adam-beta2 must be in [0, 1)"),
+    # torch: "DistStoreError: wait timeout after 0ms" creating megatron-core's process groups
+    (dict(distributed_timeout_minutes=0), "--distributed-timeout-minutes must be a positive integer, got 0"),
+    # NaN RoPE frequencies: a NaN loss from the first step, naming no flag
+    (dict(position_embedding_type="rope", rotary_base=0), "--rotary-base must be a positive integer, got 0"),
+    (dict(position_embedding_type="rope", rotary_base=-10), "--rotary-base must be a positive integer, got -10"),
 ])
 def test_sizes_and_rates_are_checked_with_the_other_problems(values, needle):
     problems = _problems(1, **values)
@@ -233,6 +238,89 @@ def test_zero_learning_rate_is_legitimate():
 ])
 def test_recompute_flags_are_checked(values, needle):
     assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)
+
+
+ROPE = dict(position_embedding_type="rope")
+
+
+@pytest.mark.parametrize("values, needle", [
+    # megatron-core: a shape error mid-forward (15 dimensions against 16 rotated)
+    (dict(hidden_size=60, num_attention_heads=4), "the head dimension (--hidden-size 60 / --num-attention-heads 4) is 15, odd"),
+    # above 1 megatron-core silently rotates the whole head; 0 rotates nothing
+    (dict(rotary_percent=1.5), "--rotary-percent must be in (0, 1]"),
+    (dict(rotary_percent=0.0), "--rotary-percent must be in (0, 1]"),
+])
+def test_rope_shapes_are_checked(values, needle):
+    problems = _problems(1, **ROPE, **values)
+    assert any(needle in p for p in problems), problems
+
+
+@pytest.mark.parametrize("values", [dict(hidden_size=64, num_attention_heads=4, rotary_percent=0.5),
+                                    dict(hidden_size=60, num_attention_heads=4, rotary_percent=0.5),
+                                    dict(hidden_size=60, num_attention_heads=4, position_embedding_type="learned_absolute")])
+def test_rope_shapes_that_work_pass(values):
+    validate(build_job_config({**MOCK, **ROPE, **values}), 1)
+
+
+def test_swiglu_default_ffn_must_split_over_tp():
+    # megatron-core: "512 is not divisible by 3" (AssertionError) while building ColumnParallelLinear
+    values = dict(tensor_model_parallel_size=3, hidden_size=96, num_attention_heads=6, swiglu=True,
+                  make_vocab_size_divisible_by=96)
+    problems = _problems(3, **values)
+    assert any("the default --ffn-hidden-size (2/3 of 4 x hidden, rounded down to a multiple of 64, as Megatron-LM) "
+               "is 256, not divisible by --tensor-model-parallel-size 3: give --ffn-hidden-size" in p
+               for p in problems), problems
+    validate(build_job_config({**MOCK, **values, "ffn_hidden_size": 258}), 3)
+
+
+@pytest.mark.parametrize("values, needle", [
+    # each an AssertionError without a message from megatron-core's grad scalers
+    (dict(loss_scale=-1.0), "--loss-scale must be > 0, got -1.0 (leave it out for dynamic loss scaling)"),
+    (dict(loss_scale=0.0), "--loss-scale must be > 0, got 0.0"),  # megatron-core: silently dynamic
+    (dict(initial_loss_scale=0.0), "--initial-loss-scale must be > 0, got 0.0"),
+    (dict(min_loss_scale=0.0), "--min-loss-scale must be > 0, got 0.0"),
+    (dict(min_loss_scale=8.0, initial_loss_scale=4.0), "--min-loss-scale 8.0 is larger than --initial-loss-scale 4.0"),
+    (dict(loss_scale_window=0), "--loss-scale-window must be a positive integer, got 0"),
+    (dict(hysteresis=0), "--hysteresis must be a positive integer, got 0"),
+])
+def test_fp16_loss_scaling_flags_are_checked(values, needle):
+    problems = _problems(1, fp16=True, **values)
+    assert any(needle in p for p in problems), problems
+
+
+def test_loss_scaling_flags_outside_their_use_pass():
+    validate(build_job_config({**MOCK, "fp16": True, "loss_scale": 128.0, "hysteresis": 0}), 1)  # static: unused
+    validate(build_job_config({**MOCK, "bf16": True, "loss_scale": -1.0}), 1)  # ignored with a notice
+
+
+UNIFORM = dict(recompute_granularity="full", recompute_method="uniform")
+
+
+@pytest.mark.parametrize("world, values, needle", [
+    # megatron-core indexes past the chunk's last layer (IndexError mid-forward) without these
+    (1, dict(num_layers=4, recompute_num_layers=3), "--recompute-method uniform: --recompute-num-layers 3 must divide the "
+                                                    "layers of every model chunk"),
+    (2, dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
+             recompute_num_layers=4), "use a divisor of 2, or --recompute-method block"),
+    (2, dict(num_layers=5, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1,
+             recompute_num_layers=2), "which hold 1, 4 layers here"),
+    (4, dict(num_layers=7, pipeline_model_parallel_size=4, account_for_embedding_in_pipeline_split=True,
+             recompute_num_layers=2), "which hold 1, 2 layers here"),
+])
+def test_uniform_recompute_groups_must_divide_each_chunk(world, values, needle):
+    problems = _problems(world, global_batch_size=8, **UNIFORM, **values)
+    assert any(needle in p for p in problems), problems
+
+
+@pytest.mark.parametrize("world, values", [
+    (1, dict(num_layers=4, recompute_num_layers=2)),
+    (2, dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
+             recompute_num_layers=2)),
+    (4, dict(num_layers=7, pipeline_model_parallel_size=4, account_for_embedding_in_pipeline_split=True,
+             recompute_num_layers=1)),
+])
+def test_uniform_recompute_groups_that_divide_each_chunk_pass(world, values):
+    validate(build_job_config({**MOCK, "global_batch_size": 8, **UNIFORM, **values}), world)
 
 
 def test_recompute_activations_is_selective_core_attention():
@@ -289,6 +377,8 @@ def test_profiling_flags_are_checked(values, needle):
     (dict(overlap_param_gather=True, overlap_grad_reduce=True), "--overlap-param-gather needs --use-distributed-optimizer"),
     (dict(ddp_bucket_size=1000), "--ddp-bucket-size 1000 has no effect without --overlap-grad-reduce"),
     (dict(ddp_bucket_size=0, overlap_grad_reduce=True), "--ddp-bucket-size 0 must be a positive number"),
+    # megatron-core: an AssertionError traceback from DistributedOptimizer after the model is built
+    (dict(optimizer="sgd", use_distributed_optimizer=True), "--optimizer sgd with --use-distributed-optimizer"),
 ])
 def test_overlap_flags_are_checked(values, needle):
     assert any(needle in p for p in _problems(1, **values)), _problems(1, **values)
@@ -362,6 +452,19 @@ def test_settings_megatron_lm_adjusts_are_adjusted_with_a_notice():
     assert notes == ["--exit-interval without --save: the run stops there without saving a checkpoint"], notes
 
 
+def test_query_groups_without_group_query_attention_get_a_notice():
+    from megatron_ext.arguments import parse_args_with_notes
+
+    # Megatron-LM builds plain multi-head attention then: say so rather than train it silently
+    cfg, notes = parse_args_with_notes(["--num-query-groups", "2"])
+    assert cfg.model.group_query_attention is False
+    assert notes == ["--num-query-groups 2: ignored without --group-query-attention, every attention head keeps "
+                     "its own key/value head (as in Megatron-LM); add --group-query-attention for grouped-query "
+                     "attention"], notes
+    _, notes = parse_args_with_notes(["--num-query-groups", "2", "--group-query-attention"])
+    assert notes == [], notes
+
+
 @pytest.mark.parametrize("seed", [-1, 2 ** 32])
 def test_seed_outside_numpys_range_is_refused_up_front(seed):
     assert any("--seed must be in [0, 2**32 - 1]" in p for p in _problems(1, seed=seed))
@@ -433,3 +536,38 @@ def test_one_virtual_stage_per_rank_is_no_interleaving():
     cfg = build_job_config({**MOCK, "num_layers": 4, "pipeline_model_parallel_size": 2,
                             "num_virtual_stages_per_pipeline_rank": 1, "global_batch_size": 8})
     assert get_virtual_pipeline_size(cfg) is None
+
+
+def test_chunk_layer_counts_equal_megatron_cores_split():
+    """get_chunk_layer_counts (which the uniform-recompute rule reads) splits every layout that
+    validation accepts as megatron-core's get_num_layers_to_build does."""
+    import itertools
+    import types
+
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megatron_ext.config import get_chunk_layer_counts
+
+    compared = 0
+    for layers, pp, vps, first, last, emb, loss in itertools.product(
+            range(1, 9), [2, 3, 4], [None, 2], [None, 1, 2], [None, 1, 4], [False, True], [False, True]):
+        values = dict(num_layers=layers, pipeline_model_parallel_size=pp, num_virtual_stages_per_pipeline_rank=vps,
+                      decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
+                      account_for_embedding_in_pipeline_split=emb, account_for_loss_in_pipeline_split=loss,
+                      global_batch_size=12)
+        cfg = build_job_config({**MOCK, **values})
+        try:
+            validate(cfg, pp)
+        except ConfigError:
+            continue
+        vp = get_virtual_pipeline_size(cfg)
+        tf = types.SimpleNamespace(
+            pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=first,
+            num_layers_in_last_pipeline_stage=last, account_for_embedding_in_pipeline_split=emb,
+            account_for_loss_in_pipeline_split=loss, num_layers=layers, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp)
+        theirs = [get_num_layers_to_build(tf, vp_stage=s if vp else None, pp_rank=r)
+                  for r in range(pp) for s in range(vp or 1)]
+        assert get_chunk_layer_counts(cfg) == theirs, values
+        compared += 1
+    assert compared > 80
