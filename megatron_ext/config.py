@@ -857,7 +857,7 @@ def _check_batch(cfg: JobConfig, world_size: int) -> list[str]:
 def _check_interleaved_microbatches(m: int, pp: int, n: int, gbs: int, mbs: int, dp: int) -> list[str]:
     """megatron-core's interleaved-schedule rule, which it checks only mid-schedule."""
     what = (
-        f"{m} micro-batches per step (--global-batch-size {gbs} / (--micro-batch-size {mbs} x "
+        f"{m} micro-batch{'' if m == 1 else 'es'} per step (--global-batch-size {gbs} / (--micro-batch-size {mbs} x "
         f"data-parallel {dp}))"
     )
     if not pp <= n <= m:
