@@ -392,6 +392,8 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
     saver = run.async_saver
     agreed = run.exit_decider.decide(state.iteration, saver.local_flags() if saver and saver.in_flight else None)
     exit_flags = agreed & EXIT_FLAGS
+    if exit_flags:  # agreed by every rank; the resumed run starts after this iteration
+        flush_iteration_scalars(run, window)
     if saver is not None:
         published = saver.finish_if_agreed(agreed)
         if published is not None and run.ctx.is_logging_rank:

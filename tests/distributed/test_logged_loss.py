@@ -55,8 +55,10 @@ class _Recorder:
 
 
 def _logged(log_interval: int, nan_at: int | None = None, tensorboard_log_interval: int = 1,
-            eval_interval: int = 0) -> dict:
+            eval_interval: int = 0, exit_interval: int | None = None) -> dict:
     evaluation = dict(eval_interval=eval_interval, eval_iters=1) if eval_interval else {}
+    if exit_interval is not None:
+        evaluation["exit_interval"] = exit_interval
     run = build_tiny_run(tiny_values(**BASE, log_interval=log_interval, tensorboard_log_interval=tensorboard_log_interval,
                                      **evaluation),
                          MarkovDataset(32, mask_every=1), MarkovDataset(32, seed=1) if eval_interval else None)
@@ -79,7 +81,8 @@ def _logged(log_interval: int, nan_at: int | None = None, tensorboard_log_interv
 def _world(rank: int, world_size: int) -> dict:
     return {"every": _logged(1), "pairs": _logged(2), "nan every": _logged(1, nan_at=1),
             "nan pairs": _logged(2, nan_at=1), "pairs, tb every 2": _logged(2, tensorboard_log_interval=2),
-            "fours, eval every 2": _logged(4, eval_interval=2)}
+            "fours, eval every 2": _logged(4, eval_interval=2),
+            "pairs, exit at 3": _logged(2, exit_interval=3)}
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +133,10 @@ def test_an_evaluation_between_log_lines_writes_after_the_iterations_before_it(l
     for iteration, values in evaluated["written"].items():
         assert values["lm loss"] == pytest.approx(every[iteration], rel=1e-12, abs=0)
     assert evaluated["records"] == [(4, pytest.approx(sum(every.values()) / 4, rel=1e-12, abs=0))]
+
+
+def test_an_exit_between_log_lines_writes_the_iterations_since_the_last_one(logged):
+    # the resumed run starts after the exit's iteration: nothing would ever write iteration 3
+    exited, every = logged["pairs, exit at 3"], dict(logged["every"]["records"])
+    assert sorted(exited["written"]) == [1, 2, 3]
+    assert exited["written"][3]["lm loss"] == pytest.approx(every[3], rel=1e-12, abs=0)
