@@ -45,7 +45,7 @@ def test_valid_layout_passes_and_derives_sizes():
          "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
         (4, dict(global_batch_size=6, micro_batch_size=2), "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 4"),
         (2, dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1,
-                 global_batch_size=1, micro_batch_size=1), "interleaved schedule: 1 micro-batches"),
+                 global_batch_size=1, micro_batch_size=1), "interleaved schedule: 1 micro-batch per step"),
         (2, dict(pipeline_model_parallel_size=2, num_layers=8, num_layers_per_virtual_pipeline_stage=1,
                  microbatch_group_size_per_vp_stage=4, global_batch_size=5, micro_batch_size=1),
          "leaves a last group of 1 < PP 2"),
