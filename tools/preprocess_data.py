@@ -156,6 +156,25 @@ def _sigterm_raises():
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGTERM and SIGINT received while this is open take effect when it closes, delivered to the
+    handlers it found (main thread only: elsewhere no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = {signum: signal.signal(signum, lambda got, frame: received.append(got))
+                for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for signum in dict.fromkeys(received):
+        signal.raise_signal(signum)
+
+
 def get_output_prefix(output_prefix: str, key: str) -> str:
     """Megatron-LM's naming: ``{output_prefix}_{key}_document``."""
     return f"{output_prefix}_{key}_document"
@@ -239,8 +258,9 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
                 record = build_tokenizer_record(encoder.tokenizer.identity(), tokenizer_model, key, append_eod)
                 with open(stats.output_prefixes[key] + TOKENIZER_RECORD_SUFFIX + ".tmp", "w") as f:
                     json.dump(record, f, indent=1)
-            for path in final_paths:
-                os.replace(path + ".tmp", path)
+            with _signals_deferred():  # SIGTERM or Ctrl-C between two renames: a new .bin beside an old .idx
+                for path in final_paths:
+                    os.replace(path + ".tmp", path)
         except BaseException:
             if bar is not None:
                 bar.close()  # so the error starts a line of its own

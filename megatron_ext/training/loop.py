@@ -113,6 +113,8 @@ class LogWindow:
     advanced: list[bool] = dataclasses.field(default_factory=list)  # each iteration's update was applied
     # each iteration's (iteration, learning rate, grad norm), for --tensorboard-log-interval
     iteration_scalars: list[tuple[int, float, float | None]] = dataclasses.field(default_factory=list)
+    # the first iterations' losses, already summed over DP and written (flush_iteration_scalars)
+    reduced_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [2] float64 each
     skipped_iterations: int = 0  # of this interval (fp16 overflows), as Megatron-LM's log line counts them
     nan_iterations: int = 0  # of this interval
     seconds: float = 0.0
@@ -236,12 +238,13 @@ def count_non_finite(run: TrainingRun, result: StepResult) -> None:
 def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length: int) -> float:
     """The loss since the last log line (``get_interval_loss`` of each iteration's global token
     mean), logged and recorded; resets ``window``."""
-    per_iteration = torch.stack(window.iteration_losses).flatten()  # [iterations x 2]
-    reduced = reduce_loss_over_dp(torch.cat([window.totals, per_iteration]), run.ctx)
+    start = len(window.reduced_losses)  # iterations written before an evaluation (flush_iteration_scalars)
+    reduced = reduce_loss_over_dp(torch.cat([window.totals, *window.iteration_losses[start:]]), run.ctx)
     totals = reduced[:4]
-    loss = get_interval_loss(reduced[4:].view(-1, 2), window.advanced)
+    rows = reduced[4:].view(-1, 2)
+    loss = get_interval_loss(torch.cat([torch.stack(window.reduced_losses), rows]) if start else rows, window.advanced)
     if run.ctx.is_logging_rank:
-        write_iteration_scalars(run, reduced[4:].view(-1, 2), window)
+        write_iteration_scalars(run, rows, window, start)
     if run.ctx.is_last_stage:
         run.records.append({
             "iteration": run.state.iteration, "loss": loss, "grad_norm": result.grad_norm,
@@ -255,13 +258,27 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
     return loss
 
 
-def write_iteration_scalars(run: TrainingRun, per_iteration: torch.Tensor, window: LogWindow) -> None:
+def flush_iteration_scalars(run: TrainingRun, window: LogWindow) -> None:
+    """Write the window's per-iteration scalars not yet written (one DP all-reduce of their losses,
+    on every rank), before something writes a later step: wandb ignores a step below one it has
+    logged, so an evaluation between two log lines would otherwise drop the iterations before it."""
+    start = len(window.reduced_losses)
+    if start == len(window.iteration_losses):
+        return
+    rows = reduce_loss_over_dp(torch.cat(window.iteration_losses[start:]), run.ctx).view(-1, 2)
+    window.reduced_losses.extend(rows)
+    if run.ctx.is_logging_rank:
+        write_iteration_scalars(run, rows, window, start)
+
+
+def write_iteration_scalars(run: TrainingRun, per_iteration: torch.Tensor, window: LogWindow, start: int = 0) -> None:
     """TensorBoard/wandb scalars of each ``--tensorboard-log-interval``-th iteration of the window
     (Megatron-LM writes them as each iteration ends, after an all-reduce per iteration; here they
     come from the log line's one all-reduce): its lm loss (global token mean; none for a skipped
     update, as Megatron-LM), learning rate and grad norm."""
     every = run.cfg.logging.tensorboard_log_interval
-    for (iteration, lr, grad_norm), row, applied in zip(window.iteration_scalars, per_iteration, window.advanced):
+    for (iteration, lr, grad_norm), row, applied in zip(window.iteration_scalars[start:], per_iteration,
+                                                        window.advanced[start:]):
         if iteration % every:
             continue
         values = {"learning rate": lr}
@@ -370,10 +387,13 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
         if run.ctx.is_last_stage:
             history.append(loss)
     if t.eval_interval and state.iteration % t.eval_interval == 0 and run.valid_ds is not None:
+        flush_iteration_scalars(run, window)  # steps before the validation loss's, for wandb
         evaluate_and_log(run)
     saver = run.async_saver
     agreed = run.exit_decider.decide(state.iteration, saver.local_flags() if saver and saver.in_flight else None)
     exit_flags = agreed & EXIT_FLAGS
+    if exit_flags:  # agreed by every rank; the resumed run starts after this iteration
+        flush_iteration_scalars(run, window)
     if saver is not None:
         published = saver.finish_if_agreed(agreed)
         if published is not None and run.ctx.is_logging_rank:

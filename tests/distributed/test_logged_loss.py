@@ -54,9 +54,14 @@ class _Recorder:
         pass
 
 
-def _logged(log_interval: int, nan_at: int | None = None, tensorboard_log_interval: int = 1) -> dict:
-    run = build_tiny_run(tiny_values(**BASE, log_interval=log_interval, tensorboard_log_interval=tensorboard_log_interval),
-                         MarkovDataset(32, mask_every=1))
+def _logged(log_interval: int, nan_at: int | None = None, tensorboard_log_interval: int = 1,
+            eval_interval: int = 0, exit_interval: int | None = None) -> dict:
+    evaluation = dict(eval_interval=eval_interval, eval_iters=1) if eval_interval else {}
+    if exit_interval is not None:
+        evaluation["exit_interval"] = exit_interval
+    run = build_tiny_run(tiny_values(**BASE, log_interval=log_interval, tensorboard_log_interval=tensorboard_log_interval,
+                                     **evaluation),
+                         MarkovDataset(32, mask_every=1), MarkovDataset(32, seed=1) if eval_interval else None)
     lines: list[str] = []
     run.log = lines.append
     run.writer = _Recorder()
@@ -67,14 +72,17 @@ def _logged(log_interval: int, nan_at: int | None = None, tensorboard_log_interv
            "lr": {r["iteration"]: r["lr"] for r in run.records},
            "grad_norm": {r["iteration"]: r["grad_norm"] for r in run.records},
            "lines": [line for line in lines if "lm loss:" in line],
-           "written": {step: values for step, values in run.writer.written if "learning rate" in values}}
+           "written": {step: values for step, values in run.writer.written if "learning rate" in values},
+           "steps": [step for step, _ in run.writer.written]}
     destroy_parallel_context()
     return out
 
 
 def _world(rank: int, world_size: int) -> dict:
     return {"every": _logged(1), "pairs": _logged(2), "nan every": _logged(1, nan_at=1),
-            "nan pairs": _logged(2, nan_at=1), "pairs, tb every 2": _logged(2, tensorboard_log_interval=2)}
+            "nan pairs": _logged(2, nan_at=1), "pairs, tb every 2": _logged(2, tensorboard_log_interval=2),
+            "fours, eval every 2": _logged(4, eval_interval=2),
+            "pairs, exit at 3": _logged(2, exit_interval=3)}
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +122,21 @@ def test_tensorboard_gets_every_iterations_loss_lr_and_grad_norm_between_log_lin
     assert sorted(logged["pairs, tb every 2"]["written"]) == [2, 4]
     nan = logged["nan pairs"]["written"]
     assert "lm loss" not in nan[1] and "lm loss" in nan[2]  # a skipped update writes no loss, as Megatron-LM
+
+
+def test_an_evaluation_between_log_lines_writes_after_the_iterations_before_it(logged):
+    # wandb ignores a step below one it has logged: iteration 1's scalars, written at the log line of
+    # iteration 4, were dropped after the validation loss of iteration 2 had been written
+    evaluated, every = logged["fours, eval every 2"], dict(logged["every"]["records"])
+    assert evaluated["steps"] == sorted(evaluated["steps"])
+    assert sorted(evaluated["written"]) == [1, 2, 3, 4]
+    for iteration, values in evaluated["written"].items():
+        assert values["lm loss"] == pytest.approx(every[iteration], rel=1e-12, abs=0)
+    assert evaluated["records"] == [(4, pytest.approx(sum(every.values()) / 4, rel=1e-12, abs=0))]
+
+
+def test_an_exit_between_log_lines_writes_the_iterations_since_the_last_one(logged):
+    # the resumed run starts after the exit's iteration: nothing would ever write iteration 3
+    exited, every = logged["pairs, exit at 3"], dict(logged["every"]["records"])
+    assert sorted(exited["written"]) == [1, 2, 3]
+    assert exited["written"][3]["lm loss"] == pytest.approx(every[3], rel=1e-12, abs=0)

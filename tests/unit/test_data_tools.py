@@ -450,3 +450,34 @@ def test_preprocess_records_its_tokenizer_and_training_under_another_is_refused(
     with pytest.raises(ConfigError, match=r"ids_text_document.tokenizer.json \(the tokenizer the pair was made "
                                           r"with\) cannot be read"):
         pretrain_gpt.main(job + ["--vocab-size", "100"])
+
+
+def test_sigterm_during_the_renames_leaves_a_whole_dataset(tmp_path, monkeypatch):
+    """SIGTERM between the renames of .bin, .idx and .tokenizer.json left the new .bin beside the
+    previous run's .idx (a pair training refuses, or reads wrong); the renames now finish first."""
+    import signal
+
+    from megatron_ext.data.indexed_check import check_indexed_dataset
+    from tools.preprocess_data import Interrupted
+
+    prefix = str(tmp_path / "out_text_document")
+    preprocess_data(write_jsonl(tmp_path / "old.jsonl", ["1 2 3", "4 5"]), str(tmp_path / "out"), "NullTokenizer",
+                    vocab_size=100, progress=False)  # a previous dataset at the same prefix
+    new_input = write_jsonl(tmp_path / "new.jsonl", [" ".join(str(i % 50) for i in range(300))] * 7)
+    real_replace, calls = os.replace, []
+
+    def replace_then_signal(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the .bin is in place, the .idx next
+            signal.raise_signal(signal.SIGTERM)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_then_signal)
+    with pytest.raises(Interrupted):
+        preprocess_data(new_input, str(tmp_path / "out"), "NullTokenizer", vocab_size=100, progress=False)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert check_indexed_dataset(prefix) == []
+    _, documents = read_documents(prefix)
+    assert len(documents) == 7  # the new dataset, whole
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
