@@ -289,8 +289,9 @@ def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, glob
     changed = [key for key in _SCHEDULE_FLAGS if key in saved and saved[key] != getattr(scheduler, key)]
 
     def show(key: str, v, iterations: bool) -> str:  # the checkpoint's in samples: its batch size may differ
-        if _SCHEDULE_FLAGS[key][1] and isinstance(v, int):
-            return f"{v} samples" + (f" ({v // global_batch_size} iterations)" if iterations and global_batch_size else "")
+        if _SCHEDULE_FLAGS[key][1] and isinstance(v, (int, float)) and not isinstance(v, bool):
+            # a float: a --lr-warmup-fraction's warm-up, unrounded
+            return f"{v:g} samples" + (f" ({v / global_batch_size:g} iterations)" if iterations and global_batch_size else "")
         return repr(v)
 
     out = []

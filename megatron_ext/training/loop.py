@@ -275,7 +275,7 @@ def write_iteration_scalars(run: TrainingRun, per_iteration: torch.Tensor, windo
     """TensorBoard/wandb scalars of each ``--tensorboard-log-interval``-th iteration of the window
     (Megatron-LM writes them as each iteration ends, after an all-reduce per iteration; here they
     come from the log line's one all-reduce): its lm loss (global token mean; none for a skipped
-    update, as Megatron-LM), learning rate and grad norm."""
+    update, as the log line leaves it out: Megatron-LM writes it), learning rate and grad norm."""
     every = run.cfg.logging.tensorboard_log_interval
     for (iteration, lr, grad_norm), row, applied in zip(window.iteration_scalars[start:], per_iteration,
                                                         window.advanced[start:]):

@@ -121,7 +121,7 @@ def test_tensorboard_gets_every_iterations_loss_lr_and_grad_norm_between_log_lin
         assert values["grad norm"] == pytest.approx(every["grad_norm"][iteration], rel=1e-12)
     assert sorted(logged["pairs, tb every 2"]["written"]) == [2, 4]
     nan = logged["nan pairs"]["written"]
-    assert "lm loss" not in nan[1] and "lm loss" in nan[2]  # a skipped update writes no loss, as Megatron-LM
+    assert "lm loss" not in nan[1] and "lm loss" in nan[2]  # a skipped update writes no loss (the log line leaves it out too)
 
 
 def test_an_evaluation_between_log_lines_writes_after_the_iterations_before_it(logged):

@@ -141,6 +141,9 @@ def test_changed_schedule_flags_on_resume_name_both_values():
                             "decay length is 800 samples, this run's flags give 1600 samples (200 iterations)")
                for p in problems), problems
     assert any("weight-decay schedule length is 800 samples" in p for p in problems), problems
+    # a --lr-warmup-fraction warm-up is a fraction of samples (checkpoints before it was unrounded hold 5)
+    (warmup,) = check_scheduler_flags({**saved, "lr_warmup_steps": 5}, _scheduler(lr_warmup_steps=5.6), _cfg(), 8)
+    assert "warm-up length is 5 samples, this run's flags give 5.6 samples (0.7 iterations)" in warmup, warmup
     assert any("--lr: " in p for p in check_scheduler_flags(saved, _scheduler(max_lr=1e-3), _cfg(), 8))
     assert check_scheduler_flags(saved, _scheduler(), _cfg(), 8) == []
     for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
