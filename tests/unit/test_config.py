@@ -25,6 +25,15 @@ def _problems(world_size: int, **values) -> list[str]:
     return err.value.problems
 
 
+def _accepted_or_problems(world_size: int, **values) -> list[str]:
+    """[] when ``values`` validate, else their problems (so a test of an accepted setting asserts)."""
+    try:
+        validate(build_job_config({**MOCK, **values}), world_size)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
 def test_valid_layout_passes_and_derives_sizes():
     cfg = build_job_config({**MOCK, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                             "num_layers": 8, "num_layers_per_virtual_pipeline_stage": 2,
@@ -259,7 +268,7 @@ def test_rope_shapes_are_checked(values, needle):
                                     dict(hidden_size=60, num_attention_heads=4, rotary_percent=0.5),
                                     dict(hidden_size=60, num_attention_heads=4, position_embedding_type="learned_absolute")])
 def test_rope_shapes_that_work_pass(values):
-    validate(build_job_config({**MOCK, **ROPE, **values}), 1)
+    assert _accepted_or_problems(1, **{**ROPE, **values}) == []
 
 
 def test_swiglu_default_ffn_must_split_over_tp():
@@ -289,8 +298,8 @@ def test_fp16_loss_scaling_flags_are_checked(values, needle):
 
 
 def test_loss_scaling_flags_outside_their_use_pass():
-    validate(build_job_config({**MOCK, "fp16": True, "loss_scale": 128.0, "hysteresis": 0}), 1)  # static: unused
-    validate(build_job_config({**MOCK, "bf16": True, "loss_scale": -1.0}), 1)  # ignored with a notice
+    assert _accepted_or_problems(1, fp16=True, loss_scale=128.0, hysteresis=0) == []  # static: unused
+    assert _accepted_or_problems(1, bf16=True, loss_scale=-1.0) == []  # ignored with a notice
 
 
 UNIFORM = dict(recompute_granularity="full", recompute_method="uniform")
@@ -320,7 +329,7 @@ def test_uniform_recompute_groups_must_divide_each_chunk(world, values, needle):
              recompute_num_layers=1)),
 ])
 def test_uniform_recompute_groups_that_divide_each_chunk_pass(world, values):
-    validate(build_job_config({**MOCK, "global_batch_size": 8, **UNIFORM, **values}), world)
+    assert _accepted_or_problems(world, global_batch_size=8, **UNIFORM, **values) == []
 
 
 def test_recompute_activations_is_selective_core_attention():
@@ -506,24 +515,25 @@ def test_mock_data_without_a_tokenizer_file_points_at_the_null_tokenizer():
     assert any("--tokenizer-type NullTokenizer --vocab-size N needs no file" in p for p in err.value.problems)
 
 
-def test_a_data_path_with_its_extension_is_told_to_drop_it(tmp_path):
+def _data_path_problems(tmp_path, written: str, data_path: str) -> list[str]:
+    """Problems of --data-path ``data_path`` where an empty ``written``.bin/.idx pair exists."""
     for ext in (".bin", ".idx"):
-        (tmp_path / f"corpus{ext}").write_bytes(b"")
-    cfg = build_job_config(dict(data_path=[str(tmp_path / "corpus.bin")], tokenizer_type="NullTokenizer", vocab_size=10))
+        (tmp_path / f"{written}{ext}").write_bytes(b"")
+    cfg = build_job_config(dict(data_path=[str(tmp_path / data_path)], tokenizer_type="NullTokenizer", vocab_size=10))
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
-    assert any(f"give the prefix without the extension: {tmp_path / 'corpus'}" in p for p in err.value.problems)
+    return err.value.problems
+
+
+def test_a_data_path_with_its_extension_is_told_to_drop_it(tmp_path):
+    problems = _data_path_problems(tmp_path, "corpus", "corpus.bin")
+    assert any(f"give the prefix without the extension: {tmp_path / 'corpus'}" in p for p in problems), problems
 
 
 def test_a_data_path_missing_its_json_key_suffix_names_what_preprocess_wrote(tmp_path):
     # preprocess_data.py --output-prefix my writes my_text_document.bin/.idx, not my.bin/.idx
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"my_text_document{ext}").write_bytes(b"")
-    cfg = build_job_config(dict(data_path=[str(tmp_path / "my")], tokenizer_type="NullTokenizer", vocab_size=10))
-    with pytest.raises(ConfigError) as err:
-        validate(cfg, 1)
-    assert any(f"wrote {tmp_path / 'my_text_document'}: give that prefix" in p for p in err.value.problems), \
-        err.value.problems
+    problems = _data_path_problems(tmp_path, "my_text_document", "my")
+    assert any(f"wrote {tmp_path / 'my_text_document'}: give that prefix" in p for p in problems), problems
 
 
 def test_one_virtual_stage_per_rank_is_no_interleaving():
