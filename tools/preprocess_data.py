@@ -187,20 +187,11 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
                     progress: bool = True, vocab_file: Optional[str] = None,
                     merge_file: Optional[str] = None) -> PreprocessStats:
     """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.{bin,idx}`` per key."""
-    import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
-    check_input_path(input_path)
     json_keys = list(json_keys)
-    if not json_keys:
-        raise ValueError("--json-keys is empty: name at least one key (default: text)")
-    repeated = sorted({key for key in json_keys if json_keys.count(key) > 1})
-    if repeated:
-        raise ValueError(f"--json-keys {' '.join(json_keys)} names {', '.join(map(repr, repeated))} more than "
-                         f"once: each key writes its own dataset; give each once")
-    if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
+    _check_arguments(input_path, json_keys, workers)
     tokenizer_args = dict(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
                           vocab_size=vocab_size, vocab_file=vocab_file, merge_file=merge_file)
     encoder = _Encoder(input_path, json_keys, tokenizer_args, append_eod)
@@ -233,24 +224,7 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
                 encoded = map(encoder.encode, lines)
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
                        file=sys.stderr)
-            start = time.time()
-            for ids_per_key, num_bytes in encoded:
-                bar.update(num_bytes)
-                stats.num_bytes += num_bytes  # (a disabled bar counts nothing)
-                for key, ids in ids_per_key.items():
-                    # Megatron-LM's add_document(ids, sentence_lens): no sequence for an empty document
-                    builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)] if ids else [])
-                    stats.num_tokens[key] += len(ids)
-                    if ids:
-                        stats.document_lengths[key].append(len(ids))
-                    else:
-                        stats.num_empty[key] += 1
-                stats.num_documents += 1
-                if log_interval and stats.num_documents % log_interval == 0:
-                    elapsed = max(time.time() - start, 1e-9)
-                    bar.write(f"processed {stats.num_documents} documents "
-                              f"({stats.num_documents / elapsed:.0f} docs/s, "
-                              f"{stats.num_bytes / elapsed / 1e6:.2f} MB/s)")
+            _add_documents(encoded, builders, stats, dtype, bar, log_interval)
             bar.close()
             _check_not_empty(input_path, stats)
             for key, builder in builders.items():
@@ -275,6 +249,43 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
                 pool.terminate()
                 pool.join()
     return stats
+
+
+def _check_arguments(input_path: str, json_keys: list[str], workers: int) -> None:
+    """ValueError naming the flag, before any work."""
+    check_input_path(input_path)
+    if not json_keys:
+        raise ValueError("--json-keys is empty: name at least one key (default: text)")
+    repeated = sorted({key for key in json_keys if json_keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"--json-keys {' '.join(json_keys)} names {', '.join(map(repr, repeated))} more than "
+                         f"once: each key writes its own dataset; give each once")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+
+
+def _add_documents(encoded, builders: dict, stats: PreprocessStats, dtype, bar, log_interval: int) -> None:
+    """Each encoded line's ids into its key's builder, counted in ``stats``; progress on ``bar``."""
+    import numpy
+
+    start = time.time()
+    for ids_per_key, num_bytes in encoded:
+        bar.update(num_bytes)
+        stats.num_bytes += num_bytes  # (a disabled bar counts nothing)
+        for key, ids in ids_per_key.items():
+            # Megatron-LM's add_document(ids, sentence_lens): no sequence for an empty document
+            builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)] if ids else [])
+            stats.num_tokens[key] += len(ids)
+            if ids:
+                stats.document_lengths[key].append(len(ids))
+            else:
+                stats.num_empty[key] += 1
+        stats.num_documents += 1
+        if log_interval and stats.num_documents % log_interval == 0:
+            elapsed = max(time.time() - start, 1e-9)
+            bar.write(f"processed {stats.num_documents} documents "
+                      f"({stats.num_documents / elapsed:.0f} docs/s, "
+                      f"{stats.num_bytes / elapsed / 1e6:.2f} MB/s)")
 
 
 def _check_not_empty(input_path: str, stats: PreprocessStats) -> None:
