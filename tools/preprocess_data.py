@@ -94,8 +94,33 @@ def _init_worker(encoder: _Encoder) -> None:
     # and its pool.terminate()'s SIGTERM just ends a worker (not the parent's handler, inherited).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _WORKER_SIGNALS)  # blocked since the fork: see _pool_signals_held
     _WORKER_ENCODER = encoder
     _WORKER_ENCODER.initialize()
+
+
+_WORKER_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+@contextlib.contextmanager
+def _pool_signals_held():
+    """Start pool workers inside this: SIGTERM and SIGINT are blocked in the calling thread while it
+    is open, so each worker (and each thread of the pool, which forks replacements) starts with them
+    blocked, kept pending until ``_init_worker`` has set the worker's own dispositions and unblocks
+    them. Without it, a signal reaching a worker before that (the parent's ``pool.terminate()``
+    right after an error, Ctrl-C to the process group while the workers start) ran the parent's
+    Python handler in the worker, raising inside multiprocessing's start-up code, or was lost: caught
+    by Python's C-level handler, which ``_init_worker`` then replaced before it ran. That worker
+    survived ``terminate()``, waited forever on the task queue's lock, which ``terminate()`` holds,
+    and ``pool.join()`` with it (seen in the tests, under load). A signal that reaches this process
+    meanwhile (through another thread, or pending as the mask is restored) takes effect as this
+    closes, once the pool is assigned and so ended by the caller's cleanup."""
+    with _signals_deferred():
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _WORKER_SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _encode_batch_in_worker(batch):
@@ -218,7 +243,8 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
                 builders[key] = IndexedDatasetBuilder(stats.output_prefixes[key] + ".bin.tmp", dtype=dtype)
             lines = iter_jsonl_lines(input_path)
             if workers > 1:
-                pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
+                with _pool_signals_held():
+                    pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encoder,))
                 encoded = _encode_in_pool(pool, lines, workers)
             else:
                 encoded = map(encoder.encode, lines)

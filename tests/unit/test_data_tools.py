@@ -481,3 +481,59 @@ def test_sigterm_during_the_renames_leaves_a_whole_dataset(tmp_path, monkeypatch
     _, documents = read_documents(prefix)
     assert len(documents) == 7  # the new dataset, whole
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+
+def _start_like_a_pool_worker(encoder, ready_dir):
+    import time
+
+    from tools.preprocess_data import _init_worker
+
+    open(os.path.join(ready_dir, str(os.getpid())), "w").close()
+    time.sleep(1)  # the signals come now, before the worker's own dispositions are set
+    _init_worker(encoder)
+    time.sleep(60)  # then it waits for tasks
+
+
+def test_a_worker_signalled_before_its_initializer_ends_quietly_or_ignores_ctrl_c(tmp_path, capfd):
+    """A pool worker is forked with the tool's signal handlers until ``_init_worker`` sets its own.
+    The parent's ``pool.terminate()`` right after an error SIGTERMs workers still starting, and
+    Ctrl-C reaches every worker: each ran the parent's handler, raising inside multiprocessing's
+    start-up code ("Process ForkPoolWorker-3: ... Interrupted: stopped by SIGTERM"), or lost the
+    signal, surviving terminate() and hanging pool.join() (seen under load). Workers now start with
+    both blocked: SIGTERM ends them once ``_init_worker`` ran, Ctrl-C is left to the parent."""
+    import multiprocessing
+    import signal
+    import time
+
+    from tools.preprocess_data import _Encoder, _pool_signals_held, _sigterm_raises
+
+    encoder = _Encoder("in.jsonl", ["text"], dict(tokenizer_type="NullTokenizer", vocab_size=10), False)
+    fork = multiprocessing.get_context("fork")
+    with _sigterm_raises():  # as in preprocess_data, which starts its pool inside it
+        with _pool_signals_held():
+            workers = [fork.Process(target=_start_like_a_pool_worker, args=(encoder, str(tmp_path)))
+                       for _ in range(2)]
+            for worker in workers:
+                worker.start()
+        try:
+            deadline = time.time() + 30
+            while len(os.listdir(tmp_path)) < 2:  # both are in their first second
+                assert time.time() < deadline
+                time.sleep(0.01)
+            terminated, ctrl_c = workers
+            terminated.terminate()
+            os.kill(ctrl_c.pid, signal.SIGINT)
+            terminated.join(30)
+            assert terminated.exitcode == -signal.SIGTERM
+            ctrl_c.join(2)
+            assert ctrl_c.exitcode is None  # still waiting for tasks: Ctrl-C is the parent's
+            ctrl_c.terminate()
+            ctrl_c.join(30)
+            assert ctrl_c.exitcode == -signal.SIGTERM
+        finally:
+            for worker in workers:
+                worker.kill()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # the test process's mask is restored
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Interrupted" not in err, err
