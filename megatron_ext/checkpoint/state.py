@@ -268,7 +268,8 @@ _SCHEDULE_FLAGS = {
     "lr_warmup_steps": ("--lr-warmup-iters/-samples/-fraction", "samples", "warm-up length"),
     "lr_decay_steps": ("--lr-decay-iters or --lr-decay-samples (default the run's length)", "samples", "decay length"),
     "start_wd": ("--weight-decay", None, "weight decay"), "end_wd": ("--weight-decay", None, "final weight decay"),
-    "wd_incr_steps": ("--train-iters or --train-samples", "samples", "weight-decay schedule length"),
+    "wd_incr_steps": ("the run's length (--train-iters x --global-batch-size, or --train-samples)", "samples",
+                      "weight-decay schedule length"),
     "wd_incr_style": ("weight-decay schedule", None, "weight-decay schedule"),
     "wsd_decay_steps": ("--lr-wsd-decay-iters or --lr-wsd-decay-samples", "samples", "WSD decay phase"),
     "lr_wsd_decay_style": ("--lr-wsd-decay-style", None, "WSD decay style"),
@@ -299,7 +300,8 @@ def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, glob
     if {"lr_decay_steps", "wd_incr_steps"} <= set(changed) and not decay_given:
         changed = [key for key in changed if key not in ("lr_decay_steps", "wd_incr_steps")]
         out.append(
-            f"--train-iters or --train-samples: the checkpoint's schedule runs over "
+            f"the run's length (--train-iters x --global-batch-size, or --train-samples): the checkpoint's "
+            f"schedule runs over "
             f"{show('wd_incr_steps', saved['wd_incr_steps'], False)}, this run's over "
             f"{show('wd_incr_steps', scheduler.wd_incr_steps, True)} (the decay length follows the run's length "
             f"without --lr-decay-iters/-samples); add --override-opt-param-scheduler to stretch the schedule to "

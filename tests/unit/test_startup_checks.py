@@ -131,8 +131,10 @@ def test_changed_schedule_flags_on_resume_name_both_values():
     # naming megatron-core's lr_decay_steps and wd_incr_steps
     (problem,) = check_scheduler_flags(saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600), _cfg(), 8)
     # the checkpoint's in samples only: its global batch size may not be this run's
-    assert problem.startswith("--train-iters or --train-samples: the checkpoint's schedule runs over 800 samples, "
-                              "this run's over 1600 samples (200 iterations)"), problem
+    # (a run's length in samples is also --global-batch-size's: the line names both)
+    assert problem.startswith("the run's length (--train-iters x --global-batch-size, or --train-samples): the "
+                              "checkpoint's schedule runs over 800 samples, this run's over 1600 samples "
+                              "(200 iterations)"), problem
     assert "--override-opt-param-scheduler" in problem and "_steps" not in problem
     # with --lr-decay-iters given, the decay length is that flag's
     problems = check_scheduler_flags(saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600),
