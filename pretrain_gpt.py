@@ -18,10 +18,10 @@ quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Ap
 import torch  # noqa: E402
 
 from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
-from megatron_ext.checkpoint.exit_policy import build_exit_decider  # noqa: E402
+from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.directory import probe_save_dir  # noqa: E402
 from megatron_ext.checkpoint.state import load_checkpoint, plan_load  # noqa: E402
-from megatron_ext.config import ConfigError, check_data_tokenizer, report_error_once, validate  # noqa: E402
+from megatron_ext.config import ConfigError, JobConfig, check_data_tokenizer, report_error_once, validate  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
@@ -37,6 +37,15 @@ def main(argv: list[str] | None = None) -> list[float]:
     device = select_device(cfg.parallel.device)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
+    try:
+        return _train(cfg, flag_notes, device, exit_decider)
+    finally:
+        exit_decider.close()  # returned or raised: SIGTERM and Ctrl-C act as before main again
+
+
+def _train(cfg: JobConfig, flag_notes: list[str], device: torch.device, exit_decider: ExitDecider) -> list[float]:
+    """``main`` from the start-up checks to the end of training, with the exit decider's
+    signal handlers installed."""
     load_plan, load_message = plan_load(cfg)
     wandb_problem = check_wandb_ready(cfg.logging.wandb_project)
     if wandb_problem:

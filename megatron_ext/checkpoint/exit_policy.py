@@ -92,6 +92,13 @@ class ExitDecider:
         self.duration = exit_duration_in_mins
         self.start_time = time.monotonic() if start_time is None else start_time
 
+    def close(self) -> None:
+        """Give SIGTERM/SIGINT their previous handlers back (the entry point, on every exit path):
+        left installed, they only set a flag in a caller that returned or raised, and in anything
+        it forks later."""
+        if self.handler is not None:
+            self.handler.restore()
+
     @property
     def needs_agreement(self) -> bool:
         return self.handler is not None or self.duration is not None

@@ -116,6 +116,25 @@ def test_a_data_cache_path_that_is_a_file_stops_the_entry_point_before_any_work(
                            "--device", "cpu", "--data-cache-path", str(blocker)])
 
 
+
+def test_a_start_up_error_gives_sigterm_and_ctrl_c_back_to_the_caller(tmp_path):
+    """--exit-signal-handler makes SIGTERM and SIGINT only set a flag from the first line of
+    ``main``; an entry point that returned or raised left them so: the caller (a test process,
+    a notebook) could no longer be stopped by Ctrl-C or SIGTERM, and everything it forked later
+    inherited that. ``main`` gives the previous handlers back on every exit path."""
+    import signal
+
+    import pretrain_gpt
+
+    blocker = tmp_path / "cache"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"--data-cache-path"):
+        pretrain_gpt.main(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                           "--device", "cpu", "--exit-signal-handler", "--data-cache-path", str(blocker)])
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 # ----------------------------------------------------------------------------- LR schedule on resume
 
 
