@@ -156,27 +156,14 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     returns the step's result and padded length."""
     state = run.state
     start = time.perf_counter()
-    progress = None
-    if run.watchdog is not None:
+    if run.watchdog is None:
+        microbatches, length, result = _take_step(run, None)
+    else:
         run.watchdog.step_started(state.iteration + 1)
-        progress = run.watchdog.progress
-    with run.timers.time("data") if run.timers else contextlib.nullcontext():
-        if run.prefetcher is None:
-            microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
-        else:
-            microbatches, length = run.prefetcher.take(state.consumed_samples)
-            if run.prefetcher.background and state.iteration + 1 < run.cfg.training.train_iters:  # the next, while this one runs
-                run.prefetcher.request(state.consumed_samples + run.global_batch_size)
-    traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
-    with traced, first_step_without_param_sync(run.model, run.steps_this_run == 0):
-        run.steps_this_run += 1
-        result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
-                            run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad,
-                            progress, run.timers, run.cfg.training.empty_unused_memory_level)
-    if run.timers is not None:
-        run.timers.steps += 1
-    if run.watchdog is not None:
-        run.watchdog.step_finished()
+        try:
+            microbatches, length, result = _take_step(run, run.watchdog.progress)
+        finally:  # also when the step raised: left armed, it would report a stall of no running step
+            run.watchdog.step_finished()
     window.seconds += time.perf_counter() - start
     window.iterations += 1
     real = sum(mb.num_real_tokens for mb in microbatches)
@@ -195,6 +182,28 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     state.skipped_iterations += skipped
     window.iteration_scalars.append((state.iteration, run.optimizer.param_groups[0]["lr"], result.grad_norm))
     return result, length
+
+
+def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
+    """The step's micro-batches (prefetched or built now) and its optimizer step: what the step
+    watchdog times."""
+    state = run.state
+    with run.timers.time("data") if run.timers else contextlib.nullcontext():
+        if run.prefetcher is None:
+            microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
+        else:
+            microbatches, length = run.prefetcher.take(state.consumed_samples)
+            if run.prefetcher.background and state.iteration + 1 < run.cfg.training.train_iters:  # the next, while this one runs
+                run.prefetcher.request(state.consumed_samples + run.global_batch_size)
+    traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
+    with traced, first_step_without_param_sync(run.model, run.steps_this_run == 0):
+        run.steps_this_run += 1
+        result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
+                            run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad,
+                            progress, run.timers, run.cfg.training.empty_unused_memory_level)
+    if run.timers is not None:
+        run.timers.steps += 1
+    return microbatches, length, result
 
 
 def locate_non_finite(run: TrainingRun, result: StepResult) -> str:

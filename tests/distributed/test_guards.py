@@ -132,3 +132,34 @@ def _progress(rank: int, world_size: int) -> tuple:
 def test_forward_step_records_the_microbatch_for_the_watchdog():
     # global batch 8 / micro-batch 2 / DP 1 = 4 micro-batches: the last one recorded is index 3
     assert run_ranks(_progress, 2) == [(2, 3), (2, 3)]
+
+
+def test_a_step_that_raised_leaves_the_watchdog_disarmed(monkeypatch):
+    """A step that raised never reached ``step_finished``: the watchdog stayed armed on it, and a
+    process that handled the error (or took minutes to unwind: an exit hook, a wandb upload) was
+    ended by a false "has spent N s in iteration k" report and exit 1, after the real error."""
+    import io
+    import types
+
+    import torch
+
+    from megatron_ext.config import build_job_config
+    from megatron_ext.training import loop
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("the forward step failed")
+
+    monkeypatch.setattr(loop, "build_step_microbatches", lambda run, dataset, first: ([], 32))
+    monkeypatch.setattr(loop, "train_step", failing_step)
+    watchdog = StepWatchdog(3600.0, lambda: "rank 0", StepProgress(), on_timeout=lambda report: None,
+                            out=io.StringIO())
+    cfg = build_job_config({"mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 64})
+    run = types.SimpleNamespace(cfg=cfg, state=loop.TrainState(), watchdog=watchdog, optimizer=None, scheduler=None, timers=None, prefetcher=None,
+                                train_ds=None, timeline=None, model=[torch.nn.Linear(1, 1)], steps_this_run=0,
+                                global_batch_size=8, ctx=None)
+    try:
+        with pytest.raises(RuntimeError, match="the forward step failed"):
+            loop.run_training_iteration(run, loop.LogWindow())
+        assert watchdog._started is None  # no step is running: nothing to time out
+    finally:
+        watchdog.close()
