@@ -79,7 +79,9 @@ def describe_windows(ds: Any, seq_length: int) -> str:
     if lengths is None or indices is None or not len(indices) or prefix is None:  # e.g. --mock-data
         return f"> {type(ds).__name__}: {len(ds)} samples of {seq_length} tokens"
     tokens = int(lengths[indices].sum())
+    line = (f"> windows of {prefix} ({ds.index_split.name}): {len(ds)} samples of {seq_length} "
+            f"tokens over {len(indices)} documents ({tokens:,} tokens)")
+    if ds.num_samples is None:  # a prefix of an unweighted blend: megatron-core builds one epoch, no count
+        return line + " | one epoch of them (a blend without weights draws each prefix by its size)"
     epochs = ds.num_samples * seq_length / max(tokens, 1)
-    return (f"> windows of {prefix} ({ds.index_split.name}): {len(ds)} samples of {seq_length} "
-            f"tokens over {len(indices)} documents ({tokens:,} tokens) | this run reads {ds.num_samples} "
-            f"samples, {epochs:.2f} epochs")
+    return line + f" | this run reads {ds.num_samples} samples, {epochs:.2f} epochs"

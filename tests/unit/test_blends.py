@@ -126,6 +126,20 @@ def test_unweighted_packed_blend_draws_by_packed_samples(corpora, tmp_path):
     assert abs(got.count("A") - share * 300) <= 2 and set(got) == {"A", "C"}
 
 
+def test_unweighted_gpt_blend_logs_its_windows(corpora, tmp_path):
+    """megatron-core builds each prefix of an unweighted blend as one epoch (num_samples None): the
+    start-up line of each prefix's windows must not fail on it (it raised TypeError, so
+    ``--data-path A B`` without --packed-sequences never started)."""
+    values = _values(tmp_path, data_path=[corpora["A"], corpora["B"]], packed_sequences=False)
+    cfg = build_job_config(values)
+    validate(cfg, 1)
+    lines = []
+    train, _ = build_train_valid_datasets(cfg, build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1),
+                                          cfg.training.global_batch_size, log=lines.append)
+    assert [n for n in ("corpus_A", "corpus_B") if any(n in line for line in lines)] == ["corpus_A", "corpus_B"]
+    assert all("one epoch" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_blend_per_split_reads_each_prefix_whole(corpora, tmp_path, packed):
     spec = tmp_path / "splits.json"
