@@ -76,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # The vectorised prototype measured here was adopted as packed_dataset.build_packed_sample.
 from megatron_ext.data.packed_dataset import build_packed_sample as build_packed_sample_fast  # noqa: E402
+from megatron_ext.data.microbatch import IGNORE_INDEX  # noqa: E402
 
 
 class FastPacked:
@@ -99,9 +100,12 @@ class FastPacked:
         b = self.ds._bin(i)
         lo, hi = int(self.off[b]), int(self.off[b + 1])
         ptr = self.pointers[self.doc[lo:hi]] + self.start[lo:hi] * self.itemsize
-        pieces = [np.frombuffer(self.buffer, dtype=self.dtype, count=int(n), offset=int(p))
-                  for p, n in zip(ptr.tolist(), self.len[lo:hi].tolist())]
-        return build_packed_sample_fast(pieces)
+        # a piece cut from a longer document: one more token, its last label
+        cut = (self.start[lo:hi] + self.len[lo:hi] < self.ds.doc_lengths[self.doc[lo:hi]]).tolist()
+        reads = [np.frombuffer(self.buffer, dtype=self.dtype, count=int(n) + c, offset=int(p))
+                 for p, n, c in zip(ptr.tolist(), self.len[lo:hi].tolist(), cut)]
+        pieces = [r[:len(r) - c] for r, c in zip(reads, cut)]
+        return build_packed_sample_fast(pieces, [int(r[-1]) if c else IGNORE_INDEX for r, c in zip(reads, cut)])
 
 
 def read_block(ds, start: int, tokens: int) -> tuple[int, int]:

@@ -219,6 +219,9 @@ class PackedDocumentDataset:
         self.seed = seed
         self.samples_read = num_samples  # what the run asked for (the log's epochs)
         self.num_samples = max(num_samples, index.num_bins)
+        # documents' lengths: a piece ending before its document's end is followed by a token to predict
+        lengths = getattr(indexed, "lengths", None)  # IndexedDocuments' (a bare IndexedDataset: its sequences')
+        self.doc_lengths = np.asarray(indexed.sequence_lengths if lengths is None else lengths, dtype=np.int64)
         self._perms: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -242,18 +245,25 @@ class PackedDocumentDataset:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         b = self._bin(i)
         lo, hi = self.index.bin_offsets[b], self.index.bin_offsets[b + 1]
-        pieces = [
-            self.indexed.get(int(d), offset=int(s), length=int(n))
-            for d, s, n in zip(self.index.piece_doc[lo:hi], self.index.piece_start[lo:hi], self.index.piece_len[lo:hi])
-        ]
-        sample = build_packed_sample(pieces)
+        pieces, next_tokens = [], []
+        for d, s, n in zip(self.index.piece_doc[lo:hi].tolist(), self.index.piece_start[lo:hi].tolist(),
+                           self.index.piece_len[lo:hi].tolist()):
+            cut = s + n < self.doc_lengths[d]  # a piece of an over-long document: one more token, its last label
+            tokens = self.indexed.get(d, offset=s, length=n + cut)
+            pieces.append(tokens[:n])
+            next_tokens.append(int(tokens[n]) if cut else IGNORE_INDEX)
+        sample = build_packed_sample(pieces, next_tokens)
         if self.one_per_row:
             del sample["cu_seqlens"]
         return sample
 
 
-def build_packed_sample(pieces: list[np.ndarray]) -> dict[str, torch.Tensor]:
+def build_packed_sample(pieces: list[np.ndarray], next_tokens: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Concatenate documents into one sample with per-document labels, positions, boundaries.
+
+    ``next_tokens[k]``: the label of piece k's last token: the token after it in its document when
+    the piece is cut from an over-long one (the document goes on in another sample), else
+    IGNORE_INDEX (the default for every piece: a document's last token predicts nothing).
 
     Vectorised (no per-document Python loop): ~40 us per 2048-token sample (bench/data.py).
     """
@@ -263,7 +273,7 @@ def build_packed_sample(pieces: list[np.ndarray]) -> dict[str, torch.Tensor]:
     np.cumsum(lengths, out=cu[1:])
     labels = np.empty_like(tokens)
     labels[:-1] = tokens[1:]
-    labels[cu[1:] - 1] = IGNORE_INDEX  # a document's last token predicts nothing
+    labels[cu[1:] - 1] = IGNORE_INDEX if next_tokens is None else next_tokens  # a document's last predicts nothing
     position_ids = np.arange(len(tokens), dtype=np.int64) - np.repeat(cu[:-1], lengths)
     return {
         "tokens": torch.from_numpy(tokens),

@@ -141,6 +141,32 @@ def test_documents_of_several_sequences_are_packed_whole(tmp_path):
     assert sorted(seen) == sorted(tuple(t for sentence in doc for t in sentence) for doc in docs)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES + ("one_per_row",))
+def test_a_document_longer_than_seq_length_keeps_every_label(tmp_path, strategy):
+    """Against a per-document reference: a document cut into pieces of at most --seq-length still
+    predicts each next token of its own, across the cut (a piece's last token predicts the next
+    piece's first, as a megatron-core GPTDataset window does); only the document's last token
+    predicts nothing. The cut once dropped that label, one per --seq-length tokens."""
+    from megatron_ext.data.packed_dataset import build_packed_datasets
+
+    docs = [list(range(1, 41)), [50, 51, 52], list(range(60, 76)), list(range(80, 97))]  # 40, 3, 16, 17 tokens
+    prefix = str(tmp_path / "long_text_document")
+    _write_sentence_dataset(prefix, [[d] for d in docs])
+    train, _, _ = build_packed_datasets(prefix, [1.0], 16, strategy, 0, [1, 1, 1], str(tmp_path / "cache"))
+    expected = {(d, i): (doc[i + 1] if i + 1 < len(doc) else IGNORE_INDEX) for d, doc in enumerate(docs)
+                for i in range(len(doc))}
+    got = {}
+    for i in range(train.index.num_bins):  # epoch 0: every bin once
+        sample, b = train[i], train._bin(i)
+        lo, hi = train.index.bin_offsets[b], train.index.bin_offsets[b + 1]
+        at = 0
+        for d, s, n in zip(train.index.piece_doc[lo:hi], train.index.piece_start[lo:hi], train.index.piece_len[lo:hi]):
+            for k in range(int(n)):
+                got[(int(d), int(s) + k)] = int(sample["labels"][at + k])
+            at += int(n)
+    assert got == expected
+
+
 def test_a_dataset_written_again_gets_a_new_packing_index(tmp_path):
     """The index is keyed on the documents' lengths: preprocessing another corpus into the same
     prefix must not reuse the old index (it read a shorter corpus without a word)."""
