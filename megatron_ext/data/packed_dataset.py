@@ -289,24 +289,27 @@ def build_packed_datasets(
     split_flag: str | None = None,
 ):
     """(train, valid, test) packed datasets of one indexed dataset; None for a split that is empty
-    or in ``unused_splits``. A split the run reads without documents is a ConfigError naming
+    or in ``unused_splits``. A split the run reads without tokens is a ConfigError naming
     --split and the document counts."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     indexed = IndexedDocuments(IndexedDataset(prefix))
     doc_lengths = indexed.lengths
     ranges = get_split_ranges(len(doc_lengths), split)
-    # a split with weight but no documents (a zero weight means "no such split")
-    empty = [name for k, (name, r, w) in enumerate(zip(("train", "valid", "test"), ranges, list(split) + [0.0] * 3))
-             if k not in unused_splits and r[1] <= r[0] and w > 0]
+    # tokens, not documents, make bins: a range of empty documents (no --append-eod) packs into none
+    tokens = [int(doc_lengths[a:b].sum()) for a, b in ranges]
+    # a split with weight but no tokens (a zero weight means "no such split")
+    empty = [name for k, (name, n, w) in enumerate(zip(("train", "valid", "test"), tokens, list(split) + [0.0] * 3))
+             if k not in unused_splits and n == 0 and w > 0]
     if empty:
-        counts = ", ".join(f"{name} {r[1] - r[0]}" for name, r in zip(("train", "valid", "test"), ranges))
+        counts = ", ".join(f"{name} {r[1] - r[0]} ({n} tokens)"
+                           for name, r, n in zip(("train", "valid", "test"), ranges, tokens))
         raise ConfigError([f"--split {split_flag or list(split)} leaves {'/'.join(empty)} of {prefix} "
-                         f"({len(doc_lengths)} documents) without documents ({counts}). Give it more "
+                         f"({len(doc_lengths)} documents) without tokens (documents: {counts}). Give it more "
                          f"weight, or --eval-interval 0 when it is the validation split"])
     out = []
     for k, doc_range in enumerate(ranges):
-        if doc_range[1] <= doc_range[0] or k in unused_splits:
+        if tokens[k] == 0 or k in unused_splits:
             out.append(None)
             continue
         out.append(_build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed + k,

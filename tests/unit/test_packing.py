@@ -167,6 +167,22 @@ def test_a_document_longer_than_seq_length_keeps_every_label(tmp_path, strategy)
     assert got == expected
 
 
+def test_a_split_of_empty_documents_is_refused_by_name(tmp_path):
+    """A --split range whose documents hold no token (empty texts preprocessed without
+    --append-eod) packs into no bin: refused at build time naming --split, as a range without
+    documents is, instead of a ZeroDivisionError at the first evaluation."""
+    from megatron_ext.config import ConfigError
+    from megatron_ext.data.packed_dataset import build_packed_datasets
+
+    prefix = str(tmp_path / "tail_text_document")
+    _write_sentence_dataset(prefix, [[[1, 2, 3]] for _ in range(9)] + [[]])  # the last document is empty
+    with pytest.raises(ConfigError, match=r"--split 9,1,0 leaves valid of .*tail_text_document.* without tokens"):
+        build_packed_datasets(prefix, [0.9, 0.1, 0.0], 16, "best_fit", 0, [3, 2, 1], str(tmp_path), split_flag="9,1,0")
+    train, valid, _ = build_packed_datasets(prefix, [0.9, 0.1, 0.0], 16, "best_fit", 0, [3, 2, 1], str(tmp_path),
+                                            unused_splits=(1, 2))  # without evaluation nothing reads it
+    assert valid is None and len(train) >= 3
+
+
 def test_a_dataset_written_again_gets_a_new_packing_index(tmp_path):
     """The index is keyed on the documents' lengths: preprocessing another corpus into the same
     prefix must not reuse the old index (it read a shorter corpus without a word)."""
