@@ -14,8 +14,8 @@ same phases with phase 1's writing in a background thread, ``async_save.py``):
    ``metadata.json``) and the directory, writes ``complete.json`` into it, fsyncs that, renames
    the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
 4. rank 0 replaces ``latest_checkpointed_iteration.txt`` atomically (temp file + ``os.replace``);
-5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest) and removes
-   leftovers of interrupted saves; all ranks barrier.
+5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest; each
+   renamed aside before it is deleted) and removes leftovers of interrupted saves; all ranks barrier.
 
 The marker records every stored item's checksum (``checksums``: the algorithm of ``checksum.py``,
 file -> offset -> [length, digest], computed by each rank's writer as it writes, gathered with one
@@ -245,14 +245,15 @@ def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, 
 
 
 def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str]:
-    """Delete old complete checkpoints beyond ``keep_last`` and leftovers of interrupted saves
-    (``*.tmp-*``, ``*.old-*``, stale pointer temp files); returns the deleted paths."""
+    """Delete old complete checkpoints beyond ``keep_last`` (renamed to ``*.old-*`` first) and
+    leftovers of interrupted saves and deletes (``*.tmp-*``, ``*.old-*``, stale pointer temp
+    files); returns the deleted paths."""
     complete = list_complete_checkpoints(root)
     doomed = set(select_checkpoints_to_delete([it for it, _ in complete], keep_last))
-    deleted = [path for it, path in complete if it in doomed and path != keep_dir]
-    for name in os.listdir(root):
-        if ".tmp-" in name or ".old-" in name:
-            deleted.append(os.path.join(root, name))
+    for it, path in complete:
+        if it in doomed and path != keep_dir:
+            _retire_checkpoint(path)
+    deleted = [os.path.join(root, name) for name in os.listdir(root) if ".tmp-" in name or ".old-" in name]
     for path in deleted:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -260,6 +261,16 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
             with contextlib.suppress(OSError):  # a pointer temp file may already be gone
                 os.remove(path)
     return deleted
+
+
+def _retire_checkpoint(path: str) -> None:
+    """Rename a complete checkpoint out of the ``iter_XXXXXXX`` names before it is deleted: rmtree
+    removes its files one at a time, and a delete cut short (a kill, a file it cannot remove) must
+    not leave a directory that still carries its marker without all its shards. The ``.old-``
+    directory is never loaded and goes with the leftovers (now, or at the next retention). A
+    checkpoint that cannot be renamed stays, whole."""
+    with contextlib.suppress(OSError):
+        os.rename(path, f"{path}.old-{uuid.uuid4().hex[:8]}")
 
 
 class CheckpointWriteFailed(RuntimeError):
