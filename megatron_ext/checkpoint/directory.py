@@ -378,13 +378,34 @@ def publish_checkpoint_write(write: CheckpointWrite, failed_anywhere: bool | Non
     mine = writer.checksums if writer is not None else {}
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if rank == 0:
-        publish_checkpoint(write.tmp_dir, write.final_dir, write.root, write.iteration, rank,
-                           build_checksum_record(write.tmp_dir, gathered))
-        maybe_inject_fault("before_retention", rank, write.iteration)
-        apply_retention(write.root, write.keep_last, write.final_dir)
-    dist.barrier()
+    failure = [_publish_on_rank0(write, gathered) if rank == 0 else None]
+    dist.broadcast_object_list(failure, src=0)  # the barrier that ends the save, carrying rank 0's error
+    if failure[0] is not None:
+        raise CheckpointWriteFailed(failure[0])
     return write.final_dir
+
+
+def _publish_on_rank0(write: CheckpointWrite, gathered: list[dict]) -> str | None:
+    """Rank 0's phases 3-5 (marker, rename, pointer, retention); None, or the message every rank
+    raises: the other ranks wait in a collective meanwhile, and an error rank 0 raised alone would
+    reach them as gloo's "Connection closed by peer" once its process died (or never). Before the
+    rename nothing is published and the temporary directory goes; after it, the checkpoint is whole
+    and a --load finds it."""
+    try:
+        publish_checkpoint(write.tmp_dir, write.final_dir, write.root, write.iteration, 0,
+                           build_checksum_record(write.tmp_dir, gathered))
+        maybe_inject_fault("before_retention", 0, write.iteration)
+        apply_retention(write.root, write.keep_last, write.final_dir)
+        return None
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by publish_checkpoint_write
+        error = f"{exc!r}{describe_free_space(write.root)}"
+    if os.path.isdir(write.tmp_dir):
+        shutil.rmtree(write.tmp_dir, ignore_errors=True)
+        return (f"checkpoint of iteration {write.iteration} not saved to {write.root}: publishing it failed on "
+                f"rank 0: {error}; the previous checkpoint is untouched")
+    return (f"checkpoint of iteration {write.iteration} was saved to {write.final_dir}, but updating "
+            f"{os.path.join(write.root, TRACKER_FILE)} or applying --keep-last failed on rank 0: {error}; "
+            f"--load {write.root} loads it (the newest complete checkpoint)")
 
 
 def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None) -> str:
