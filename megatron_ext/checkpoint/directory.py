@@ -232,7 +232,11 @@ def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, 
     if os.path.exists(final_dir):  # the same iteration saved again (e.g. after a resume)
         stale = f"{final_dir}.old-{uuid.uuid4().hex[:8]}"
         os.rename(final_dir, stale)
-        os.rename(tmp_dir, final_dir)
+        try:
+            os.rename(tmp_dir, final_dir)
+        except OSError:
+            os.rename(stale, final_dir)  # the checkpoint it was to replace stays, under its name
+            raise
         shutil.rmtree(stale, ignore_errors=True)
     else:
         os.rename(tmp_dir, final_dir)

@@ -298,3 +298,26 @@ def test_a_retention_delete_cut_short_leaves_no_marked_partial_checkpoint(tmp_pa
     monkeypatch.setattr(os, "unlink", real_unlink)
     apply_retention(root, 1, get_checkpoint_dir(root, 4))  # the next save's retention finishes it
     assert sorted(os.listdir(root)) == ["iter_0000004"]
+
+
+def test_a_failed_republish_keeps_the_checkpoint_it_was_to_replace(tmp_path, monkeypatch):
+    """Saving an iteration again (after a resume from an older one) moves the old directory aside
+    first: when the new one then cannot take its name, the old one must get it back, not be left
+    as a ``.old-`` directory that is never loaded and that the next retention deletes."""
+    import errno
+
+    root = str(tmp_path)
+    old = _complete(tmp_path, 4)
+    tmp = get_checkpoint_dir(root, 4) + ".tmp-y"
+    os.makedirs(tmp)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if src == tmp:
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", src)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(PermissionError):
+        publish_checkpoint(tmp, old, root, 4, rank=0)
+    assert list_complete_checkpoints(root) == [(4, old)]
