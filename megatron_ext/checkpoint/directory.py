@@ -314,12 +314,26 @@ def begin_checkpoint_write(state: dict[str, Any], root: str, iteration: int, kee
     nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
     dist.broadcast_object_list(nonce, src=0)
     tmp_dir = f"{final_dir}.tmp-{nonce[0]}"
-    if rank == 0:
-        os.makedirs(tmp_dir)
-    dist.barrier()
+    failure = [_make_tmp_dir(tmp_dir, root, iteration) if rank == 0 else None]
+    dist.broadcast_object_list(failure, src=0)  # the barrier before anyone writes into it
+    if failure[0] is not None:
+        raise CheckpointWriteFailed(failure[0])
     strategy = InProcessTorchDistSaveStrategy(snapshot=snapshot)
     request = dist_checkpointing.save(state, tmp_dir, sharded_strategy=strategy, async_sharded_save=True)
     return CheckpointWrite(root, iteration, keep_last, tmp_dir, final_dir, strategy, request)
+
+
+def _make_tmp_dir(tmp_dir: str, root: str, iteration: int) -> str | None:
+    """Rank 0 creates the save's temporary directory; None, or the message every rank raises (a
+    --save that turned read-only or full since start-up would otherwise fail rank 0 alone, the
+    others waiting in the barrier that follows)."""
+    try:
+        os.makedirs(tmp_dir)
+        return None
+    except OSError as err:
+        return (f"checkpoint of iteration {iteration} not saved to {root}: rank 0 cannot create {tmp_dir} "
+                f"({err.strerror}{describe_free_space(root)}); the previous checkpoint is untouched: make "
+                f"--save writable, or free space in it")
 
 
 def write_shards(write: CheckpointWrite) -> None:

@@ -8,6 +8,7 @@ every rank must raise CheckpointWriteFailed naming the save directory and rank 0
 rank 0 an OSError and the others gloo's "Connection closed by peer" once rank 0 has died), with
 iteration 2 still the newest complete checkpoint and the pointer's, and no temporary directory
 left. A failure after the rename says the checkpoint was saved. A later save then succeeds.
+The same holds when rank 0 cannot create the save's temporary directory (--save turned read-only).
 """
 
 from __future__ import annotations
@@ -106,3 +107,35 @@ def test_a_failed_publication_is_one_error_on_every_rank_and_loses_nothing(tmp_p
     run_ranks(_save_again, 2, root, timeout=120)  # the next job's save works and clears up
     assert [it for it, _ in directory.list_complete_checkpoints(root)] == [6]
     assert directory.read_tracker(root) == 6
+
+
+def _save_into_read_only(rank: int, world_size: int, root: str) -> dict:
+    """Iteration 2 saved, then --save turns read-only (a file system remounted read-only after
+    errors) before rank 0 creates iteration 4's temporary directory."""
+    from megatron_ext.cpu_platform import apply_cpu_platform
+
+    apply_cpu_platform(torch.device("cpu"))
+    directory.write_checkpoint(_state(rank, world_size), root, 2)
+    if rank == 0:
+        def makedirs(path, *args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system (injected)", path)
+
+        directory.os.makedirs = makedirs
+    try:
+        directory.write_checkpoint(_state(rank, world_size), root, 4)
+        return {"error": None}
+    except Exception as exc:  # noqa: BLE001 - the test checks its type and message
+        return {"error": (type(exc).__name__, str(exc))}
+
+
+def test_a_save_directory_turned_read_only_is_one_error_on_every_rank(tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_save_into_read_only, 2, root, timeout=120)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, rank
+        name, message = result["error"]
+        assert name == "CheckpointWriteFailed", (rank, result)
+        assert "checkpoint of iteration 4 not saved" in message and root in message, message
+        assert "Read-only file system (injected)" in message and "--save" in message, message
+    assert [it for it, _ in directory.list_complete_checkpoints(root)] == [2]
+    assert directory.read_tracker(root) == 2
