@@ -278,7 +278,8 @@ def _retire_checkpoint(path: str) -> None:
 
 
 class CheckpointWriteFailed(RuntimeError):
-    """A rank could not write its shards: nothing was published, the previous checkpoint stays."""
+    """A save failed on some rank, raised on every rank: nothing was published and the previous
+    checkpoint stays (or, when only the pointer or --keep-last failed, the message says it was saved)."""
 
 
 @dataclasses.dataclass
