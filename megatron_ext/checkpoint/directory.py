@@ -14,8 +14,8 @@ same phases with phase 1's writing in a background thread, ``async_save.py``):
    ``metadata.json``) and the directory, writes ``complete.json`` into it, fsyncs that, renames
    the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
 4. rank 0 replaces ``latest_checkpointed_iteration.txt`` atomically (temp file + ``os.replace``);
-5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest) and removes
-   leftovers of interrupted saves; all ranks barrier.
+5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest; each
+   renamed aside before it is deleted) and removes leftovers of interrupted saves; all ranks barrier.
 
 The marker records every stored item's checksum (``checksums``: the algorithm of ``checksum.py``,
 file -> offset -> [length, digest], computed by each rank's writer as it writes, gathered with one
@@ -232,7 +232,11 @@ def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, 
     if os.path.exists(final_dir):  # the same iteration saved again (e.g. after a resume)
         stale = f"{final_dir}.old-{uuid.uuid4().hex[:8]}"
         os.rename(final_dir, stale)
-        os.rename(tmp_dir, final_dir)
+        try:
+            os.rename(tmp_dir, final_dir)
+        except OSError:
+            os.rename(stale, final_dir)  # the checkpoint it was to replace stays, under its name
+            raise
         shutil.rmtree(stale, ignore_errors=True)
     else:
         os.rename(tmp_dir, final_dir)
@@ -245,14 +249,15 @@ def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, 
 
 
 def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str]:
-    """Delete old complete checkpoints beyond ``keep_last`` and leftovers of interrupted saves
-    (``*.tmp-*``, ``*.old-*``, stale pointer temp files); returns the deleted paths."""
+    """Delete old complete checkpoints beyond ``keep_last`` (renamed to ``*.old-*`` first) and
+    leftovers of interrupted saves and deletes (``*.tmp-*``, ``*.old-*``, stale pointer temp
+    files); returns the deleted paths."""
     complete = list_complete_checkpoints(root)
     doomed = set(select_checkpoints_to_delete([it for it, _ in complete], keep_last))
-    deleted = [path for it, path in complete if it in doomed and path != keep_dir]
-    for name in os.listdir(root):
-        if ".tmp-" in name or ".old-" in name:
-            deleted.append(os.path.join(root, name))
+    for it, path in complete:
+        if it in doomed and path != keep_dir:
+            _retire_checkpoint(path)
+    deleted = [os.path.join(root, name) for name in os.listdir(root) if ".tmp-" in name or ".old-" in name]
     for path in deleted:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -262,8 +267,19 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
     return deleted
 
 
+def _retire_checkpoint(path: str) -> None:
+    """Rename a complete checkpoint out of the ``iter_XXXXXXX`` names before it is deleted: rmtree
+    removes its files one at a time, and a delete cut short (a kill, a file it cannot remove) must
+    not leave a directory that still carries its marker without all its shards. The ``.old-``
+    directory is never loaded and goes with the leftovers (now, or at the next retention). A
+    checkpoint that cannot be renamed stays, whole."""
+    with contextlib.suppress(OSError):
+        os.rename(path, f"{path}.old-{uuid.uuid4().hex[:8]}")
+
+
 class CheckpointWriteFailed(RuntimeError):
-    """A rank could not write its shards: nothing was published, the previous checkpoint stays."""
+    """A save failed on some rank, raised on every rank: nothing was published and the previous
+    checkpoint stays (or, when only the pointer or --keep-last failed, the message says it was saved)."""
 
 
 @dataclasses.dataclass
@@ -299,12 +315,26 @@ def begin_checkpoint_write(state: dict[str, Any], root: str, iteration: int, kee
     nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
     dist.broadcast_object_list(nonce, src=0)
     tmp_dir = f"{final_dir}.tmp-{nonce[0]}"
-    if rank == 0:
-        os.makedirs(tmp_dir)
-    dist.barrier()
+    failure = [_make_tmp_dir(tmp_dir, root, iteration) if rank == 0 else None]
+    dist.broadcast_object_list(failure, src=0)  # the barrier before anyone writes into it
+    if failure[0] is not None:
+        raise CheckpointWriteFailed(failure[0])
     strategy = InProcessTorchDistSaveStrategy(snapshot=snapshot)
     request = dist_checkpointing.save(state, tmp_dir, sharded_strategy=strategy, async_sharded_save=True)
     return CheckpointWrite(root, iteration, keep_last, tmp_dir, final_dir, strategy, request)
+
+
+def _make_tmp_dir(tmp_dir: str, root: str, iteration: int) -> str | None:
+    """Rank 0 creates the save's temporary directory; None, or the message every rank raises (a
+    --save that turned read-only or full since start-up would otherwise fail rank 0 alone, the
+    others waiting in the barrier that follows)."""
+    try:
+        os.makedirs(tmp_dir)
+        return None
+    except OSError as err:
+        return (f"checkpoint of iteration {iteration} not saved to {root}: rank 0 cannot create {tmp_dir} "
+                f"({err.strerror}{describe_free_space(root)}); the previous checkpoint is untouched: make "
+                f"--save writable, or free space in it")
 
 
 def write_shards(write: CheckpointWrite) -> None:
@@ -367,13 +397,34 @@ def publish_checkpoint_write(write: CheckpointWrite, failed_anywhere: bool | Non
     mine = writer.checksums if writer is not None else {}
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if rank == 0:
-        publish_checkpoint(write.tmp_dir, write.final_dir, write.root, write.iteration, rank,
-                           build_checksum_record(write.tmp_dir, gathered))
-        maybe_inject_fault("before_retention", rank, write.iteration)
-        apply_retention(write.root, write.keep_last, write.final_dir)
-    dist.barrier()
+    failure = [_publish_on_rank0(write, gathered) if rank == 0 else None]
+    dist.broadcast_object_list(failure, src=0)  # the barrier that ends the save, carrying rank 0's error
+    if failure[0] is not None:
+        raise CheckpointWriteFailed(failure[0])
     return write.final_dir
+
+
+def _publish_on_rank0(write: CheckpointWrite, gathered: list[dict]) -> str | None:
+    """Rank 0's phases 3-5 (marker, rename, pointer, retention); None, or the message every rank
+    raises: the other ranks wait in a collective meanwhile, and an error rank 0 raised alone would
+    reach them as gloo's "Connection closed by peer" once its process died (or never). Before the
+    rename nothing is published and the temporary directory goes; after it, the checkpoint is whole
+    and a --load finds it."""
+    try:
+        publish_checkpoint(write.tmp_dir, write.final_dir, write.root, write.iteration, 0,
+                           build_checksum_record(write.tmp_dir, gathered))
+        maybe_inject_fault("before_retention", 0, write.iteration)
+        apply_retention(write.root, write.keep_last, write.final_dir)
+        return None
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by publish_checkpoint_write
+        error = f"{exc!r}{describe_free_space(write.root)}"
+    if os.path.isdir(write.tmp_dir):
+        shutil.rmtree(write.tmp_dir, ignore_errors=True)
+        return (f"checkpoint of iteration {write.iteration} not saved to {write.root}: publishing it failed on "
+                f"rank 0: {error}; the previous checkpoint is untouched")
+    return (f"checkpoint of iteration {write.iteration} was saved to {write.final_dir}, but updating "
+            f"{os.path.join(write.root, TRACKER_FILE)} or applying --keep-last failed on rank 0: {error}; "
+            f"--load {write.root} loads it (the newest complete checkpoint)")
 
 
 def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None) -> str:

@@ -271,3 +271,53 @@ def test_a_full_disk_at_the_save_probe_leaves_no_probe_file(tmp_path, monkeypatc
         directory.probe_save_dir(str(tmp_path / "ck"))
     assert "No space left on device" in str(err.value) and "MiB free" in str(err.value), err.value
     assert os.listdir(tmp_path / "ck") == []
+
+
+def test_a_retention_delete_cut_short_leaves_no_marked_partial_checkpoint(tmp_path, monkeypatch):
+    """rmtree removes a checkpoint's files one at a time: when it stops part-way (a kill, or a
+    file it cannot remove, e.g. EACCES or NFS's EBUSY), the directory must not still be an
+    ``iter_XXXXXXX`` with its marker and some shards gone, counted complete and loadable by
+    --ckpt-step or --ckpt-fallback-on-corruption."""
+    import errno
+
+    root = str(tmp_path)
+    old = _complete(tmp_path, 2)
+    for name in ("__0_0.distcp", "__1_0.distcp", "common.pt"):
+        open(os.path.join(old, name), "w").write("shard")
+    _complete(tmp_path, 4)
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):  # every file but the marker goes
+        if os.path.basename(path) == COMPLETE_MARKER:
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    apply_retention(root, 1, get_checkpoint_dir(root, 4))
+    assert [it for it, _ in list_complete_checkpoints(root)] == [4]
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    apply_retention(root, 1, get_checkpoint_dir(root, 4))  # the next save's retention finishes it
+    assert sorted(os.listdir(root)) == ["iter_0000004"]
+
+
+def test_a_failed_republish_keeps_the_checkpoint_it_was_to_replace(tmp_path, monkeypatch):
+    """Saving an iteration again (after a resume from an older one) moves the old directory aside
+    first: when the new one then cannot take its name, the old one must get it back, not be left
+    as a ``.old-`` directory that is never loaded and that the next retention deletes."""
+    import errno
+
+    root = str(tmp_path)
+    old = _complete(tmp_path, 4)
+    tmp = get_checkpoint_dir(root, 4) + ".tmp-y"
+    os.makedirs(tmp)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if src == tmp:
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", src)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(PermissionError):
+        publish_checkpoint(tmp, old, root, 4, rank=0)
+    assert list_complete_checkpoints(root) == [(4, old)]
