@@ -71,12 +71,22 @@ def check_supported(hf: dict[str, Any]) -> None:
                                 f"(megatron-core's fixed values); this config has {off or rope.get('factor')}")
         elif kind != "default":
             problems.append(f"{key} {rope}: RoPE scaling {kind!r} is not supported (only llama3)")
+    theta = get_rope_theta(hf)
+    if not theta.is_integer():  # --rotary-base is an integer (as Megatron-LM's): int() would silently change it
+        problems.append(f"rope_theta {theta}: not supported, --rotary-base takes an integer (RoPE theta "
+                        f"without a fraction)")
     partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         problems.append(f"partial_rotary_factor {partial}: only full-dimension RoPE converts")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             problems.append(f"{flag}=true: biases in linear layers are not supported (Qwen2's q/k/v biases are)")
+    if hf.get("quantization_config"):
+        # the tensors keep their HF names (q_proj.weight holds fp8 or int values, the scales sit
+        # beside it): converted as plain weights, they would be a silently wrong model
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        problems.append(f"quantization_config (quant_method {method!r}): quantized checkpoints are not supported; "
+                        f"convert the unquantized (bf16/fp16/fp32) checkpoint")
     if hf.get("model_type") == "qwen2" and (hf.get("use_sliding_window")
                                             or "sliding_attention" in (hf.get("layer_types") or [])):
         problems.append("use_sliding_window=true: sliding-window attention is not supported")

@@ -159,6 +159,13 @@ def test_hf_to_ours_logits_and_round_trip(tmp_path, kind):
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "RoPE scaling 'yarn' is not supported"),
     (dict(model_type="qwen2", use_sliding_window=True), "sliding-window attention is not supported"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5: only full-dimension RoPE converts"),
+    # --rotary-base is an integer: 3.7 would have converted as 3 (logits 5e-3 off transformers')
+    (dict(rope_theta=3.7), "rope_theta 3.7: not supported, --rotary-base takes an integer"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.5}), "rope_theta 10000.5: not supported"),
+    # an FP8 checkpoint's q_proj.weight is float8 with a weight_scale beside it: converted as plain
+    # weights it loaded 448 where HF's dequantized maximum was 0.07, without a word
+    (dict(quantization_config={"quant_method": "compressed-tensors"}),
+     "quantization_config (quant_method 'compressed-tensors'): quantized checkpoints are not supported"),
 ])
 def test_unsupported_architectures_are_named(change, needle):
     hf = dict(model_type="llama", hidden_size=64, num_attention_heads=4, hidden_act="silu")
