@@ -367,7 +367,9 @@ def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = 
     hf = common.get("hf_config") or build_hf_config(args, common)
     check_supported(hf)
     log(f"reading {ckpt_dir} (iteration {iteration})")
-    full = load_full_tensors(ckpt_dir)
+    # the weights only: a run's optimizer state (fp32 main parameters and two Adam moments, 6x the
+    # bytes of a bf16 model) would be read into memory and dropped
+    full = load_full_tensors(ckpt_dir, exclude=("optimizer.",))
     ours = unstack_layers(full, args["num_layers"])
     tensors = megatron_to_hf_tensors(ours, hf)
     os.makedirs(hf_dir, exist_ok=True)

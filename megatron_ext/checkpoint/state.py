@@ -368,10 +368,10 @@ def check_load_flags(cfg: JobConfig) -> str | None:
     return plan_load(cfg)[1]
 
 
-def load_full_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor]:
-    """{checkpoint key: full unsharded tensor} for every tensor whose key starts with ``prefix``,
-    read in this process without a process group (for tools and tests). Layer-stacked keys
-    (``decoder.layers.*``) have the global layer index as dimension 0."""
+def load_full_tensors(ckpt_dir: str, prefix: str = "", exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """{checkpoint key: full unsharded tensor} for every tensor whose key starts with ``prefix``
+    and with none of ``exclude``, read in this process without a process group (for tools and
+    tests). Layer-stacked keys (``decoder.layers.*``) have the global layer index as dimension 0."""
     from torch.distributed import checkpoint as dcp
 
     reader = dcp.FileSystemReader(ckpt_dir)
@@ -379,7 +379,7 @@ def load_full_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor
     state = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(md, "size")
+        if key.startswith(prefix) and not key.startswith(exclude) and hasattr(md, "size")
     }
     dcp.load(state, storage_reader=reader, no_dist=True)
     return state

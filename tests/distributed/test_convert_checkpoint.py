@@ -267,3 +267,51 @@ def test_a_converted_checkpoint_loads_whatever_the_optimizer_form(tmp_path, extr
     hf = _make_hf(hf_dir, "llama untied").config.to_dict()
     run_ranks(_convert, 1, hf_dir, save, timeout=300)
     assert run_ranks(_load_converted, 1, save, hf, extra, timeout=300) == [0]
+
+
+LLAMA_HERE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+                  group_query_attention=True, num_query_groups=2, ffn_hidden_size=96, rotary_base=50000,
+                  norm_epsilon=1e-5, untie_embeddings_and_output_weights=True)
+
+
+def _save_with_distributed_optimizer(rank: int, world_size: int, save: str, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron_ext.checkpoint.state import save_checkpoint
+    from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.testing import MarkovDataset, build_tiny_run, tiny_values
+    from megatron_ext.training.loop import train
+
+    run = build_tiny_run(tiny_values(**LLAMA_HERE, use_distributed_optimizer=True, train_iters=2, seq_length=SEQ,
+                                     global_batch_size=2, micro_batch_size=2), MarkovDataset(SEQ))
+    train(run)
+    save_checkpoint(run, save)
+    b, s = tokens.shape
+    with torch.no_grad():
+        logits = run.model[0](input_ids=tokens, position_ids=torch.arange(s).expand(b, s), attention_mask=None)
+    destroy_parallel_context()
+    return logits
+
+
+def test_export_reads_the_weights_not_the_optimizer_state(tmp_path, monkeypatch):
+    # a distributed-optimizer checkpoint also holds fp32 main parameters and two Adam moments per
+    # weight (6x a bf16 model's bytes): the export read all of them into memory, then dropped them
+    from torch.distributed import checkpoint as dcp
+
+    save, out = str(tmp_path / "ours"), str(tmp_path / "hf")
+    tokens = torch.randint(0, 100, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    (ours,) = run_ranks(_save_with_distributed_optimizer, 1, save, tokens, timeout=300)
+    read, real_load = [], dcp.load
+
+    def recording_load(state, *args, **kwargs):
+        read.extend(state)
+        return real_load(state, *args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", recording_load)
+    convert_megatron_to_hf(save, out, log=lambda s: None)
+    assert "embedding.word_embeddings.weight" in read
+    assert not [k for k in read if k.startswith("optimizer.")], read
+    model = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    vocab = theirs.shape[-1]
+    rel = ((ours[..., :vocab] - theirs).norm() / theirs.norm()).item()
+    assert rel <= 2e-5, f"logits differ by {rel:.2e} relative"
