@@ -58,6 +58,12 @@ def check_supported(hf: dict[str, Any]) -> None:
             f"model_type {hf.get('model_type')!r} (architectures {hf.get('architectures')}) is not "
             f"supported: only Llama-architecture checkpoints ({', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    not_causal = [a for a in hf.get("architectures") or [] if not str(a).endswith("ForCausalLM")]
+    if hf.get("model_type") in SUPPORTED_MODEL_TYPES and not_causal:
+        # e.g. a reward model (LlamaForSequenceClassification): its head would be dropped and the
+        # tied embedding taken as the LM head, a causal LM that checkpoint never was
+        problems.append(f"architectures {not_causal}: only causal language models (LlamaForCausalLM, "
+                        f"Qwen2ForCausalLM) convert")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r}: only silu (SwiGLU) is supported")
     for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names

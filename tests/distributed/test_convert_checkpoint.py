@@ -164,6 +164,9 @@ def test_hf_to_ours_logits_and_round_trip(tmp_path, kind):
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.5}), "rope_theta 10000.5: not supported"),
     # an FP8 checkpoint's q_proj.weight is float8 with a weight_scale beside it: converted as plain
     # weights it loaded 448 where HF's dequantized maximum was 0.07, without a word
+    # a tied Llama reward model converted silently into a causal LM (its score head dropped)
+    (dict(architectures=["LlamaForSequenceClassification"]),
+     "architectures ['LlamaForSequenceClassification']: only causal language models"),
     (dict(quantization_config={"quant_method": "compressed-tensors"}),
      "quantization_config (quant_method 'compressed-tensors'): quantized checkpoints are not supported"),
 ])
