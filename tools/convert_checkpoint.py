@@ -45,6 +45,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # megatron-core 0.16.1's RotaryEmbedding._apply_scaling constants (Llama 3.1)
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Training settings of the converter's one-process model, not the HF model's: recorded, every run
+# that loads the converted checkpoint warned that it was "trained with --seq-length 16" (state.py's
+# WARNED_SETTINGS); the model settings a run must match stay recorded
+PLACEHOLDER_SETTINGS = ("seq_length", "seed", "hidden_dropout", "attention_dropout", "packed_sequences")
 
 
 # ----------------------------------------------------------------------------- config
@@ -317,7 +321,8 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: in
             module = chunk
 
         state = build_model_sharded_state_dict([_Wrapped])
-        state.update(args=cfg.to_flat_dict(), tokenizer=None, padded_vocab_size=padded,
+        args = {k: v for k, v in cfg.to_flat_dict().items() if k not in PLACEHOLDER_SETTINGS}
+        state.update(args=args, tokenizer=None, padded_vocab_size=padded,
                      hf_config=hf, checkpoint_version=FORMAT_VERSION)
         return write_checkpoint(state, save, 0)
 

@@ -318,3 +318,33 @@ def test_export_reads_the_weights_not_the_optimizer_state(tmp_path, monkeypatch)
     vocab = theirs.shape[-1]
     rel = ((ours[..., :vocab] - theirs).norm() / theirs.norm()).item()
     assert rel <= 2e-5, f"logits differ by {rel:.2e} relative"
+
+
+def _load_log(rank: int, world_size: int, save: str, hf: dict, extra: dict) -> list[str]:
+    from megatron_ext.checkpoint.state import load_checkpoint
+    from megatron_ext.config import build_job_config
+    from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.run import build_training_run
+
+    lines = []
+    values = {**hf_config_to_values(hf, 32), "mock_data": True, "tokenizer_type": "NullTokenizer",
+              "vocab_size": VOCAB - 1, "micro_batch_size": 1, "global_batch_size": 1, **extra}
+    run = build_training_run(build_job_config(values), device=torch.device("cpu"), data=(None, None),
+                             log=lines.append, metrics=False)
+    load_checkpoint(run, save)
+    destroy_parallel_context()
+    return lines
+
+
+def test_loading_a_converted_checkpoint_warns_of_model_settings_only(tmp_path):
+    # the converter's one-process model had --seq-length 16 and default seed and dropout: every
+    # run that loaded it was told the checkpoint was "trained with --seq-length 16"
+    hf_dir, save = str(tmp_path / "hf"), str(tmp_path / "ours")
+    hf = _make_hf(hf_dir, "llama untied").config.to_dict()
+    run_ranks(_convert, 1, hf_dir, save, timeout=300)
+    run = dict(seq_length=64, seed=7, hidden_dropout=0.1, attention_dropout=0.1)
+    (lines,) = run_ranks(_load_log, 1, save, hf, run, timeout=300)
+    assert not [line for line in lines if "changes settings" in line], lines
+    (lines,) = run_ranks(_load_log, 1, save, hf, {**run, "rotary_base": 10000}, timeout=300)
+    warned = [line for line in lines if "changes settings" in line]
+    assert len(warned) == 1 and "--rotary-base 50000 -> 10000" in warned[0] and "seq-length" not in warned[0], lines
