@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -102,3 +104,27 @@ def test_sbatch_falls_back_to_the_node_name_when_scontrol_shows_no_node(tmp_path
     # the fallback below the NodeAddr lookup was unreachable: set -e ended the job on scontrol's error
     seen = run_sbatch(tmp_path, slurm_env(tmp_path, 2, FAKE_SHOW_NODE_FAILS="1"), ["--config", "configs/default.yaml"])
     assert seen["env"]["MASTER_ADDR"] == "node1", seen
+
+
+def test_sigint_reaches_torchrun_before_its_workers_start(tmp_path):
+    # torchrun ignores nothing itself, but a command started with `&` by a script inherits SIGINT
+    # ignored (bash, without job control): the launcher's forwarded SIGINT (Ctrl-C) did nothing
+    # until torchrun's workers started, e.g. not while it waited in the rendezvous for other nodes
+    env = launch_env(tmp_path, NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", FAKE_TORCHRUN_SLEEP="120")
+    proc = subprocess.Popen([os.path.join(REPO, "launch", "torchrun.sh"), "--flag"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "torchrun.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "torchrun.json").exists(), proc.communicate(timeout=5)[0]
+        proc.send_signal(signal.SIGINT)
+        try:
+            output = proc.communicate(timeout=15)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            raise AssertionError("torchrun still running 15 s after the launcher got SIGINT") from None
+        assert proc.returncode != 0 and "KeyboardInterrupt" in output, (proc.returncode, output[-2000:])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
