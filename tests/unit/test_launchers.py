@@ -1,6 +1,7 @@
 """launch/torchrun.sh and launch/slurm.sbatch as shell scripts, with fake ``torchrun``, ``srun`` and
-``scontrol`` on PATH: what reaches torchrun (arguments, environment), signals, Slurm's node list.
-No torch process starts here (tests/distributed/test_launch.py and tests/slurm run the real ones)."""
+``scontrol`` on PATH: what reaches torchrun (arguments, environment), signals, Slurm's node list;
+and the device a rank picks from LOCAL_RANK. No torch process starts here (tests/distributed/test_launch.py
+and tests/slurm run the real ones)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -128,3 +131,34 @@ def test_sigint_reaches_torchrun_before_its_workers_start(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_more_ranks_per_node_than_gpus_is_one_clear_error(monkeypatch):
+    # NPROC_PER_NODE defaults to 8: on a 4-GPU node, ranks 4-7 died in torch.cuda.set_device with
+    # "CUDA error: invalid device ordinal" tracebacks instead of one error naming the setting
+    import torch
+
+    from megatron_ext.config import ConfigError
+    from megatron_ext.cpu_platform import select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert select_device("auto") == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for requested in ("auto", "cuda"):
+        with pytest.raises(ConfigError) as err:
+            select_device(requested)
+        assert "LOCAL_RANK 5, 4 CUDA devices visible" in str(err.value), err.value
+        assert "NPROC_PER_NODE=4" in str(err.value) and "--nproc-per-node 4" in str(err.value), err.value
+    # under torchrun: one text for ranks 4-7, reported once per node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    messages = set()
+    for local_rank in (4, 7):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        with pytest.raises(ConfigError) as err:
+            select_device("auto")
+        messages.add(str(err.value))
+    assert len(messages) == 1 and "8 processes on this node (LOCAL_WORLD_SIZE), 4 CUDA devices" in messages.pop()
+    assert select_device("cpu") == torch.device("cpu")
