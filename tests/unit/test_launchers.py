@@ -114,8 +114,11 @@ def test_sigint_reaches_torchrun_before_its_workers_start(tmp_path):
     # ignored (bash, without job control): the launcher's forwarded SIGINT (Ctrl-C) did nothing
     # until torchrun's workers started, e.g. not while it waited in the rendezvous for other nodes
     env = launch_env(tmp_path, NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", FAKE_TORCHRUN_SLEEP="120")
+    # started as from a terminal or srun: SIGINT not ignored (this test process may have been started with it
+    # ignored, and a shell cannot trap a signal ignored when it starts)
     proc = subprocess.Popen([os.path.join(REPO, "launch", "torchrun.sh"), "--flag"], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "torchrun.json").exists() and proc.poll() is None and time.monotonic() < deadline:
