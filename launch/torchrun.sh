@@ -42,7 +42,10 @@ MEGATRON_EXT_EXIT_MARKER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/megatron_ext_exit.XXXX
 export MEGATRON_EXT_EXIT_MARKER_DIR
 trap 'rm -rf "$MEGATRON_EXT_EXIT_MARKER_DIR"' EXIT
 
-torchrun "${args[@]}" "$TRAIN_SCRIPT" "$@" &
+# A command started with `&` by a script (no job control) gets SIGINT and SIGQUIT ignored, and
+# torchrun sets its own handlers only when it starts its workers: the SIGINT forwarded below (Ctrl-C)
+# did nothing before, e.g. while it waited in the rendezvous for the other nodes. Restore them.
+( trap - INT QUIT; exec torchrun "${args[@]}" "$TRAIN_SCRIPT" "$@" ) &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null' TERM
 trap 'kill -INT "$pid" 2>/dev/null' INT

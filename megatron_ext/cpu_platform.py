@@ -274,12 +274,22 @@ def select_device(requested: str = "auto") -> torch.device:
 
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        from megatron_ext.config import ConfigError
+    from megatron_ext.config import ConfigError
 
+    if not torch.cuda.is_available():
         raise ConfigError([f"--device {requested}: no CUDA device is visible (torch {torch.__version__}, "
                            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): use --device cpu"])
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= count:  # more processes on this node than GPUs (torch.cuda.set_device: invalid device ordinal)
+        # the same text on every surplus rank, so that it is reported once per node
+        local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        started = (f"{local_world} processes on this node (LOCAL_WORLD_SIZE)" if local_world
+                   else f"LOCAL_RANK {local_rank}")
+        raise ConfigError([f"{started}, {count} CUDA devices visible (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): start one process per GPU "
+                           f"(NPROC_PER_NODE={count} launch/torchrun.sh, torchrun --nproc-per-node {count}), "
+                           f"or --device cpu"])
+    return torch.device("cuda", local_rank)
 
 
 def get_collective_device(group: Any = None) -> torch.device:

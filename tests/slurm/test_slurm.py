@@ -4,7 +4,7 @@ The default job (TP2 x PP2 x VPP2 x DP2: 8 ranks, 4 per node, two torchrun agent
 first node's NodeAddr) is submitted with ``sbatch``; then preemption two ways: ``scancel
 --signal=TERM`` (Slurm signals every task of the step: launch/torchrun.sh on each node) and a
 ``--signal=TERM@120`` before a ``--time=4`` limit. Each must save the iteration it stops at and end
-COMPLETED with exit code 0.
+COMPLETED with exit code 0. And one torchrun agent per node when the job asks for more tasks per node.
 
 Skipped, with the reason, where Slurm (Debian's slurm-wlm + munge) is not installed or the tests
 do not run as root; about 4 minutes on 2 cores otherwise. By hand: see tools/slurm_local_cluster.sh.
@@ -121,3 +121,22 @@ def test_signal_before_the_time_limit_saves_and_ends_cleanly(cluster, tmp_path):
     assert wait_for(cluster, job, 400) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
     stopped = _stopped_at(open(out).read())
     assert stopped >= 1 and read_tracker(save) == stopped
+
+
+WORKER = """
+import os, sys, time
+open(os.path.join(sys.argv[1], "rank%s.%d" % (os.environ["RANK"], os.getpid())), "w").close()
+time.sleep(5)  # while a second agent on the node would join
+"""
+
+
+def test_one_agent_per_node_whatever_the_jobs_tasks_per_node(cluster, tmp_path):
+    # sbatch --ntasks-per-node=2 (one task per GPU, as for a srun-launched Megatron-LM): srun took the
+    # job's task count, ignored its --ntasks-per-node=1 and started two agents per node; the job FAILED
+    worker, ranks, out = tmp_path / "worker.py", tmp_path / "ranks", str(tmp_path / "job.out")
+    worker.write_text(WORKER)
+    ranks.mkdir()
+    job = submit(dict(cluster, TRAIN_SCRIPT=str(worker)), out, [str(ranks)],
+                 ["--ntasks-per-node", "2", "--cpus-per-task", "2"])
+    assert wait_for(cluster, job, 180) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
+    assert sorted(int(name.split(".")[0][len("rank"):]) for name in os.listdir(ranks)) == list(range(8))

@@ -1,0 +1,167 @@
+"""launch/torchrun.sh and launch/slurm.sbatch as shell scripts, with fake ``torchrun``, ``srun`` and
+``scontrol`` on PATH: what reaches torchrun (arguments, environment), signals, Slurm's node list;
+and the device a rank picks from LOCAL_RANK. No torch process starts here (tests/distributed/test_launch.py
+and tests/slurm run the real ones)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# torchrun: records its arguments and the environment the launcher gave it, then waits
+# FAKE_TORCHRUN_SLEEP seconds (as torchrun waits for its peers in the rendezvous)
+FAKE_TORCHRUN = f"""#!{sys.executable}
+import json, os, sys, time
+out = os.environ["FAKE_TORCHRUN_OUT"]
+env = {{k: v for k, v in os.environ.items() if k.startswith(("MASTER_", "NNODES", "NODE_RANK", "NPROC_", "OMP_",
+                                                             "CUDA_", "TORCH_", "MEGATRON_EXT_", "RDZV_"))}}
+with open(out + ".tmp", "w") as f:
+    json.dump({{"argv": sys.argv[1:], "env": env}}, f)
+os.replace(out + ".tmp", out)
+time.sleep(float(os.environ.get("FAKE_TORCHRUN_SLEEP", "0")))
+"""
+
+# scontrol: `show hostnames` expands to FAKE_NODES names (node1, node2, ...); `show node X` gives
+# NodeAddr=addr-of-X, or fails as where node information is private (FAKE_SHOW_NODE_FAILS)
+FAKE_SCONTROL = """#!/usr/bin/env bash
+case "$1 $2" in
+  "show hostnames") exec seq -f 'node%g' 1 "${FAKE_NODES:-2}" ;;
+  "show node")
+    if [[ -n "${FAKE_SHOW_NODE_FAILS:-}" ]]; then echo "slurm_load_node error: Access/permission denied" >&2; exit 1; fi
+    echo "NodeName=$3 Arch=x86_64 CoresPerSocket=8 NodeAddr=addr-of-$3 NodeHostName=$3 Version=22.05"
+    exit 0 ;;
+esac
+exit 1
+"""
+
+# srun: drops its options and runs the task once, as node 0
+FAKE_SRUN = """#!/usr/bin/env bash
+while [[ $# -gt 0 && "$1" == -* ]]; do shift; done
+SLURM_NODEID=0 exec "$@"
+"""
+
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "RDZV_ID", "TRAIN_SCRIPT",
+               "MEGATRON_EXT_ROOT", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+
+
+def make_fakes(tmp_path) -> str:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("torchrun", FAKE_TORCHRUN), ("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return str(bin_dir)
+
+
+def launch_env(tmp_path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    env.update(PATH=make_fakes(tmp_path) + os.pathsep + os.environ["PATH"],
+               FAKE_TORCHRUN_OUT=str(tmp_path / "torchrun.json"), **extra)
+    return env
+
+
+def slurm_env(tmp_path, nodes: int, **extra: str) -> dict[str, str]:
+    return launch_env(tmp_path, SLURM_JOB_NODELIST=f"node[1-{nodes}]", SLURM_NNODES=str(nodes), SLURM_JOB_ID="4242",
+                      SLURM_SUBMIT_DIR=REPO, SLURM_CPUS_PER_TASK="4", FAKE_NODES=str(nodes), **extra)
+
+
+def run_sbatch(tmp_path, env: dict[str, str], args: list[str]) -> dict:
+    proc = subprocess.run(["bash", os.path.join(REPO, "launch", "slurm.sbatch"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    with open(tmp_path / "torchrun.json") as f:
+        return json.load(f)
+
+
+def test_sbatch_passes_flags_and_paths_with_spaces_and_quotes_through(tmp_path):
+    root = tmp_path / "my repo"
+    shutil.copytree(os.path.join(REPO, "launch"), root / "launch")
+    flags = ["--config", "my configs/a b.yaml", "--wandb-exp-name", "it's \"quoted\" $HOME *", "--empty", ""]
+    seen = run_sbatch(tmp_path, slurm_env(tmp_path, 2, MEGATRON_EXT_ROOT=str(root)), flags)
+    argv, env = seen["argv"], seen["env"]
+    assert argv[-len(flags) - 1:] == [str(root / "pretrain_gpt.py"), *flags], argv
+    opts = dict(zip(argv[:-len(flags) - 1:2], argv[1:-len(flags) - 1:2]))
+    assert opts == {"--nnodes": "2", "--nproc-per-node": "8", "--node-rank": "0", "--rdzv-backend": "c10d",
+                    "--rdzv-endpoint": "addr-of-node1:29500", "--rdzv-id": "4242"}, argv
+    assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1", env
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "110" and env["MEGATRON_EXT_EXIT_MARKER_DIR"], env
+
+
+def test_sbatch_finds_the_first_node_of_a_large_job(tmp_path):
+    # `scontrol show hostnames | head -n1` under pipefail: head leaves after one line, scontrol dies
+    # of SIGPIPE writing the rest, and set -e ended the job with status 141 before srun, silently
+    seen = run_sbatch(tmp_path, slurm_env(tmp_path, 20000), ["--config", "configs/default.yaml"])
+    assert seen["env"]["MASTER_ADDR"] == "addr-of-node1" and seen["env"]["NNODES"] == "20000", seen
+
+
+def test_sbatch_falls_back_to_the_node_name_when_scontrol_shows_no_node(tmp_path):
+    # the fallback below the NodeAddr lookup was unreachable: set -e ended the job on scontrol's error
+    seen = run_sbatch(tmp_path, slurm_env(tmp_path, 2, FAKE_SHOW_NODE_FAILS="1"), ["--config", "configs/default.yaml"])
+    assert seen["env"]["MASTER_ADDR"] == "node1", seen
+
+
+def test_sigint_reaches_torchrun_before_its_workers_start(tmp_path):
+    # torchrun ignores nothing itself, but a command started with `&` by a script inherits SIGINT
+    # ignored (bash, without job control): the launcher's forwarded SIGINT (Ctrl-C) did nothing
+    # until torchrun's workers started, e.g. not while it waited in the rendezvous for other nodes
+    env = launch_env(tmp_path, NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", FAKE_TORCHRUN_SLEEP="120")
+    # started as from a terminal or srun: SIGINT not ignored (this test process may have been started with it
+    # ignored, and a shell cannot trap a signal ignored when it starts)
+    proc = subprocess.Popen([os.path.join(REPO, "launch", "torchrun.sh"), "--flag"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "torchrun.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "torchrun.json").exists(), proc.communicate(timeout=5)[0]
+        proc.send_signal(signal.SIGINT)
+        try:
+            output = proc.communicate(timeout=15)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            raise AssertionError("torchrun still running 15 s after the launcher got SIGINT") from None
+        assert proc.returncode != 0 and "KeyboardInterrupt" in output, (proc.returncode, output[-2000:])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_more_ranks_per_node_than_gpus_is_one_clear_error(monkeypatch):
+    # NPROC_PER_NODE defaults to 8: on a 4-GPU node, ranks 4-7 died in torch.cuda.set_device with
+    # "CUDA error: invalid device ordinal" tracebacks instead of one error naming the setting
+    import torch
+
+    from megatron_ext.config import ConfigError
+    from megatron_ext.cpu_platform import select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert select_device("auto") == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for requested in ("auto", "cuda"):
+        with pytest.raises(ConfigError) as err:
+            select_device(requested)
+        assert "LOCAL_RANK 5, 4 CUDA devices visible" in str(err.value), err.value
+        assert "NPROC_PER_NODE=4" in str(err.value) and "--nproc-per-node 4" in str(err.value), err.value
+    # under torchrun: one text for ranks 4-7, reported once per node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    messages = set()
+    for local_rank in (4, 7):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        with pytest.raises(ConfigError) as err:
+            select_device("auto")
+        messages.add(str(err.value))
+    assert len(messages) == 1 and "8 processes on this node (LOCAL_WORLD_SIZE), 4 CUDA devices" in messages.pop()
+    assert select_device("cpu") == torch.device("cpu")
