@@ -312,13 +312,14 @@ def begin_checkpoint_write(state: dict[str, Any], root: str, iteration: int, kee
 
     rank = dist.get_rank()
     final_dir = get_checkpoint_dir(root, iteration)
-    nonce = [uuid.uuid4().hex[:8] if rank == 0 else None]
-    dist.broadcast_object_list(nonce, src=0)
-    tmp_dir = f"{final_dir}.tmp-{nonce[0]}"
-    failure = [_make_tmp_dir(tmp_dir, root, iteration) if rank == 0 else None]
-    dist.broadcast_object_list(failure, src=0)  # the barrier before anyone writes into it
-    if failure[0] is not None:
-        raise CheckpointWriteFailed(failure[0])
+    made = [None]  # rank 0's (temporary directory, None or the error every rank raises)
+    if rank == 0:
+        tmp_dir = f"{final_dir}.tmp-{uuid.uuid4().hex[:8]}"
+        made = [(tmp_dir, _make_tmp_dir(tmp_dir, root, iteration))]
+    dist.broadcast_object_list(made, src=0)  # one collective: the name, and the barrier before anyone writes
+    tmp_dir, failure = made[0]
+    if failure is not None:
+        raise CheckpointWriteFailed(failure)
     strategy = InProcessTorchDistSaveStrategy(snapshot=snapshot)
     request = dist_checkpointing.save(state, tmp_dir, sharded_strategy=strategy, async_sharded_save=True)
     return CheckpointWrite(root, iteration, keep_last, tmp_dir, final_dir, strategy, request)
