@@ -70,3 +70,13 @@ def test_queue_refuses_misuse():
         queue.defer(lambda: order.append(2))
     queue.run("a"), queue.run("c")
     assert order == [1, 2] and queue.pending() == 0
+
+
+def test_schedule_names_match_case_insensitively():
+    from megatron_ext.pipeline.names import canonical_schedule_name, get_schedule_placement, splits_backward
+
+    assert canonical_schedule_name("zbvzerobubble") == "ZBVZeroBubble"
+    assert canonical_schedule_name("interleaved-1f1b") == "Interleaved1F1B"
+    assert canonical_schedule_name("gpipe") is None
+    assert get_schedule_placement("ZBVZeroBubble") == "v" and get_schedule_placement("zbh1") == "loop"
+    assert splits_backward("ZBH1") and not splits_backward("1F1B")
