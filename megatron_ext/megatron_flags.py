@@ -90,23 +90,32 @@ def _tiktoken_pattern(value, cfg):
 
 FLAGS = [
     MegatronFlag("--use-mcore-models", STORE_TRUE, _noop("--use-mcore-models changes nothing: the models are always megatron-core's"), "Accepted, no effect (one warning line): the models are always megatron-core's."),
-    MegatronFlag("--use-dist-ckpt", STORE_TRUE, _noop("--use-dist-ckpt changes nothing: checkpoints are always megatron-core distributed checkpoints (torch_dist)"), "Accepted, no effect (one warning line): checkpoints are always megatron-core distributed checkpoints (torch_dist)."),
+    MegatronFlag("--use-dist-ckpt", STORE_TRUE, _noop("--use-dist-ckpt changes nothing: checkpoints are always megatron-core distributed checkpoints (torch_dist)"), "Accepted, no effect (one warning line): checkpoints are always megatron-core distributed "
+                 "checkpoints (torch_dist)."),
     MegatronFlag("--ckpt-format", 1, _one_of({"torch_dist": None}, "--ckpt-format {value}: only torch_dist (megatron-core distributed checkpoints) is written and read"), "torch_dist accepted silently (the only format written and read); other formats refused."),
-    MegatronFlag("--no-create-attention-mask-in-dataloader", STORE_TRUE, _noop("--no-create-attention-mask-in-dataloader changes nothing: no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)"), "Accepted, no effect (one warning line): no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)."),
+    MegatronFlag("--no-create-attention-mask-in-dataloader", STORE_TRUE, _noop("--no-create-attention-mask-in-dataloader changes nothing: no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)"), "Accepted, no effect (one warning line): no dense attention mask is ever built (causal "
+                 "kernels; packed documents through cu_seqlens)."),
     MegatronFlag("--no-mmap-bin-files", STORE_TRUE, _noop("--no-mmap-bin-files changes nothing here: .bin files are memory-mapped"), "Accepted, no effect (one warning line): .bin files are memory-mapped."),
     MegatronFlag("--log-throughput", STORE_TRUE, _noop("--log-throughput changes nothing: tokens/s and TFLOP/s per GPU are always logged"), "Accepted, no effect (one warning line): tokens/s and TFLOP/s per GPU are always logged."),
-    MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is our fused vocab-parallel cross-entropy (model/cross_entropy.py) in any case"), "Accepted, no effect (one warning line): the loss is our fused vocab-parallel cross-entropy (model/cross_entropy.py) in any case."),
-    MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / flash's varlen kernel; the start-up line names them)"), "Accepted, no effect (one warning line): attention kernels are chosen by device (torch SDPA; flash's varlen kernel for packed sequences on CUDA)."),
+    MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is our fused vocab-parallel cross-entropy (model/cross_entropy.py) in any case"), "Accepted, no effect (one warning line): the loss is our fused vocab-parallel "
+                 "cross-entropy (model/cross_entropy.py) in any case."),
+    MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / flash's varlen kernel; the start-up line names them)"), "Accepted, no effect (one warning line): attention kernels are chosen by device (torch "
+                 "SDPA; flash's varlen kernel for packed sequences on CUDA)."),
     MegatronFlag("--no-masked-softmax-fusion", STORE_TRUE, _noop("--no-masked-softmax-fusion changes nothing: the local spec uses no masked-softmax kernel"), "Accepted, no effect (one warning line): the local spec uses no masked-softmax kernel."),
     MegatronFlag("--no-bias-gelu-fusion", STORE_TRUE, _noop("--no-bias-gelu-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
     MegatronFlag("--no-bias-swiglu-fusion", STORE_TRUE, _noop("--no-bias-swiglu-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
     MegatronFlag("--no-bias-dropout-fusion", STORE_TRUE, _noop("--no-bias-dropout-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
-    MegatronFlag("--no-rope-fusion", STORE_TRUE, _noop("--no-rope-fusion changes nothing: rotary embeddings are applied by our packed-aware code, unfused"), "Accepted, no effect (one warning line): rotary embeddings are applied by our packed-aware code, unfused."),
-    MegatronFlag("--distributed-backend", 1, _one_of({"nccl": None, "gloo": None}, "--distributed-backend {value}: nccl (CUDA) or gloo (CPU), chosen by device"), "nccl or gloo accepted silently: the backend is chosen by device (nccl on CUDA, gloo on CPU); other values refused."),
+    MegatronFlag("--no-rope-fusion", STORE_TRUE, _noop("--no-rope-fusion changes nothing: rotary embeddings are applied by our packed-aware code, unfused"), "Accepted, no effect (one warning line): rotary embeddings are applied by our packed-aware "
+                 "code, unfused."),
+    MegatronFlag("--distributed-backend", 1, _one_of({"nccl": None, "gloo": None}, "--distributed-backend {value}: nccl (CUDA) or gloo (CPU), chosen by device"), "nccl or gloo accepted silently: the backend is chosen by device (nccl on CUDA, gloo on "
+                 "CPU); other values refused."),
     MegatronFlag("--use-rotary-position-embeddings", STORE_TRUE, _needs_rope("--use-rotary-position-embeddings"), "Accepted silently with --position-embedding-type rope; refused without it."),
-    MegatronFlag("--no-position-embedding", STORE_TRUE, _needs_rope("--no-position-embedding"), "Accepted silently with --position-embedding-type rope (no learned absolute embedding then); refused without it."),
-    MegatronFlag("--kv-channels", 1, _kv_channels, "Accepted silently when it equals --hidden-size / --num-attention-heads; other head sizes refused."),
-    MegatronFlag("--attention-backend", 1, _attention_backend, "Accepted with the local spec, no effect (one warning line: attention runs on torch SDPA, packed sequences on flash's varlen kernel on CUDA in bf16/fp16); refused with Transformer Engine."),
+    MegatronFlag("--no-position-embedding", STORE_TRUE, _needs_rope("--no-position-embedding"), "Accepted silently with --position-embedding-type rope (no learned absolute embedding "
+                 "then); refused without it."),
+    MegatronFlag("--kv-channels", 1, _kv_channels, "Accepted silently when it equals --hidden-size / --num-attention-heads; other head sizes "
+                 "refused."),
+    MegatronFlag("--attention-backend", 1, _attention_backend, "Accepted with the local spec, no effect (one warning line: attention runs on torch SDPA, "
+                 "packed sequences on flash's varlen kernel on CUDA in bf16/fp16); refused with Transformer Engine."),
     MegatronFlag("--tiktoken-pattern", 1, _tiktoken_pattern, "Accepted, no effect (one warning line) with tokenizers other than TikTokenizer."),
     # refused: they would change the model or the training, and we lack them
     MegatronFlag("--apply-layernorm-1p", STORE_TRUE, _refuse("--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"), "Refused: zero-centred LayerNorm weights are not supported (the model would differ)."),
