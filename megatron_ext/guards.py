@@ -9,7 +9,7 @@ stalled step waits silently for the collective timeout.
   job's life; the kernel releases it when the process dies (kill -9 included), so a relaunch is
   never blocked by a dead job, and a second live job is refused at start-up. ``flock`` is reliable
   on local file systems and on NFSv4 and Lustre with locking enabled; where the file system ignores
-  it (some NFSv3 mounts without lockd), the lock protects nothing: see README.
+  it (some NFSv3 mounts without lockd), the lock protects nothing: see docs/failures.md.
 - ``StepWatchdog`` (``--step-timeout-minutes``): when one training step takes longer, the rank
   prints where it is (rank, pipeline stage, iteration, the micro-batch its forward step recorded)
   and every thread's Python stack, then exits 1 so the launcher ends the job, instead of waiting
