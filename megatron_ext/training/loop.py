@@ -78,6 +78,9 @@ class TrainingRun:
     pad_id: int = 0
     vocab_size: int | None = None  # the tokenizer's: every token id of the data must lie below it
     state: TrainState = dataclasses.field(default_factory=TrainState)
+    # each optimizer parameter group's flag-given settings as built (optimizer.record_flag_settings),
+    # restored after a load under --override-opt-param-scheduler
+    optimizer_flags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     log: Callable[[str], None] = functools.partial(print, flush=True)
     # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
     records: list[dict[str, float]] = dataclasses.field(default_factory=list)
