@@ -10,7 +10,8 @@ hold a NaN or Inf is skipped on every rank. megatron-core's mixed-precision and 
 optimizers already check found-inf (all ranks agree in their own reduction) and skip when a grad
 scaler is set, so they get a constant scaler of 1.0 (fp16 keeps its dynamic one); megatron-core's
 fp32 optimizer reports no found-inf, so ``step_optimizer`` decides on the global gradient norm it
-computes anyway for clipping (agreed by every rank), before the update.
+computes anyway for clipping (agreed by every rank), before the update. A non-finite loss reaches
+the same checks through its gradients, which ``loss.poison_non_finite`` makes NaN.
 """
 
 from __future__ import annotations
