@@ -74,11 +74,13 @@ def expected_updates(values: dict, num_groups: int, first: int, last: int) -> li
 
 def _resume(root: str, values: dict, **flags) -> dict:
     run = _build(values, **flags)
+    logs: list[str] = []
+    run.log = logs.append
     assert load_checkpoint(run, root, step=K) == K
     updates = _record_updates(run)
     train(run)
     out = {"updates": updates, "records": run.records, "num_groups": len(run.optimizer.param_groups),
-           "rank": run.ctx.rank}
+           "rank": run.ctx.rank, "warnings": [line for line in logs if line.startswith("WARNING")]}
     destroy_parallel_context()
     return out
 
@@ -147,6 +149,12 @@ def test_use_checkpoint_keeps_the_checkpoints_schedule_and_adam_options(results,
     for per_rank in results:
         got = per_rank[name]["checkpoint's"]
         assert got["updates"] == expected_updates(SAVED, got["num_groups"], K + 1, ITERS)
+    (warning,) = results[-1][name]["checkpoint's"]["warnings"]  # the logging rank says which values run
+    assert warning == ("WARNING: --use-checkpoint-opt-param-scheduler keeps the checkpoint's optimizer settings: "
+                       "--adam-beta1: the checkpoint's Adam beta1 is 0.9, this run's flags give 0.8; --adam-beta2: "
+                       "the checkpoint's Adam beta2 is 0.999, this run's flags give 0.95; --adam-eps: the "
+                       "checkpoint's Adam epsilon is 1e-08, this run's flags give 1e-06"), warning
+    assert results[-1][name]["override"]["warnings"] == []
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
