@@ -197,18 +197,19 @@ def train_step(
     bad_microbatch = None if bool(torch.isfinite(local).all()) else find_non_finite_microbatch(reports)
     non_finite = check_for_nan and not update_successful
     if non_finite and model[0].config.fp16:
-        non_finite = agree_loss_non_finite(bad_microbatch is not None, ctx)
+        non_finite = agree_loss_non_finite(bad_microbatch is not None)
     return StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch)
 
 
-def agree_loss_non_finite(mine: bool, ctx: ParallelContext) -> bool:
-    """Whether any rank's loss was not finite (one all-reduce over the world). Only after a skipped
+def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:
+    """Whether any rank's loss was not finite (one all-reduce over ``group``, by default the world:
+    every rank must learn it, and a pipeline's last stage sees only its own loss). Only after a skipped
     --fp16 step: megatron-core's dynamic loss scaler skips an overflow of the scaled gradients too,
     and the NaN a non-finite loss puts into the gradients looks the same to it; the skip is a nan
     iteration only when a loss caused it (the scaler has backed off for it anyway, as it would for
     an overflow). Steps whose update was applied, and every step without --fp16, never call this."""
-    flag = torch.tensor([float(mine)], device=get_collective_device())
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    flag = torch.tensor([float(mine)], device=get_collective_device(group))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
