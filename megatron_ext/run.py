@@ -32,7 +32,9 @@ from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, us
 from megatron_ext.parallel import ParallelContext, build_parallel_context
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
-from megatron_ext.training.optimizer import build_optimizer, build_scheduler
+from megatron_ext.training.optimizer import (
+    build_optimizer, build_scheduler, get_schedule_lr_range, record_flag_settings,
+)
 from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, ProfilerWindow, StepTimers
 from megatron_ext.training.step import configure_model_hooks, pad_step_samples
 from megatron_ext.training.timeline import build_pp_timeline
@@ -82,6 +84,7 @@ def build_training_run(
 
     return TrainingRun(
         cfg=cfg, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+        optimizer_flags=record_flag_settings(optimizer),
         train_ds=data[0], valid_ds=data[1], global_batch_size=global_batch_size,
         writer=MetricWriter(cfg, enabled=metrics and ctx.is_logging_rank),
         checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab),
@@ -131,13 +134,15 @@ def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext) -> StepWatchdog | 
 
 def describe_schedule(run: TrainingRun, label: str = "schedule") -> str:
     """Run length and LR schedule in steps and samples (megatron-core counts samples), as the
-    scheduler holds it (after a load with --use-checkpoint-opt-param-scheduler: the checkpoint's)."""
+    scheduler holds it (after a load with --use-checkpoint-opt-param-scheduler: the checkpoint's), with
+    the learning rates it gives parameter group 0 (``get_schedule_lr_range``)."""
     t, sch, gbs = run.cfg.training, run.scheduler, run.global_batch_size
     length = f"{t.train_iters} steps x {gbs} samples" + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
     style = getattr(sch, "lr_decay_style", t.lr_decay_style)
     wsd = (f", WSD {getattr(sch, 'lr_wsd_decay_style', t.lr_wsd_decay_style)} decay over the last "
            f"{sch.wsd_decay_steps} samples" if style == "WSD" else "")
-    return (f"> {label}: {length} | lr {getattr(sch, 'max_lr', t.lr)} -> {getattr(sch, 'min_lr', t.min_lr)}, "
+    max_lr, min_lr = get_schedule_lr_range(sch)
+    return (f"> {label}: {length} | lr {max_lr} -> {min_lr}, "
             f"warm-up {sch.lr_warmup_steps} samples, {style} decay over {sch.lr_decay_steps} samples{wsd}")
 
 

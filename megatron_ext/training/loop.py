@@ -78,6 +78,9 @@ class TrainingRun:
     pad_id: int = 0
     vocab_size: int | None = None  # the tokenizer's: every token id of the data must lie below it
     state: TrainState = dataclasses.field(default_factory=TrainState)
+    # each optimizer parameter group's flag-given settings as built (optimizer.record_flag_settings),
+    # restored after a load under --override-opt-param-scheduler
+    optimizer_flags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     log: Callable[[str], None] = functools.partial(print, flush=True)
     # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
     records: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -207,15 +210,14 @@ def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
 
 
 def locate_non_finite(run: TrainingRun, result: StepResult) -> str:
-    """Where a non-finite step came from: the ranks whose own loss was not finite (one
-    all-gather, only in a non-finite step, which every rank sees)."""
+    """Where a non-finite step came from: the ranks whose own loss was not finite, each with its
+    first such micro-batch (one all-gather, only in a non-finite step, which every rank sees)."""
     ctx = run.ctx
-    mine = (ctx.rank, ctx.pp_rank, ctx.tp_rank, ctx.dp_rank,
-            ctx.is_last_stage and not bool(torch.isfinite(result.loss_sum_count).all()))
+    mine = (ctx.rank, ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, result.non_finite_microbatch)
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
-    bad = [f"rank {r} (pipeline stage {pp}, tensor rank {tp}, data-parallel rank {dp})"
-           for r, pp, tp, dp, loss_bad in everyone if loss_bad]
+    bad = [f"rank {r} (pipeline stage {pp}, tensor rank {tp}, data-parallel rank {dp}, micro-batch {mb})"
+           for r, pp, tp, dp, mb in everyone if mb is not None]
     if bad:
         return "the loss was not finite on " + ", ".join(bad)
     return ("the loss was finite everywhere but the gradients were not (a weight, an activation or the "
