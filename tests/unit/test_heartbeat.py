@@ -1,21 +1,26 @@
-"""Heartbeats without a process group: verdicts from two reads, where a thread waits, the report's
-lines, and the failure modes of the store (its host gone, a store that never answers) that must
-neither end nor hang the training process."""
+"""Heartbeats and the stall watchdog's limits, without a process group: verdicts from two reads,
+where a thread waits, the report's lines, the flags' validation, and the failure modes of the store
+(its host gone, a store that never answers) that must neither end nor hang the training process."""
 
 from __future__ import annotations
 
 import datetime
+import math
 import threading
 import time
 import types
 
+import pytest
 import torch.distributed as dist
 
+from megatron_ext.config import ConfigError, build_job_config, validate
 from megatron_ext.heartbeat import (
     Heartbeat, HeartbeatBoard, HeartbeatPublisher, StepProgress, classify, format_ranks, format_verdicts, get_wait,
     open_store_connection, read_heartbeats, sample_thread,
 )
 from megatron_ext.testing import get_free_port
+
+MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128)
 
 
 def _beat(rank: int, seq: int, progress: int, idle_s: float, waiting: str = "", phase: str = "step",
@@ -121,6 +126,24 @@ def test_progress_events_move_the_count_and_leaving_a_phase_keeps_its_last_micro
     assert (p.phase, p.iteration, p.microbatch, p.count) == ("between", 4, 3, count + 1)
     p.enter("eval", 4, batch=2)
     assert (p.microbatch, p.batch) == (None, 2)
+
+
+@pytest.mark.parametrize("value", [0, -1, math.nan, math.inf])
+def test_watchdog_limits_must_be_positive_and_finite(value):
+    for flag in ("step_timeout_minutes", "save_timeout_minutes"):
+        with pytest.raises(ConfigError) as err:
+            validate(build_job_config({**MOCK, flag: value}), 1)
+        (problem,) = err.value.problems
+        assert problem.startswith(f"--{flag.replace('_', '-')} must be a positive number of minutes")
+
+
+def test_watchdog_limits_must_be_below_the_collective_timeout():
+    with pytest.raises(ConfigError) as err:
+        validate(build_job_config({**MOCK, "save_timeout_minutes": 12, "distributed_timeout_minutes": 10}), 1)
+    assert err.value.problems == [
+        "--save-timeout-minutes 12 must be below --distributed-timeout-minutes 10, or the collective timeout ends "
+        "a stalled run first, naming no rank: lower it, or raise --distributed-timeout-minutes"]
+    validate(build_job_config({**MOCK, "step_timeout_minutes": 0.05, "save_timeout_minutes": 9.5}), 1)
 
 
 def _store_server() -> tuple[dist.TCPStore, dist.TCPStore]:
