@@ -375,7 +375,16 @@ def format_verdicts(verdicts: list[RankVerdict]) -> list[str]:
 
 
 class HeartbeatBoard:
-    """This rank's publisher, plus a reader connection of its own for reports."""
+    """This rank's publisher, plus a reader connection of its own for reports.
+
+    Every rank of a stalled job times out within about a second of the others. Up to
+    ``ALL_COLLECT_WORLD`` ranks, each reads every heartbeat (two reads of ~300 bytes per rank); in a
+    larger world only the first ``COLLECTORS`` ranks to time out do (one atomic ``add`` decides), so
+    that the store host (torchrun's agent) is not asked for world_size^2 heartbeats at once."""
+
+    ALL_COLLECT_WORLD = 64
+    COLLECTORS = 4
+    CLAIM_KEY = "megatron_ext/heartbeat_collectors"
 
     def __init__(self, publisher: HeartbeatPublisher, reader: Any, world_size: int, store_host: str,
                  hosts_store: bool):
@@ -391,6 +400,9 @@ class HeartbeatBoard:
         """The report's lines on every rank (two reads ``read_gap_s`` apart); one line saying why
         when the store does not answer."""
         try:
+            if self.world_size > self.ALL_COLLECT_WORLD and self.reader.add(self.CLAIM_KEY, 1) > self.COLLECTORS:
+                return [f"  (in a world of {self.world_size} ranks the first {self.COLLECTORS} ranks to time out read "
+                        f"every rank's heartbeat: their reports name the ranks that stopped)"]
             first = read_heartbeats(self.reader, self.world_size)
             time.sleep(self.read_gap_s)
             second = read_heartbeats(self.reader, self.world_size)

@@ -204,3 +204,20 @@ def test_without_a_process_group_store_to_clone_a_client_of_its_own_connects_to_
     store.set("k", "v")
     assert server.get("megatron_ext/job7/2/k") == b"v"
     assert store.timeout == datetime.timedelta(seconds=1)
+
+
+def test_in_a_large_world_only_the_first_ranks_to_time_out_read_every_heartbeat():
+    """Thousands of ranks time out together: the store host must not serve world_size^2 heartbeats."""
+    server, _ = _store_server()
+    identity = dict(rank=0, host="h", pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0)
+    publisher = HeartbeatPublisher(server, StepProgress(), identity, interval_s=0.01)
+    publisher.publish()
+    world = HeartbeatBoard.ALL_COLLECT_WORLD + 1
+    reports = [HeartbeatBoard(publisher, server, world, "rank 0", hosts_store=False).collect()
+               for _ in range(HeartbeatBoard.COLLECTORS + 1)]
+    for lines in reports[:-1]:
+        assert f"    ranks 1-{world - 1}: never published one" in lines
+    (line,) = reports[-1]
+    assert f"the first {HeartbeatBoard.COLLECTORS} ranks to time out read every rank's heartbeat" in line
+    small = HeartbeatBoard(publisher, server, 2, "rank 0", hosts_store=False).collect()
+    assert "    rank 1: never published one" in small  # a small world: every rank reads them all
