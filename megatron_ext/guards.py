@@ -80,9 +80,9 @@ def lock_save_dir(path: str | None) -> TextIO | None:
     return handle
 
 
-
 # The flag that sets each watched phase's limit (an evaluation batch is timed like a step).
 LIMIT_FLAGS = {"step": "--step-timeout-minutes", "eval": "--step-timeout-minutes", "save": "--save-timeout-minutes"}
+_PHASE_TEXT = {"step": "a training step", "eval": "an evaluation batch", "save": "a checkpoint save"}
 
 
 class StepWatchdog:
@@ -171,6 +171,3 @@ class StepWatchdog:
         if self.heartbeats is not None and self.heartbeats.hosts_store:
             time.sleep(2 * self.heartbeats.read_gap_s + 1.0)  # the other ranks' reports read the store we host
         self.on_timeout(report)
-
-
-_PHASE_TEXT = {"step": "a training step", "eval": "an evaluation batch", "save": "a checkpoint save"}
