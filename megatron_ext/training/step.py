@@ -81,7 +81,7 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None, che
     """
     mb: Microbatch = next(data_iterator)
     if progress is not None:
-        progress.microbatch, progress.chunk = mb.index, getattr(unwrap_model(model), "vp_stage", None) or 0
+        progress.record_microbatch(mb.index, getattr(unwrap_model(model), "vp_stage", None) or 0)
     output = model(
         input_ids=mb.tokens,
         position_ids=mb.position_ids,
