@@ -1,0 +1,130 @@
+"""A save never publishes non-finite weights, and the last finite checkpoint survives.
+
+An update from finite gradients overflows the weights when the learning rate is absurd: here each
+rank's optimizer groups get lr 1e39 after iteration 2 (on pipeline stage 1 only, or everywhere),
+so the update of iteration 3 makes them Inf while its loss and gradients are finite (the NaN guard
+sees nothing). With a save every step and ``--keep-last 1``:
+
+- synchronous, PP2, stage 1 diverging: the save of iteration 3 is refused on every rank with
+  WeightsNotFinite (a TrainingDiverged: the entry point exits 1) naming the update of iteration 3,
+  rank 1 and its first non-finite parameter, and iteration 2's checkpoint, which stays the only
+  one, byte for byte, with its pointer; no temporary directory is left. A run resumed from it
+  trains the same losses as a run that never diverged;
+- ``--async-save``, both stages diverging: the save of iteration 3 is refused at the next step
+  boundary (the "not finite" bit rides in the exit decision's all-reduce), the same way;
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from megatron_ext.checkpoint.directory import get_checkpoint_dir, list_complete_checkpoints, read_tracker
+from megatron_ext.checkpoint.state import load_checkpoint
+from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.loop import TrainingDiverged, train
+
+pytestmark = pytest.mark.distributed
+
+# every run is built for 6 iterations (one LR schedule, which a resume compares) and trained as far as a case needs
+VALUES = dict(num_layers=2, pipeline_model_parallel_size=2, global_batch_size=4, micro_batch_size=1,
+              save_interval=1, keep_last=1, train_iters=6)
+ABSURD_LR = 1e39  # an Adam update of about lr x 1 overflows fp32 (max 3.4e38)
+
+
+def _dataset():
+    return MarkovDataset(32, mask_every=1)
+
+
+def digest_files(path: str) -> dict[str, str] | None:
+    """{file: sha256} of a checkpoint directory; None when it is gone."""
+    if not os.path.isdir(path):
+        return None
+    return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(path))}
+
+
+def make_lr_absurd(run) -> None:
+    """From the next update on, this rank's every parameter group steps with ``ABSURD_LR`` (the
+    scheduler set each group's ``lr`` for the next step already, and reads ``max_lr`` after it)."""
+    for group in run.optimizer.param_groups:
+        group["lr"] = group["max_lr"] = group["min_lr"] = ABSURD_LR
+
+
+def train_to(run, iterations: int) -> None:
+    run.cfg.training.train_iters = iterations
+    train(run)
+
+
+def _diverge(rank: int, root: str, async_save: bool, diverging_ranks: tuple[int, ...]) -> dict:
+    """Train 2 iterations (saved), make the lr absurd on ``diverging_ranks``, train on to 6."""
+    run = build_tiny_run(tiny_values(**VALUES, save=root, async_save=async_save), _dataset())
+    train_to(run, 2)
+    kept = digest_files(get_checkpoint_dir(root, 2)) if rank == 0 else None
+    if rank in diverging_ranks:
+        make_lr_absurd(run)
+    try:
+        train_to(run, 6)
+        error = None
+    except TrainingDiverged as err:  # without the check: the NaN guard's, after the save was published
+        error = (type(err).__name__, str(err))
+    out = {"error": error, "iteration": run.state.iteration, "kept": kept,
+           "intact": digest_files(get_checkpoint_dir(root, 2)) == kept if rank == 0 else None}
+    destroy_parallel_context()
+    return out
+
+
+def _losses(load: str | None = None) -> list[float]:
+    """The losses of iterations 1-4, or of those after ``load``'s checkpoint."""
+    run = build_tiny_run(tiny_values(**dict(VALUES, save=None)), _dataset())
+    if load:
+        load_checkpoint(run, load)
+    train_to(run, 4)
+    destroy_parallel_context()
+    return [r["loss"] for r in run.records]
+
+
+def _world(rank: int, world_size: int, root: str) -> dict:
+    out = {"sync": _diverge(rank, f"{root}/sync", False, diverging_ranks=(1,))}
+    out["async"] = _diverge(rank, f"{root}/async", True, diverging_ranks=(0, 1))
+    out["reference"] = _losses()
+    out["resumed"] = _losses(load=f"{root}/sync")
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("nonfinite"))
+    return root, run_ranks(_world, 2, root, timeout=600)
+
+
+@pytest.mark.parametrize("mode,stopped_after", [("sync", 3), ("async", 4)])
+def test_a_non_finite_save_is_refused_and_the_last_finite_checkpoint_survives(world, mode, stopped_after):
+    root, results = world
+    save = f"{root}/{mode}"
+    errors = {r[mode]["error"] for r in results}
+    assert len(errors) == 1 and None not in errors, errors  # every rank, the same message
+    ((name, message),) = errors
+    assert name == "WeightsNotFinite", (name, message)
+    assert all(r[mode]["iteration"] == stopped_after for r in results)  # async: one step boundary later
+    assert message.startswith("training diverged: the update of iteration 3 made the weights non-finite"), message
+    assert "they were finite at the save of iteration 2" in message, message
+    assert f"checkpoint of iteration 3 not saved to {save}" in message, message
+    assert f"the newest complete one is {get_checkpoint_dir(save, 2)} (iteration 2)" in message, message
+    if mode == "sync":  # stage 1 only: rank 1 named, with a parameter of its own layer
+        assert "(rank 1: decoder.layers.1." in message and "rank 0" not in message, message
+    else:
+        assert "rank 0: embedding.word_embeddings.weight" in message and "rank 1: decoder.layers.1." in message
+    assert [it for it, _ in list_complete_checkpoints(save)] == [2]  # --keep-last 1 deleted nothing
+    assert read_tracker(save) == 2
+    assert not [n for n in os.listdir(save) if ".tmp-" in n or ".old-" in n], os.listdir(save)
+    assert results[0][mode]["intact"], "iteration 2's checkpoint changed"
+
+
+def test_the_surviving_checkpoint_resumes_the_run_that_never_diverged(world):
+    _, results = world
+    reference = results[-1]["reference"]  # last stage
+    assert len(reference) == 4 and results[-1]["resumed"] == reference[2:]
