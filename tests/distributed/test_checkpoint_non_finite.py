@@ -12,11 +12,21 @@ sees nothing). With a save every step and ``--keep-last 1``:
   trains the same losses as a run that never diverged;
 - ``--async-save``, both stages diverging: the save of iteration 3 is refused at the next step
   boundary (the "not finite" bit rides in the exit decision's all-reduce), the same way;
+- through the real entry point (``pretrain_gpt.run_cli``, DP2, ``--bf16
+  --use-distributed-optimizer``: the bf16 model parameters are what megatron-core copies the fp32
+  main parameters into after each update), ``--lr 1e39 --lr-warmup-iters 2``: exit status 1 on
+  every rank and one ``error:`` line for the launch naming iteration 2 and the checkpoint of
+  iteration 1; a disk that fills during the save of iteration 2 (ENOSPC injected into rank 1's
+  shard writes) is exit status 1 and one ``error:`` line naming the directory and its free space,
+  not a traceback per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import io
 import os
 
 import pytest
@@ -128,3 +138,89 @@ def test_the_surviving_checkpoint_resumes_the_run_that_never_diverged(world):
     _, results = world
     reference = results[-1]["reference"]  # last stage
     assert len(reference) == 4 and results[-1]["resumed"] == reference[2:]
+
+
+# ----------------------------------------------------------------------------- the entry point
+
+ENTRY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--device", "cpu",
+         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--save-interval", "1",
+         "--keep-last", "1", "--bf16", "--use-distributed-optimizer", "--log-interval", "1"]
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str]:
+    """``pretrain_gpt.run_cli`` in this rank: (exit status, what it wrote to stderr)."""
+    import pretrain_gpt
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = pretrain_gpt.run_cli(argv)
+    destroy_parallel_context()  # the entry point leaves it on an error; the next case builds its own
+    return status, err.getvalue()
+
+
+@contextlib.contextmanager
+def fill_disk_at(rank: int, iteration: int):
+    """ENOSPC from the real shard writer's every write on ``rank`` during the save of ``iteration``."""
+    import megatron_ext.checkpoint.directory as directory
+    import megatron_ext.checkpoint.writer as writer
+
+    original_write, original_begin = writer._HashingStream.write, directory.begin_checkpoint_write
+    saving = {"iteration": None}
+
+    def begin(state, root, it, *args, **kwargs):
+        saving["iteration"] = it
+        return original_begin(state, root, it, *args, **kwargs)
+
+    def write(self, data):
+        if saving["iteration"] == iteration and int(os.environ["RANK"]) == rank:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return original_write(self, data)
+
+    directory.begin_checkpoint_write, writer._HashingStream.write = begin, write
+    try:
+        yield
+    finally:
+        directory.begin_checkpoint_write, writer._HashingStream.write = original_begin, original_write
+
+
+def _entry_world(rank: int, world_size: int, root: str) -> dict:
+    out = {}
+    with fill_disk_at(1, iteration=2):
+        out["disk_full"] = _run_cli(ENTRY + ["--save", f"{root}/full", "--lr", "1e-3"])
+    # last: a run that ends well destroys the process group
+    out["non_finite"] = _run_cli(ENTRY + ["--save", f"{root}/lr", "--lr", "1e39", "--lr-warmup-iters", "2"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def entry(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("entry"))
+    return root, run_ranks(_entry_world, 2, root, timeout=600)
+
+
+def _one_error_line(results: list[dict], case: str) -> str:
+    assert [r[case][0] for r in results] == [1, 1], [r[case] for r in results]
+    printed = "".join(r[case][1] for r in results)
+    assert printed.count("error: ") == 1 and "Traceback" not in printed, printed
+    return printed
+
+
+def test_the_entry_point_refuses_non_finite_bf16_weights_with_exit_status_1(entry):
+    root, results = entry
+    printed = _one_error_line(results, "non_finite")
+    # --lr-warmup-iters 2: iteration 1 steps with lr 0 (saved, finite); iteration 2 with 5e38
+    assert "error: training diverged: the update of iteration 2 made the weights non-finite" in printed, printed
+    assert f"the newest complete one is {get_checkpoint_dir(f'{root}/lr', 1)} (iteration 1)" in printed, printed
+    assert "ranks 0, 1: " in printed, printed  # DP replicas: the same parameters, the same finding
+    assert [it for it, _ in list_complete_checkpoints(f"{root}/lr")] == [1]
+
+
+def test_a_full_disk_during_a_save_is_one_error_naming_the_directory_and_its_free_space(entry):
+    root, results = entry
+    printed = _one_error_line(results, "disk_full")
+    assert f"error: checkpoint of iteration 2 not saved to {root}/full: the write failed on rank 1: OSError(28, " \
+        in printed, printed
+    assert "No space left on device (injected)" in printed and "MiB free" in printed, printed
+    assert [it for it, _ in list_complete_checkpoints(f"{root}/full")] == [1]
+    assert not [n for n in os.listdir(f"{root}/full") if ".tmp-" in n], os.listdir(f"{root}/full")
