@@ -581,3 +581,23 @@ def test_chunk_layer_counts_equal_megatron_cores_split():
         assert get_chunk_layer_counts(cfg) == theirs, values
         compared += 1
     assert compared > 80
+
+
+# ----------------------------------------------------------------------------- --keep-last
+
+def test_a_negative_keep_last_is_one_error_naming_the_flag():
+    # -1 silently kept every checkpoint (--step-timeout-minutes' limits: test_heartbeat.py)
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--keep-last", "-1"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert err.value.problems == ["--keep-last must be a number of checkpoints > 0, or 0 to keep every checkpoint; "
+                                  "got -1"], err.value.problems
+
+
+def test_keep_last_zero_keeps_every_checkpoint():
+    from megatron_ext.checkpoint.directory import select_checkpoints_to_delete
+
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--keep-last", "0"])
+    validate(cfg, 1)
+    assert select_checkpoints_to_delete([2, 4, 6], cfg.checkpoint.keep_last) == []
+
