@@ -601,3 +601,32 @@ def test_keep_last_zero_keeps_every_checkpoint():
     validate(cfg, 1)
     assert select_checkpoints_to_delete([2, 4, 6], cfg.checkpoint.keep_last) == []
 
+
+# ----------------------------------------------------------------------------- each setting once
+
+@pytest.mark.parametrize("suffix, text, needle", [
+    # PyYAML's safe_load kept the last value silently
+    (".yaml", "lr: 0.1\nhidden-size: 64\nlr: 0.2\n", "key 'lr' is given twice (lines 1 and 3)"),
+    (".yaml", "training:\n  lr: 0.1\nmodel:\n  lr: 0.2\n",
+     "key 'lr' is given twice ('lr' in section 'training' and 'lr' in section 'model')"),
+    (".yaml", "keep-last: 1\ncheckpoint:\n  keep_last: 2\n",
+     "key 'keep-last' is given twice ('keep-last' and 'keep_last' in section 'checkpoint')"),
+    (".yaml", "keep-last: 1\nkeep_last: 2\n", "key 'keep-last' is given twice ('keep-last' and 'keep_last')"),
+    (".toml", "[training]\nlr = 0.1\n[model]\nlr = 0.2\n",
+     "key 'lr' is given twice ('lr' in section 'training' and 'lr' in section 'model')"),
+    # TOML refuses a key twice in one table itself; its message names the line only: it is quoted
+    (".toml", "lr = 0.1\nlr = 0.2\n", "not valid TOML: Cannot overwrite a value (at line 2, column 9): `lr = 0.2`"),
+])
+def test_a_setting_given_twice_in_a_config_file_is_an_error_naming_key_and_file(tmp_path, suffix, text, needle):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config_file(str(path))
+    (problem,) = err.value.problems
+    assert problem.startswith(f"--config {path}: ") and needle in problem, problem
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  <<: {lr: 0.1, hidden-size: 64}\n  lr: 0.2\n")
+    assert load_config_file(str(path))["lr"] == 0.2
