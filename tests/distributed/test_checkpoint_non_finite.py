@@ -12,6 +12,8 @@ sees nothing). With a save every step and ``--keep-last 1``:
   trains the same losses as a run that never diverged;
 - ``--async-save``, both stages diverging: the save of iteration 3 is refused at the next step
   boundary (the "not finite" bit rides in the exit decision's all-reduce), the same way;
+- ``--async-save`` and a save that stays synchronous: the last one of the run (--train-iters 3),
+  and the one before an exit (--exit-interval 3): refused at iteration 3 the same way;
 - through the real entry point (``pretrain_gpt.run_cli``, DP2, ``--bf16
   --use-distributed-optimizer``: the bf16 model parameters are what megatron-core copies the fp32
   main parameters into after each update), ``--lr 1e39 --lr-warmup-iters 2``: exit status 1 on
@@ -69,15 +71,16 @@ def train_to(run, iterations: int) -> None:
     train(run)
 
 
-def _diverge(rank: int, root: str, async_save: bool, diverging_ranks: tuple[int, ...]) -> dict:
-    """Train 2 iterations (saved), make the lr absurd on ``diverging_ranks``, train on to 6."""
-    run = build_tiny_run(tiny_values(**VALUES, save=root, async_save=async_save), _dataset())
+def _diverge(rank: int, root: str, async_save: bool, diverging_ranks: tuple[int, ...], end: int = 6,
+             **values) -> dict:
+    """Train 2 iterations (saved), make the lr absurd on ``diverging_ranks``, train on to ``end``."""
+    run = build_tiny_run(tiny_values(**VALUES, save=root, async_save=async_save, **values), _dataset())
     train_to(run, 2)
     kept = digest_files(get_checkpoint_dir(root, 2)) if rank == 0 else None
     if rank in diverging_ranks:
         make_lr_absurd(run)
     try:
-        train_to(run, 6)
+        train_to(run, end)
         error = None
     except TrainingDiverged as err:  # without the check: the NaN guard's, after the save was published
         error = (type(err).__name__, str(err))
@@ -100,6 +103,8 @@ def _losses(load: str | None = None) -> list[float]:
 def _world(rank: int, world_size: int, root: str) -> dict:
     out = {"sync": _diverge(rank, f"{root}/sync", False, diverging_ranks=(1,))}
     out["async"] = _diverge(rank, f"{root}/async", True, diverging_ranks=(0, 1))
+    out["final"] = _diverge(rank, f"{root}/final", True, diverging_ranks=(0, 1), end=3)
+    out["exit"] = _diverge(rank, f"{root}/exit", True, diverging_ranks=(0, 1), exit_interval=3)
     out["reference"] = _losses()
     out["resumed"] = _losses(load=f"{root}/sync")
     return out
@@ -111,7 +116,7 @@ def world(tmp_path_factory):
     return root, run_ranks(_world, 2, root, timeout=600)
 
 
-@pytest.mark.parametrize("mode,stopped_after", [("sync", 3), ("async", 4)])
+@pytest.mark.parametrize("mode,stopped_after", [("sync", 3), ("async", 4), ("final", 3), ("exit", 3)])
 def test_a_non_finite_save_is_refused_and_the_last_finite_checkpoint_survives(world, mode, stopped_after):
     root, results = world
     save = f"{root}/{mode}"
