@@ -412,6 +412,7 @@ def publish_checkpoint_write(write: CheckpointWrite, outcome: int | None = None)
         outcome = agree_save_outcome(write)
     if outcome:
         refuse_checkpoint_write(write, outcome)
+    assert write.non_finite is None and write.error is None, "agreed outcome lost this rank's failure bit"
     maybe_inject_fault("after_shards", rank, write.iteration)
     dist.barrier()  # as megatron-core's synchronous save: every rank's shards are on disk
     for finalize in write.request.finalize_fns:

@@ -239,9 +239,12 @@ def test_async_save_needs_save_dir():
 
 
 def test_async_save_bits_stay_out_of_the_exit_reasons():
-    from megatron_ext.checkpoint.exit_policy import ASYNC_SAVE_FAILED, ASYNC_SAVE_WRITING, EXIT_FLAGS
+    from megatron_ext.checkpoint.exit_policy import (
+        _AGREED_BITS, ASYNC_SAVE_FAILED, ASYNC_SAVE_NOT_FINITE, ASYNC_SAVE_WRITING, EXIT_FLAGS,
+    )
 
-    assert not (ASYNC_SAVE_WRITING | ASYNC_SAVE_FAILED) & EXIT_FLAGS
+    assert not (ASYNC_SAVE_WRITING | ASYNC_SAVE_FAILED | ASYNC_SAVE_NOT_FINITE) & EXIT_FLAGS
+    assert ASYNC_SAVE_NOT_FINITE < 1 << _AGREED_BITS  # a bit the all-reduce does not carry would be lost
     assert describe_exit((ASYNC_SAVE_WRITING | SIGNAL_RECEIVED) & EXIT_FLAGS) == "exit signal received"
 
 
