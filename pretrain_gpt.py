@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider  # noqa: E402
-from megatron_ext.checkpoint.directory import probe_save_dir  # noqa: E402
+from megatron_ext.checkpoint.directory import CheckpointWriteFailed, probe_save_dir  # noqa: E402
 from megatron_ext.checkpoint.state import load_checkpoint, plan_load  # noqa: E402
 from megatron_ext.config import ConfigError, JobConfig, check_data_tokenizer, report_error_once, validate  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
@@ -92,12 +92,21 @@ def write_exit_marker() -> None:
         open(os.path.join(marker_dir, f"rank{os.environ.get('RANK', '0')}.ok"), "w").close()
 
 
-if __name__ == "__main__":
+def run_cli(argv: list[str] | None = None) -> int:
+    """``main`` as the command line runs it; returns the exit status. A user's error (2), a run that
+    diverged or whose weights a save found non-finite, and a save that failed (1: the message is the
+    same on every rank) are one ``error:`` block printed once per launch on a host, not a traceback
+    per rank."""
     try:
-        main()
+        main(argv)
     except ConfigError as err:
         report_error_once(str(err))
-        sys.exit(2)
-    except TrainingDiverged as err:
+        return 2
+    except (TrainingDiverged, CheckpointWriteFailed) as err:
         report_error_once(str(err))
-        sys.exit(1)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli())

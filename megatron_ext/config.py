@@ -203,10 +203,10 @@ class LoggingConfig:
 class CheckpointConfig:
     """Distributed checkpoints."""
 
-    save: str | None = _f(None, "Directory to save checkpoints to.")
+    save: str | None = _f(None, "Directory to save checkpoints to. A save finding non-finite weights on any rank is refused (nothing written or deleted) and stops the run, exit status 1, naming the last good checkpoint.")
     save_interval: int | None = _f(None, "Save every N steps (and at the end).")
     load: str | None = _f(None, "Directory to resume from (its newest complete checkpoint).")
-    keep_last: int | None = _f(None, "Keep only the newest N complete checkpoints (never deletes the newest).")
+    keep_last: int | None = _f(None, "Keep only the newest N complete checkpoints (never deletes the newest; default, and 0: keep all).")
     no_load_optim: bool = _f(False, "Load model weights only (fresh optimizer).")
     finetune: bool = _f(False, "Load the model weights of --load only: iteration, optimizer, LR schedule and RNG start afresh.")
     pretrained_checkpoint: str | None = _f(None, "Weights to fine-tune from (as --finetune) when --load holds no checkpoint yet; a later restart resumes from --load.")
@@ -558,6 +558,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_device(cfg, cuda)
         + _check_loss_scaling(cfg)
         + _check_stall_limits(cfg)
+        + _check_keep_last(cfg)
     )
     if problems:
         raise ConfigError(problems)
@@ -613,6 +614,16 @@ def _check_stall_limits(cfg: JobConfig) -> list[str]:
                        f"{p.distributed_timeout_minutes}, or the collective timeout ends a stalled run first, naming "
                        f"no rank: lower it, or raise --distributed-timeout-minutes")
     return out
+
+
+def _check_keep_last(cfg: JobConfig) -> list[str]:
+    """--keep-last: 0 keeps every checkpoint, as when it is not given (as 0 turns Megatron-LM's
+    --save-interval or --exit-interval off, and torchtitan's keep_latest_k 0 keeps all), so that a flag
+    can switch off a config file's retention; a negative value is an error (-1 silently kept them all)."""
+    keep = cfg.checkpoint.keep_last
+    if keep is not None and not (type(keep) is int and keep >= 0):
+        return [f"--keep-last must be a number of checkpoints > 0, or 0 to keep every checkpoint; got {keep!r}"]
+    return []
 
 
 def _check_loss_scaling(cfg: JobConfig) -> list[str]:

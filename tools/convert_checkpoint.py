@@ -270,8 +270,6 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
 
 
 def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--hf-dir {hf_dir}: no config.json")
@@ -288,8 +286,22 @@ def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise ValueError(f"--hf-dir {hf_dir}: no *.safetensors files (PyTorch .bin is not supported)")
     state = {}
     for name in files:
-        state.update(load_file(os.path.join(hf_dir, name)))
+        state.update(_read_safetensors(os.path.join(hf_dir, name)))
     return hf, {k: v.float() for k, v in state.items()}
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors; ValueError naming the file when it is not one (garbage,
+    truncated: safetensors raises its own SafetensorError, which says neither which file nor what
+    to do) or cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"--hf-dir: {path} is not a readable safetensors file ({err}); it may be truncated "
+                         f"or damaged: download or export it again") from None
 
 
 def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: int = 128,

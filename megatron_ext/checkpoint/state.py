@@ -25,6 +25,7 @@ from megatron_ext.checkpoint.directory import (
     FORMAT_VERSION, list_complete_checkpoints, read_marker, resolve_load_path, write_checkpoint,
 )
 from megatron_ext.checkpoint.checksum import file_digest, is_available
+from megatron_ext.checkpoint.finite import describe_non_finite_weights
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
@@ -138,8 +139,10 @@ def build_save_state(run, meta: CheckpointMeta | None = None) -> dict[str, Any]:
 
 def start_async_checkpoint(run, root: str, keep_last: int | None = None) -> None:
     """``--async-save``: snapshot the run at its current iteration and write it in the background
-    (``async_save.py``); collective over the world. It is published at a later step boundary."""
-    held = run.async_saver.start(build_save_state(run), root, run.state.iteration, keep_last)
+    (``async_save.py``); collective over the world. It is published at a later step boundary, or
+    refused there (NonFiniteCheckpoint) when some rank's weights are not finite now."""
+    held = run.async_saver.start(build_save_state(run), root, run.state.iteration, keep_last,
+                                 non_finite=describe_non_finite_weights(run.model))
     if run.ctx.is_logging_rank:
         copied = run.async_saver.snapshot.bytes
         copied = f", {copied / 2**20:.1f} MiB copied to host memory on this rank" if copied else ""
@@ -149,10 +152,12 @@ def start_async_checkpoint(run, root: str, keep_last: int | None = None) -> None
 
 def save_checkpoint(run, root: str, keep_last: int | None = None, meta: CheckpointMeta | None = None) -> str:
     """Save the run at its current iteration under ``root``; collective over the world.
-    Returns the published directory."""
+    Returns the published directory; raises NonFiniteCheckpoint on every rank, having written and
+    deleted nothing, when some rank's weights are not finite (``finite.py``)."""
     start = time.perf_counter()
     state = build_save_state(run, meta)
-    final_dir = write_checkpoint(state, root, run.state.iteration, keep_last)
+    final_dir = write_checkpoint(state, root, run.state.iteration, keep_last,
+                                 non_finite=describe_non_finite_weights(run.model))
     if run.ctx.is_logging_rank:
         run.log(f"saved checkpoint at iteration {run.state.iteration:8d} to {final_dir} "
                 f"in {time.perf_counter() - start:.2f} s")

@@ -248,6 +248,24 @@ def test_a_missing_safetensors_is_one_error_line_before_any_work(tmp_path, monke
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path, capsys, damage):
+    # safetensors' own SafetensorError escaped as a traceback naming no file
+    from tools.convert_checkpoint import main
+
+    hf_dir = tmp_path / "hf"
+    _make_hf(str(hf_dir), "llama untied")
+    weights = hf_dir / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(os.urandom(4096) if damage == "garbage" else data[: len(data) // 2])
+    capsys.readouterr()  # transformers' progress bar
+    assert main(["hf-to-megatron", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --hf-dir: {weights} is not a readable safetensors file (") and \
+        err.count("\n") == 1, err
+    assert "Traceback" not in err and not (tmp_path / "ours").exists(), err  # before any work
+
+
 def _load_converted(rank: int, world_size: int, save: str, hf: dict, extra: dict) -> int:
     from megatron_ext.checkpoint.state import CheckpointMeta, load_checkpoint
     from megatron_ext.parallel import destroy_parallel_context

@@ -581,3 +581,52 @@ def test_chunk_layer_counts_equal_megatron_cores_split():
         assert get_chunk_layer_counts(cfg) == theirs, values
         compared += 1
     assert compared > 80
+
+
+# ----------------------------------------------------------------------------- --keep-last
+
+def test_a_negative_keep_last_is_one_error_naming_the_flag():
+    # -1 silently kept every checkpoint (--step-timeout-minutes' limits: test_heartbeat.py)
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--keep-last", "-1"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert err.value.problems == ["--keep-last must be a number of checkpoints > 0, or 0 to keep every checkpoint; "
+                                  "got -1"], err.value.problems
+
+
+def test_keep_last_zero_keeps_every_checkpoint():
+    from megatron_ext.checkpoint.directory import select_checkpoints_to_delete
+
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--keep-last", "0"])
+    validate(cfg, 1)
+    assert select_checkpoints_to_delete([2, 4, 6], cfg.checkpoint.keep_last) == []
+
+
+# ----------------------------------------------------------------------------- each setting once
+
+@pytest.mark.parametrize("suffix, text, needle", [
+    # PyYAML's safe_load kept the last value silently
+    (".yaml", "lr: 0.1\nhidden-size: 64\nlr: 0.2\n", "key 'lr' is given twice (lines 1 and 3)"),
+    (".yaml", "training:\n  lr: 0.1\nmodel:\n  lr: 0.2\n",
+     "key 'lr' is given twice ('lr' in section 'training' and 'lr' in section 'model')"),
+    (".yaml", "keep-last: 1\ncheckpoint:\n  keep_last: 2\n",
+     "key 'keep-last' is given twice ('keep-last' and 'keep_last' in section 'checkpoint')"),
+    (".yaml", "keep-last: 1\nkeep_last: 2\n", "key 'keep-last' is given twice ('keep-last' and 'keep_last')"),
+    (".toml", "[training]\nlr = 0.1\n[model]\nlr = 0.2\n",
+     "key 'lr' is given twice ('lr' in section 'training' and 'lr' in section 'model')"),
+    # TOML refuses a key twice in one table itself; its message names the line only: it is quoted
+    (".toml", "lr = 0.1\nlr = 0.2\n", "not valid TOML: Cannot overwrite a value (at line 2, column 9): `lr = 0.2`"),
+])
+def test_a_setting_given_twice_in_a_config_file_is_an_error_naming_key_and_file(tmp_path, suffix, text, needle):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config_file(str(path))
+    (problem,) = err.value.problems
+    assert problem.startswith(f"--config {path}: ") and needle in problem, problem
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  <<: {lr: 0.1, hidden-size: 64}\n  lr: 0.2\n")
+    assert load_config_file(str(path))["lr"] == 0.2
