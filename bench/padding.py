@@ -163,6 +163,7 @@ def _values(mode: str, kind: str, pp: int = PP) -> dict:
 
 def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_token: float, data) -> dict:
     from megatron_ext.config import build_job_config
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_transformer_config
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
     from megatron_ext.training.step import build_step_microbatches, run_forward_backward
@@ -174,7 +175,7 @@ def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_to
     for mode in MODES:
         # vocab_size None: no token-id check (the rows' ids are arbitrary, the simulated chunks never embed them)
         runs[mode] = types.SimpleNamespace(cfg=cfgs[mode], ctx=ctx, global_batch_size=M, pad_id=0, vocab_size=None)
-        config = build_transformer_config(cfgs[mode], device)
+        config = build_transformer_config(cfgs[mode], resolve_config(cfgs[mode], ctx.world_size, 128), device)
         models[mode] = [_bench_chunk(config, us_per_token * 1e-6, pre_process=ctx.pp_rank == 0)]
     out = {mode: [] for mode in MODES}
     for step in range(steps):

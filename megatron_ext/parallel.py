@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.config import JobConfig, get_virtual_pipeline_size
 from megatron_ext.compat import check_versions
+from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import apply_cpu_platform, get_distributed_backend
+from megatron_ext.derived import get_virtual_pipeline_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.checkpoint.checksum import DEFAULT_ALGORITHM, file_digest
+from megatron_ext.config import ConfigError
 from megatron_ext.cpu_platform import get_collective_device
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -115,8 +116,6 @@ def probe_save_dir(path: str | None, flag: str = "--save") -> None:
     --save-interval steps of work. Every rank probes (its shards go there)."""
     if not path:
         return
-    from megatron_ext.config import ConfigError
-
     probe = os.path.join(path, f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     try:
         os.makedirs(path, exist_ok=True)

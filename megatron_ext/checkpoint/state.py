@@ -29,7 +29,8 @@ from megatron_ext.checkpoint.finite import describe_non_finite_weights
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
-from megatron_ext.config import ConfigError, JobConfig, precision_name
+from megatron_ext.config import ConfigError, JobConfig
+from megatron_ext.derived import precision_name, resolve_ffn_hidden_size
 from megatron_ext.training.optimizer import apply_flag_settings, get_scheduler_state, load_scheduler_state
 
 # The distributed optimizer's form that can change TP/PP/DP on load (docs/megatron-core-on-cpu.md:
@@ -242,8 +243,6 @@ def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
     """The MODEL_SHAPE_SETTINGS of flat config values with defaults resolved, so that a default and
     the same value given explicitly compare equal: the MLP width, and the key/value heads (GQA with
     as many groups as heads is plain multi-head attention)."""
-    from megatron_ext.model.gpt import resolve_ffn_hidden_size
-
     shape = {name: args.get(name) for name in MODEL_SHAPE_SETTINGS}
     if args.get("hidden_size") is not None:
         shape["ffn_hidden_size"] = resolve_ffn_hidden_size(args.get("ffn_hidden_size"), args["hidden_size"],

@@ -33,6 +33,7 @@ from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint, start
 from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.prefetch import StepPrefetcher
+from megatron_ext.derived import ResolvedConfig
 from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss, reduce_reported_loss
@@ -73,6 +74,7 @@ class TrainingRun:
     """Everything the loop needs, built by ``megatron_ext.run.build_training_run``."""
 
     cfg: JobConfig
+    resolved: ResolvedConfig  # what the flags of cfg mean for this run (derived.resolve_config)
     ctx: ParallelContext
     model: list[torch.nn.Module]
     optimizer: Any
@@ -192,7 +194,7 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     window.seconds += time.perf_counter() - start
     window.iterations += 1
     real = sum(mb.num_real_tokens for mb in microbatches)
-    flops = sum(num_floating_point_operations(run.cfg, run.checkpoint_meta.padded_vocab_size,
+    flops = sum(num_floating_point_operations(run.cfg.model, run.checkpoint_meta.padded_vocab_size,
                                               mb.num_real_tokens, mb.attention_pairs) for mb in microbatches)
     window.real_tokens += real
     window.slots += sum(mb.num_slots for mb in microbatches)

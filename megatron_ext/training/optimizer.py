@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from megatron_ext.config import JobConfig, get_params_dtype, get_schedule_steps
+from megatron_ext.config import JobConfig, TrainingConfig
+from megatron_ext.derived import get_params_dtype, get_schedule_steps
 
 
 def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.device):
@@ -39,8 +40,8 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
         clip_grad=t.clip_grad,
         bf16=t.bf16,
         fp16=t.fp16,
-        params_dtype=get_params_dtype(cfg),
-        loss_scale=get_loss_scale(cfg),
+        params_dtype=get_params_dtype(t),
+        loss_scale=get_loss_scale(t),
         initial_loss_scale=t.initial_loss_scale,
         min_loss_scale=t.min_loss_scale,
         loss_scale_window=t.loss_scale_window,
@@ -125,9 +126,8 @@ def apply_multi_tensor_fallback_fix() -> None:
             module.multi_tensor_scale_impl = foreach_scale
 
 
-def get_loss_scale(cfg: JobConfig) -> float | None:
+def get_loss_scale(t: TrainingConfig) -> float | None:
     """--loss-scale with --fp16; 1.0 (a constant scaler, so found-inf is checked) with the guard on."""
-    t = cfg.training
     if t.fp16:
         return t.loss_scale
     return 1.0 if t.check_for_nan_in_loss_and_grad else None
@@ -200,7 +200,7 @@ def get_schedule_lr_range(scheduler) -> tuple[float, float]:
 
 
 def build_scheduler(cfg: JobConfig, optimizer, global_batch_size: int):
-    """megatron-core's OptimizerParamScheduler over samples (``config.get_schedule_steps``)."""
+    """megatron-core's OptimizerParamScheduler over samples (``derived.get_schedule_steps``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     t = cfg.training

@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_ext.config import get_max_microbatch_length, get_sequence_padding
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators, fetch_step_samples, get_microbatch_indices
 from megatron_ext.data.padding import collate_step
+from megatron_ext.derived import get_max_microbatch_length, get_sequence_padding
 from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
 from megatron_ext.parallel import ParallelContext
@@ -215,7 +215,7 @@ def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:
 
 def pad_step_samples(cfg: Any, pad_id: int, raw: list, group: Any) -> tuple[list[Microbatch], int]:
     """A step's raw samples padded as ``--sequence-padding`` says (negotiating over ``group``)."""
-    return collate_step(raw, get_sequence_padding(cfg), group, cfg.data.pad_to_multiple_of,
+    return collate_step(raw, get_sequence_padding(cfg.data), group, cfg.data.pad_to_multiple_of,
                         get_max_microbatch_length(cfg), pad_id)
 
 

@@ -191,7 +191,7 @@ def _final_evaluation(rank: int, world_size: int) -> dict:
     train(run)
     destroy_parallel_context()
     return {"validated at": [int(x.split("iteration")[1].split()[0]) for x in lines if "validation" in x],
-            "valid samples": get_num_samples(run.cfg, 4)[1]}
+            "valid samples": get_num_samples(run.cfg.training, 4)[1]}
 
 
 def test_training_ends_with_a_validation_when_its_length_is_not_a_multiple_of_the_interval():

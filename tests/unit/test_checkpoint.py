@@ -229,7 +229,8 @@ def test_host_snapshot_copies_and_reuses_its_buffers():
 
 
 def test_async_save_needs_save_dir():
-    from megatron_ext.config import ConfigError, build_job_config, validate
+    from megatron_ext.config import ConfigError, build_job_config
+    from megatron_ext.validation import validate
 
     cfg = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, async_save=True))
     with pytest.raises(ConfigError) as err:

@@ -9,10 +9,9 @@ import os
 import pytest
 
 from megatron_ext.arguments import load_config_file, parse_args
-from megatron_ext.config import (
-    ConfigError, build_job_config, get_num_microbatches, get_padded_vocab_size,
-    get_virtual_pipeline_size, validate,
-)
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import get_num_microbatches, get_padded_vocab_size, get_virtual_pipeline_size
+from megatron_ext.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128)
@@ -227,7 +226,7 @@ def test_sizes_and_rates_are_checked_with_the_other_problems(values, needle):
 
 
 def test_zero_learning_rate_is_legitimate():
-    from megatron_ext.config import _check_positive
+    from megatron_ext.validation import _check_positive
 
     cfg = build_job_config({**MOCK, "lr": 0.0, "min_lr": 0.0})
     assert _check_positive(cfg) == []
@@ -333,7 +332,7 @@ def test_uniform_recompute_groups_that_divide_each_chunk_pass(world, values):
 
 
 def test_recompute_activations_is_selective_core_attention():
-    from megatron_ext.config import get_recompute
+    from megatron_ext.derived import get_recompute
 
     assert get_recompute(build_job_config({**MOCK, "recompute_activations": True})) == {
         "recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
@@ -556,7 +555,7 @@ def test_chunk_layer_counts_equal_megatron_cores_split():
 
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    from megatron_ext.config import get_chunk_layer_counts
+    from megatron_ext.derived import get_chunk_layer_counts
 
     compared = 0
     for layers, pp, vps, first, last, emb, loss in itertools.product(

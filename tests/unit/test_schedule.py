@@ -10,7 +10,9 @@ import types
 import pytest
 
 from megatron_ext.checkpoint.state import check_optimizer_flags, check_scheduler_flags
-from megatron_ext.config import ConfigError, build_job_config, get_schedule_steps, get_train_iters, validate
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import get_schedule_steps, get_train_iters
+from megatron_ext.validation import validate
 from megatron_ext.training.optimizer import (
     apply_flag_settings, build_scheduler, get_schedule_lr_range, get_scheduler_state, load_scheduler_state,
     record_flag_settings,

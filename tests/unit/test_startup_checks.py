@@ -206,7 +206,7 @@ def test_truncated_bin_idx_and_garbage_are_named(copy):
 
 
 def test_validation_reports_a_truncated_pair_with_the_flag(copy):
-    from megatron_ext.config import validate
+    from megatron_ext.validation import validate
 
     prefix = copy(bin_bytes=open(SHIPPED + ".bin", "rb").read()[:1000])
     cfg = build_job_config({"data_path": [prefix], "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": MODEL})
