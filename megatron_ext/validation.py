@@ -3,7 +3,7 @@
 ``validate(cfg, world_size)`` runs before any process group, file or model is created (it reads
 the data files' headers, never writes) and raises one ConfigError listing every problem, each
 naming the flags, the values and the fix. It sits above ``data/`` and ``model/``' pure checks and
-calls them (the tokenizer flags, the indexed files, the blends); the
+calls them (the tokenizer flags, the indexed files, the blends, the one --split grammar); the
 layout, batch and model-shape rules are ``layout_rules.py``. Settings Megatron-LM adjusts rather
 than refuses are adjusted by ``arguments.py`` (with a notice), before this runs.
 """
@@ -16,6 +16,7 @@ import os
 
 from megatron_ext.config import ConfigError, DataConfig, JobConfig, TrainingConfig
 from megatron_ext.data.blends import DataBlends, get_data_blends
+from megatron_ext.data.gpt_datasets import parse_split
 from megatron_ext.data.indexed_check import check_indexed_dataset, check_tokenizer_record
 from megatron_ext.data.tokenizers import check_tokenizer_flags
 from megatron_ext.derived import get_sequence_padding, uses_variable_lengths
@@ -203,7 +204,7 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
 
 def _check_data(cfg: JobConfig) -> list[str]:
     """Where the tokens come from: the data flags, the tokenizer flags, the files they name (O(1)
-    header checks), packing and padding, and --split."""
+    header checks), packing and padding, and the one --split grammar (``data/gpt_datasets.parse_split``)."""
     d = cfg.data
     out = []
     blends = None
@@ -255,19 +256,15 @@ def _check_data_files(blends: DataBlends | None) -> list[str]:
 
 
 def _check_split(d: DataConfig, eval_interval: int) -> list[str]:
-    """--split's weights, and a validation split when the run evaluates."""
-    out = []
-    split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
+    """--split in the grammar the dataset builders parse it with (``parse_split``: 1 to 3 weights),
+    and a validation split when the run evaluates."""
     try:
-        weights = [float(s) for s in split]
-        if not weights or min(weights) < 0 or sum(weights) <= 0:
-            raise ValueError
-    except ValueError:
-        out.append(f"--split '{d.split}' must be comma-separated non-negative weights like 969,30,1")
-        weights = []
-    if eval_interval > 0 and weights and not d.mock_data and (len(weights) < 2 or weights[1] == 0):
-        out.append(f"--eval-interval {eval_interval} needs a validation split, but --split '{d.split}' gives it no weight")
-    return out
+        fractions = parse_split(d.split)
+    except ConfigError as exc:
+        return exc.problems
+    if eval_interval > 0 and not d.mock_data and fractions[1] == 0:
+        return [f"--eval-interval {eval_interval} needs a validation split, but --split '{d.split}' gives it no weight"]
+    return []
 
 
 def _check_packing(cfg: JobConfig) -> list[str]:

@@ -91,6 +91,17 @@ def test_data_rules():
         validate(cfg, 1)
 
 
+def test_split_has_one_grammar_and_validation_applies_it():
+    """--split is parsed by data/gpt_datasets.parse_split wherever it is read: a value the dataset
+    builders would refuse (four parts, an empty part, words) is refused at validation, naming the flag
+    (validation used to accept any number of parts, so --split 1,2,3,4 failed only when the data was built)."""
+    for bad in ("1,2,3,4", "969,30,", "a,b", "0,0,0"):
+        problems = _problems(1, split=bad)
+        assert any(p.startswith(f"--split {bad!r}") for p in problems), problems
+    for good in ("969,30,1", "98,2", "1", "3/1/0"):
+        assert _accepted_or_problems(1, split=good) == []
+
+
 def test_validation_creates_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = build_job_config({**MOCK, "tensor_model_parallel_size": 3, "save": str(tmp_path / "ckpt"),
