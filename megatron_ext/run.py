@@ -3,8 +3,8 @@
 ``build_training_run(cfg)`` is what ``pretrain_gpt.py``, the tests (``megatron_ext.testing``) and
 the benchmarks call: process groups -> run length, tokenizer and the resolved config (padded
 vocabulary, dtype, ...) -> model chunks (our layout-independent init) -> megatron-core DDP ->
-optimizer and LR schedule -> megatron-core's per-step hooks -> datasets -> the ``TrainingRun`` the
-loop consumes. Everything after the process groups
+optimizer and LR schedule -> megatron-core's per-step hooks -> datasets -> the step-data builder
+and its prefetcher -> the ``TrainingRun`` the loop consumes. Everything after the process groups
 receives them through the ``ParallelContext``; nothing reads megatron-core's globals; every
 derived value comes from the one ``ResolvedConfig`` (``derived.py``).
 """
@@ -23,10 +23,11 @@ from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.state import CheckpointMeta
-from megatron_ext.config import JobConfig
+from megatron_ext.config import DataConfig, JobConfig
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
+from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.derived import ResolvedConfig, resolve_config, resolve_train_iters
 from megatron_ext.guards import StepProgress, StepWatchdog
@@ -40,7 +41,7 @@ from megatron_ext.training.optimizer import (
     build_optimizer, build_scheduler, get_schedule_lr_range, record_flag_settings,
 )
 from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, ProfilerWindow, StepTimers
-from megatron_ext.training.step import configure_model_hooks, pad_step_samples
+from megatron_ext.training.step import configure_model_hooks
 from megatron_ext.training.timeline import build_pp_timeline
 
 
@@ -88,6 +89,8 @@ def build_training_run(
     if data is None:
         data = build_train_valid_datasets(cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None)
 
+    step_data = StepDataBuilder(build_step_data_spec(cfg, resolved, ctx, tokenizer), ctx.device, ctx.mp_group)
+
     return TrainingRun(
         cfg=cfg, resolved=resolved, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
         optimizer_flags=record_flag_settings(optimizer),
@@ -95,28 +98,38 @@ def build_training_run(
         writer=MetricWriter(cfg, enabled=metrics and ctx.is_logging_rank),
         checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=resolved.padded_vocab_size),
         exit_decider=exit_decider or build_exit_decider(cfg),
-        pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size, log=log,
+        step_data=step_data, log=log,
         timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx) if cfg.logging.pp_timeline else None,
         watchdog=build_step_watchdog(cfg, ctx),
         timers=timers if cfg.logging.timing_log_level else None,
         profiler=build_profiler(cfg, ctx),
         manual_gc=ManualGC(cfg.logging.manual_gc_interval) if cfg.logging.manual_gc else None,
         async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,
-        prefetcher=build_prefetcher(cfg, resolved, ctx, data[0], tokenizer),
+        prefetcher=build_prefetcher(cfg.data, ctx, step_data, data[0]),
     )
 
 
-def build_prefetcher(cfg: JobConfig, resolved: ResolvedConfig, ctx: ParallelContext, train_ds: Any,
-                     tokenizer: Any) -> StepPrefetcher | None:
-    """The background builder of the next step's data (--no-data-prefetch: none, unless
-    --num-workers asks for worker processes). Collective (its gloo group)."""
-    d = cfg.data
+def build_step_data_spec(cfg: JobConfig, resolved: ResolvedConfig, ctx: ParallelContext,
+                         tokenizer: Any) -> StepDataSpec:
+    """How this rank's micro-batches of a step are made: its DP slice of the global batch, padded
+    as --sequence-padding says with the tokenizer's pad id, token ids checked below its vocabulary."""
+    return StepDataSpec(
+        global_batch_size=resolved.global_batch_size, micro_batch_size=cfg.training.micro_batch_size,
+        dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, sequence_padding=resolved.sequence_padding,
+        pad_to_multiple_of=cfg.data.pad_to_multiple_of, max_microbatch_length=resolved.max_microbatch_length,
+        pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size,
+    )
+
+
+def build_prefetcher(d: DataConfig, ctx: ParallelContext, step_data: StepDataBuilder,
+                     train_ds: Any) -> StepPrefetcher | None:
+    """The background runner of ``step_data`` for the next training step (--no-data-prefetch: none,
+    unless --num-workers asks for worker processes). Collective (its gloo group)."""
     if not (d.data_prefetch or d.num_workers):
         return None
-    layout = (resolved.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size)
-    group = build_data_group(ctx) if resolved.sequence_padding == "negotiated" else None  # only it negotiates
-    return StepPrefetcher(train_ds, functools.partial(pad_step_samples, cfg, tokenizer.pad), group,
-                          ctx.device, tokenizer.vocab_size, layout, d.num_workers, background=d.data_prefetch)
+    negotiates = step_data.spec.sequence_padding == "negotiated"  # only negotiated padding has a collective
+    group = build_data_group(ctx) if negotiates else None
+    return StepPrefetcher(step_data.with_group(group), train_ds, d.num_workers, background=d.data_prefetch)
 
 
 def build_profiler(cfg: JobConfig, ctx: ParallelContext) -> ProfilerWindow | None:

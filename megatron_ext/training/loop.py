@@ -33,6 +33,7 @@ from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint, start
 from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.prefetch import StepPrefetcher
+from megatron_ext.data.step_data import StepDataBuilder
 from megatron_ext.derived import ResolvedConfig
 from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
@@ -85,8 +86,8 @@ class TrainingRun:
     writer: MetricWriter
     checkpoint_meta: CheckpointMeta
     exit_decider: ExitDecider
-    pad_id: int = 0
-    vocab_size: int | None = None  # the tokenizer's: every token id of the data must lie below it
+    # builds a step's micro-batches now, in this thread (evaluation; training without a prefetcher)
+    step_data: StepDataBuilder
     state: TrainState = dataclasses.field(default_factory=TrainState)
     # each optimizer parameter group's flag-given settings as built (optimizer.record_flag_settings),
     # restored after a load under --override-opt-param-scheduler
