@@ -212,6 +212,25 @@ WORKAROUNDS: tuple[Workaround, ...] = (
          "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward"),
     ),
     Workaround(
+        "weight-gradient-deferral",
+        "megatron-core's local linears compute the weight gradient inside the backward (their backward_dw() "
+        "does nothing) and return a dummy gradient so DDP's grad-ready hook fires at B. With a zero-bubble "
+        "schedule's deferral installed, each linear's _forward_impl (per instance) runs our copy of "
+        "LinearWithGradAccumulationAndAsyncCommunication whose weight GEMM (megatron-core's own fused "
+        "wgrad_gemm_accum_* or plain GEMM, the SP all-gather into the 'mpu' buffer) is deferred, and DDP's "
+        "delay_wgrad_compute / skip_backward_post_hook / register_wgrad_accumulation_and_reduce_hooks seam "
+        "hands the weight's hook to the layer, which runs it in W",
+        "megatron_ext.model.wgrad_deferral:apply_weight_grad_deferral",
+        ("megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
+         "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
+         "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
+         "megatron.core.tensor_parallel.layers.dist_all_gather_func",
+         "megatron.core.tensor_parallel.layers.dist_reduce_scatter_func",
+         "megatron.core.utils.prepare_input_tensors_for_wgrad_compute",
+         "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel._make_backward_post_hook",
+         "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig"),
+    ),
+    Workaround(
         "checkpoint-without-output-fp8-flag",
         "CheckpointWithoutOutput(fp8=False), its default, sets self.fp8 = (fp8 is not None) = True and "
         "calls Transformer Engine's FP8GlobalStateManager: --recompute-modules layernorm raises "

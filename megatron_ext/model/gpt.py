@@ -262,10 +262,13 @@ def apply_mixed_precision(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list
 
 def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize), with weight
-    gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``)."""
+    gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``). Where the
+    chunks defer their weight gradients (``model/wgrad_deferral.py``), DDP's ``delay_wgrad_compute``
+    hands each deferred weight's grad-ready hook to its layer, which runs it in W."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_ext.model import wgrad
+    from megatron_ext.model.wgrad_deferral import uses_weight_grad_deferral
 
     if cfg.training.gradient_accumulation_fusion:
         wgrad.enable_gradient_accumulation_fusion(chunks)
@@ -277,6 +280,7 @@ def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.n
         align_param_gather=cfg.parallel.overlap_param_gather and cfg.parallel.align_param_gather,
         bucket_size=cfg.parallel.ddp_bucket_size,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        delay_wgrad_compute=uses_weight_grad_deferral(chunks),
     )
     return [
         DistributedDataParallel(
