@@ -336,6 +336,15 @@ def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
     return vpp if vpp is not None and vpp > 1 else None
 
 
+def get_stage_placement(cfg: JobConfig) -> str:
+    """"v" when --pipeline-schedule names a V-shaped schedule (ZBV, DualPipeV), else "loop"
+    (``pipeline/placement.py``)."""
+    from megatron_ext.pipeline.names import get_schedule_placement
+
+    name = cfg.parallel.pipeline_schedule
+    return get_schedule_placement(name) if name else "loop"
+
+
 def get_chunk_layer_counts(cfg: JobConfig) -> list[int] | None:
     """Transformer layers of each model chunk, (pipeline rank, virtual stage) in order, as
     megatron-core's ``get_num_layers_to_build`` splits them (even, first/last or accounted
@@ -546,6 +555,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_model(cfg, world_size)
         + _check_batch(cfg, world_size)
         + _check_schedule(cfg)
+        + _check_v_split(cfg)
         + _check_data(cfg)
         + _check_device(cfg, cuda)
         + _check_loss_scaling(cfg)
@@ -652,6 +662,20 @@ def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
             f"--num-virtual-stages-per-pipeline-rank"
         )
     return out
+
+
+def _check_v_split(cfg: JobConfig) -> list[str]:
+    """Uneven splits under the V placement. megatron-core defines them per pipeline *rank* of the loop
+    placement (the first rank's layers shared by its chunks, the last rank's likewise) and checks
+    them so in TransformerConfig; under V the first and the last *stage* are both on rank 0, where
+    they would have to mean stage 0 and stage 2p-1. Refused until the layer numbering of the V
+    placement (model/v_placement.py) learns that split."""
+    if get_stage_placement(cfg) != "v" or not uses_uneven_split(cfg):
+        return []
+    return [f"--pipeline-schedule {cfg.parallel.pipeline_schedule} places the first and the last pipeline stage on "
+            f"rank 0; --decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
+            f"split layers per rank of megatron-core's loop placement and are not supported with it: drop them (an "
+            f"even split), or use ZBH1 / InterleavedZeroBubble"]
 
 
 def uses_uneven_split(cfg: JobConfig) -> bool:

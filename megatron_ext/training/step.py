@@ -89,11 +89,15 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None):
 
 
 def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
-    """Wire megatron-core's per-step hooks into the (shared) TransformerConfig."""
+    """Wire megatron-core's per-step hooks into the (shared) TransformerConfig (under the V
+    placement, the finalize that knows the loss and the tied embedding are on pipeline rank 0)."""
     from megatron.core.distributed import finalize_model_grads
 
+    from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
+
     config = model[0].config
-    config.finalize_model_grads_func = finalize_model_grads
+    v = get_config_placement(config) == "v"
+    config.finalize_model_grads_func = finalize_model_grads_v if v else finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync if len(model) > 1 else no_sync[0]
