@@ -15,33 +15,41 @@ ZBVZeroBubble``):
   later from the queue, each chunk's last micro-batch outside ``no_sync``; the loss and the token
   count on rank 0) gives bitwise the losses and the final gradients (tied embedding, output layer,
   every layer) of megatron-core's interleaved 1F1B under the loop placement. The schedules
-  themselves are ``pipeline/``'s; this runtime only has to be obviously right.
+  themselves are ``pipeline/``'s; this runtime only has to be obviously right;
+- checkpoints across schedules (PP 2 x DP 2, distributed optimizer): after that step and the
+  optimizer's, the checkpoint saved under V holds exactly the tensors (weights, Adam moments) of the
+  one saved under the loop placement, and each loads into the other placement's fresh run giving
+  the stepped weights of every parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.checkpoint.state import build_model_sharded_state_dict
+from megatron_ext.checkpoint.state import build_model_sharded_state_dict, load_checkpoint, load_full_tensors, save_checkpoint
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
 from megatron_ext.pipeline.placement import get_stage_location
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values
+from megatron_ext.training.optimizer import step_optimizer
 from megatron_ext.training.step import build_step_microbatches, forward_step, run_forward_backward, unwrap_model
 
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = {
     "PP 4": dict(pipeline_model_parallel_size=4, num_layers=8),
+    # no clipping: the global grad norm sums each rank's partial norm, grouped as the placement groups
+    # the stages, so its last bits (and a clipped update's) depend on the placement; Adam's do not
     "PP 2 x DP 2, distributed optimizer": dict(pipeline_model_parallel_size=2, num_layers=4,
-                                               use_distributed_optimizer=True),
+                                               use_distributed_optimizer=True, clip_grad=0.0),
 }
 PLACEMENTS = {"loop": {}, "v": dict(pipeline_schedule="ZBVZeroBubble")}
 TIES = {"tied": {}, "untied": dict(untie_embeddings_and_output_weights=True)}
@@ -89,7 +97,10 @@ def _finalized_grads(run) -> tuple[dict, list]:
     return gather_full_grads(run), copies
 
 
-def _world(rank: int, world_size: int) -> dict:
+CHECKPOINT_LAYOUT = "PP 2 x DP 2, distributed optimizer"
+
+
+def _world(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for layout, flags in LAYOUTS.items():
         for tie, tie_flags in TIES.items():
@@ -104,12 +115,41 @@ def _world(rank: int, world_size: int) -> dict:
                     "placement": run.ctx.stage_placement,
                 }
                 destroy_parallel_context()
-                out[("step", layout, tie, placement)] = _one_step(values)
+                save = os.path.join(root, f"{layout}-{tie}-{placement}") if layout == CHECKPOINT_LAYOUT else None
+                out[("step", layout, tie, placement)] = _one_step(values, save)
                 destroy_parallel_context()
+            if layout == CHECKPOINT_LAYOUT:
+                out.update(_cross_loads(root, layout, tie, flags, tie_flags))
     return out
 
 
-def _one_step(values: dict) -> dict:
+def _full_params(run) -> dict[str, torch.Tensor]:
+    """{global name: weight} of this rank's parameters (TP 1: no gather)."""
+    out = {}
+    for chunk in run.model:
+        model = unwrap_model(chunk)
+        offset = get_layer_offset(model)
+        for local_name, param in model.named_parameters():
+            name = get_global_name(local_name, offset)
+            if model.share_embeddings_and_output_weights and name == "output_layer.weight":
+                name = "embedding.word_embeddings.weight"
+            out[name] = param.detach().clone()
+    return out
+
+
+def _cross_loads(root: str, layout: str, tie: str, flags: dict, tie_flags: dict) -> dict:
+    """The loop placement's checkpoint loaded under V, and V's under the loop placement."""
+    out = {}
+    for placement, other in (("v", "loop"), ("loop", "v")):
+        values = tiny_values(num_virtual_stages_per_pipeline_rank=2, **flags, **tie_flags, **PLACEMENTS[placement])
+        run = build_tiny_run(values, MarkovDataset(32))
+        out[("loaded", tie, placement)] = load_checkpoint(run, os.path.join(root, f"{layout}-{tie}-{other}"))
+        out[("loaded params", tie, placement)] = _full_params(run)
+        destroy_parallel_context()
+    return out
+
+
+def _one_step(values: dict, save: str | None = None) -> dict:
     """One step's losses and final gradients: megatron-core's schedule (loop) or ``run_v_step``."""
     queue = WeightGradQueue()
     if values.get("pipeline_schedule"):
@@ -135,8 +175,14 @@ def _one_step(values: dict) -> dict:
     else:
         losses = [float(r["lm loss"][0]) for r in run_forward_backward(run.model, mbs, length)]
     deferred = sum(getattr(p, "skip_backward_post_hook", False) for c in run.model for p in c.parameters())
-    return {"grads": gather_full_grads(run), "losses": losses if run.ctx.is_last_stage else None,
-            "pending": queue.pending(), "deferred": deferred}
+    out = {"grads": gather_full_grads(run), "losses": losses if run.ctx.is_last_stage else None,
+           "pending": queue.pending(), "deferred": deferred}
+    if save is not None:
+        assert step_optimizer(run.optimizer, True)[0]
+        run.state.iteration = 1
+        save_checkpoint(run, save)
+        out["params"] = _full_params(run)
+    return out
 
 
 def run_v_step(run, microbatches, seq_length: int, queue: WeightGradQueue) -> list[float]:
@@ -217,13 +263,14 @@ def _hand_back(saved, src, dst, ranks, pp, ctx):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_world, 4, timeout=600)
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("v_placement"))
+    return [root, *run_ranks(_world, 4, root, timeout=600)]
 
 
 def _merged_stages(results, key):
     stages = {}
-    for rank_out in results:
+    for rank_out in results[1:]:
         r = rank_out[key]
         if r["dp_rank"] == 0:
             stages.update(r["stages"])
@@ -238,7 +285,7 @@ def test_each_stage_has_the_same_checkpoint_entries_and_initial_values(results, 
     loop, v = _merged_stages(results, (layout, tie, "loop")), _merged_stages(results, (layout, tie, "v"))
     num_stages = 2 * LAYOUTS[layout]["pipeline_model_parallel_size"]
     assert sorted(loop) == sorted(v) == list(range(num_stages))
-    assert results[0][(layout, tie, "v")]["placement"] == "v"
+    assert results[1][(layout, tie, "v")]["placement"] == "v"
     for stage in range(num_stages):
         a, b = loop[stage], v[stage]
         assert (a["pre"], a["post"]) == (b["pre"], b["post"]) == (stage == 0, stage == num_stages - 1)
@@ -256,12 +303,12 @@ def test_each_stage_has_the_same_checkpoint_entries_and_initial_values(results, 
 def test_finalize_under_v_equals_the_loop_placement(results, layout, tie):
     dp = 4 // LAYOUTS[layout]["pipeline_model_parallel_size"]
     for placement in PLACEMENTS:  # one loss rank per DP replica: rank p-1 under loop, rank 0 under V
-        loss_ranks = [r for r, out in enumerate(results) if out[(layout, tie, placement)]["loss_rank"]]
+        loss_ranks = [r for r, out in enumerate(results[1:]) if out[(layout, tie, placement)]["loss_rank"]]
         assert loss_ranks == (list(range(dp)) if placement == "v" else list(range(4 - dp, 4))), placement
     merged = {}
     for placement in PLACEMENTS:
         grads = {}
-        for rank_out in results:
+        for rank_out in results[1:]:
             for name, g in rank_out[(layout, tie, placement)]["grads"].items():
                 if name in grads:
                     assert torch.equal(grads[name], g), (placement, name)
@@ -273,7 +320,7 @@ def test_finalize_under_v_equals_the_loop_placement(results, layout, tie):
         assert torch.equal(g, merged["v"][name]), name
     # under V, rank 0 holds both copies of the tied embedding, equal after the local tie
     if tie == "tied":
-        for rank_out in results:
+        for rank_out in results[1:]:
             r = rank_out[(layout, tie, "v")]
             if r["loss_rank"]:
                 first, last = r["copies"]
@@ -285,7 +332,7 @@ def test_a_v_step_gives_1f1bs_losses_and_gradients_bitwise(results, layout, tie)
     merged = {}
     for placement in PLACEMENTS:
         grads, losses = {}, []
-        for rank_out in results:
+        for rank_out in results[1:]:
             out = rank_out[("step", layout, tie, placement)]
             assert out["pending"] == 0 and (out["deferred"] > 0) == (placement == "v")
             losses += out["losses"] or []
@@ -300,3 +347,23 @@ def test_a_v_step_gives_1f1bs_losses_and_gradients_bitwise(results, layout, tie)
     for name, g in loop_grads.items():
         assert g.abs().sum() > 0, name
         assert torch.equal(g, v_grads[name]), f"{name}: max diff {(g - v_grads[name]).abs().max()}"
+
+
+@pytest.mark.parametrize("tie", list(TIES))
+def test_checkpoints_saved_under_either_placement_are_the_same_and_load_into_the_other(results, tie):
+    root, ranks = results[0], results[1:]
+    saved = {p: load_full_tensors(os.path.join(root, f"{CHECKPOINT_LAYOUT}-{tie}-{p}", "iter_0000001"))
+             for p in PLACEMENTS}
+    keys = sorted(k for k in saved["loop"] if not k.startswith("optimizer.") or ".exp_avg" in k)
+    assert any(".exp_avg_sq." in k for k in keys) and any(k.startswith("decoder.layers.") for k in keys)
+    assert saved["v"].keys() == saved["loop"].keys()
+    differ = [k for k in keys if not torch.equal(saved["loop"][k], saved["v"][k])]
+    assert not differ, differ
+    for placement, other in (("v", "loop"), ("loop", "v")):
+        for rank_out in ranks:
+            assert rank_out[("loaded", tie, placement)] == 1
+            stepped = rank_out[("step", CHECKPOINT_LAYOUT, tie, placement)]["params"]
+            loaded = rank_out[("loaded params", tie, placement)]
+            assert stepped.keys() == loaded.keys()
+            for name, w in stepped.items():
+                assert torch.equal(w, loaded[name]), (placement, name)
