@@ -249,13 +249,23 @@ def test_a_chunk_with_the_tied_embedding_and_output_layer_is_refused(one_rank):
 # ----------------------------------------------------------------------------- two ranks
 
 
-def _tp_sp_layout(rank: int) -> dict:
-    """TP 2 with sequence parallelism: bitwise equality and the bytes a deferred W holds."""
-    values = dict(tensor_model_parallel_size=2, sequence_parallel=True)
-    cfg = build_job_config(tiny_values(**BASE, **values))
+TP_VARIANTS = {
+    "TP 2, SP": dict(sequence_parallel=True),
+    "TP 2 (dgrad all-reduce)": dict(),
+    "TP 2, SP, full recompute": dict(sequence_parallel=True, recompute_granularity="full",
+                                     recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def _tp_layout(rank: int) -> dict:
+    """TP 2 with and without sequence parallelism: bitwise equality and the bytes a deferred W holds."""
+    cfg = build_job_config(tiny_values(**BASE, tensor_model_parallel_size=2))
     build_parallel_context(cfg, torch.device("cpu"))
     mbs = _microbatches()
-    out = {"reference": run_1f1b(values, True, mbs), "deferred": run_zero_bubble(values, True, mbs)}
+    out = {}
+    for name, flags in TP_VARIANTS.items():
+        values = dict(tensor_model_parallel_size=2, **flags)
+        out[name] = {"reference": run_1f1b(values, True, mbs), "deferred": run_zero_bubble(values, True, mbs)}
     out["expected_held"] = expected_held_bytes(cfg, NUM_MB, tp=2)
     destroy_parallel_context()
     return out
@@ -331,7 +341,7 @@ def _overlap_steps(values: dict, microbatches, defer: bool) -> dict:
 
 
 def _two_rank_world(rank: int, world_size: int) -> dict:
-    return {"tp_sp": _tp_sp_layout(rank),
+    return {"tp": _tp_layout(rank),
             "overlap": _overlap_layout(rank, distributed_optimizer=False),
             "overlap distopt": _overlap_layout(rank, distributed_optimizer=True)}
 
@@ -341,16 +351,19 @@ def two_ranks():
     return run_ranks(_two_rank_world, 2, timeout=300)
 
 
-def test_tp2_sequence_parallel_deferred_equals_1f1b_bitwise(two_ranks):
+@pytest.mark.parametrize("variant", list(TP_VARIANTS))
+def test_tp2_deferred_equals_1f1b_bitwise(two_ranks, variant):
     for rank_out in two_ranks:
-        out = rank_out["tp_sp"]
+        out = rank_out["tp"][variant]
         assert out["deferred"]["untouched_before_w"] and out["deferred"]["pending"] == 0
         _assert_bitwise(out["reference"], out["deferred"])
 
 
 def test_tp2_sequence_parallel_w_holds_the_input_shard_not_the_gathered_input(two_ranks):
-    out = two_ranks[0]["tp_sp"]
-    assert out["deferred"]["held"] == out["expected_held"]
+    out = two_ranks[0]["tp"]
+    assert out["TP 2, SP"]["deferred"]["held"] == out["expected_held"]
+    # the same W with the gathered input kept: each column-parallel input tp times larger
+    assert out["TP 2, SP"]["deferred"]["held"] < out["TP 2 (dgrad all-reduce)"]["deferred"]["held"]
 
 
 @pytest.mark.parametrize("layout", ["overlap", "overlap distopt"])
