@@ -54,10 +54,15 @@ LAYOUTS = {
                                                use_distributed_optimizer=True, clip_grad=0.0),
     # Float16Module's casts: inputs on stage 0, the upcast on stage 2p-1 (rank 0 under V)
     "PP 2 x DP 2, bf16": dict(pipeline_model_parallel_size=2, num_layers=4, bf16=True),
+    # the embedding group per TP rank; SP: the activations between stages are sequence shards
+    "TP 2 x PP 2, SP": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
+                            sequence_parallel=True),
 }
+CHECKPOINT_LAYOUT = "PP 2 x DP 2, distributed optimizer"
 PLACEMENTS = {"loop": {}, "v": dict(pipeline_schedule="ZBVZeroBubble")}
 TIES = {"tied": {}, "untied": dict(untie_embeddings_and_output_weights=True)}
-CASES = [(layout, tie) for layout in LAYOUTS for tie in TIES if not (layout.endswith("bf16") and tie == "untied")]
+# untied once (the output layer's own weight takes no special path otherwise)
+CASES = [(layout, tie) for layout in LAYOUTS for tie in TIES if tie == "tied" or layout == CHECKPOINT_LAYOUT]
 
 
 def _stage_entries(run) -> dict[int, dict]:
@@ -102,9 +107,6 @@ def _finalized_grads(run) -> tuple[dict, list]:
     return gather_full_grads(run), copies
 
 
-CHECKPOINT_LAYOUT = "PP 2 x DP 2, distributed optimizer"
-
-
 def _world(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for layout, flags in LAYOUTS.items():
@@ -118,14 +120,15 @@ def _world(rank: int, world_size: int, root: str) -> dict:
                 grads, copies = _finalized_grads(run)
                 out[(layout, tie, placement)] = {
                     "stages": stages, "grads": grads, "copies": copies,
-                    "loss_rank": run.ctx.is_last_stage, "dp_rank": run.ctx.dp_rank,
+                    "loss_rank": run.ctx.is_last_stage, "dp_rank": run.ctx.dp_rank, "tp_rank": run.ctx.tp_rank,
                     "placement": run.ctx.stage_placement,
                 }
                 destroy_parallel_context()
-                save = os.path.join(root, f"{layout}-{tie}-{placement}") if layout == CHECKPOINT_LAYOUT else None
+                checkpointed = layout == CHECKPOINT_LAYOUT and tie == "tied"
+                save = os.path.join(root, f"{layout}-{tie}-{placement}") if checkpointed else None
                 out[("step", layout, tie, placement)] = _one_step(values, save)
                 destroy_parallel_context()
-            if layout == CHECKPOINT_LAYOUT:
+            if layout == CHECKPOINT_LAYOUT and tie == "tied":
                 out.update(_cross_loads(root, layout, tie, flags, tie_flags))
     return out
 
@@ -249,7 +252,8 @@ def _hand_over(saved, src, dst, ranks, pp, seq_length, mb, ctx, config):
     elif ctx.pp_rank == r_src:
         dist.send(saved[(i, s_src, "out")].detach().contiguous(), ranks[r_dst])
     elif ctx.pp_rank == r_dst:
-        buf = torch.empty(seq_length, mb.tokens.shape[0], config.hidden_size, dtype=config.pipeline_dtype)
+        tokens = seq_length // ctx.tp_size if config.sequence_parallel else seq_length
+        buf = torch.empty(tokens, mb.tokens.shape[0], config.hidden_size, dtype=config.pipeline_dtype)
         dist.recv(buf, ranks[r_src])
         saved[(i, s_dst, "in")] = buf.requires_grad_()
 
@@ -279,7 +283,7 @@ def _merged_stages(results, key):
     stages = {}
     for rank_out in results[1:]:
         r = rank_out[key]
-        if r["dp_rank"] == 0:
+        if r["dp_rank"] == 0 and r["tp_rank"] == 0:
             stages.update(r["stages"])
     return stages
 
@@ -307,10 +311,11 @@ def test_each_stage_has_the_same_checkpoint_entries_and_initial_values(results, 
 
 @pytest.mark.parametrize("layout,tie", CASES)
 def test_finalize_under_v_equals_the_loop_placement(results, layout, tie):
-    dp = 4 // LAYOUTS[layout]["pipeline_model_parallel_size"]
-    for placement in PLACEMENTS:  # one loss rank per DP replica: rank p-1 under loop, rank 0 under V
+    pp = LAYOUTS[layout]["pipeline_model_parallel_size"]
+    for placement in PLACEMENTS:  # the loss: pipeline rank p-1 under loop, 0 under V (pp is the outer rank dim)
+        loss_pp = 0 if placement == "v" else pp - 1
         loss_ranks = [r for r, out in enumerate(results[1:]) if out[(layout, tie, placement)]["loss_rank"]]
-        assert loss_ranks == (list(range(dp)) if placement == "v" else list(range(4 - dp, 4))), placement
+        assert loss_ranks == [r for r in range(4) if r // (4 // pp) == loss_pp], placement
     merged = {}
     for placement in PLACEMENTS:
         grads = {}
@@ -348,15 +353,15 @@ def test_a_v_step_gives_1f1bs_losses_and_gradients_bitwise(results, layout, tie)
                 grads[name] = g
         merged[placement] = (grads, losses)
     (loop_grads, loop_losses), (v_grads, v_losses) = merged["loop"], merged["v"]
-    assert loop_losses == v_losses and len(v_losses) == 4
+    tp = LAYOUTS[layout].get("tensor_model_parallel_size", 1)
+    assert loop_losses == v_losses and len(v_losses) == 4 * tp  # 4 micro-batches per step, on every TP rank
     assert loop_grads.keys() == v_grads.keys()
     for name, g in loop_grads.items():
         assert g.abs().sum() > 0, name
         assert torch.equal(g, v_grads[name]), f"{name}: max diff {(g - v_grads[name]).abs().max()}"
 
 
-@pytest.mark.parametrize("tie", list(TIES))
-def test_checkpoints_saved_under_either_placement_are_the_same_and_load_into_the_other(results, tie):
+def test_checkpoints_saved_under_either_placement_are_the_same_and_load_into_the_other(results, tie="tied"):
     root, ranks = results[0], results[1:]
     saved = {p: load_full_tensors(os.path.join(root, f"{CHECKPOINT_LAYOUT}-{tie}-{p}", "iter_0000001"))
              for p in PLACEMENTS}
