@@ -288,9 +288,10 @@ def expected_held_bytes(cfg, num_microbatches: int, tp: int) -> int:
     return 4 * num_microbatches * (2 * m.num_layers * per_layer + output_layer)
 
 
-def _overlap_layout(rank: int, distributed_optimizer: bool) -> dict:
+def _overlap_layout(rank: int, distributed_optimizer: bool, fused: bool = True) -> dict:
     """DP 2 under --overlap-grad-reduce: when each bucket's reduce starts, and the reduced grads."""
-    values = dict(overlap_grad_reduce=True, use_distributed_optimizer=distributed_optimizer, ddp_bucket_size=4000)
+    values = dict(overlap_grad_reduce=True, use_distributed_optimizer=distributed_optimizer, ddp_bucket_size=4000,
+                  gradient_accumulation_fusion=fused)
     cfg = build_job_config(tiny_values(**BASE, **values))
     build_parallel_context(cfg, torch.device("cpu"))
     mbs = _microbatches(rank, 2)
@@ -343,7 +344,8 @@ def _overlap_steps(values: dict, microbatches, defer: bool) -> dict:
 def _two_rank_world(rank: int, world_size: int) -> dict:
     return {"tp": _tp_layout(rank),
             "overlap": _overlap_layout(rank, distributed_optimizer=False),
-            "overlap distopt": _overlap_layout(rank, distributed_optimizer=True)}
+            "overlap distopt": _overlap_layout(rank, distributed_optimizer=True),
+            "overlap unfused": _overlap_layout(rank, distributed_optimizer=False, fused=False)}
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +368,7 @@ def test_tp2_sequence_parallel_w_holds_the_input_shard_not_the_gathered_input(tw
     assert out["TP 2, SP"]["deferred"]["held"] < out["TP 2 (dgrad all-reduce)"]["deferred"]["held"]
 
 
-@pytest.mark.parametrize("layout", ["overlap", "overlap distopt"])
+@pytest.mark.parametrize("layout", ["overlap", "overlap distopt", "overlap unfused"])
 def test_no_bucket_reduce_starts_before_its_last_w(two_ranks, layout):
     for rank_out in two_ranks:
         out = rank_out[layout]
