@@ -264,6 +264,15 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("megatron.core.tensor_parallel.random.CheckpointWithoutOutput",),
     ),
     Workaround(
+        "process-group-store",
+        "torch has no public accessor for the default process group's key-value store (the one torchrun's "
+        "agent or rank 0 hosts); the stall watchdog's heartbeats clone it for connections of their own, with "
+        "short timeouts, and fall back to a TCPStore client to MASTER_ADDR:MASTER_PORT",
+        "megatron_ext.heartbeat:open_store_connection",
+        ("torch.distributed.distributed_c10d._get_default_store", "torch.distributed.Store.clone",
+         "torch.distributed.Store.set_timeout"),
+    ),
+    Workaround(
         "destroy-process-groups",
         "destroy_model_parallel() drops its group references while every gloo subgroup keeps its "
         "threads and connections (over 1,000 threads per process after a few hundred groups)",

@@ -130,7 +130,7 @@ def use_transformer_engine(cfg: JobConfig, device: torch.device) -> bool:
         import transformer_engine  # noqa: F401
     except ImportError:
         if impl == "transformer_engine":
-            raise ValueError("--transformer-impl transformer_engine: transformer_engine is not installed")
+            raise ValueError("--transformer-impl transformer_engine: transformer_engine is not installed") from None
         return False
     return True
 
