@@ -370,7 +370,7 @@ def test_checkpoints_saved_under_either_placement_are_the_same_and_load_into_the
     assert saved["v"].keys() == saved["loop"].keys()
     differ = [k for k in keys if not torch.equal(saved["loop"][k], saved["v"][k])]
     assert not differ, differ
-    for placement, other in (("v", "loop"), ("loop", "v")):
+    for placement in ("v", "loop"):
         for rank_out in ranks:
             assert rank_out[("loaded", tie, placement)] == 1
             stepped = rank_out[("step", CHECKPOINT_LAYOUT, tie, placement)]["params"]

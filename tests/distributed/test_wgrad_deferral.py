@@ -318,7 +318,7 @@ def _overlap_steps(values: dict, microbatches, defer: bool) -> dict:
 
             group.start_grad_sync = start
     last = len(microbatches) - 1
-    for step in range(2):
+    for _ in range(2):
         log.clear()
         for chunk in pipe.chunks:
             chunk.zero_grad_buffer()
