@@ -693,17 +693,21 @@ def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
 
 
 def _check_v_split(cfg: JobConfig) -> list[str]:
-    """Uneven splits under the V placement. megatron-core defines them per pipeline *rank* of the loop
-    placement (the first rank's layers shared by its chunks, the last rank's likewise) and checks
-    them so in TransformerConfig; under V the first and the last *stage* are both on rank 0, where
-    they would have to mean stage 0 and stage 2p-1. Refused until the layer numbering of the V
-    placement (model/v_placement.py) learns that split."""
-    if get_stage_placement(cfg) != "v" or not uses_uneven_split(cfg):
+    """Uneven splits under the V placement, where stage s holds the layers the loop placement gives
+    it (model/v_placement.py). --account-for-embedding/loss-in-pipeline-split take one layer from
+    stage 0 and from stage 2p-1: under V both are on rank 0, which holds the embedding and the loss,
+    as intended. --decoder-first/last-pipeline-num-layers are megatron-core's layers of the first and
+    the last pipeline *rank*, shared by its chunks: under V those are stages 0 and p (ranks 0 and p-1)
+    and stages p-1 and 2p-1 (ranks p-1 and 0), not what the flags promise; refused."""
+    p = cfg.parallel
+    if get_stage_placement(cfg) != "v" or (p.decoder_first_pipeline_num_layers is None
+                                          and p.decoder_last_pipeline_num_layers is None):
         return []
-    return [f"--pipeline-schedule {cfg.parallel.pipeline_schedule} places the first and the last pipeline stage on "
-            f"rank 0; --decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
-            f"split layers per rank of megatron-core's loop placement and are not supported with it: drop them (an "
-            f"even split), or use ZBH1 / InterleavedZeroBubble"]
+    return [f"--pipeline-schedule {p.pipeline_schedule} places the first and the last pipeline stage on rank 0; "
+            f"--decoder-first/last-pipeline-num-layers give layers to the first and the last pipeline rank of "
+            f"megatron-core's loop placement and are not supported with it: use "
+            f"--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (which lighten "
+            f"rank 0's two stages under V), an even split, or ZBH1 / InterleavedZeroBubble"]
 
 
 def uses_uneven_split(cfg: JobConfig) -> bool:

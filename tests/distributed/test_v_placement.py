@@ -54,6 +54,10 @@ LAYOUTS = {
                                                use_distributed_optimizer=True, clip_grad=0.0),
     # Float16Module's casts: inputs on stage 0, the upcast on stage 2p-1 (rank 0 under V)
     "PP 2 x DP 2, bf16": dict(pipeline_model_parallel_size=2, num_layers=4, bf16=True),
+    # stages 0 and 2p-1 (rank 0 under V) give a layer's place to the embedding and to the loss
+    "PP 2 x DP 2, embedding and loss counted as layers": dict(
+        pipeline_model_parallel_size=2, num_layers=6, account_for_embedding_in_pipeline_split=True,
+        account_for_loss_in_pipeline_split=True),
     # the embedding group per TP rank; SP: the activations between stages are sequence shards
     "TP 2 x PP 2, SP": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
                             sequence_parallel=True),
