@@ -173,7 +173,8 @@ def check_order(order: PipelineOrder, memory_limit: float | None = None) -> list
         for r in range(order.pp):
             peak = get_in_flight_peak(order, r)
             if peak > memory_limit + 1e-9:
-                problems.append(f"rank {r}: {peak:g} stage-micro-batches of activations in flight, limit {memory_limit:g}")
+                problems.append(f"rank {r}: {peak:g} stage-micro-batches of activations in flight, "
+                                f"limit {memory_limit:g}")
     return problems
 
 
