@@ -57,7 +57,15 @@ class ParallelConfig:
     use_torch_fsdp2: bool = _f(False, "FSDP2 (Megatron-LM's flag): not supported; refused.")
     use_custom_fsdp: bool = _f(False, "Megatron-core's custom FSDP (Megatron-LM's flag): not supported; refused.")
     optimizer_cpu_offload: bool = _f(False, "Optimizer state offload to the CPU (Megatron-LM's flag): not supported; refused.")
-    step_timeout_minutes: float | None = _f(None, "Step watchdog (ours): a rank whose training step lasts longer prints its rank, stage, iteration, micro-batch and Python stacks, and exits 1 (default off; set it below --distributed-timeout-minutes).")
+    step_timeout_minutes: float | None = _f(
+        None, "Stall watchdog (ours): a rank whose training step or evaluation batch lasts longer prints where it "
+        "is, every rank whose progress stopped (rank, stage, host, phase, micro-batch; from per-rank heartbeats in "
+        "the job's store) and its Python stacks, and exits 1 (default off; set it below "
+        "--distributed-timeout-minutes and above the longest step).")
+    save_timeout_minutes: float | None = _f(
+        None, "Stall watchdog (ours): the same for a checkpoint save (a synchronous save; with --async-save the "
+        "snapshot and the publication), which may last much longer than a step (default off; set it below "
+        "--distributed-timeout-minutes).")
     device: str = _f("auto", "Where ranks run (ours, not Megatron-LM's): auto (the local GPU when CUDA is available, else the CPU with gloo), cpu (force the CPU/gloo path even on a GPU machine) or cuda.", choices=["auto", "cpu", "cuda"])
 
 
@@ -209,8 +217,8 @@ class CheckpointConfig:
     no_load_rng: bool = _f(False, "Do not restore the checkpoint's random-number states (they are re-seeded from --seed).")
     ckpt_step: int | None = _f(None, "Load this iteration of --load instead of its newest complete checkpoint.")
     exit_on_missing_checkpoint: bool = _f(False, "With --load: a directory holding no checkpoint is an error even when it is --save.")
-    override_opt_param_scheduler: bool = _f(False, "On resume, the LR/WD schedule flags of this run win over the checkpoint's.")
-    use_checkpoint_opt_param_scheduler: bool = _f(False, "On resume, the checkpoint's LR/WD schedule wins over this run's flags.")
+    override_opt_param_scheduler: bool = _f(False, "On resume, this run's LR/WD schedule and Adam flags (--lr, --min-lr, --adam-beta1/2, --adam-eps) win over the checkpoint's in every parameter group, from the first resumed step.")
+    use_checkpoint_opt_param_scheduler: bool = _f(False, "On resume, the checkpoint's LR/WD schedule and Adam betas/eps win over this run's flags.")
     ckpt_verify: bool = _f(False, "Check every item --load reads against the checksum its marker records (ours). Off by default: measured +9-34% of load time from the page cache here (bench/checkpoint.py), over the 5% budget; the coordinator files and the shard sizes are always checked.", negative_flag=True)
     ckpt_fallback_on_corruption: bool = _f(False, "When the checkpoint --load names is damaged (checksum mismatch, unreadable file), load the previous complete one instead of stopping (ours).")
     ckpt_reader: str = _f("direct", "How --load reads tensor bytes: direct (ours, straight into the model and optimizer tensors) or megatron (megatron-core's stock torch_dist reader). Same files either way.", choices=["direct", "megatron"])
@@ -338,6 +346,15 @@ def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
     elif p.num_layers_per_virtual_pipeline_stage:
         vpp = m.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
     return vpp if vpp is not None and vpp > 1 else None
+
+
+def get_stage_placement(cfg: JobConfig) -> str:
+    """"v" when --pipeline-schedule names a V-shaped schedule (ZBV, DualPipeV), else "loop"
+    (``pipeline/placement.py``)."""
+    from megatron_ext.pipeline.names import get_schedule_placement
+
+    name = cfg.parallel.pipeline_schedule
+    return get_schedule_placement(name) if name else "loop"
 
 
 def get_chunk_layer_counts(cfg: JobConfig) -> list[int] | None:
@@ -551,9 +568,11 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_batch(cfg, world_size)
         + _check_schedule(cfg)
         + _check_pipeline_schedule(cfg, world_size)
+        + _check_v_split(cfg)
         + _check_data(cfg)
         + _check_device(cfg, cuda)
         + _check_loss_scaling(cfg)
+        + _check_stall_limits(cfg)
     )
     if problems:
         raise ConfigError(problems)
@@ -589,6 +608,25 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(t, name) < 1.0:
             out.append(f"{_flag(name)} must be in [0, 1), got {getattr(t, name)}")
+    return out
+
+
+def _check_stall_limits(cfg: JobConfig) -> list[str]:
+    """The watchdog's limits: positive and finite (0, -1 and nan used to turn it off silently or end
+    rank 0 in iteration 1), and below the collective timeout, which would otherwise end the run first
+    with a message that names no rank."""
+    p, out = cfg.parallel, []
+    for name in ("step_timeout_minutes", "save_timeout_minutes"):
+        value = getattr(p, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            out.append(f"{_flag(name)} must be a positive number of minutes, got {value!r} (leave it out to turn the "
+                       f"watchdog off)")
+        elif isinstance(p.distributed_timeout_minutes, int) and value >= p.distributed_timeout_minutes:
+            out.append(f"{_flag(name)} {value:g} must be below --distributed-timeout-minutes "
+                       f"{p.distributed_timeout_minutes}, or the collective timeout ends a stalled run first, naming "
+                       f"no rank: lower it, or raise --distributed-timeout-minutes")
     return out
 
 
@@ -657,6 +695,20 @@ def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
             f"--num-virtual-stages-per-pipeline-rank"
         )
     return out
+
+
+def _check_v_split(cfg: JobConfig) -> list[str]:
+    """Uneven splits under the V placement. megatron-core defines them per pipeline *rank* of the loop
+    placement (the first rank's layers shared by its chunks, the last rank's likewise) and checks
+    them so in TransformerConfig; under V the first and the last *stage* are both on rank 0, where
+    they would have to mean stage 0 and stage 2p-1. Refused until the layer numbering of the V
+    placement (model/v_placement.py) learns that split."""
+    if get_stage_placement(cfg) != "v" or not uses_uneven_split(cfg):
+        return []
+    return [f"--pipeline-schedule {cfg.parallel.pipeline_schedule} places the first and the last pipeline stage on "
+            f"rank 0; --decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
+            f"split layers per rank of megatron-core's loop placement and are not supported with it: drop them (an "
+            f"even split), or use ZBH1 / InterleavedZeroBubble"]
 
 
 def uses_uneven_split(cfg: JobConfig) -> bool:

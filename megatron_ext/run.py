@@ -10,9 +10,12 @@ groups receives them through the ``ParallelContext``; nothing reads megatron-cor
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
@@ -27,12 +30,15 @@ from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.guards import StepProgress, StepWatchdog
+from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
 from megatron_ext.parallel import ParallelContext, build_parallel_context
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
-from megatron_ext.training.optimizer import build_optimizer, build_scheduler
+from megatron_ext.training.optimizer import (
+    build_optimizer, build_scheduler, get_schedule_lr_range, record_flag_settings,
+)
 from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, ProfilerWindow, StepTimers
 from megatron_ext.training.step import configure_model_hooks, pad_step_samples
 from megatron_ext.training.timeline import build_pp_timeline
@@ -82,6 +88,7 @@ def build_training_run(
 
     return TrainingRun(
         cfg=cfg, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+        optimizer_flags=record_flag_settings(optimizer),
         train_ds=data[0], valid_ds=data[1], global_batch_size=global_batch_size,
         writer=MetricWriter(cfg, enabled=metrics and ctx.is_logging_rank),
         checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab),
@@ -120,24 +127,47 @@ def build_profiler(cfg: JobConfig, ctx: ParallelContext) -> ProfilerWindow | Non
     return CudaProfilerRange(lg.profile_step_start, lg.profile_step_end)
 
 
-def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext) -> StepWatchdog | None:
-    minutes = cfg.parallel.step_timeout_minutes
-    if not minutes:
+def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext, *, heartbeat_interval_s: float | None = None,
+                        **watchdog_kwargs: Any) -> StepWatchdog | None:
+    """The stall watchdog of --step-timeout-minutes and --save-timeout-minutes (None when both are
+    off), with this rank's heartbeat on the job's store when a process group exists (collective in
+    effect: every rank publishes, and reads everyone's in a report). ``heartbeat_interval_s``
+    replaces the default publication interval (tests, benchmarks); ``watchdog_kwargs`` go to
+    ``StepWatchdog`` (``on_timeout``, ``out``)."""
+    p = cfg.parallel
+    step_s = p.step_timeout_minutes * 60.0 if p.step_timeout_minutes else None
+    save_s = p.save_timeout_minutes * 60.0 if p.save_timeout_minutes else None
+    if not (step_s or save_s):
         return None
+    host = os.uname().nodename
     where = (f"rank {ctx.rank} (pipeline stage {ctx.pp_rank} of {ctx.pp_size}, tensor rank {ctx.tp_rank}, "
-             f"data-parallel rank {ctx.dp_rank})")
-    return StepWatchdog(minutes * 60.0, lambda: where, StepProgress())
+             f"data-parallel rank {ctx.dp_rank}, host {host})")
+    progress = StepProgress()
+    heartbeats = None
+    if dist.is_initialized():
+        identity = dict(rank=ctx.rank, host=host, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, tp_rank=ctx.tp_rank,
+                        dp_rank=ctx.dp_rank)
+        interval = heartbeat_interval_s or get_heartbeat_interval([s for s in (step_s, save_s) if s])
+        try:
+            heartbeats = build_heartbeat_board(progress, identity, ctx.world_size, interval)
+        except Exception as err:  # noqa: BLE001 - the watchdog still ends a stall, naming this rank only
+            print(f"WARNING rank {ctx.rank}: the stall watchdog cannot reach the job's store ({err!r}): its reports "
+                  f"will say where this rank is, not which rank stopped", file=sys.stderr, flush=True)
+    return StepWatchdog(step_s, lambda: where, progress, save_timeout_s=save_s, heartbeats=heartbeats,
+                        **watchdog_kwargs)
 
 
 def describe_schedule(run: TrainingRun, label: str = "schedule") -> str:
     """Run length and LR schedule in steps and samples (megatron-core counts samples), as the
-    scheduler holds it (after a load with --use-checkpoint-opt-param-scheduler: the checkpoint's)."""
+    scheduler holds it (after a load with --use-checkpoint-opt-param-scheduler: the checkpoint's), with
+    the learning rates it gives parameter group 0 (``get_schedule_lr_range``)."""
     t, sch, gbs = run.cfg.training, run.scheduler, run.global_batch_size
     length = f"{t.train_iters} steps x {gbs} samples" + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
     style = getattr(sch, "lr_decay_style", t.lr_decay_style)
     wsd = (f", WSD {getattr(sch, 'lr_wsd_decay_style', t.lr_wsd_decay_style)} decay over the last "
            f"{sch.wsd_decay_steps} samples" if style == "WSD" else "")
-    return (f"> {label}: {length} | lr {getattr(sch, 'max_lr', t.lr)} -> {getattr(sch, 'min_lr', t.min_lr)}, "
+    max_lr, min_lr = get_schedule_lr_range(sch)
+    return (f"> {label}: {length} | lr {max_lr} -> {min_lr}, "
             f"warm-up {sch.lr_warmup_steps} samples, {style} decay over {sch.lr_decay_steps} samples{wsd}")
 
 

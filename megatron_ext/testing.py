@@ -86,7 +86,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600, e
             try:
                 rank, status, payload = out.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s")
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s") from None
             payload = pickle.loads(payload)
             if status == "ok":
                 results[rank] = payload

@@ -29,7 +29,7 @@ from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
 from megatron_ext.config import ConfigError, JobConfig, precision_name
-from megatron_ext.training.optimizer import get_scheduler_state, load_scheduler_state
+from megatron_ext.training.optimizer import apply_flag_settings, get_scheduler_state, load_scheduler_state
 
 # The distributed optimizer's form that can change TP/PP/DP on load (docs/megatron-core-on-cpu.md:
 # the default 'fully_sharded_model_space' fails with "ShardedTensor.flattened_range is not supported").
@@ -314,6 +314,63 @@ def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, glob
     return out
 
 
+# Adam options of the optimizer's parameter groups -> (config field, flag, what it is)
+_OPTIMIZER_FLAGS = {"beta1": ("adam_beta1", "--adam-beta1", "Adam beta1"),
+                    "beta2": ("adam_beta2", "--adam-beta2", "Adam beta2"),
+                    "eps": ("adam_eps", "--adam-eps", "Adam epsilon")}
+
+
+def get_saved_adam_options(saved: dict[str, Any]) -> dict[str, set]:
+    """{"beta1"/"beta2"/"eps": the values the checkpoint's parameter groups hold} (empty without Adam).
+    These, not the saved flags, are what a load restores (torch keeps the saved groups' options), so a
+    checkpoint that kept older values under --use-checkpoint-opt-param-scheduler is read right."""
+    found: dict[str, set] = {}
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "param_groups" and isinstance(value, list):
+                    for group in value:
+                        if isinstance(group, dict) and "betas" in group and "eps" in group:
+                            for name, v in zip(("beta1", "beta2", "eps"), (*group["betas"], group["eps"])):
+                                found.setdefault(name, set()).add(v)
+                else:
+                    visit(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                visit(value)
+
+    visit(saved.get("optimizer"))
+    return found
+
+
+def describe_optimizer_flag_changes(saved: dict[str, Any], cfg: JobConfig) -> list[str]:
+    """'--adam-beta1: the checkpoint's Adam beta1 is 0.9, this run's flags give 0.95' for each Adam
+    option this run's flags set differently from the checkpoint's optimizer (--lr and --min-lr are
+    the scheduler's, compared by ``check_scheduler_flags``)."""
+    if cfg.training.optimizer != "adam":
+        return []
+    out = []
+    for name, values in get_saved_adam_options(saved).items():
+        field, flag, label = _OPTIMIZER_FLAGS[name]
+        current = getattr(cfg.training, field)
+        if values != {current}:
+            shown = " and ".join(f"{v!r}" for v in sorted(values))
+            out.append(f"{flag}: the checkpoint's {label} is {shown}, this run's flags give {current!r}")
+    return out
+
+
+def check_optimizer_flags(saved: dict[str, Any], cfg: JobConfig) -> list[str]:
+    """Adam options this run's flags change, as ``check_scheduler_flags`` reports a changed schedule:
+    an error unless --override-opt-param-scheduler (this run's flags win: ``apply_flag_settings``
+    after the load) or --use-checkpoint-opt-param-scheduler (the checkpoint's win, as they always do
+    in Megatron-LM) says which wins."""
+    c = cfg.checkpoint
+    if c.override_opt_param_scheduler or c.use_checkpoint_opt_param_scheduler:
+        return []
+    return [f"{change}; {_SCHEDULE_CHOICE}" for change in describe_optimizer_flag_changes(saved, cfg)]
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadPlan:
     """What a run loads at start-up (``plan_load``)."""
@@ -477,8 +534,13 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
     problems = check_compatible(common, run.cfg, meta, load_optimizer)
     if load_optimizer:
         problems += check_scheduler_flags(common["opt_param_scheduler"], run.scheduler, run.cfg, run.global_batch_size)
+        problems += check_optimizer_flags(common, run.cfg)
     if problems:
         raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
+    kept = describe_optimizer_flag_changes(common, run.cfg) if load_optimizer else []
+    if kept and run.cfg.checkpoint.use_checkpoint_opt_param_scheduler and run.ctx.is_logging_rank:
+        run.log(f"WARNING: --use-checkpoint-opt-param-scheduler keeps the checkpoint's optimizer settings: "
+                f"{'; '.join(kept)}")
     changed = None if weights_only else describe_changed_settings(common, run.cfg)
     if changed and run.ctx.is_logging_rank:
         run.log(f"WARNING: {changed}")
@@ -507,6 +569,10 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
         raise
     if load_optimizer:
         load_optimizer_state(run.optimizer, loaded["optimizer"])
+        if run.cfg.checkpoint.override_opt_param_scheduler:
+            # the load gave every parameter group the checkpoint's max_lr/min_lr/betas/eps; this
+            # run's flags win, already for the LR the scheduler's load sets for the first step
+            apply_flag_settings(run.optimizer, run.optimizer_flags)
         load_scheduler_state(run.scheduler, loaded["opt_param_scheduler"])
     for i, chunk in enumerate(run.model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)

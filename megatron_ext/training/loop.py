@@ -40,7 +40,8 @@ from megatron_ext.training.metrics import (
     num_floating_point_operations,
 )
 from megatron_ext.training.step import (
-    StepResult, build_step_microbatches, first_step_without_param_sync, params_synced, run_forward_backward, train_step,
+    StepResult, build_step_microbatches, first_step_without_param_sync, forward_step, params_synced,
+    run_forward_backward, train_step,
 )
 from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
 from megatron_ext.training.timeline import PipelineTimeline
@@ -78,12 +79,15 @@ class TrainingRun:
     pad_id: int = 0
     vocab_size: int | None = None  # the tokenizer's: every token id of the data must lie below it
     state: TrainState = dataclasses.field(default_factory=TrainState)
+    # each optimizer parameter group's flag-given settings as built (optimizer.record_flag_settings),
+    # restored after a load under --override-opt-param-scheduler
+    optimizer_flags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     log: Callable[[str], None] = functools.partial(print, flush=True)
     # One entry per logged iteration on the last stage: {"iteration", "loss", "grad_norm", "lr"}.
     records: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # --pp-timeline: records each step's forward/backward spans; None when off.
     timeline: PipelineTimeline | None = None
-    # --step-timeout-minutes: the watchdog and the progress it reports (None when off)
+    # --step-timeout-minutes / --save-timeout-minutes: the watchdog and the progress it reports (None when off)
     watchdog: StepWatchdog | None = None
     # --timing-log-level (level 0: times nothing), --profile on this rank, --manual-gc
     timers: StepTimers | None = None
@@ -141,14 +145,26 @@ def evaluate(run: TrainingRun, start_sample: int) -> float:
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for i in range(cfg.training.eval_iters):
-            first = start_sample + i * run.global_batch_size
-            microbatches, length = build_step_microbatches(run, run.valid_ds, first)
-            reports = run_forward_backward(model, microbatches, length, forward_only=True)
+            with watched(run, "eval", batch=i):  # each batch gets --step-timeout-minutes
+                first = start_sample + i * run.global_batch_size
+                microbatches, length = build_step_microbatches(run, run.valid_ds, first)
+                reports = run_forward_backward(model, microbatches, length, forward_only=True,
+                                               forward_step_func=get_forward_step(run))
             if ctx.is_last_stage:
                 total += reduce_reported_loss(reports)
     for chunk in model:
         chunk.train()
     return get_mean_loss(reduce_loss_over_dp(total, ctx))
+
+
+def watched(run: TrainingRun, phase: str, batch: int | None = None) -> Any:
+    """The stall watchdog times ``phase`` (eval, save) after the current iteration, if there is one."""
+    return run.watchdog.watch(phase, run.state.iteration, batch) if run.watchdog else contextlib.nullcontext()
+
+
+def get_forward_step(run: TrainingRun) -> Callable:
+    """The forward step, recording each micro-batch for the watchdog when there is one."""
+    return functools.partial(forward_step, progress=run.watchdog.progress) if run.watchdog else forward_step
 
 
 def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepResult, int]:
@@ -207,15 +223,14 @@ def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
 
 
 def locate_non_finite(run: TrainingRun, result: StepResult) -> str:
-    """Where a non-finite step came from: the ranks whose own loss was not finite (one
-    all-gather, only in a non-finite step, which every rank sees)."""
+    """Where a non-finite step came from: the ranks whose own loss was not finite, each with its
+    first such micro-batch (one all-gather, only in a non-finite step, which every rank sees)."""
     ctx = run.ctx
-    mine = (ctx.rank, ctx.pp_rank, ctx.tp_rank, ctx.dp_rank,
-            ctx.is_last_stage and not bool(torch.isfinite(result.loss_sum_count).all()))
+    mine = (ctx.rank, ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, result.non_finite_microbatch)
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
-    bad = [f"rank {r} (pipeline stage {pp}, tensor rank {tp}, data-parallel rank {dp})"
-           for r, pp, tp, dp, loss_bad in everyone if loss_bad]
+    bad = [f"rank {r} (pipeline stage {pp}, tensor rank {tp}, data-parallel rank {dp}, micro-batch {mb})"
+           for r, pp, tp, dp, mb in everyone if mb is not None]
     if bad:
         return "the loss was not finite on " + ", ".join(bad)
     return ("the loss was finite everywhere but the gradients were not (a weight, an activation or the "
@@ -350,7 +365,9 @@ def train(run: TrainingRun) -> list[float]:
         if (finished and state.iteration > started and t.eval_interval and state.iteration % t.eval_interval
                 and run.valid_ds is not None):
             evaluate_and_log(run)  # the end of training, as Megatron-LM evaluates it
-        finish_async_save(run)
+        if run.async_saver is not None:
+            with watched(run, "save"):
+                finish_async_save(run)
         with params_synced(run.model):
             pass  # --overlap-param-gather: the model leaves with the last update's parameters
         if run.prefetcher is not None:
@@ -404,11 +421,12 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
     if exit_flags:  # agreed by every rank; the resumed run starts after this iteration
         flush_iteration_scalars(run, window)
     if saver is not None:
-        published = saver.finish_if_agreed(agreed)
+        with watched(run, "save"):  # publishing the save in flight, when every rank finished writing
+            published = saver.finish_if_agreed(agreed)
         if published is not None and run.ctx.is_logging_rank:
             run.log(published.describe(after_iteration=state.iteration))
     if should_save(cfg, state.iteration, bool(exit_flags)) and run.nan_streak == 0:
-        with params_synced(run.model):
+        with watched(run, "save"), params_synced(run.model):
             if saver is not None and not exit_flags and state.iteration < t.train_iters:
                 finish_async_save(run)
                 start_async_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)

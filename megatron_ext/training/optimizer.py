@@ -10,12 +10,14 @@ hold a NaN or Inf is skipped on every rank. megatron-core's mixed-precision and 
 optimizers already check found-inf (all ranks agree in their own reduction) and skip when a grad
 scaler is set, so they get a constant scaler of 1.0 (fp16 keeps its dynamic one); megatron-core's
 fp32 optimizer reports no found-inf, so ``step_optimizer`` decides on the global gradient norm it
-computes anyway for clipping (agreed by every rank), before the update.
+computes anyway for clipping (agreed by every rank), before the update. A non-finite loss reaches
+the same checks through its gradients, which ``loss.poison_non_finite`` makes NaN.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -160,6 +162,41 @@ def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
             use_decoupled_grad=child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
         )
     return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+# Parameter-group settings that this run's flags give when the optimizer is built and that loading
+# an optimizer state replaces with the checkpoint's: torch's ``Optimizer.load_state_dict`` keeps the
+# saved groups' options (megatron-core's distributed optimizer hands it the saved groups too), and
+# megatron-core's scheduler reads a group's own ``max_lr``/``min_lr`` before its fields
+# (OptimizerParamScheduler.get_lr, 0.16.1).
+FLAG_GROUP_KEYS = ("max_lr", "min_lr", "betas", "eps")
+
+
+def record_flag_settings(optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's FLAG_GROUP_KEYS values as built, by group index. Call right after
+    ``build_optimizer``: the values are megatron-core's per group (a group with a decoupled LR has
+    its own ``max_lr``), not just --lr. Every rank has the same groups in the same order (megatron-core
+    aligns them across ranks for distributed checkpoints; a rank without parameters in one keeps it empty)."""
+    return [{key: group[key] for key in FLAG_GROUP_KEYS if key in group} for group in optimizer.param_groups]
+
+
+def apply_flag_settings(optimizer, recorded: list[dict[str, Any]]) -> None:
+    """Give each parameter group back the values ``record_flag_settings`` recorded (after loading an
+    optimizer state, before the scheduler's state: its load sets each group's ``lr`` from them).
+    ``optimizer.param_groups`` is read afresh: a load replaces the group dicts (the distributed
+    optimizer's live in its inner optimizer over the main-parameter shards, which the property returns)."""
+    groups = optimizer.param_groups
+    assert len(groups) == len(recorded), f"{len(groups)} parameter groups after the load, {len(recorded)} built"
+    for group, settings in zip(groups, recorded):
+        group.update(settings)
+
+
+def get_schedule_lr_range(scheduler) -> tuple[float, float]:
+    """(peak, final) learning rate the scheduler gives parameter group 0, the one the log line shows:
+    the group's own ``max_lr``/``min_lr`` where it has them (as ``get_lr`` reads them), else the
+    scheduler's fields."""
+    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None) or [{}]
+    return groups[0].get("max_lr", scheduler.max_lr), groups[0].get("min_lr", scheduler.min_lr)
 
 
 def build_scheduler(cfg: JobConfig, optimizer, global_batch_size: int):

@@ -10,7 +10,6 @@ uninterrupted run.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 

@@ -169,7 +169,7 @@ def test_pipeline_ranks_agree_on_the_rounded_global_max(ranks):
         groups.setdefault(tuple(members), []).append((local, agreed))
     assert len(groups) == 2  # two DP replicas of TP2 x PP2
     for members, pairs in groups.items():
-        expected = min(SEQ, -(-max(l for l, _ in pairs) // MULTIPLE) * MULTIPLE)
+        expected = min(SEQ, -(-max(length for length, _ in pairs) // MULTIPLE) * MULTIPLE)
         assert {a for _, a in pairs} == {expected}, (members, pairs)
         assert expected <= SEQ
 

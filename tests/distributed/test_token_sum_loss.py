@@ -113,7 +113,7 @@ def _max_relative(grads: dict, ref: dict) -> float:
     return max(float((grads[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k in ref)
 
 
-ALL = [(l, d) for l in [*LAYOUTS, *LAYOUTS_8] for d in DATASETS]
+ALL = [(layout, d) for layout in [*LAYOUTS, *LAYOUTS_8] for d in DATASETS]
 
 
 def test_reference_counts_are_uneven(reference):

@@ -10,7 +10,6 @@ losses.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

@@ -113,7 +113,7 @@ MEGATRON_LM_DEFAULTS = {
     "group_query_attention": False, "num_query_groups": None, "use_distributed_optimizer": False,
     "sequence_parallel": False, "overlap_grad_reduce": False, "overlap_param_gather": False, "ddp_bucket_size": None,
 }
-# Defaults the README lists as differing from Megatron-LM's (give the flag for Megatron-LM's).
+# Defaults docs/running.md lists as differing from Megatron-LM's (give the flag for Megatron-LM's).
 DOCUMENTED_DIFFERENCES = {"lr_decay_style": "linear", "hidden_dropout": 0.1, "attention_dropout": 0.1,
                           "calculate_per_token_loss": False, "num_workers": 2}
 
@@ -124,6 +124,6 @@ def test_defaults_are_megatron_lms_unless_documented():
     assert differ == {}, f"(ours, Megatron-LM's) defaults: {differ}"
     import pathlib
 
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    documented = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "running.md").read_text()
     for name, theirs in DOCUMENTED_DIFFERENCES.items():
-        assert flat[name] != theirs and f"--{name.replace('_', '-')}" in readme, name
+        assert flat[name] != theirs and f"--{name.replace('_', '-')}" in documented, name
