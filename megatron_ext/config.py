@@ -19,6 +19,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_ext.pipeline.validate import (
+    check_pipeline_schedule, check_schedule_name, get_schedule_chunks, uses_our_runtime,
+)
+
 
 def _f(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field carrying its flag's help text."""
@@ -335,7 +339,7 @@ def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
     e.g. a config's --num-layers-per-virtual-pipeline-stage 1 with 4 layers at PP 4: megatron-core
     would otherwise be told VPP = 1 and assert that every layer names its virtual stage)."""
     p, m = cfg.parallel, cfg.model
-    vpp = None
+    vpp = get_schedule_chunks(cfg)  # the V schedules imply 2 chunks per rank
     # 0 means "not set", so that a flag can switch off a config file's interleaving
     if p.num_virtual_stages_per_pipeline_rank:
         vpp = p.num_virtual_stages_per_pipeline_rank
@@ -563,6 +567,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_model(cfg, world_size)
         + _check_batch(cfg, world_size)
         + _check_schedule(cfg)
+        + _check_pipeline_schedule(cfg, world_size)
         + _check_v_split(cfg)
         + _check_data(cfg)
         + _check_device(cfg, cuda)
@@ -903,12 +908,22 @@ def _check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     if t.train_samples is not None and t.train_samples > 0 and t.train_samples < gbs:
         out.append(f"--train-samples {t.train_samples} is less than one global batch ({gbs} samples)")
     vpp = get_virtual_pipeline_size(cfg)
-    if vpp is not None and vpp > 1 and pp > 1:
+    if vpp is not None and vpp > 1 and pp > 1 and not uses_our_runtime(cfg):  # megatron-core's own rule
         out += _check_interleaved_microbatches(
             get_num_microbatches(cfg, world_size), pp, p.microbatch_group_size_per_vp_stage or pp,
             gbs, t.micro_batch_size, dp,
         )
     return out
+
+
+def _check_pipeline_schedule(cfg: JobConfig, world_size: int) -> list[str]:
+    """--pipeline-schedule with the layout (``pipeline/validate.py``), once the layout itself is valid."""
+    p = cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp <= 0 or pp <= 0 or world_size % (tp * pp) or _check_layout(cfg, world_size):
+        return check_schedule_name(cfg)  # the rest once the layout is valid
+    m = get_num_microbatches(cfg, world_size) if cfg.training.micro_batch_size > 0 else None
+    return check_pipeline_schedule(cfg, get_virtual_pipeline_size(cfg), m)
 
 
 def _check_interleaved_microbatches(m: int, pp: int, n: int, gbs: int, mbs: int, dp: int) -> list[str]:
