@@ -737,7 +737,7 @@ def _check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | Non
     if lps is not None:
         return out + ["uneven pipeline splits take virtual stages as --num-virtual-stages-per-pipeline-rank, not "
                       "--num-layers-per-virtual-pipeline-stage (as in Megatron-LM)"]
-    v = vps or 1
+    v = vps or get_virtual_pipeline_size(cfg) or 1  # (the V schedules imply 2 chunks per rank)
     if (first is not None or last is not None) and accounts:
         return out + ["--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
                       "are exclusive: give one way of splitting"]

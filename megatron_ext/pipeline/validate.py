@@ -95,7 +95,10 @@ def _check_chunks(name: str, pp: int, v: int) -> list[str]:
 def _check_layers(cfg: Any, name: str, pp: int, v: int) -> list[str]:
     layers = cfg.model.num_layers
     p = cfg.parallel
-    uneven = p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
+    # uneven splits are checked with the layout (config._check_uneven_split: the layers plus the embedding
+    # and loss counted as layers split into the stages; config._check_v_split: which of them V takes)
+    uneven = (p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
+              or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split)
     if name in V_PLACEMENT_SCHEDULES and not uneven and layers % (2 * pp):
         return [f"{FLAG} {name}: --num-layers {layers} does not split into 2 x --pipeline-model-parallel-size "
                 f"{pp} = {2 * pp} equal model chunks (the V placement's stages): use a multiple of {2 * pp} layers"]

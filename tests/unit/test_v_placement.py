@@ -67,10 +67,11 @@ def test_first_and_last_rank_layer_counts_are_refused_under_v(flags):
 
 
 def test_the_embedding_and_loss_counted_as_layers_are_taken_under_v():
-    values = tiny_values(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2, num_layers=6,
-                         account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True,
-                         pipeline_schedule="ZBVZeroBubble")
-    validate(build_job_config(values), 2)
+    values = tiny_values(pipeline_model_parallel_size=2, num_layers=6, account_for_embedding_in_pipeline_split=True,
+                         account_for_loss_in_pipeline_split=True, pipeline_schedule="ZBVZeroBubble")
+    validate(build_job_config(values), 2)  # 6 layers + 2 = 8 units, 2 per stage (2 implied chunks per rank)
+    with pytest.raises(ConfigError, match="virtual stages 2 = 4"):  # 4 + 2 units do not fill 4 stages evenly
+        validate(build_job_config({**values, "num_layers": 4}), 2)
 
 
 class _Stage(torch.nn.Module):
