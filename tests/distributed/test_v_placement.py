@@ -10,12 +10,11 @@ ZBVZeroBubble``):
 - ``finalize_model_grads`` of the placement, fed the same hand-made gradients per stage and a token
   count on the loss rank only, gives the same final gradients (DP reduce, tied embedding, per-token
   scaling): under V the tie is local to rank 0 and the count comes from rank 0;
-- one whole step: under V a small hand-written runtime (every micro-batch's forward through the
-  2p stages with blocking P2P along the V, then each backward split into B, captured, and W, run
-  later from the queue, each chunk's last micro-batch outside ``no_sync``; the loss and the token
-  count on rank 0) gives bitwise the losses and the final gradients (tied embedding, output layer,
-  every layer) of megatron-core's interleaved 1F1B under the loop placement. The schedules
-  themselves are ``pipeline/``'s; this runtime only has to be obviously right;
+- one whole step: under V the ZBVZeroBubble schedule (``pipeline/runtime.py``: each backward split
+  into B, captured, and W, run later from the queue, each chunk's last micro-batch outside
+  ``no_sync``; the loss and the token count on rank 0) gives bitwise the losses and the final
+  gradients (tied embedding, output layer, every layer) of megatron-core's interleaved 1F1B under
+  the loop placement;
 - checkpoints across schedules (PP 2 x DP 2, distributed optimizer): after that step and the
   optimizer's, the checkpoint saved under V holds exactly the tensors (weights, Adam moments) of the
   one saved under the loop placement, and each loads into the other placement's fresh run giving
@@ -24,25 +23,21 @@ ZBVZeroBubble``):
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_ext.checkpoint.state import (
     build_model_sharded_state_dict, load_checkpoint, load_full_tensors, save_checkpoint,
 )
-from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
-from megatron_ext.pipeline.placement import get_stage_location
-from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
+from megatron_ext.pipeline.runtime import get_schedule_runtime
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values
 from megatron_ext.training.optimizer import step_optimizer
-from megatron_ext.training.step import build_step_microbatches, forward_step, run_forward_backward, unwrap_model
+from megatron_ext.training.step import build_step_microbatches, run_forward_backward, unwrap_model
 
 pytestmark = pytest.mark.distributed
 
@@ -160,117 +155,23 @@ def _cross_loads(root: str, layout: str, tie: str, flags: dict, tie_flags: dict)
 
 
 def _one_step(values: dict, save: str | None = None) -> dict:
-    """One step's losses and final gradients: megatron-core's schedule (loop) or ``run_v_step``."""
-    queue = WeightGradQueue()
-    if values.get("pipeline_schedule"):
-        import megatron_ext.run as run_module
-
-        build_chunks = run_module.build_model_chunks
-
-        def build_deferred(*args, **kwargs):  # the deferral goes on before DDP wraps the chunks
-            chunks = build_chunks(*args, **kwargs)
-            apply_weight_grad_deferral(chunks, queue)
-            return chunks
-
-        run_module.build_model_chunks = build_deferred
-        try:
-            run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
-        finally:
-            run_module.build_model_chunks = build_chunks
-    else:
-        run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
+    """One step's losses and final gradients: megatron-core's interleaved schedule (loop) or ours,
+    ZBVZeroBubble (``pipeline/runtime.py``, which run.py attaches to the chunks with the W queue their
+    linears defer to)."""
+    run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
     mbs, length = build_step_microbatches(run, run.train_ds, 0)
-    if run.ctx.stage_placement == "v":
-        losses = run_v_step(run, mbs, length, queue)
-    else:
-        losses = [float(r["lm loss"][0]) for r in run_forward_backward(run.model, mbs, length)]
+    losses = [float(r["lm loss"][0]) for r in run_forward_backward(run.model, mbs, length)]
+    runtime = get_schedule_runtime(run.model)
+    assert (runtime is not None) == (run.ctx.stage_placement == "v")
     deferred = sum(getattr(p, "skip_backward_post_hook", False) for c in run.model for p in c.parameters())
     out = {"grads": gather_full_grads(run), "losses": losses if run.ctx.is_last_stage else None,
-           "pending": queue.pending(), "deferred": deferred}
+           "pending": runtime.queue.pending() if runtime else 0, "deferred": deferred}
     if save is not None:
         assert step_optimizer(run.optimizer, True)[0]
         run.state.iteration = 1
         save_checkpoint(run, save)
         out["params"] = _full_params(run)
     return out
-
-
-def run_v_step(run, microbatches, seq_length: int, queue: WeightGradQueue) -> list[float]:
-    """All forwards (stage 0 .. 2p-1), then all backwards (B captured, per stage in reverse), then
-    every W in micro-batch order; then the placement's finalize with rank 0's token count. Every
-    rank walks the same global sequence of (micro-batch, stage), so blocking P2P pairs up."""
-    ctx, model = run.ctx, run.model
-    pp, ranks = ctx.pp_size, dist.get_process_group_ranks(ctx.pp_group)
-    last = 2 * pp - 1
-    config = model[0].config
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    saved, losses = {}, []
-    num_tokens = torch.tensor(0, dtype=torch.int)
-    for i, mb in enumerate(microbatches):
-        for s in range(2 * pp):
-            rank, chunk = get_stage_location(s, pp, 2, "v")
-            if s > 0:
-                _hand_over(saved, (i, s - 1), (i, s), ranks, pp, seq_length, mb, ctx, config)
-            if rank != ctx.pp_rank:
-                continue
-            if s > 0:
-                unwrap_model(model[chunk]).set_input_tensor(saved[(i, s, "in")])
-            output, loss_func = forward_step(iter([mb]), model[chunk])
-            if s == last:
-                loss, count, report = loss_func(output)
-                losses.append(float(report["lm loss"][0]))
-                num_tokens += count
-                output = config.grad_scale_func(loss)
-            saved[(i, s, "out")] = output
-    for i in range(len(microbatches)):
-        for s in reversed(range(2 * pp)):
-            rank, chunk = get_stage_location(s, pp, 2, "v")
-            if s < last:
-                _hand_back(saved, (i, s + 1), (i, s), ranks, pp, ctx)
-            if rank != ctx.pp_rank:
-                continue
-            sync = model[chunk].no_sync() if i < len(microbatches) - 1 else contextlib.nullcontext()
-            with sync, queue.capture((chunk, i)):
-                grad = saved.pop((i, s, "grad"), None)
-                torch.autograd.backward(saved.pop((i, s, "out")), grad_tensors=grad)
-    for i in range(len(microbatches)):
-        for chunk in range(2):
-            sync = model[chunk].no_sync() if i < len(microbatches) - 1 else contextlib.nullcontext()
-            with sync:
-                queue.run((chunk, i))
-    config.finalize_model_grads_func(model, num_tokens)
-    return losses
-
-
-def _hand_over(saved, src, dst, ranks, pp, seq_length, mb, ctx, config):
-    """Stage src's output becomes stage dst's input: a local hand-over on one rank, else P2P."""
-    (i, s_src), (_, s_dst) = src, dst
-    r_src, r_dst = get_stage_location(s_src, pp, 2, "v")[0], get_stage_location(s_dst, pp, 2, "v")[0]
-    if ctx.pp_rank == r_src == r_dst:
-        saved[(i, s_dst, "in")] = saved[(i, s_src, "out")].detach().requires_grad_()
-    elif ctx.pp_rank == r_src:
-        dist.send(saved[(i, s_src, "out")].detach().contiguous(), ranks[r_dst])
-    elif ctx.pp_rank == r_dst:
-        tokens = seq_length // ctx.tp_size if config.sequence_parallel else seq_length
-        buf = torch.empty(tokens, mb.tokens.shape[0], config.hidden_size, dtype=config.pipeline_dtype)
-        dist.recv(buf, ranks[r_src])
-        saved[(i, s_dst, "in")] = buf.requires_grad_()
-
-
-def _hand_back(saved, src, dst, ranks, pp, ctx):
-    """Stage src's input gradient becomes the output gradient of stage dst (after src's B)."""
-    (i, s_src), (_, s_dst) = src, dst
-    r_src, r_dst = get_stage_location(s_src, pp, 2, "v")[0], get_stage_location(s_dst, pp, 2, "v")[0]
-    if ctx.pp_rank == r_src == r_dst:
-        saved[(i, s_dst, "grad")] = saved.pop((i, s_src, "in")).grad
-    elif ctx.pp_rank == r_src:
-        dist.send(saved.pop((i, s_src, "in")).grad.contiguous(), ranks[r_dst])
-    elif ctx.pp_rank == r_dst:
-        out = saved[(i, s_dst, "out")]
-        buf = torch.empty_like(out)
-        dist.recv(buf, ranks[r_src])
-        saved[(i, s_dst, "grad")] = buf
 
 
 @pytest.fixture(scope="module")
