@@ -39,6 +39,22 @@ from megatron_ext.pipeline.schedules import get_order
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 
 LOOKAHEAD = 4  # actions whose receives are posted ahead (a posted receive costs one [s, b, h] buffer)
+# where run.py leaves a rank's runtime: on the TransformerConfig its model chunks share, so that every
+# caller of training/step.py's run_forward_backward with these chunks runs the chosen schedule
+RUNTIME_ATTR = "megatron_ext_schedule_runtime"
+
+
+def attach_schedule_runtime(model: list[torch.nn.Module], runtime: "ScheduleRuntime | None") -> None:
+    from megatron.core.utils import get_model_config
+
+    setattr(get_model_config(model[0]), RUNTIME_ATTR, runtime)
+
+
+def get_schedule_runtime(model: list[torch.nn.Module]) -> "ScheduleRuntime | None":
+    """The runtime ``attach_schedule_runtime`` left on ``model`` (None: megatron-core's schedules)."""
+    from megatron.core.utils import get_model_config
+
+    return getattr(get_model_config(model[0]), RUNTIME_ATTR, None)
 
 
 def weight_step(queue: WeightGradQueue, key: tuple[int, int]) -> int:

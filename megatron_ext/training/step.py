@@ -157,13 +157,22 @@ def run_forward_backward(
     model: list[torch.nn.Module], microbatches: list[Microbatch], seq_length: int,
     forward_only: bool = False, forward_step_func: Callable = forward_step,
 ) -> list[dict[str, torch.Tensor]]:
-    """The schedule over the step's micro-batches; returns the last stage's loss reports."""
+    """The schedule over the step's micro-batches; returns the last stage's loss reports. The
+    schedule is ours (``pipeline/runtime.py``) when run.py attached one to the chunks for
+    --pipeline-schedule, else megatron-core's ``get_forward_backward_func()`` (unchanged)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext.pipeline.runtime import get_schedule_runtime
 
     if not forward_only:
         for chunk in model:
             chunk.zero_grad_buffer()
     iterators = build_chunk_iterators(microbatches, len(model))
+    runtime = get_schedule_runtime(model)
+    if runtime is not None:
+        return runtime.run(forward_step_func=forward_step_func, data_iterator=iterators, model=model,
+                           num_microbatches=len(microbatches), seq_length=seq_length,
+                           micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
     return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=iterators if len(model) > 1 else iterators[0],
