@@ -21,18 +21,15 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint.state import load_checkpoint, load_full_tensors, save_checkpoint
-from megatron_ext.data.microbatch import build_chunk_iterators
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
-from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.pipeline.names import splits_backward
-from megatron_ext.pipeline.runtime import ScheduleRuntime
+from megatron_ext.pipeline.runtime import get_schedule_runtime
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.testing import (
     MarkovDataset, PackedMarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values,
 )
 from megatron_ext.training.optimizer import step_optimizer
-from megatron_ext.training.step import build_step_microbatches, forward_step, run_forward_backward, unwrap_model
+from megatron_ext.training.step import build_step_microbatches, run_forward_backward, unwrap_model
 
 pytestmark = pytest.mark.distributed
 
@@ -70,47 +67,18 @@ DATA = {"unpacked": lambda: MarkovDataset(32, mask_every=1), "packed": lambda: P
 CASES = [(layout, case) for layout, (_, cases, _) in LAYOUTS.items() for case in cases if not case.startswith("1F1B")]
 
 
-def build_deferred_run(values: dict, dataset, queue: WeightGradQueue):
-    """``build_tiny_run``, with the chunks deferring their W into ``queue`` when the schedule splits
-    the backward: the deferral goes on between building the chunks and wrapping them in DDP (what
-    ``run.py`` does once the schedules are wired in)."""
-    import megatron_ext.run as run_module
-
-    if not splits_backward(values.get("pipeline_schedule") or "1F1B"):
-        return build_tiny_run(values, dataset)
-    build_chunks = run_module.build_model_chunks
-
-    def build_deferred(*args, **kwargs):
-        chunks = build_chunks(*args, **kwargs)
-        apply_weight_grad_deferral(chunks, queue)
-        return chunks
-
-    run_module.build_model_chunks = build_deferred
-    try:
-        return build_tiny_run(values, dataset)
-    finally:
-        run_module.build_model_chunks = build_chunks
-
-
 def _step(values: dict, data: str, save: str | None = None) -> dict:
-    """One step's forward and backward (the reference through megatron-core's schedule, the others
-    through the runtime); the final gradients and the loss rank's losses; with ``save``, the
-    optimizer's step and a checkpoint there."""
-    queue = WeightGradQueue()
-    run = build_deferred_run(tiny_values(**values), DATA[data](), queue)
+    """One step's forward and backward as ``train_step`` runs it (megatron-core's schedule for the
+    reference; for --pipeline-schedule the runtime run.py attached, the chunks' linears deferring
+    into its queue); the final gradients and the loss rank's losses; with ``save``, the optimizer's
+    step and a checkpoint there."""
+    run = build_tiny_run(tiny_values(**values), DATA[data]())  # run.py: the W queue, deferral and runtime
     ctx, model = run.ctx, run.model
+    runtime = get_schedule_runtime(model)
+    assert (runtime is None) == ("pipeline_schedule" not in values)
+    queue = runtime.queue if runtime is not None else WeightGradQueue()
     mbs, length = build_step_microbatches(run, run.train_ds, 0)
-    name = values.get("pipeline_schedule")
-    if name is None:
-        reports = run_forward_backward(model, mbs, length)
-    else:
-        divisor = ctx.tp_size if run.cfg.parallel.sequence_parallel else 1
-        runtime = ScheduleRuntime(name, ctx.pp_group, ctx.pp_rank, ctx.pp_size, ctx.vp_size or 1, queue, divisor)
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        reports = runtime.run(forward_step_func=forward_step, data_iterator=build_chunk_iterators(mbs, len(model)),
-                              model=model, num_microbatches=len(mbs), seq_length=length,
-                              micro_batch_size=mbs[0].tokens.shape[0])
+    reports = run_forward_backward(model, mbs, length)
     deferred = sum(getattr(p, "skip_backward_post_hook", False) for c in model for p in c.parameters())
     out = {"grads": gather_full_grads(run), "losses": [float(r["lm loss"][0]) for r in reports],
            "loss_rank": ctx.is_last_stage, "pending": queue.pending(), "deferred": deferred}
