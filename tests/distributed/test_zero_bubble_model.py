@@ -10,7 +10,8 @@ token count local to it), ZBH1 and InterleavedZeroBubble run one step through th
 linear deferring its W. Compared: every parameter's final gradient (after the DP reduce, the
 tied-embedding sum and the per-token scaling), each micro-batch's loss on the loss rank, and the W
 queue, empty at the step's end. Then, across schedules: after the optimizer's step the checkpoint
-saved under ZBV holds exactly 1F1B's tensors, and each loads into the other schedule's run.
+saved under ZBV holds exactly 1F1B's tensors, and each loads into the other schedule's run. And
+through the training loop: under ZBV pipeline rank 0 records and logs the losses, which are 1F1B's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.testing import (
     MarkovDataset, PackedMarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values,
 )
+from megatron_ext.training.loop import train
 from megatron_ext.training.optimizer import step_optimizer
 from megatron_ext.training.step import build_step_microbatches, run_forward_backward, unwrap_model
 
@@ -105,6 +107,17 @@ def _full_params(run) -> dict[str, torch.Tensor]:
     return out
 
 
+def _train(values: dict) -> dict:
+    """Three iterations of the training loop: the losses it records and the lines it logs here."""
+    run = build_tiny_run(tiny_values(**values, train_iters=3), MarkovDataset(32, mask_every=1))
+    lines: list[str] = []
+    run.log = lines.append
+    train(run)
+    destroy_parallel_context()
+    return {"records": [(r["iteration"], r["loss"]) for r in run.records],
+            "logged": [line for line in lines if "iteration" in line and "lm loss" in line]}
+
+
 def _load_into(values: dict, checkpoint: str) -> dict:
     """A fresh run of ``values`` loading ``checkpoint``: the loaded iteration and weights."""
     run = build_tiny_run(tiny_values(**values), MarkovDataset(32))
@@ -120,6 +133,8 @@ def _world(rank: int, world_size: int, root: str) -> dict:
             save = os.path.join(root, case) if layout == CHECKPOINT_LAYOUT and case in CHECKPOINTED else None
             out[(layout, case)] = _step(dict(flags, **case_flags), data, save)
     flags = LAYOUTS[CHECKPOINT_LAYOUT][0]
+    for case, case_flags in (("1F1B", {}), ("ZBVZeroBubble", ZBV_TIED)):
+        out[("trained", case)] = _train(dict(flags, clip_grad=0.3, **case_flags))
     # each checkpoint into the other schedule's run
     out["1F1B loads ZBV"] = _load_into(flags, os.path.join(root, "ZBVZeroBubble tied"))
     out["ZBV loads 1F1B"] = _load_into(dict(flags, **ZBV_TIED), os.path.join(root, "1F1B"))
@@ -189,3 +204,18 @@ def test_checkpoints_saved_under_zbv_and_1f1b_are_the_same_and_load_into_the_oth
             assert expected.keys() == rank_out[loaded]["params"].keys()
             for name, w in expected.items():
                 assert torch.equal(w, rank_out[loaded]["params"][name]), (loaded, name)
+
+
+def test_the_training_loop_logs_zbvs_losses_on_pipeline_rank_0(results):
+    """Through ``train``: under ZBV the loss lives on pipeline rank 0, which records it and whose last
+    DP rank logs it (global rank 1 at PP 2 x DP 2; 1F1B: the last rank); the losses are 1F1B's (to
+    layout-parity precision: with clipping on, the global grad norm's last bits follow the placement)."""
+    ranks = results[1:]
+    for case, recording, logging in (("1F1B", [2, 3], 3), ("ZBVZeroBubble", [0, 1], 1)):
+        assert [r for r, out in enumerate(ranks) if out[("trained", case)]["records"]] == recording, case
+        assert [r for r, out in enumerate(ranks) if out[("trained", case)]["logged"]] == [logging], case
+        assert len(ranks[logging][("trained", case)]["logged"]) == 3
+    reference, zbv = ranks[3][("trained", "1F1B")]["records"], ranks[1][("trained", "ZBVZeroBubble")]["records"]
+    assert [i for i, _ in zbv] == [i for i, _ in reference] == [1, 2, 3]
+    for (_, a), (_, b) in zip(reference, zbv):
+        assert abs(a - b) <= 1e-6 * abs(a), (a, b)
