@@ -19,6 +19,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_ext.pipeline.validate import (
+    check_pipeline_schedule, check_schedule_name, get_schedule_chunks, uses_our_runtime,
+)
+
 
 def _f(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field carrying its flag's help text."""
@@ -335,13 +339,22 @@ def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
     e.g. a config's --num-layers-per-virtual-pipeline-stage 1 with 4 layers at PP 4: megatron-core
     would otherwise be told VPP = 1 and assert that every layer names its virtual stage)."""
     p, m = cfg.parallel, cfg.model
-    vpp = None
+    vpp = get_schedule_chunks(cfg)  # the V schedules imply 2 chunks per rank
     # 0 means "not set", so that a flag can switch off a config file's interleaving
     if p.num_virtual_stages_per_pipeline_rank:
         vpp = p.num_virtual_stages_per_pipeline_rank
     elif p.num_layers_per_virtual_pipeline_stage:
         vpp = m.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
     return vpp if vpp is not None and vpp > 1 else None
+
+
+def get_stage_placement(cfg: JobConfig) -> str:
+    """"v" when --pipeline-schedule names a V-shaped schedule (ZBV, DualPipeV), else "loop"
+    (``pipeline/placement.py``)."""
+    from megatron_ext.pipeline.names import get_schedule_placement
+
+    name = cfg.parallel.pipeline_schedule
+    return get_schedule_placement(name) if name else "loop"
 
 
 def get_chunk_layer_counts(cfg: JobConfig) -> list[int] | None:
@@ -554,6 +567,8 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_model(cfg, world_size)
         + _check_batch(cfg, world_size)
         + _check_schedule(cfg)
+        + _check_pipeline_schedule(cfg, world_size)
+        + _check_v_split(cfg)
         + _check_data(cfg)
         + _check_device(cfg, cuda)
         + _check_loss_scaling(cfg)
@@ -693,6 +708,24 @@ def _check_layout(cfg: JobConfig, world_size: int) -> list[str]:
     return out
 
 
+def _check_v_split(cfg: JobConfig) -> list[str]:
+    """Uneven splits under the V placement, where stage s holds the layers the loop placement gives
+    it (model/v_placement.py). --account-for-embedding/loss-in-pipeline-split take one layer from
+    stage 0 and from stage 2p-1: under V both are on rank 0, which holds the embedding and the loss,
+    as intended. --decoder-first/last-pipeline-num-layers are megatron-core's layers of the first and
+    the last pipeline *rank*, shared by its chunks: under V those are stages 0 and p (ranks 0 and p-1)
+    and stages p-1 and 2p-1 (ranks p-1 and 0), not what the flags promise; refused."""
+    p = cfg.parallel
+    if get_stage_placement(cfg) != "v" or (p.decoder_first_pipeline_num_layers is None
+                                          and p.decoder_last_pipeline_num_layers is None):
+        return []
+    return [f"--pipeline-schedule {p.pipeline_schedule} places the first and the last pipeline stage on rank 0; "
+            f"--decoder-first/last-pipeline-num-layers give layers to the first and the last pipeline rank of "
+            f"megatron-core's loop placement and are not supported with it: use "
+            f"--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (which lighten "
+            f"rank 0's two stages under V), an even split, or ZBH1 / InterleavedZeroBubble"]
+
+
 def uses_uneven_split(cfg: JobConfig) -> bool:
     p = cfg.parallel
     return (p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
@@ -715,7 +748,7 @@ def _check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | Non
     if lps is not None:
         return out + ["uneven pipeline splits take virtual stages as --num-virtual-stages-per-pipeline-rank, not "
                       "--num-layers-per-virtual-pipeline-stage (as in Megatron-LM)"]
-    v = vps or 1
+    v = vps or get_virtual_pipeline_size(cfg) or 1  # (the V schedules imply 2 chunks per rank)
     if (first is not None or last is not None) and accounts:
         return out + ["--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
                       "are exclusive: give one way of splitting"]
@@ -886,12 +919,22 @@ def _check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     if t.train_samples is not None and t.train_samples > 0 and t.train_samples < gbs:
         out.append(f"--train-samples {t.train_samples} is less than one global batch ({gbs} samples)")
     vpp = get_virtual_pipeline_size(cfg)
-    if vpp is not None and vpp > 1 and pp > 1:
+    if vpp is not None and vpp > 1 and pp > 1 and not uses_our_runtime(cfg):  # megatron-core's own rule
         out += _check_interleaved_microbatches(
             get_num_microbatches(cfg, world_size), pp, p.microbatch_group_size_per_vp_stage or pp,
             gbs, t.micro_batch_size, dp,
         )
     return out
+
+
+def _check_pipeline_schedule(cfg: JobConfig, world_size: int) -> list[str]:
+    """--pipeline-schedule with the layout (``pipeline/validate.py``), once the layout itself is valid."""
+    p = cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp <= 0 or pp <= 0 or world_size % (tp * pp) or _check_layout(cfg, world_size):
+        return check_schedule_name(cfg)  # the rest once the layout is valid
+    m = get_num_microbatches(cfg, world_size) if cfg.training.micro_batch_size > 0 else None
+    return check_pipeline_schedule(cfg, get_virtual_pipeline_size(cfg), m)
 
 
 def _check_interleaved_microbatches(m: int, pp: int, n: int, gbs: int, mbs: int, dp: int) -> list[str]:

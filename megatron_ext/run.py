@@ -33,7 +33,12 @@ from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
+from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
 from megatron_ext.parallel import ParallelContext, build_parallel_context
+from megatron_ext.pipeline.names import splits_backward
+from megatron_ext.pipeline.runtime import ScheduleRuntime, attach_schedule_runtime
+from megatron_ext.pipeline.validate import get_schedule_name, uses_our_runtime
+from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import (
@@ -73,7 +78,10 @@ def build_training_run(
         tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
     vocab = get_padded_vocab_size(tokenizer.vocab_size, cfg)
 
-    model = wrap_with_ddp(cfg, apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, vocab, device)))
+    chunks = apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, vocab, device))
+    runtime = build_schedule_runtime(cfg, ctx, chunks)  # before DDP: deferred W's move DDP's hooks
+    model = wrap_with_ddp(cfg, chunks)
+    attach_schedule_runtime(model, runtime)
     if cfg.parallel.use_distributed_optimizer:
         for chunk in model:
             apply_optimizer_state_offset_fix(chunk)
@@ -102,6 +110,21 @@ def build_training_run(
         async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,
         prefetcher=build_prefetcher(cfg, ctx, data[0], tokenizer, global_batch_size),
     )
+
+
+def build_schedule_runtime(cfg: JobConfig, ctx: ParallelContext,
+                           chunks: list[torch.nn.Module]) -> ScheduleRuntime | None:
+    """--pipeline-schedule naming one of ours: this rank's W queue, handed to the chunks' linears
+    (``model/wgrad_deferral.py``; zero-bubble schedules only) and to the runtime that runs the
+    schedule's action lists (``pipeline/runtime.py``). None: megatron-core's schedules run."""
+    if not uses_our_runtime(cfg):
+        return None
+    name = get_schedule_name(cfg)
+    queue = WeightGradQueue()
+    if splits_backward(name):
+        apply_weight_grad_deferral(chunks, queue)
+    divisor = ctx.tp_size if cfg.parallel.sequence_parallel else 1  # [s/tp, b, h] on the wire
+    return ScheduleRuntime(name, ctx.pp_group, ctx.pp_rank, ctx.pp_size, ctx.vp_size or 1, queue, divisor)
 
 
 def build_prefetcher(cfg: JobConfig, ctx: ParallelContext, train_ds: Any, tokenizer: Any,

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.config import (
-    JobConfig, get_num_query_groups, get_params_dtype, get_recompute, get_sequence_padding, get_virtual_pipeline_size,
-    uses_document_boundaries,
+    JobConfig, get_num_query_groups, get_params_dtype, get_recompute, get_sequence_padding, get_stage_placement,
+    get_virtual_pipeline_size, uses_document_boundaries,
 )
 from megatron_ext.model.init_weights import apply_layout_independent_init
 from megatron_ext.parallel import StagePlacement
@@ -209,7 +209,14 @@ def build_model_chunks(
     """Unwrapped GPTModel chunks of this rank, initialised layout-independently."""
     from megatron_ext.model.attention import apply_core_attention_rotary
 
+    from megatron_ext.model.v_placement import mark_config_placement
+
     tf_config = build_transformer_config(cfg, device)
+    if placement.placement != get_stage_placement(cfg):
+        raise AssertionError(f"stage placement {placement.placement!r} is not the schedule's "
+                             f"{get_stage_placement(cfg)!r}")
+    # under V, megatron-core's layer numbering is asked for the same stage's loop-placement chunk
+    mark_config_placement(tf_config, placement.placement)
     if tf_config.recompute_granularity == "selective":
         apply_checkpoint_without_output_fix()
     spec = build_layer_spec(cfg, device)
@@ -252,20 +259,28 @@ def build_model_chunks(
 
 def apply_mixed_precision(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """With --bf16 or --fp16, megatron-core's Float16Module around each chunk (as Megatron-LM
-    wraps its model before DDP); unchanged in fp32."""
+    wraps its model before DDP); unchanged in fp32. Under the V placement its first and last stage
+    are the chunk's own pre/post_process (``model/v_placement.py``)."""
     if not (cfg.training.bf16 or cfg.training.fp16):
         return chunks
     from megatron.core.transformer.module import Float16Module
 
+    from megatron_ext.model.v_placement import build_placed_float16_module, get_config_placement
+
+    if any(get_config_placement(chunk.config) == "v" for chunk in chunks):
+        return [build_placed_float16_module(chunk.config, chunk) for chunk in chunks]
     return [Float16Module(chunk.config, chunk) for chunk in chunks]
 
 
 def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize), with weight
-    gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``)."""
+    gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``). Where the
+    chunks defer their weight gradients (``model/wgrad_deferral.py``), DDP's ``delay_wgrad_compute``
+    hands each deferred weight's grad-ready hook to its layer, which runs it in W."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_ext.model import wgrad
+    from megatron_ext.model.wgrad_deferral import uses_weight_grad_deferral
 
     if cfg.training.gradient_accumulation_fusion:
         wgrad.enable_gradient_accumulation_fusion(chunks)
@@ -277,6 +292,7 @@ def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.n
         align_param_gather=cfg.parallel.overlap_param_gather and cfg.parallel.align_param_gather,
         bucket_size=cfg.parallel.ddp_bucket_size,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        delay_wgrad_compute=uses_weight_grad_deferral(chunks),
     )
     return [
         DistributedDataParallel(
