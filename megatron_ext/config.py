@@ -318,4 +318,3 @@ def build_job_config(values: dict[str, Any]) -> JobConfig:
     if cfg.training.train_iters is None and cfg.training.train_samples is None:
         cfg.training.train_iters = DEFAULT_TRAIN_ITERS
     return cfg
-

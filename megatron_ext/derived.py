@@ -8,8 +8,9 @@ functions below are what it is computed from; validation calls them too, on flag
 to be valid, so each of them tolerates a config that breaks a rule (returning None or a value that
 the rule's check then reports) and none of them raises.
 
-Invariant: this module imports nothing of ours but ``config.py``; it creates nothing and reads no
-file, process group or environment variable. The one value written back into the config is
+Invariant: this module imports nothing of ours but ``config.py`` and the schedule names of
+``pipeline/names.py`` (pure, importing nothing); it creates nothing and reads no file, process
+group or environment variable. The one value written back into the config is
 ``train_iters`` (``resolve_train_iters``).
 """
 
@@ -22,6 +23,9 @@ from typing import Any
 import torch
 
 from megatron_ext.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_ext.pipeline.names import (
+    MEGATRON_CORE_SCHEDULES, V_PLACEMENT_SCHEDULES, canonical_schedule_name, get_schedule_placement,
+)
 
 # The dense model's selective-recompute modules (megatron-core also has MoE/MLA ones).
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
@@ -35,12 +39,39 @@ def get_data_parallel_size(cfg: JobConfig, world_size: int) -> int:
     return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
+def get_schedule_name(cfg: JobConfig) -> str | None:
+    """The canonical name of ``--pipeline-schedule`` (None: not given, or not a schedule)."""
+    name = cfg.parallel.pipeline_schedule
+    return canonical_schedule_name(name) if name else None
+
+
+def uses_our_runtime(cfg: JobConfig) -> bool:
+    """The schedule runs on ``pipeline/runtime.py`` rather than megatron-core's schedules."""
+    name = get_schedule_name(cfg)
+    return name is not None and name not in MEGATRON_CORE_SCHEDULES
+
+
+def get_schedule_chunks(cfg: JobConfig) -> int | None:
+    """Chunks per rank the schedule implies when no virtual-stage flag is given: 2 for the V
+    schedules, else None (the flags decide)."""
+    p = cfg.parallel
+    given = p.num_virtual_stages_per_pipeline_rank or p.num_layers_per_virtual_pipeline_stage
+    return 2 if get_schedule_name(cfg) in V_PLACEMENT_SCHEDULES and not given else None
+
+
+def get_stage_placement(cfg: JobConfig) -> str:
+    """"v" when --pipeline-schedule names a V-shaped schedule (ZBV, DualPipeV), else "loop"
+    (``pipeline/placement.py``)."""
+    name = cfg.parallel.pipeline_schedule
+    return get_schedule_placement(name) if name else "loop"
+
+
 def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
     """Virtual stages per pipeline rank, or None without interleaving (one virtual stage per rank,
     e.g. a config's --num-layers-per-virtual-pipeline-stage 1 with 4 layers at PP 4: megatron-core
     would otherwise be told VPP = 1 and assert that every layer names its virtual stage)."""
     p, m = cfg.parallel, cfg.model
-    vpp = None
+    vpp = get_schedule_chunks(cfg)  # the V schedules imply 2 chunks per rank
     # 0 means "not set", so that a flag can switch off a config file's interleaving
     if p.num_virtual_stages_per_pipeline_rank:
         vpp = p.num_virtual_stages_per_pipeline_rank
@@ -251,6 +282,9 @@ class ResolvedConfig:
     world_size: int
     data_parallel_size: int
     virtual_pipeline_size: int | None  # None without interleaving
+    pipeline_schedule: str | None  # --pipeline-schedule's canonical name (None: megatron-core's choice)
+    uses_our_runtime: bool  # the schedule runs on pipeline/runtime.py, not megatron-core's
+    stage_placement: str  # "loop" or "v" (pipeline/placement.py)
     global_batch_size: int
     num_microbatches: int  # per step on each DP rank
     train_iters: int
@@ -274,6 +308,9 @@ def resolve_config(cfg: JobConfig, world_size: int, vocab_size: int) -> Resolved
         world_size=world_size,
         data_parallel_size=get_data_parallel_size(cfg, world_size),
         virtual_pipeline_size=get_virtual_pipeline_size(cfg),
+        pipeline_schedule=get_schedule_name(cfg),
+        uses_our_runtime=uses_our_runtime(cfg),
+        stage_placement=get_stage_placement(cfg),
         global_batch_size=get_global_batch_size(cfg, world_size),
         num_microbatches=get_num_microbatches(cfg, world_size),
         train_iters=get_train_iters(cfg, world_size),

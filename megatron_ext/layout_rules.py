@@ -13,9 +13,10 @@ import math
 
 from megatron_ext.config import JobConfig
 from megatron_ext.derived import (
-    RECOMPUTE_MODULES, get_chunk_layer_counts, get_global_batch_size, get_num_microbatches, get_virtual_pipeline_size,
-    resolve_ffn_hidden_size, uses_uneven_split,
+    RECOMPUTE_MODULES, get_chunk_layer_counts, get_global_batch_size, get_num_microbatches, get_stage_placement,
+    get_virtual_pipeline_size, resolve_ffn_hidden_size, uses_our_runtime, uses_uneven_split,
 )
+from megatron_ext.pipeline.validate import check_pipeline_schedule, check_schedule_name
 
 
 def check_layout(cfg: JobConfig, world_size: int) -> list[str]:
@@ -66,6 +67,24 @@ def check_layout(cfg: JobConfig, world_size: int) -> list[str]:
     return out
 
 
+def check_v_split(cfg: JobConfig) -> list[str]:
+    """Uneven splits under the V placement, where stage s holds the layers the loop placement gives
+    it (model/v_placement.py). --account-for-embedding/loss-in-pipeline-split take one layer from
+    stage 0 and from stage 2p-1: under V both are on rank 0, which holds the embedding and the loss,
+    as intended. --decoder-first/last-pipeline-num-layers are megatron-core's layers of the first and
+    the last pipeline *rank*, shared by its chunks: under V those are stages 0 and p (ranks 0 and p-1)
+    and stages p-1 and 2p-1 (ranks p-1 and 0), not what the flags promise; refused."""
+    p = cfg.parallel
+    if get_stage_placement(cfg) != "v" or (p.decoder_first_pipeline_num_layers is None
+                                          and p.decoder_last_pipeline_num_layers is None):
+        return []
+    return [f"--pipeline-schedule {p.pipeline_schedule} places the first and the last pipeline stage on rank 0; "
+            f"--decoder-first/last-pipeline-num-layers give layers to the first and the last pipeline rank of "
+            f"megatron-core's loop placement and are not supported with it: use "
+            f"--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (which lighten "
+            f"rank 0's two stages under V), an even split, or ZBH1 / InterleavedZeroBubble"]
+
+
 def check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | None) -> list[str]:
     """megatron-core's rules for uneven pipeline splits (it checks them in TransformerConfig, with
     messages that name no flag), with Megatron-LM's: VPP only through the number of virtual stages."""
@@ -81,7 +100,7 @@ def check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | None
     if lps is not None:
         return out + ["uneven pipeline splits take virtual stages as --num-virtual-stages-per-pipeline-rank, not "
                       "--num-layers-per-virtual-pipeline-stage (as in Megatron-LM)"]
-    v = vps or 1
+    v = vps or get_virtual_pipeline_size(cfg) or 1  # (the V schedules imply 2 chunks per rank)
     if (first is not None or last is not None) and accounts:
         return out + ["--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
                       "are exclusive: give one way of splitting"]
@@ -128,12 +147,22 @@ def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     if t.train_samples is not None and t.train_samples > 0 and t.train_samples < gbs:
         out.append(f"--train-samples {t.train_samples} is less than one global batch ({gbs} samples)")
     vpp = get_virtual_pipeline_size(cfg)
-    if vpp is not None and vpp > 1 and pp > 1:
+    if vpp is not None and vpp > 1 and pp > 1 and not uses_our_runtime(cfg):  # megatron-core's own rule
         out += check_interleaved_microbatches(
             get_num_microbatches(cfg, world_size), pp, p.microbatch_group_size_per_vp_stage or pp,
             gbs, t.micro_batch_size, dp,
         )
     return out
+
+
+def check_pipeline_schedule_layout(cfg: JobConfig, world_size: int) -> list[str]:
+    """--pipeline-schedule with the layout (``pipeline/validate.py``), once the layout itself is valid."""
+    p = cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp <= 0 or pp <= 0 or world_size % (tp * pp) or check_layout(cfg, world_size):
+        return check_schedule_name(cfg)  # the rest once the layout is valid
+    m = get_num_microbatches(cfg, world_size) if cfg.training.micro_batch_size > 0 else None
+    return check_pipeline_schedule(cfg, get_virtual_pipeline_size(cfg), m)
 
 
 def check_interleaved_microbatches(m: int, pp: int, n: int, gbs: int, mbs: int, dp: int) -> list[str]:

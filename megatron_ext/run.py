@@ -23,7 +23,7 @@ from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.state import CheckpointMeta
-from megatron_ext.config import DataConfig, JobConfig
+from megatron_ext.config import DataConfig, JobConfig, ParallelConfig
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
@@ -34,7 +34,11 @@ from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
+from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
 from megatron_ext.parallel import ParallelContext, build_parallel_context
+from megatron_ext.pipeline.names import splits_backward
+from megatron_ext.pipeline.runtime import ScheduleRuntime, attach_schedule_runtime
+from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import (
@@ -74,9 +78,11 @@ def build_training_run(
     resolved = resolve_config(cfg, ctx.world_size, tokenizer.vocab_size)
     global_batch_size = resolved.global_batch_size
 
-    chunks = build_model_chunks(cfg, resolved, ctx.placement, device)
-    model = wrap_with_ddp(cfg.parallel, apply_mixed_precision(cfg.training, chunks),
-                          cfg.training.gradient_accumulation_fusion)
+    chunks = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement, device))
+    # before DDP: deferred W's move DDP's hooks
+    runtime = build_schedule_runtime(cfg.parallel, resolved, ctx, chunks)
+    model = wrap_with_ddp(cfg.parallel, chunks, cfg.training.gradient_accumulation_fusion)
+    attach_schedule_runtime(model, runtime)
     if cfg.parallel.use_distributed_optimizer:
         for chunk in model:
             apply_optimizer_state_offset_fix(chunk)
@@ -119,6 +125,21 @@ def build_step_data_spec(cfg: JobConfig, resolved: ResolvedConfig, ctx: Parallel
         pad_to_multiple_of=cfg.data.pad_to_multiple_of, max_microbatch_length=resolved.max_microbatch_length,
         pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size,
     )
+
+
+def build_schedule_runtime(p: ParallelConfig, resolved: ResolvedConfig, ctx: ParallelContext,
+                           chunks: list[torch.nn.Module]) -> ScheduleRuntime | None:
+    """--pipeline-schedule naming one of ours: this rank's W queue, handed to the chunks' linears
+    (``model/wgrad_deferral.py``; zero-bubble schedules only) and to the runtime that runs the
+    schedule's action lists (``pipeline/runtime.py``). None: megatron-core's schedules run."""
+    if not resolved.uses_our_runtime:
+        return None
+    name = resolved.pipeline_schedule
+    queue = WeightGradQueue()
+    if splits_backward(name):
+        apply_weight_grad_deferral(chunks, queue)
+    divisor = ctx.tp_size if p.sequence_parallel else 1  # [s/tp, b, h] on the wire
+    return ScheduleRuntime(name, ctx.pp_group, ctx.pp_rank, ctx.pp_size, ctx.vp_size or 1, queue, divisor)
 
 
 def build_prefetcher(d: DataConfig, ctx: ParallelContext, step_data: StepDataBuilder,

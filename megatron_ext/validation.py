@@ -20,7 +20,9 @@ from megatron_ext.data.gpt_datasets import parse_split
 from megatron_ext.data.indexed_check import check_indexed_dataset, check_tokenizer_record
 from megatron_ext.data.tokenizers import check_tokenizer_flags
 from megatron_ext.derived import get_sequence_padding, uses_variable_lengths
-from megatron_ext.layout_rules import check_batch, check_layout, check_model
+from megatron_ext.layout_rules import (
+    check_batch, check_layout, check_model, check_pipeline_schedule_layout, check_v_split,
+)
 
 
 def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
@@ -31,6 +33,8 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + check_model(cfg, world_size)
         + check_batch(cfg, world_size)
         + _check_schedule(cfg)
+        + check_pipeline_schedule_layout(cfg, world_size)
+        + check_v_split(cfg)
         + _check_data(cfg)
         + _check_device(cfg, cuda)
         + _check_loss_scaling(cfg)

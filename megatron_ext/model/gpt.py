@@ -22,6 +22,10 @@ from megatron_ext.model import attention, wgrad
 from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.model.init_weights import apply_layout_independent_init
 from megatron_ext.model.norm import TorchNorm
+from megatron_ext.model.v_placement import (
+    build_placed_float16_module, get_config_placement, mark_config_placement,
+)
+from megatron_ext.model.wgrad_deferral import uses_weight_grad_deferral
 from megatron_ext.parallel import StagePlacement
 
 
@@ -192,6 +196,11 @@ def build_model_chunks(
     """Unwrapped GPTModel chunks of this rank (over ``resolved.padded_vocab_size`` ids),
     initialised layout-independently."""
     tf_config = build_transformer_config(cfg, resolved, device)
+    if placement.placement != resolved.stage_placement:
+        raise AssertionError(f"stage placement {placement.placement!r} is not the schedule's "
+                             f"{resolved.stage_placement!r}")
+    # under V, megatron-core's layer numbering is asked for the same stage's loop-placement chunk
+    mark_config_placement(tf_config, placement.placement)
     if tf_config.recompute_granularity == "selective":
         apply_checkpoint_without_output_fix()
     spec = build_layer_spec(cfg.model, device)
@@ -234,11 +243,14 @@ def build_model_chunks(
 
 def apply_mixed_precision(t: TrainingConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """With --bf16 or --fp16, megatron-core's Float16Module around each chunk (as Megatron-LM
-    wraps its model before DDP); unchanged in fp32."""
+    wraps its model before DDP); unchanged in fp32. Under the V placement its first and last stage
+    are the chunk's own pre/post_process (``model/v_placement.py``)."""
     if not (t.bf16 or t.fp16):
         return chunks
     from megatron.core.transformer.module import Float16Module
 
+    if any(get_config_placement(chunk.config) == "v" for chunk in chunks):
+        return [build_placed_float16_module(chunk.config, chunk) for chunk in chunks]
     return [Float16Module(chunk.config, chunk) for chunk in chunks]
 
 
@@ -247,7 +259,9 @@ def wrap_with_ddp(
 ) -> list[torch.nn.Module]:
     """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize), with weight
     gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``) when
-    ``gradient_accumulation_fusion`` (--gradient-accumulation-fusion)."""
+    ``gradient_accumulation_fusion`` (--gradient-accumulation-fusion). Where the chunks defer their
+    weight gradients (``model/wgrad_deferral.py``), DDP's ``delay_wgrad_compute`` hands each deferred
+    weight's grad-ready hook to its layer, which runs it in W."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if gradient_accumulation_fusion:
@@ -260,6 +274,7 @@ def wrap_with_ddp(
         align_param_gather=p.overlap_param_gather and p.align_param_gather,
         bucket_size=p.ddp_bucket_size,
         use_distributed_optimizer=p.use_distributed_optimizer,
+        delay_wgrad_compute=uses_weight_grad_deferral(chunks),
     )
     return [
         DistributedDataParallel(

@@ -23,7 +23,9 @@ from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators
 from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
+from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
 from megatron_ext.parallel import ParallelContext
+from megatron_ext.pipeline.runtime import get_schedule_runtime
 from megatron_ext.training.loss import compute_token_loss, find_non_finite_microbatch, reduce_reported_loss
 from megatron_ext.training.optimizer import step_optimizer
 from megatron_ext.training.profiling import StepTimers
@@ -91,11 +93,13 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None, che
 
 
 def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
-    """Wire megatron-core's per-step hooks into the (shared) TransformerConfig."""
+    """Wire megatron-core's per-step hooks into the (shared) TransformerConfig (under the V
+    placement, the finalize that knows the loss and the tied embedding are on pipeline rank 0)."""
     from megatron.core.distributed import finalize_model_grads
 
     config = model[0].config
-    config.finalize_model_grads_func = finalize_model_grads
+    v = get_config_placement(config) == "v"
+    config.finalize_model_grads_func = finalize_model_grads_v if v else finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync if len(model) > 1 else no_sync[0]
@@ -151,13 +155,20 @@ def run_forward_backward(
     model: list[torch.nn.Module], microbatches: list[Microbatch], seq_length: int,
     forward_only: bool = False, forward_step_func: Callable = forward_step,
 ) -> list[dict[str, torch.Tensor]]:
-    """The schedule over the step's micro-batches; returns the last stage's loss reports."""
+    """The schedule over the step's micro-batches; returns the last stage's loss reports. The
+    schedule is ours (``pipeline/runtime.py``) when run.py attached one to the chunks for
+    --pipeline-schedule, else megatron-core's ``get_forward_backward_func()`` (unchanged)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not forward_only:
         for chunk in model:
             chunk.zero_grad_buffer()
     iterators = build_chunk_iterators(microbatches, len(model))
+    runtime = get_schedule_runtime(model)
+    if runtime is not None:
+        return runtime.run(forward_step_func=forward_step_func, data_iterator=iterators, model=model,
+                           num_microbatches=len(microbatches), seq_length=seq_length,
+                           micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
     return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=iterators if len(model) > 1 else iterators[0],
