@@ -271,12 +271,14 @@ def check_recompute(cfg: JobConfig) -> list[str]:
     if granularity == "full":
         reported = len(out)
         if m.recompute_method is None or m.recompute_num_layers is None:
-            out.append("--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N")
+            out.append("--recompute-granularity full needs --recompute-method uniform|block and "
+                       "--recompute-num-layers N")
         elif pp > 0 and m.num_layers % pp == 0 and not uses_uneven_split(cfg.parallel):
             per_stage = m.num_layers // pp
             if not 1 <= m.recompute_num_layers <= per_stage:
                 out.append(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the {per_stage} "
-                           f"layers of a pipeline stage (--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp})")
+                           f"layers of a pipeline stage (--num-layers {m.num_layers} / "
+                           f"--pipeline-model-parallel-size {pp})")
         if (m.recompute_method == "uniform" and m.recompute_num_layers is not None and m.recompute_num_layers > 0
                 and len(out) == reported):
             # megatron-core checkpoints layers [i, i + N) of each model chunk and indexes past its last
@@ -285,7 +287,8 @@ def check_recompute(cfg: JobConfig) -> list[str]:
             bad = sorted({c for c in counts or [] if c % m.recompute_num_layers})
             if bad:
                 sizes = sorted(set(counts))
-                out.append(f"--recompute-method uniform: --recompute-num-layers {m.recompute_num_layers} must divide the "
+                out.append(f"--recompute-method uniform: --recompute-num-layers {m.recompute_num_layers} must "
+                           f"divide the "
                            f"layers of every model chunk (a pipeline stage, or a virtual stage with interleaving), "
                            f"which hold {', '.join(map(str, sizes))} layers here (megatron-core would index past a "
                            f"chunk's last layer): use a divisor of {math.gcd(*counts)}, or --recompute-method block")

@@ -80,7 +80,8 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     out = [f"{_flag(n)} must be a positive integer, got {getattr(s, n)!r}"
            for n, s in sizes if not (type(getattr(s, n)) is int and getattr(s, n) > 0)]
     out += [f"{_flag(n)} must be a positive integer when given, got {getattr(s, n)!r}"
-            for n, s in optional_sizes if getattr(s, n) is not None and not (type(getattr(s, n)) is int and getattr(s, n) > 0)]
+            for n, s in optional_sizes
+            if getattr(s, n) is not None and not (type(getattr(s, n)) is int and getattr(s, n) > 0)]
     out += [f"{_flag(n)} must be a number >= 0, got {getattr(s, n)!r}"
             for n, s in rates if not (isinstance(getattr(s, n), (int, float)) and getattr(s, n) >= 0)]
     for name in ("adam_beta1", "adam_beta2"):
@@ -219,7 +220,8 @@ def _check_data(cfg: JobConfig) -> list[str]:
     if d.mock_data and blends is not None:
         out.append(f"--mock-data and {blends.source} are exclusive: give one")
     if not d.mock_data and blends is None and not out:
-        out.append("no data: give --data-path PREFIX (an indexed .bin/.idx pair; or --train-data-path ...) or --mock-data")
+        out.append("no data: give --data-path PREFIX (an indexed .bin/.idx pair; or --train-data-path ...) "
+                   "or --mock-data")
     tokenizer_problems = check_tokenizer_flags(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file,
                                                d.merge_file)
     if d.mock_data and tokenizer_problems and not d.tokenizer_model:
@@ -288,10 +290,12 @@ def _check_packing(cfg: JobConfig) -> list[str]:
                 f"lengths are rounded up to the multiple and must never exceed --seq-length"
             )
         if cfg.parallel.sequence_parallel and k % cfg.parallel.tensor_model_parallel_size:
-            out.append(f"--pad-to-multiple-of {k} must be a multiple of --tensor-model-parallel-size with --sequence-parallel")
+            out.append(f"--pad-to-multiple-of {k} must be a multiple of --tensor-model-parallel-size with "
+                       f"--sequence-parallel")
     elif cfg.parallel.sequence_parallel and m.seq_length % cfg.parallel.tensor_model_parallel_size:
         out.append(f"--seq-length {m.seq_length} must be a multiple of --tensor-model-parallel-size "
-                   f"{cfg.parallel.tensor_model_parallel_size} with --sequence-parallel (each rank holds an equal slice)")
+                   f"{cfg.parallel.tensor_model_parallel_size} with --sequence-parallel (each rank holds an equal "
+                   f"slice)")
     return out
 
 
@@ -303,7 +307,8 @@ def _check_overlap(cfg: JobConfig) -> list[str]:
         out.append(f"--optimizer {cfg.training.optimizer} with --use-distributed-optimizer: megatron-core 0.16.1's "
                    f"distributed optimizer shards Adam only: use --optimizer adam or drop --use-distributed-optimizer")
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
-        out.append("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
+        out.append("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
+                   "Megatron-LM)")
     if p.ddp_bucket_size is not None and p.ddp_bucket_size <= 0:
         out.append(f"--ddp-bucket-size {p.ddp_bucket_size} must be a positive number of elements")
     elif p.ddp_bucket_size is not None and not p.overlap_grad_reduce:
@@ -349,7 +354,8 @@ def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
             out.append(f"{flag}: FSDP is not supported; shard the optimizer state with --use-distributed-optimizer "
                        f"(ZeRO-1) and the model with --tensor/--pipeline-model-parallel-size")
     if p.optimizer_cpu_offload:
-        out.append("--optimizer-cpu-offload is not supported: shard the optimizer state with --use-distributed-optimizer")
+        out.append("--optimizer-cpu-offload is not supported: shard the optimizer state with "
+                   "--use-distributed-optimizer")
     if cfg.training.bf16 and cfg.training.fp16:
         out.append("--bf16 and --fp16 are exclusive: give one (--no-bf16 turns off a --bf16 from --config)")
     if cfg.model.transformer_impl == "transformer_engine" and not cuda:
