@@ -20,12 +20,13 @@ import torch  # noqa: E402
 from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.directory import CheckpointWriteFailed, probe_save_dir  # noqa: E402
-from megatron_ext.checkpoint.state import load_checkpoint, plan_load  # noqa: E402
+from megatron_ext.checkpoint.state import plan_load  # noqa: E402
 from megatron_ext.config import ConfigError, JobConfig, report_error_once  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.run import build_training_run, describe_run, describe_schedule  # noqa: E402
+from megatron_ext.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 from megatron_ext.training.metrics import check_wandb_ready  # noqa: E402
 from megatron_ext.validation import check_data_tokenizer, validate  # noqa: E402

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
-from megatron_ext.checkpoint.state import CheckpointMeta
+from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import DataConfig, JobConfig, ParallelConfig
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
@@ -35,15 +35,14 @@ from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
+from megatron_ext.optim import record_flag_settings
 from megatron_ext.parallel import ParallelContext, build_parallel_context
 from megatron_ext.pipeline.names import splits_backward
 from megatron_ext.pipeline.runtime import ScheduleRuntime, attach_schedule_runtime
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
-from megatron_ext.training.optimizer import (
-    build_optimizer, build_scheduler, get_schedule_lr_range, record_flag_settings,
-)
+from megatron_ext.training.optimizer import build_optimizer, build_scheduler, get_schedule_lr_range
 from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, ProfilerWindow, StepTimers
 from megatron_ext.training.step import configure_model_hooks
 from megatron_ext.training.timeline import build_pp_timeline

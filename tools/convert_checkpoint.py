@@ -460,7 +460,7 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
     if args.get("use_rope_scaling"):
         rope = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE, "rope_theta": theta}
     qwen = bool(args.get("add_qkv_bias"))
-    from megatron_ext.checkpoint.state import saved_ffn_hidden_size
+    from megatron_ext.checkpoint.compatibility import saved_ffn_hidden_size
 
     return {
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],

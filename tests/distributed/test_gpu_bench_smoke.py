@@ -58,7 +58,7 @@ def _ablation_smoke(rank: int, world_size: int) -> dict:
     import torch
 
     from bench import gpu_ablation, gpu_throughput
-    from megatron_ext.training.optimizer import torch_adam_optimizers
+    from megatron_ext.optim import torch_adam_optimizers
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

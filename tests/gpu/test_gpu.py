@@ -223,7 +223,8 @@ import json, os, sys
 from megatron_ext.cpu_platform import quiet_known_warnings; quiet_known_warnings()
 import torch
 from megatron_ext.arguments import parse_args
-from megatron_ext.checkpoint.state import load_checkpoint, load_full_tensors, save_checkpoint
+from megatron_ext.checkpoint.state import load_full_tensors
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.parallel import init_distributed
 from megatron_ext.run import build_training_run
@@ -269,7 +270,8 @@ from megatron_ext.cpu_platform import quiet_known_warnings; quiet_known_warnings
 import torch
 import megatron_ext.checkpoint.async_save as async_save
 from megatron_ext.arguments import parse_args
-from megatron_ext.checkpoint.state import load_full_tensors, save_checkpoint, start_async_checkpoint
+from megatron_ext.checkpoint.state import load_full_tensors
+from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.parallel import init_distributed
 from megatron_ext.run import build_training_run

@@ -18,17 +18,11 @@ PACKAGE = ROOT / "megatron_ext"
 MAX_LINES = 600
 
 # (importing module, imported module) -> why the import stays inside a function.
-LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
-    # checkpoint/ is reworked last, after branch ckpt-verify (which rewrites reader.py and state.py) lands
-    ("megatron_ext.checkpoint.directory", "megatron_ext.checkpoint.writer"): "pending: checkpoint rework",
-    ("megatron_ext.checkpoint.optimizer_state", "megatron_ext.training.optimizer"): "pending: checkpoint rework",
-    ("megatron_ext.checkpoint.state", "megatron_ext.checkpoint.reader"): "pending: checkpoint rework",
-}
+LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {}
 
 # library file (relative to the repository root) -> why it may exceed MAX_LINES.
 LONG_FILES_ALLOWED: dict[str, str] = {
-    "megatron_ext/checkpoint/reader.py": "branch ckpt-verify removes or splits it (issue 28)",
-    "megatron_ext/checkpoint/state.py": "pending: checkpoint rework, after ckpt-verify lands",
+    "megatron_ext/checkpoint/reader.py": "branch ckpt-verify removes our direct reader or splits it (issue 28)",
 }
 
 

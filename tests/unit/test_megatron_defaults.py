@@ -48,7 +48,8 @@ def test_hf_export_of_a_default_width_checkpoint_names_the_width_it_trained():
 
 
 def test_a_checkpoint_of_the_earlier_swiglu_default_names_its_width_on_load():
-    from megatron_ext.checkpoint.state import CheckpointMeta, check_compatible
+    from megatron_ext.checkpoint.compatibility import check_compatible
+    from megatron_ext.checkpoint.parts import CheckpointMeta
 
     run = build_job_config({**MOCK, "hidden_size": 256, "num_attention_heads": 4, "swiglu": True})
     meta = CheckpointMeta(tokenizer={}, padded_vocab_size=128)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from megatron_ext.checkpoint.directory import COMPLETE_MARKER, TRACKER_FILE, probe_save_dir, resolve_load_path
-from megatron_ext.checkpoint.state import check_load_flags, check_scheduler_flags
+from megatron_ext.checkpoint.compatibility import check_scheduler_flags
+from megatron_ext.checkpoint.state import check_load_flags
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.data.indexed_check import check_indexed_dataset
 
