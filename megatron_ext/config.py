@@ -109,7 +109,7 @@ class DataConfig:
     test_data_path: list[str] = _f([], "The test blend ([w1] prefix1 ...), read whole (not read by training).", nargs="*")
     per_split_data_args_path: str | None = _f(None, "A JSON file {\"train\": \"[w1] prefix1 ...\", \"valid\": ..., \"test\": ...} (Megatron-LM).")
     split: str = _f("969,30,1", "Train,valid,test split weights of each dataset.")
-    mock_data: bool = _f(False, "Synthetic data (megatron-core MockGPTDataset), no files.")
+    mock_data: bool = _f(False, "Synthetic data (megatron-core MockGPTDataset), no files (--no-mock-data turns a config file's off, e.g. configs/llama3-8b.yaml's, to give --data-path).", negative_flag=True)
     tokenizer_type: str = _f("SentencePieceTokenizer", "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer (a local tokenizer directory) or GPT2BPETokenizer (--vocab-file, --merge-file).")
     tokenizer_model: str | None = _f(None, "Sentencepiece .model, or a local Hugging Face tokenizer directory (nothing is downloaded).")
     vocab_file: str | None = _f(None, "GPT2BPETokenizer: vocab.json.")
