@@ -119,9 +119,6 @@ FLAGS = [
     MegatronFlag("--tiktoken-pattern", 1, _tiktoken_pattern, "Accepted, no effect (one warning line) with tokenizers other than TikTokenizer."),
     # refused: they would change the model or the training, and we lack them
     MegatronFlag("--apply-layernorm-1p", STORE_TRUE, _refuse("--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"), "Refused: zero-centred LayerNorm weights are not supported (the model would differ)."),
-    MegatronFlag("--decoupled-lr", 1, _refuse("--decoupled-lr (a separate learning rate for the embedding and output layer) is not supported: leave it out"), "Refused: a separate learning rate for the embedding and output layer is not supported."),
-    MegatronFlag("--decoupled-min-lr", 1, _refuse("--decoupled-min-lr is not supported (see --decoupled-lr)"), "Refused (see --decoupled-lr)."),
-    MegatronFlag("--grad-reduce-in-bf16", STORE_TRUE, _refuse("--grad-reduce-in-bf16 is not supported: gradients are reduced in fp32"), "Refused: gradients are reduced in fp32."),
     MegatronFlag("--fp8-format", 1, _refuse("--fp8-format: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16"), "Refused: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16."),
     MegatronFlag("--fp8-amax-history-len", 1, _refuse("--fp8-amax-history-len: FP8 training is not supported"), "Refused: FP8 training is not supported."),
     MegatronFlag("--fp8-amax-compute-algo", 1, _refuse("--fp8-amax-compute-algo: FP8 training is not supported"), "Refused: FP8 training is not supported."),

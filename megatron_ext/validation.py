@@ -19,7 +19,7 @@ from megatron_ext.data.blends import DataBlends, get_data_blends
 from megatron_ext.data.gpt_datasets import parse_split
 from megatron_ext.data.indexed_check import check_indexed_dataset, check_tokenizer_record
 from megatron_ext.data.tokenizers import check_tokenizer_flags
-from megatron_ext.derived import get_sequence_padding, uses_variable_lengths
+from megatron_ext.derived import get_sequence_padding, precision_name, uses_variable_lengths
 from megatron_ext.layout_rules import (
     check_batch, check_layout, check_model, check_pipeline_schedule_layout, check_v_split,
 )
@@ -40,6 +40,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_loss_scaling(cfg)
         + _check_stall_limits(cfg)
         + _check_keep_last(cfg)
+        + _check_decoupled_lr_and_grad_dtype(cfg)
     )
     if problems:
         raise ConfigError(problems)
@@ -117,6 +118,27 @@ def _check_keep_last(cfg: JobConfig) -> list[str]:
     if keep is not None and not (type(keep) is int and keep >= 0):
         return [f"--keep-last must be a number of checkpoints > 0, or 0 to keep every checkpoint; got {keep!r}"]
     return []
+
+
+def _check_decoupled_lr_and_grad_dtype(cfg: JobConfig) -> list[str]:
+    """--decoupled-lr / --decoupled-min-lr (megatron-core silently ignores a min without the peak) and
+    --grad-reduce-in-bf16 (the buffers take the parameters' dtype: fp32, or fp16 under --fp16)."""
+    t, out = cfg.training, []
+    for name in ("decoupled_lr", "decoupled_min_lr"):
+        value = getattr(t, name)
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            out.append(f"{_flag(name)} must be a number >= 0, got {value!r}")
+    if t.decoupled_min_lr is not None and t.decoupled_lr is None:
+        out.append(f"--decoupled-min-lr {t.decoupled_min_lr} needs --decoupled-lr (the embedding and output layer's "
+                   f"peak learning rate): give it, or drop --decoupled-min-lr")
+    elif not out and t.decoupled_lr is not None and (t.decoupled_min_lr or t.min_lr) > t.decoupled_lr:
+        which = (f"--decoupled-min-lr {t.decoupled_min_lr}" if t.decoupled_min_lr is not None else
+                 f"--min-lr {t.min_lr} (the default of --decoupled-min-lr)")
+        out.append(f"{which} is larger than --decoupled-lr {t.decoupled_lr}: give --decoupled-min-lr <= --decoupled-lr")
+    if cfg.parallel.grad_reduce_in_bf16 and not t.bf16:
+        out.append(f"--grad-reduce-in-bf16 needs --bf16: the gradient buffers take the parameters' dtype "
+                   f"({precision_name(t.bf16, t.fp16)} here); add --bf16 or drop --grad-reduce-in-bf16")
+    return out
 
 
 def _check_loss_scaling(cfg: JobConfig) -> list[str]:

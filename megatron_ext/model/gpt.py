@@ -4,7 +4,7 @@ Invariant: every chunk starts from the layout-independent initial weights of
 ``init_weights.py``; with ``--bf16``/``--fp16`` it is then wrapped in megatron-core's
 ``Float16Module`` (parameters and activations in half precision, inputs cast on the first stage,
 outputs upcast to fp32 on the last), as Megatron-LM does; last comes megatron-core's
-DistributedDataParallel (fp32 gradient buffers; chunk 0 alone owns bucketing, as Megatron-LM does
+DistributedDataParallel (fp32 gradient buffers unless --grad-reduce-in-bf16; chunk 0 alone owns bucketing, as Megatron-LM does
 for the interleaved schedule). The optimizer keeps fp32 main parameters (``training/optimizer.py``).
 """
 
@@ -257,7 +257,8 @@ def apply_mixed_precision(t: TrainingConfig, chunks: list[torch.nn.Module]) -> l
 def wrap_with_ddp(
     p: ParallelConfig, chunks: list[torch.nn.Module], gradient_accumulation_fusion: bool
 ) -> list[torch.nn.Module]:
-    """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize), with weight
+    """megatron-core DDP around each chunk (fp32 grad buffers, bf16 with --grad-reduce-in-bf16; DP reduce in
+    finalize), with weight
     gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``) when
     ``gradient_accumulation_fusion`` (--gradient-accumulation-fusion). Where the chunks defer their
     weight gradients (``model/wgrad_deferral.py``), DDP's ``delay_wgrad_compute`` hands each deferred
@@ -268,7 +269,7 @@ def wrap_with_ddp(
         wgrad.enable_gradient_accumulation_fusion(chunks)
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=not p.grad_reduce_in_bf16,  # bf16 buffers: the parameters' dtype under --bf16
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         align_param_gather=p.overlap_param_gather and p.align_param_gather,

@@ -33,6 +33,9 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
         optimizer=t.optimizer,
         lr=t.lr,
         min_lr=t.min_lr,
+        # the word embedding and output layer (is_embedding_or_output_parameter) in their own group
+        decoupled_lr=t.decoupled_lr,
+        decoupled_min_lr=t.decoupled_min_lr,
         weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2,
