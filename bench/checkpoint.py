@@ -2,6 +2,14 @@
 
     python -m bench.checkpoint [--sizes-mib 32 128 512] [--rounds 5] [--warmup 1] [--dir /tmp]
                                [--fresh-targets] [--model-like]
+    python -m bench.checkpoint --readers [--sizes-mib 128 512 1024] [--ranks 2] [--rounds 5]
+
+``--readers``: how ``load_checkpoint`` reads (``state.build_load_strategy``) against megatron-core's
+stock reader, on ``--ranks`` forked gloo ranks, each loading its own file of ``--sizes-mib`` MiB
+(fp32 tensors of 4 MiB), with and without verification, from the page cache (the files read once
+before each load) and from disk (each file fsync'ed and its pages dropped with
+``posix_fadvise(POSIX_FADV_DONTNEED)`` before each load; util-linux's ``fincore`` shows the pages
+left, printed once per size). All cases of a round alternate, the order reversed every round.
 
 One process (a 1-rank gloo world), fp32 tensors of 4 MiB each adding up to each size
 (``--model-like``: GPT layers at hidden 512, 12 tensors per layer from 2 KiB to 4 MiB).
@@ -35,6 +43,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -164,6 +173,160 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
     return {"mib": mib, **med}
 
 
+# ----------------------------------------------------------------------------- readers: ours vs megatron-core's
+
+READERS = ("direct", "megatron")
+
+
+def _evict(paths: list[str]) -> None:
+    """Drop the files' pages from the page cache: fsync (the writer did; nothing dirty may stay),
+    then ``POSIX_FADV_DONTNEED``, which drops clean pages no process maps."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _warm(paths: list[str]) -> None:
+    """Read the files once, so that the next load finds all their pages in the page cache."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
+
+
+def _resident_mib(paths: list[str]) -> str:
+    """MiB of the files in the page cache, as util-linux's ``fincore`` reports it (the proof that
+    an eviction worked), or "?" without it."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *paths],
+                             capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return f"{sum(int(x) for x in out) / 2**20:.0f}"
+
+
+def _rank_tensors(size_mib: int, rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    n = max(size_mib // TENSOR_MIB, 1)
+    return {f"layer{i}.weight": torch.randn(TENSOR_MIB * 2**20 // 4, generator=g) for i in range(n)}
+
+
+def _sharded_over_ranks(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict:
+    """Each rank's tensors as its shard (dim 0) of a global tensor: a same-layout load reads only
+    this rank's file, as a resume does."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world_size), replica_id=0) for k, v in tensors.items()}
+
+
+def _timed_load(targets: dict, ckpt_dir: str, reader: str, record: dict | None) -> tuple[float, tuple[int, int]]:
+    """Wall time of one collective load through ``load_checkpoint``'s strategy (barrier to barrier),
+    and the (verified, unverified) item counts it reports."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.checkpoint.state import build_load_strategy
+
+    first = next(iter(targets.values())).data
+    first.fill_(float("nan"))  # a load that did nothing fails the check below
+    dist.barrier()
+    start = time.perf_counter()
+    strategy = build_load_strategy(reader, record)
+    loaded = dist_checkpointing.load(targets, ckpt_dir, sharded_strategy=strategy)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    assert not torch.isnan(loaded[next(iter(targets))]).any()
+    stats = getattr(strategy, "stats", None)
+    return elapsed, ((stats.verified, stats.unverified) if stats is not None else (0, -1))
+
+
+def _reader_rounds(size_mib: int, rounds: int, warmup: int, work: str, rank: int, world_size: int) -> dict:
+    """Save one checkpoint of ``size_mib`` per rank, then load it every way, alternated: per round
+    and per cache state, the four (reader, verify) cases in one order, the next round reversed."""
+    from megatron_ext.checkpoint.directory import get_checkpoint_dir, read_marker, write_checkpoint
+
+    tensors = _rank_tensors(size_mib, rank)
+    root = os.path.join(work, f"r{size_mib}")
+    write_checkpoint(_sharded_over_ranks(tensors, rank, world_size), root, 0)
+    ckpt_dir = get_checkpoint_dir(root, 0)
+    record = read_marker(ckpt_dir)["checksums"]
+    check = {k: tensors[k].clone() for k in list(tensors)[:2]}
+    # load_checkpoint loads into live (materialised) model and optimizer tensors
+    targets = _sharded_over_ranks({k: torch.zeros_like(v) for k, v in tensors.items()}, rank, world_size)
+    del tensors
+    files = sorted(os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir))
+    cases = [(reader, verify) for reader in READERS for verify in (False, True)]
+    times: dict[tuple, list[float]] = {}
+    counts: dict[tuple, tuple[int, int]] = {}
+    evicted = "?"
+    for r in range(rounds + warmup):
+        for where in ("cache", "disk"):
+            for reader, verify in (cases if r % 2 == 0 else cases[::-1]):
+                if rank == 0:
+                    if where == "disk":
+                        _evict(files)
+                        evicted = _resident_mib(files) if r == 0 else evicted
+                    else:
+                        _warm(files)
+                elapsed, counted = _timed_load(targets, ckpt_dir, reader, record if verify else None)
+                counts[(reader, verify)] = counted
+                if r >= warmup:
+                    times.setdefault((where, reader, verify), []).append(elapsed)
+    loaded = {k: targets[k].data for k in check}
+    assert all(torch.equal(loaded[k], v) for k, v in check.items())
+    shutil.rmtree(root, ignore_errors=True)
+    return {"times": times, "counts": counts, "evicted_mib": evicted}
+
+
+def _readers_world(rank: int, world_size: int, sizes: list[int], rounds: int, warmup: int, work: str) -> list:
+    from megatron.core import parallel_state
+
+    from megatron_ext.cpu_platform import apply_cpu_platform, quiet_known_warnings
+
+    quiet_known_warnings()
+    warnings.simplefilter("ignore", FutureWarning)  # torch DCP's load_state_dict, in megatron-core's reader path
+    apply_cpu_platform(torch.device("cpu"))
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    return [(size, _reader_rounds(size, rounds, warmup, work, rank, world_size)) for size in sizes]
+
+
+def main_readers(args) -> None:
+    """Ours (``--ckpt-reader direct``) against megatron-core's stock reader, 2 ranks, from the page
+    cache and from disk, with and without verification."""
+    from megatron_ext.testing import run_ranks
+
+    work = tempfile.mkdtemp(prefix="bench_readers_", dir=args.dir)
+    print(f"readers bench: {args.ranks} ranks, fp32 tensors of {TENSOR_MIB} MiB, per rank sizes {args.sizes_mib} MiB, "
+          f"medians of {args.rounds} rounds ({args.warmup} warm-up dropped), cases alternated (order reversed "
+          f"every round), wall time barrier to barrier, dir {args.dir}; disk = pages evicted before each load "
+          f"(fsync + posix_fadvise DONTNEED); load average {os.getloadavg()[0]:.2f}", flush=True)
+    try:
+        results = run_ranks(_readers_world, args.ranks, args.sizes_mib, args.rounds, args.warmup, work,
+                            timeout=3600)[0]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{'MiB/rank':>8} {'from':>5} | {'direct':>7} {'megatron':>8} {'speed-up':>8} | "
+          f"{'direct+v':>8} {'mcore+v':>8} {'speed-up':>8} | {'verify cost direct':>18} {'mcore':>7}")
+    for size, res in results:
+        t = {k: statistics.median(v) for k, v in res["times"].items()}
+        for where in ("cache", "disk"):
+            d, m = t[(where, "direct", False)], t[(where, "megatron", False)]
+            dv, mv = t[(where, "direct", True)], t[(where, "megatron", True)]
+            print(f"{size:8d} {where:>5} | {d:6.3f}s {m:7.3f}s {m / d:7.2f}x | {dv:7.3f}s {mv:7.3f}s "
+                  f"{mv / dv:7.2f}x | {100 * (dv / d - 1):+17.1f}% {100 * (mv / m - 1):+6.1f}%", flush=True)
+        counts = ", ".join(f"{reader}{'+v' if v else ''}: {c[0]} verified / {c[1]} not"
+                           for (reader, v), c in sorted(res["counts"].items()))
+        print(f"{'':8} items on rank 0: {counts}; after an eviction {res['evicted_mib']} MiB of the files "
+              f"were in the page cache")
+    print(f"speed-up = megatron-core's time / ours (the rule: ours stays only if >= 1.3x on large states, "
+          f"from disk and from cache); load average at the end {os.getloadavg()[0]:.2f}")
+
+
 def init_single_process_world() -> None:
     from bench.common import init_single_rank_world
 
@@ -188,8 +351,14 @@ def main() -> None:
                              "instead of uniform 4 MiB tensors")
     parser.add_argument("--fresh-targets", action="store_true",
                         help="load into torch.empty_like tensors never touched before the clock")
+    parser.add_argument("--readers", action="store_true",
+                        help="instead: our reader (--ckpt-reader direct) vs megatron-core's (megatron), "
+                             "--ranks ranks, from the page cache and from disk, with and without verification")
+    parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.readers:
+        return main_readers(args)
     init_single_process_world()
     shapes = (f"GPT layers at hidden {MODEL_HIDDEN} ({len(MODEL_LAYER)} tensors per layer)"
               if args.model_like else f"fp32 tensors of {TENSOR_MIB} MiB")
