@@ -16,8 +16,7 @@ One process (a 1-rank gloo world), fp32 tensors of 4 MiB each adding up to each 
 A = ours: ``checkpointing.write_checkpoint`` (megatron-core ``dist_checkpointing.save`` in
 ``torch_dist`` format through our in-process writer, each file fsync'ed, then the marker, the
 rename and the pointer of the atomic publish) and ``dist_checkpointing.load`` into preallocated
-tensors through our direct-read strategy (``ckpt_reader.py``, as ``load_checkpoint`` uses it,
-with its default read threads, and again limited to one thread);
+tensors through ``load_checkpoint``'s strategy (megatron-core's reader with our checks, ``reader.py``);
 the destinations are materialised before the clock, as the model and optimizer tensors are in
 ``load_checkpoint`` (``--fresh-targets``: untouched ``empty_like`` memory, whose first-touch page
 faults then count against us while torch.load's fresh storages may reuse just-freed pages);
@@ -90,12 +89,11 @@ def time_ours_save(tensors, root: str, iteration: int, checksums: bool = True) -
         writer._HashingStream.write = original
 
 
-def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = False,
-                   read_threads: int | None = None, verify: bool = True) -> float:
+def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = False, verify: bool = True) -> float:
     from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpoint.directory import get_checkpoint_dir, read_marker
-    from megatron_ext.checkpoint.reader import DirectReadTorchDistLoadStrategy
+    from megatron_ext.checkpoint.state import build_load_strategy
 
     record = read_marker(get_checkpoint_dir(root, iteration))["checksums"]
 
@@ -105,8 +103,7 @@ def time_ours_load(tensors, root: str, iteration: int, fresh_targets: bool = Fal
     make = torch.empty_like if fresh_targets else torch.zeros_like
     target = as_sharded({k: make(v) for k, v in tensors.items()})
     start = time.perf_counter()
-    strategy = (DirectReadTorchDistLoadStrategy(read_threads, record["items"], record["algorithm"]) if verify
-                else DirectReadTorchDistLoadStrategy(read_threads))
+    strategy = build_load_strategy(record if verify else None)
     loaded = dist_checkpointing.load(target, get_checkpoint_dir(root, iteration), sharded_strategy=strategy)
     elapsed = time.perf_counter() - start
     assert not verify or (strategy.stats.verified == len(tensors) and strategy.stats.unverified == 0)
@@ -142,7 +139,7 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
     mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     work = tempfile.mkdtemp(prefix="bench_ckpt_", dir=base)
     times = {"ours_save": [], "ours_save_nocrc": [], "torch_save": [], "ours_load": [], "ours_load_nocheck": [],
-             "ours_load_1t": [], "torch_load": []}
+             "torch_load": []}
     try:
         for r in range(rounds + warmup):
             root, path = os.path.join(work, "ours"), os.path.join(work, f"torch_{r}.pt")
@@ -153,7 +150,6 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
                 "ours_load_nocheck": lambda: time_ours_load(tensors, root, r, fresh_targets, verify=False),
                 "torch_save": lambda: time_torch_save(tensors, path, previous),
                 "ours_load": lambda: time_ours_load(tensors, root, r, fresh_targets),
-                "ours_load_1t": lambda: time_ours_load(tensors, root, r, fresh_targets, read_threads=1),
                 "torch_load": lambda: time_torch_load(tensors, path),
             }
             # saves: torch first every other round, so writeback left by the previous step
@@ -162,7 +158,7 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
             saves = (["ours_save", "ours_save_nocrc", "torch_save"] if r % 2 == 0
                      else ["torch_save", "ours_save_nocrc", "ours_save"])
             loads = ["ours_load", "ours_load_nocheck"] if r % 2 == 0 else ["ours_load_nocheck", "ours_load"]
-            order = saves + loads + ["ours_load_1t", "torch_load"]
+            order = saves + loads + ["torch_load"]
             sample = {k: steps[k]() for k in order}
             if r >= warmup:
                 for k, v in sample.items():
@@ -175,7 +171,9 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
 
 # ----------------------------------------------------------------------------- readers: ours vs megatron-core's
 
-READERS = ("direct", "megatron")
+# (label, verify): "stock" is megatron-core's own strategy; "ours" is load_checkpoint's (the stock
+# reader with our structural checks), without and with --ckpt-verify
+READER_CASES = (("stock", False), ("ours", False), ("ours", True))
 
 
 def _evict(paths: list[str]) -> None:
@@ -211,79 +209,97 @@ def _resident_mib(paths: list[str]) -> str:
     return f"{sum(int(x) for x in out) / 2**20:.0f}"
 
 
-def _rank_tensors(size_mib: int, rank: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(rank)
-    n = max(size_mib // TENSOR_MIB, 1)
-    return {f"layer{i}.weight": torch.randn(TENSOR_MIB * 2**20 // 4, generator=g) for i in range(n)}
-
-
-def _sharded_over_ranks(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> dict:
-    """Each rank's tensors as its shard (dim 0) of a global tensor: a same-layout load reads only
-    this rank's file, as a resume does."""
+def _layout(size_mib: int, rank: int, world_size: int, reshard: bool, fill: str) -> dict:
+    """This rank's sharded tensors: 2-D [world_size, 1 Mi] fp32 tensors (4 MiB per rank each),
+    rank r holding row r (as saved: each rank's items in its own file), or with ``reshard`` a block
+    of columns of every row (as a TP reshard reads: part of every rank's items, each read whole).
+    ``fill``: "random" (seeded by rank, as saved), "zeros" (load targets)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    return {k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world_size), replica_id=0) for k, v in tensors.items()}
+    g = torch.Generator().manual_seed(rank)
+    n, cols = TENSOR_MIB * 2**20 // 4, TENSOR_MIB * 2**20 // 4 // world_size
+    shape = (world_size, cols) if reshard else (1, n)
+    out = {}
+    for i in range(max(size_mib // TENSOR_MIB, 1)):
+        data = torch.randn(*shape, generator=g) if fill == "random" else torch.zeros(*shape)
+        out[f"layer{i}.weight"] = ShardedTensor.from_rank_offsets(
+            f"layer{i}.weight", data, (1, rank, world_size) if reshard else (0, rank, world_size), replica_id=0)
+    return out
 
 
-def _timed_load(targets: dict, ckpt_dir: str, reader: str, record: dict | None) -> tuple[float, tuple[int, int]]:
-    """Wall time of one collective load through ``load_checkpoint``'s strategy (barrier to barrier),
-    and the (verified, unverified) item counts it reports."""
-    from megatron.core import dist_checkpointing
+def _load_strategy(label: str, record: dict | None):
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     from megatron_ext.checkpoint.state import build_load_strategy
+
+    return TorchDistLoadShardedStrategy() if label == "stock" else build_load_strategy(record)
+
+
+def _timed_load(targets: dict, ckpt_dir: str, label: str, record: dict | None) -> tuple[float, tuple[int, int]]:
+    """Wall time of one collective load (barrier to barrier), and the (verified, byte) item counts."""
+    from megatron.core import dist_checkpointing
 
     first = next(iter(targets.values())).data
     first.fill_(float("nan"))  # a load that did nothing fails the check below
     dist.barrier()
     start = time.perf_counter()
-    strategy = build_load_strategy(reader, record)
+    strategy = _load_strategy(label, record)
     loaded = dist_checkpointing.load(targets, ckpt_dir, sharded_strategy=strategy)
     dist.barrier()
     elapsed = time.perf_counter() - start
     assert not torch.isnan(loaded[next(iter(targets))]).any()
     stats = getattr(strategy, "stats", None)
-    return elapsed, ((stats.verified, stats.unverified) if stats is not None else (0, -1))
+    return elapsed, ((stats.verified, stats.unverified) if stats is not None else (0, 0))
 
 
-def _reader_rounds(size_mib: int, rounds: int, warmup: int, work: str, rank: int, world_size: int) -> dict:
-    """Save one checkpoint of ``size_mib`` per rank, then load it every way, alternated: per round
-    and per cache state, the four (reader, verify) cases in one order, the next round reversed."""
+def _reader_rounds(size_mib: int, rounds: int, warmup: int, work: str, rank: int, world_size: int,
+                   layouts: list[str]) -> dict:
+    """Save one checkpoint of ``size_mib`` per rank, then load it every way, alternated: per round,
+    cache state and layout, the READER_CASES in one order, the next round reversed."""
     from megatron_ext.checkpoint.directory import get_checkpoint_dir, read_marker, write_checkpoint
 
-    tensors = _rank_tensors(size_mib, rank)
     root = os.path.join(work, f"r{size_mib}")
-    write_checkpoint(_sharded_over_ranks(tensors, rank, world_size), root, 0)
+    write_checkpoint(_layout(size_mib, rank, world_size, False, "random"), root, 0)
     ckpt_dir = get_checkpoint_dir(root, 0)
     record = read_marker(ckpt_dir)["checksums"]
-    check = {k: tensors[k].clone() for k in list(tensors)[:2]}
     # load_checkpoint loads into live (materialised) model and optimizer tensors
-    targets = _sharded_over_ranks({k: torch.zeros_like(v) for k, v in tensors.items()}, rank, world_size)
-    del tensors
+    targets = {layout: _layout(size_mib, rank, world_size, layout == "reshard", "zeros") for layout in layouts}
     files = sorted(os.path.join(ckpt_dir, n) for n in os.listdir(ckpt_dir))
-    cases = [(reader, verify) for reader in READERS for verify in (False, True)]
     times: dict[tuple, list[float]] = {}
     counts: dict[tuple, tuple[int, int]] = {}
     evicted = "?"
     for r in range(rounds + warmup):
         for where in ("cache", "disk"):
-            for reader, verify in (cases if r % 2 == 0 else cases[::-1]):
-                if rank == 0:
-                    if where == "disk":
-                        _evict(files)
-                        evicted = _resident_mib(files) if r == 0 else evicted
-                    else:
-                        _warm(files)
-                elapsed, counted = _timed_load(targets, ckpt_dir, reader, record if verify else None)
-                counts[(reader, verify)] = counted
-                if r >= warmup:
-                    times.setdefault((where, reader, verify), []).append(elapsed)
-    loaded = {k: targets[k].data for k in check}
-    assert all(torch.equal(loaded[k], v) for k, v in check.items())
+            for layout in layouts:
+                for label, verify in (READER_CASES if r % 2 == 0 else READER_CASES[::-1]):
+                    if rank == 0:
+                        if where == "disk":
+                            _evict(files)
+                            evicted = _resident_mib(files) if r == 0 else evicted
+                        else:
+                            _warm(files)
+                    elapsed, counted = _timed_load(targets[layout], ckpt_dir, label, record if verify else None)
+                    counts[(layout, label, verify)] = counted
+                    if r >= warmup:
+                        times.setdefault((where, layout, label, verify), []).append(elapsed)
+    _check_loaded(targets, size_mib, rank, world_size)
     shutil.rmtree(root, ignore_errors=True)
     return {"times": times, "counts": counts, "evicted_mib": evicted}
 
 
-def _readers_world(rank: int, world_size: int, sizes: list[int], rounds: int, warmup: int, work: str) -> list:
+def _check_loaded(targets: dict, size_mib: int, rank: int, world_size: int) -> None:
+    """The first tensor of each layout holds what was saved (rebuilt from the seeds)."""
+    rows = [next(iter(_layout(size_mib, r, world_size, False, "random").values())).data for r in range(world_size)]
+    full = torch.cat(rows, dim=0)  # [world_size, 1 Mi]
+    cols = full.shape[1] // world_size
+    for layout, state in targets.items():
+        got = next(iter(state.values())).data
+        want = full[:, rank * cols:(rank + 1) * cols] if layout == "reshard" else full[rank:rank + 1]
+        assert torch.equal(got, want), layout
+
+
+def _readers_world(rank: int, world_size: int, sizes: list[int], rounds: int, warmup: int, work: str,
+                   layouts: list[str]) -> list:
     from megatron.core import parallel_state
 
     from megatron_ext.cpu_platform import apply_cpu_platform, quiet_known_warnings
@@ -292,39 +308,40 @@ def _readers_world(rank: int, world_size: int, sizes: list[int], rounds: int, wa
     warnings.simplefilter("ignore", FutureWarning)  # torch DCP's load_state_dict, in megatron-core's reader path
     apply_cpu_platform(torch.device("cpu"))
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
-    return [(size, _reader_rounds(size, rounds, warmup, work, rank, world_size)) for size in sizes]
+    return [(size, _reader_rounds(size, rounds, warmup, work, rank, world_size, layouts)) for size in sizes]
 
 
 def main_readers(args) -> None:
-    """Ours (``--ckpt-reader direct``) against megatron-core's stock reader, 2 ranks, from the page
-    cache and from disk, with and without verification."""
+    """``load_checkpoint``'s reading against megatron-core's stock reader, from the page cache and from
+    disk, with and without --ckpt-verify, same layout and resharded."""
     from megatron_ext.testing import run_ranks
 
     work = tempfile.mkdtemp(prefix="bench_readers_", dir=args.dir)
-    print(f"readers bench: {args.ranks} ranks, fp32 tensors of {TENSOR_MIB} MiB, per rank sizes {args.sizes_mib} MiB, "
-          f"medians of {args.rounds} rounds ({args.warmup} warm-up dropped), cases alternated (order reversed "
-          f"every round), wall time barrier to barrier, dir {args.dir}; disk = pages evicted before each load "
-          f"(fsync + posix_fadvise DONTNEED); load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"readers bench: {args.ranks} ranks, fp32 tensors of {TENSOR_MIB} MiB per rank, sizes per rank "
+          f"{args.sizes_mib} MiB, medians of {args.rounds} rounds ({args.warmup} warm-up dropped), cases alternated "
+          f"(order reversed every round), wall time barrier to barrier, dir {args.dir}; disk = pages evicted before "
+          f"each load (fsync + posix_fadvise DONTNEED); load average {os.getloadavg()[0]:.2f}", flush=True)
     try:
         results = run_ranks(_readers_world, args.ranks, args.sizes_mib, args.rounds, args.warmup, work,
-                            timeout=3600)[0]
+                            args.layouts, timeout=3600)[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'MiB/rank':>8} {'from':>5} | {'direct':>7} {'megatron':>8} {'speed-up':>8} | "
-          f"{'direct+v':>8} {'mcore+v':>8} {'speed-up':>8} | {'verify cost direct':>18} {'mcore':>7}")
+    print(f"{'MiB/rank':>8} {'layout':>7} {'from':>5} | {'stock':>7} {'ours':>7} {'ours/stock':>10} | "
+          f"{'verified':>8} {'verify cost':>11}")
     for size, res in results:
         t = {k: statistics.median(v) for k, v in res["times"].items()}
-        for where in ("cache", "disk"):
-            d, m = t[(where, "direct", False)], t[(where, "megatron", False)]
-            dv, mv = t[(where, "direct", True)], t[(where, "megatron", True)]
-            print(f"{size:8d} {where:>5} | {d:6.3f}s {m:7.3f}s {m / d:7.2f}x | {dv:7.3f}s {mv:7.3f}s "
-                  f"{mv / dv:7.2f}x | {100 * (dv / d - 1):+17.1f}% {100 * (mv / m - 1):+6.1f}%", flush=True)
-        counts = ", ".join(f"{reader}{'+v' if v else ''}: {c[0]} verified / {c[1]} not"
-                           for (reader, v), c in sorted(res["counts"].items()))
-        print(f"{'':8} items on rank 0: {counts}; after an eviction {res['evicted_mib']} MiB of the files "
-              f"were in the page cache")
-    print(f"speed-up = megatron-core's time / ours (the rule: ours stays only if >= 1.3x on large states, "
-          f"from disk and from cache); load average at the end {os.getloadavg()[0]:.2f}")
+        for layout in args.layouts:
+            for where in ("cache", "disk"):
+                stock, ours, verified = (t[(where, layout, label, v)] for label, v in READER_CASES)
+                print(f"{size:8d} {layout:>7} {where:>5} | {stock:6.3f}s {ours:6.3f}s {ours / stock:10.2f} | "
+                      f"{verified:7.3f}s {100 * (verified / ours - 1):+10.1f}%", flush=True)
+        counts = ", ".join(f"{layout}: {c[0]} items verified, {c[1]} without a checksum"
+                           for (layout, label, v), c in sorted(res["counts"].items()) if v)
+        print(f"{'':8} rank 0 with --ckpt-verify: {counts}; after an eviction {res['evicted_mib']} MiB of the "
+              f"files were in the page cache")
+    print(f"stock = megatron-core's TorchDistLoadShardedStrategy; ours = load_checkpoint's (the same reader with "
+          f"shard sizes and byte items checked); verify cost = ours with --ckpt-verify / ours - 1 (default on only "
+          f"if <= 5%); load average at the end {os.getloadavg()[0]:.2f}")
 
 
 def init_single_process_world() -> None:
@@ -352,9 +369,12 @@ def main() -> None:
     parser.add_argument("--fresh-targets", action="store_true",
                         help="load into torch.empty_like tensors never touched before the clock")
     parser.add_argument("--readers", action="store_true",
-                        help="instead: our reader (--ckpt-reader direct) vs megatron-core's (megatron), "
-                             "--ranks ranks, from the page cache and from disk, with and without verification")
+                        help="instead: load_checkpoint's reading vs megatron-core's stock reader, --ranks ranks, "
+                             "from the page cache and from disk, with and without --ckpt-verify")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--layouts", nargs="+", default=["same", "reshard"], choices=["same", "reshard"],
+                        help="--readers: load in the saved layout, and/or resharded (every rank reads part of "
+                             "every rank's items)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.readers:
@@ -365,22 +385,17 @@ def main() -> None:
     print(f"checkpoint bench: 1 process, {shapes}, medians of {args.rounds} "
           f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}, "
           f"load targets {'fresh (empty_like)' if args.fresh_targets else 'materialised (zeros_like)'}")
-    from megatron_ext.checkpoint.reader import default_read_threads
-
-    threads = default_read_threads()
     print(f"{'MiB':>6} | {'ours save':>10} {'torch.save':>10} {'ratio':>6} | "
-          f"{'ours load':>10} {'torch.load':>10} {'ratio':>6} | {'1 thread':>10} {'ratio':>6} | "
+          f"{'ours load':>10} {'torch.load':>10} {'ratio':>6} | "
           f"{'save s':>7} {'load s':>7}")
     rows = []
     for size in args.sizes_mib:
         r = bench_size(size, args.rounds, args.warmup, args.dir, args.fresh_targets, args.model_like)
         rows.append(r)
-        speed = {k: r["mib"] / r[k] for k in ("ours_save", "torch_save", "ours_load", "ours_load_1t",
-                                              "torch_load")}
+        speed = {k: r["mib"] / r[k] for k in ("ours_save", "torch_save", "ours_load", "torch_load")}
         print(f"{r['mib']:6.0f} | {speed['ours_save']:7.0f}/s {speed['torch_save']:7.0f}/s "
               f"{speed['ours_save'] / speed['torch_save']:6.2f} | {speed['ours_load']:7.0f}/s "
               f"{speed['torch_load']:7.0f}/s {speed['ours_load'] / speed['torch_load']:6.2f} | "
-              f"{speed['ours_load_1t']:7.0f}/s {speed['ours_load_1t'] / speed['torch_load']:6.2f} | "
               f"{r['ours_save']:7.3f} {r['ours_load']:7.3f}", flush=True)
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
@@ -392,8 +407,6 @@ def main() -> None:
         save_cost = r["ours_save"] / r["ours_save_nocrc"] - 1
         print(f"checksums at {r['mib']:.0f} MiB: verification +{100 * load_cost:.1f}% of load time (target < 5%: "
               f"{'PASS' if load_cost < 0.05 else 'FAIL'}), hashing while writing +{100 * save_cost:.1f}% of save time")
-    print(f"ours load reads with {threads} threads (ckpt_reader.default_read_threads: up to 4, as many as "
-          f"this process may run on; torch.load reads with one); '1 thread' is ours limited to one")
     print("target: ratio >= 0.7 (MiB/s, ours / torch) for save and load")
     dist.destroy_process_group()
 

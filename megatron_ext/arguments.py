@@ -17,7 +17,9 @@ import types
 import typing
 from typing import Any, Sequence
 
-from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, adjust_like_megatron, build_job_config
+from megatron_ext.config import (
+    REMOVED_SETTINGS, SECTION_TYPES, ConfigError, JobConfig, adjust_like_megatron, build_job_config,
+)
 from megatron_ext.megatron_flags import (
     MEGATRON_FLAG_NAMES, add_megatron_flags, escape_help, judge_megatron_flags, pop_megatron_flags,
 )
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls):
             _add_flag(group, f, hints[f.name])
     add_megatron_flags(parser)
+    for name in REMOVED_SETTINGS:  # accepted by the parser, so that build_job_config names the replacement
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -167,8 +171,8 @@ def load_config_file(path: str) -> dict[str, Any]:
         else:
             flat[str(key).replace("-", "_")] = value
     types = get_field_types()
-    problems = []
-    for k in sorted(k for k in flat if k not in types):
+    problems = [f"--config {path}: {REMOVED_SETTINGS[k]}" for k in sorted(k for k in flat if k in REMOVED_SETTINGS)]
+    for k in sorted(k for k in flat if k not in types and k not in REMOVED_SETTINGS):
         close = difflib.get_close_matches(k, list(types), 1, 0.8)
         dashed = "--" + k.replace("_", "-")
         if dashed in MEGATRON_FLAG_NAMES:

@@ -8,8 +8,8 @@ optimizer (the distributed optimizer in its ``fully_reshardable`` form), the LR 
 the flat run config, the tokenizer identity and the padded vocabulary. The RNG states are per
 rank and are restored only when the layout is unchanged; everything else reshards.
 
-Writing follows ``directory.py`` (atomic publish); loading reads with ``reader.py`` (our direct
-reader, or megatron-core's stock reader with ``--ckpt-reader megatron``).
+Writing follows ``directory.py`` (atomic publish); loading reads with megatron-core's stock reader,
+checked as ``reader.py`` describes.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from typing import Any
 import torch
 
 from megatron_ext.checkpoint.directory import (
-    FORMAT_VERSION, list_complete_checkpoints, read_marker, resolve_load_path, write_checkpoint,
+    FORMAT_VERSION, list_complete_checkpoints, resolve_load_path, write_checkpoint,
 )
-from megatron_ext.checkpoint.checksum import file_digest, is_available
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
@@ -37,7 +36,6 @@ SHARDED_STATE_DICT_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "chained_optim_avoid_prefix": True,
 }
-CHECKPOINT_READERS = ("direct", "megatron")
 
 # Settings that fix the shapes and meaning of the saved weights: (config field, flag).
 MODEL_SHAPE_SETTINGS = (
@@ -371,25 +369,37 @@ def check_load_flags(cfg: JobConfig) -> str | None:
 def load_full_tensors(ckpt_dir: str, prefix: str = "", exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """{checkpoint key: full unsharded tensor} for every tensor whose key starts with ``prefix``
     and with none of ``exclude``, read in this process without a process group (for tools and
-    tests). Layer-stacked keys (``decoder.layers.*``) have the global layer index as dimension 0."""
+    tests). Layer-stacked keys (``decoder.layers.*``) have the global layer index as dimension 0.
+    Everything read is checked as ``--ckpt-verify`` checks a load (``reader.open_checkpoint``, then
+    every item against the marker); a damaged or unsafe file raises ``reader``'s named error."""
     from torch.distributed import checkpoint as dcp
 
-    reader = dcp.FileSystemReader(ckpt_dir)
+    from megatron_ext.checkpoint.reader import VerifyingFileSystemReader, find_named_failure, open_checkpoint
+
+    checksums, _ = open_checkpoint(ckpt_dir)  # every item checked, as --ckpt-verify does
+    reader = VerifyingFileSystemReader(ckpt_dir, *((checksums["items"], checksums["algorithm"]) if checksums else ()))
     metadata = reader.read_metadata()
     state = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and not key.startswith(exclude) and hasattr(md, "size")
     }
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except BaseException as err:  # torch's CheckpointException (a BaseException) wraps the reader's
+        found = find_named_failure(err)
+        if found is None:
+            raise
+        raise found from None
     return state
 
 
 def read_checkpoint_common(ckpt_dir: str) -> dict[str, Any]:
-    """The non-sharded part of a checkpoint (args, train state, scheduler, ...), no process group."""
-    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+    """The non-sharded part of a checkpoint (args, train state, scheduler, ...), no process group;
+    loaded only if torch's weights-only unpickler accepts it (``reader.read_common``)."""
+    from megatron_ext.checkpoint.reader import read_common
 
-    return load_common_state_dict(ckpt_dir)
+    return read_common(ckpt_dir)
 
 
 class CheckpointDamaged(Exception):
@@ -397,7 +407,7 @@ class CheckpointDamaged(Exception):
 
 
 def load_checkpoint(
-    run, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None,
+    run, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True,
     *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
 ) -> int | None:
     """Restore ``run`` from the newest complete checkpoint under ``root`` (or from ``root`` itself when
@@ -407,8 +417,9 @@ def load_checkpoint(
     start). Raises ConfigError, before anything is written, when the model or tokenizer differ, or
     the LR schedule flags differ with no flag saying which wins; and when the checkpoint is damaged
     (a checksum mismatch or an unreadable file, named), unless --ckpt-fallback-on-corruption asks to
-    load the previous complete checkpoint instead. ``meta`` defaults to the run's own, ``reader`` to
-    ``--ckpt-reader``. ``step`` loads that iteration; ``weights_only`` (fine-tuning) restores the
+    load the previous complete checkpoint instead; a file holding what a checkpoint never holds is a
+    ConfigError saying it may have been tampered with (no fallback). ``meta`` defaults to the run's
+    own. ``step`` loads that iteration; ``weights_only`` (fine-tuning) restores the
     model and nothing else (iteration 0, fresh optimizer and schedule); ``load_rng=False`` keeps the
     run's own random-number states.
     """
@@ -423,7 +434,7 @@ def load_checkpoint(
         candidates += [c for c in reversed(list_complete_checkpoints(os.path.dirname(found[1]))) if c[0] < found[0]]
     for i, (iteration, ckpt_dir) in enumerate(candidates):
         try:
-            return _load_from(run, root, iteration, ckpt_dir, meta, load_optimizer and not weights_only, reader,
+            return _load_from(run, root, iteration, ckpt_dir, meta, load_optimizer and not weights_only,
                               weights_only, load_rng and not weights_only)
         except CheckpointDamaged as err:
             if i + 1 == len(candidates):
@@ -435,40 +446,11 @@ def load_checkpoint(
     return None
 
 
-def _check_small_files(ckpt_dir: str, checksums: dict[str, Any]) -> None:
-    algorithm = checksums["algorithm"]
-    for name, digest in checksums.get("files", {}).items():
-        path = os.path.join(ckpt_dir, name)
-        try:
-            got = file_digest(path, algorithm)
-        except OSError as err:
-            raise CheckpointDamaged(f"damaged checkpoint file: {path} cannot be read ({err.strerror})") from None
-        if got != digest:
-            raise CheckpointDamaged(f"damaged checkpoint file (checksum mismatch): {path} ({algorithm} {got:x}, "
-                                    f"the checkpoint recorded {digest:x}): the file was damaged after it was written")
-
-
-def get_checksums_to_verify(run, ckpt_dir: str, marker: dict[str, Any]) -> dict[str, Any] | None:
-    """The marker's checksum record when this machine has its algorithm (the coordinator files are
-    always checked; the items only with --ckpt-verify)."""
-    checksums = marker.get("checksums")
-    if not checksums:
-        return None
-    if not is_available(checksums["algorithm"]):
-        if run.ctx.is_logging_rank:
-            run.log(f"WARNING: {ckpt_dir} was checksummed with {checksums['algorithm']}, which this machine "
-                    f"lacks (pip install xxhash): loading it unverified")
-        return None
-    return checksums
-
-
 def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMeta, load_optimizer: bool,
-               reader: str | None, weights_only: bool = False, load_rng: bool = True) -> int:
+               weights_only: bool = False, load_rng: bool = True) -> int:
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.checkpoint.reader import DAMAGED
-
-    checksums, common = _read_coordinator_files(run, ckpt_dir)
+    checksums, common = _read_coordinator_files(run, root, ckpt_dir)
     # weights only, e.g. converted by tools/convert_checkpoint.py: no optimizer state whose form
     # (distributed optimizer, precision) must match this run's
     holds_no_optimizer = load_optimizer and "opt_param_scheduler" not in common
@@ -494,16 +476,11 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
     state = build_sharded_state_dict(
         run, meta, is_loading=True, include_optimizer=load_optimizer, include_rng=restore_rng
     )
-    strategy = build_load_strategy(reader or run.cfg.checkpoint.ckpt_reader,
-                                   checksums if run.cfg.checkpoint.ckpt_verify else None)
+    strategy = build_load_strategy(checksums if run.cfg.checkpoint.ckpt_verify else None)
     try:
         loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=strategy)
-    except BaseException as err:  # torch's CheckpointException is a BaseException
-        message = " ".join(str(err).split())
-        if DAMAGED in message:
-            raise CheckpointDamaged(message[message.find(DAMAGED):].split(" Traceback")[0]) from None
-        if "failed on another rank" in message:
-            raise CheckpointDamaged(f"{ckpt_dir}: another rank could not load its part (its output names the file)") from None
+    except BaseException as err:  # torch's CheckpointException is a BaseException, raised on every rank
+        _raise_named_load_error(err, root)
         raise
     if load_optimizer:
         load_optimizer_state(run.optimizer, loaded["optimizer"])
@@ -521,33 +498,43 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
         run.state = type(run.state)(**loaded.get("train_state", {}))
     if run.ctx.is_logging_rank:
         run.log(_describe_load(run, ckpt_dir, iteration, common, same_layout, weights_only, load_optimizer,
-                               checksums, strategy, reader))
+                               checksums, strategy))
     return iteration
 
 
-def _read_coordinator_files(run, ckpt_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The marker's checksums to verify (None: none usable) and ``common.pt``, each checked first;
-    CheckpointDamaged names the file that is not what the save wrote."""
-    marker = read_marker(ckpt_dir)
-    if not isinstance(marker, dict) or not isinstance(marker.get("iteration"), int):
-        # every publish writes {"iteration": ..., ...}: an unreadable marker means a damaged
-        # checkpoint, whose checksums (and so --ckpt-verify) are lost with it
-        raise CheckpointDamaged(f"damaged checkpoint file: {os.path.join(ckpt_dir, 'complete.json')} is not the "
-                                f"marker a save writes (unreadable, or no iteration in it)")
-    checksums = get_checksums_to_verify(run, ckpt_dir, marker)
-    if checksums is not None:
-        _check_small_files(ckpt_dir, checksums)
+def _read_coordinator_files(run, root: str, ckpt_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The marker's checksums to verify (None: none usable) and ``common.pt``, each checked first
+    (``reader.open_checkpoint``); CheckpointDamaged names the file that is not what the save wrote."""
+    from megatron_ext.checkpoint.reader import ChecksumMismatch, UnsafeCheckpointFile, open_checkpoint
+
+    def warn(message: str) -> None:
+        if run.ctx.is_logging_rank:
+            run.log(f"WARNING: {message}")
+
     try:
-        common = read_checkpoint_common(ckpt_dir)
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointDamaged(f"{os.path.join(ckpt_dir, 'common.pt')} cannot be read "
-                                f"({' '.join(str(err).split())[:160]})") from None
-    return checksums, common
+        return open_checkpoint(ckpt_dir, warn)
+    except ChecksumMismatch as err:
+        raise CheckpointDamaged(str(err)) from None
+    except UnsafeCheckpointFile as err:
+        raise ConfigError([f"--load {root}: {err}"]) from None
+
+
+def _raise_named_load_error(err: BaseException, root: str) -> None:
+    """One named error for what the reader found on any rank (torch's CheckpointException carries
+    every failing rank's exception): damage (CheckpointDamaged, which the fallback acts on); a file
+    holding what a checkpoint never holds, or an item torch cannot read (ConfigError). Returns for
+    anything else."""
+    from megatron_ext.checkpoint.reader import ChecksumMismatch, find_named_failure
+
+    found = find_named_failure(err)
+    if isinstance(found, ChecksumMismatch):
+        raise CheckpointDamaged(str(found)) from None
+    if found is not None:
+        raise ConfigError([f"--load {root}: {found}"]) from None
 
 
 def _describe_load(run, ckpt_dir: str, iteration: int, common: dict[str, Any], same_layout: bool,
-                   weights_only: bool, load_optimizer: bool, checksums: dict[str, Any] | None, strategy: Any,
-                   reader: str | None) -> str:
+                   weights_only: bool, load_optimizer: bool, checksums: dict[str, Any] | None, strategy: Any) -> str:
     """The "loaded checkpoint" line: layout, what was loaded, what was verified."""
     saved_layout = common.get("layout")
     how = ("same layout" if same_layout else f"resharded from {saved_layout}" if saved_layout
@@ -556,32 +543,24 @@ def _describe_load(run, ckpt_dir: str, iteration: int, common: dict[str, Any], s
         how += "; weights only: iteration, optimizer and LR schedule start afresh"
     elif not load_optimizer and "opt_param_scheduler" in common:
         how += "; optimizer and LR schedule not loaded (--no-load-optim): they start afresh"
-    stats = getattr(strategy, "stats", None)
-    verify = run.cfg.checkpoint.ckpt_verify
-    if stats is not None and checksums is not None and verify:
-        checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in "
-                   f"part or by torch's reader)")
-    elif not verify:
+    stats = strategy.stats
+    if not run.cfg.checkpoint.ckpt_verify:
         checked = "; items not verified (--ckpt-verify is off)"
     elif checksums is None:
         checked = "; items not verified (--ckpt-verify: the checkpoint records no checksums this machine can check)"
     else:
-        checked = f"; items not verified (--ckpt-verify: --ckpt-reader {reader or run.cfg.checkpoint.ckpt_reader} does not verify)"
+        missing = f", {stats.unverified} with no recorded checksum" if stats.unverified else ""
+        checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.byte_items} of them "
+                   f"byte items{missing})")
     return f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how}{checked})"
 
 
-def build_load_strategy(reader: str, checksums: dict[str, Any] | None = None):
-    """megatron-core's load strategy for ``--ckpt-reader``: ``direct`` (ours: tensor bytes straight
-    into their destinations, ``reader.py``) or ``megatron`` (megatron-core's stock torch_dist
-    reader). Both read the same files; only ours checks the marker's ``checksums`` as it reads."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+def build_load_strategy(checksums: dict[str, Any] | None = None):
+    """megatron-core's ``torch_dist`` load strategy reading through ``reader.VerifyingFileSystemReader``:
+    shard sizes always checked, every stored item the load touches hashed and compared with the
+    marker's ``checksums`` record when given (``--ckpt-verify``)."""
+    from megatron_ext.checkpoint.reader import VerifyingTorchDistLoadStrategy
 
-    from megatron_ext.checkpoint.reader import DirectReadTorchDistLoadStrategy
-
-    if reader == "direct":
-        if checksums is None:
-            return DirectReadTorchDistLoadStrategy()
-        return DirectReadTorchDistLoadStrategy(checksums=checksums["items"], algorithm=checksums["algorithm"])
-    if reader == "megatron":
-        return TorchDistLoadShardedStrategy()
-    raise ValueError(f"--ckpt-reader {reader}: use one of {', '.join(CHECKPOINT_READERS)}")
+    if checksums is None:
+        return VerifyingTorchDistLoadStrategy()
+    return VerifyingTorchDistLoadStrategy(checksums["items"], checksums["algorithm"])
