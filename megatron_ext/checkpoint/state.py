@@ -394,14 +394,6 @@ def load_full_tensors(ckpt_dir: str, prefix: str = "", exclude: tuple[str, ...] 
     return state
 
 
-def read_checkpoint_common(ckpt_dir: str) -> dict[str, Any]:
-    """The non-sharded part of a checkpoint (args, train state, scheduler, ...), no process group;
-    loaded only if torch's weights-only unpickler accepts it (``reader.read_common``)."""
-    from megatron_ext.checkpoint.reader import read_common
-
-    return read_common(ckpt_dir)
-
-
 class CheckpointDamaged(Exception):
     """A checkpoint's bytes differ from what was written, or a file of it cannot be read."""
 
