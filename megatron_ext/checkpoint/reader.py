@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
+import mmap
 import os
 import pickle
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -139,9 +142,32 @@ def _pread_exact(fd: int, offset: int, length: int, path: str) -> bytes:
 
 
 def hash_file_range(fd: int, offset: int, length: int, path: str, algorithm: str) -> int:
-    """The digest of ``length`` bytes at ``offset``, read in chunks of at most ``_HASH_CHUNK``."""
-    h, buffer, done = new_hasher(algorithm), bytearray(min(length, _HASH_CHUNK)), 0
-    view = memoryview(buffer)
+    """The digest of ``length`` bytes at ``offset`` of ``fd``, hashed where they lie: mapped, not copied
+    (from the page cache this costs about the hash alone; ``bench/checkpoint.py --readers``), in
+    slices of ``_HASH_CHUNK``; read with ``pread`` where the file cannot be mapped."""
+    # checked just before mapping: touching a mapped page past the file's end is SIGBUS, not an error
+    if os.fstat(fd).st_size < offset + length:
+        raise ChecksumMismatch(f"{DAMAGED} (truncated): {path} ends before byte {offset + length}")
+    h = new_hasher(algorithm)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapped = mmap.mmap(fd, offset + length - start, prot=mmap.PROT_READ, offset=start) if length else None
+    except (OSError, ValueError):
+        mapped = None
+    if mapped is None:
+        return _hash_by_pread(fd, offset, length, path, h)
+    try:
+        with memoryview(mapped) as view:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            for at in range(offset - start, offset - start + length, _HASH_CHUNK):
+                h.update(view[at:min(at + _HASH_CHUNK, offset - start + length)])
+    finally:
+        mapped.close()
+    return h.intdigest()
+
+
+def _hash_by_pread(fd: int, offset: int, length: int, path: str, h) -> int:
+    view, done = memoryview(bytearray(min(length, _HASH_CHUNK))), 0
     while done < length:
         n = os.preadv(fd, [view[:min(len(view), length - done)]], offset + done)
         if n <= 0:
@@ -177,19 +203,21 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
         if size < needed:
             raise ChecksumMismatch(f"{DAMAGED} (truncated): {path} has {size} bytes, its items need {needed}")
 
-    def _verify_item(self, fd: int, path: str, relative_path: str, md, data: bytes | None) -> bool:
-        """Compare one stored item with its recorded digest (hashing ``data`` when already read);
-        False when no checksum is recorded for it or verification is off."""
+    def _digest(self, fd: int, path: str, relative_path: str, index) -> int | None:
+        """The digest of one stored item's bytes in the file, or None when there is nothing to compare
+        it with (verification off, or no checksum recorded for it)."""
+        md = self.storage_data[index]
+        if self.checksums is None or str(md.offset) not in self.checksums.get(relative_path, {}):
+            return None
+        return hash_file_range(fd, md.offset, md.length, path, self.algorithm)
+
+    def _verify(self, path: str, relative_path: str, md, digest: int | None) -> bool:
+        """Compare one stored item's digest with the recorded one; False when none is recorded or
+        verification is off."""
         expected = None if self.checksums is None else self.checksums.get(relative_path, {}).get(str(md.offset))
         if expected is None:
             self.stats.unverified += self.checksums is not None
             return False
-        if data is not None:
-            h = new_hasher(self.algorithm)
-            h.update(data)
-            digest = h.intdigest()
-        else:
-            digest = hash_file_range(fd, md.offset, md.length, path, self.algorithm)
         length, recorded = expected
         if length != md.length or digest != recorded:
             raise ChecksumMismatch(
@@ -199,16 +227,13 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
         self.stats.verified += 1
         return True
 
-    def _read_item(self, fd: int, relative_path: str, reqs: list[ReadItem], plan: LoadPlan,
-                   planner: LoadPlanner) -> None:
-        """Verify one stored item, then load every request of it (byte items after the safety check)."""
+    def _read_item(self, fd: int, path: str, reqs: list[ReadItem], plan: LoadPlan, planner: LoadPlanner,
+                   verified: bool) -> None:
+        """Load every request of one stored item (already verified when ``verified``): tensors by
+        torch's own code, byte items after the weights-only check."""
         md = self.storage_data[reqs[0].storage_index]
-        path = os.path.join(str(self.path), relative_path)
         where = f"{path} bytes {md.offset}..{md.offset + md.length}"
-        is_bytes = reqs[0].type == LoadItemType.BYTE_IO
-        data = _pread_exact(fd, md.offset, md.length, path) if is_bytes else None
-        verified = self._verify_item(fd, path, relative_path, md, data)
-        if not is_bytes:
+        if reqs[0].type != LoadItemType.BYTE_IO:
             try:
                 super().read_data(dataclasses.replace(plan, items=reqs), planner)
             except pickle.UnpicklingError as err:
@@ -220,11 +245,33 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
                     from None
             return
         self.stats.byte_items += verified
+        data = _pread_exact(fd, md.offset, md.length, path)
         for req in reqs:
             stream = self.transforms.transform_load_stream(req, md.transform_descriptors or (), io.BytesIO(data))
             payload = stream.read()
             check_safe_pickle(payload, where, verified)
             planner.load_bytes(req, io.BytesIO(payload))
+
+    def _read_file(self, relative_path: str, per_item: dict, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """One file's items in file order. With checksums, one thread hashes the next item while torch
+        reads this one (from disk, the hashing's reads then overlap torch's work); an item is parsed
+        only once its own digest matched."""
+        path = os.path.join(str(self.path), relative_path)
+        order = sorted(per_item, key=lambda i: self.storage_data[i].offset)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
+                digest = functools.partial(self._digest, fd, path, relative_path)
+                ahead = pool.submit(digest, order[0]) if self.checksums is not None else None
+                for k, index in enumerate(order):
+                    current = ahead
+                    if self.checksums is not None and k + 1 < len(order):
+                        ahead = pool.submit(digest, order[k + 1])
+                    verified = self._verify(path, relative_path, self.storage_data[index],
+                                            current.result() if current is not None else None)
+                    self._read_item(fd, path, per_item[index], plan, planner, verified)
+        finally:
+            os.close(fd)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, dict] = {}
@@ -233,12 +280,7 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
             per_file.setdefault(item_md.relative_path, {}).setdefault(req.storage_index, []).append(req)
         for relative_path, per_item in per_file.items():
             self._check_size(relative_path, [r for reqs in per_item.values() for r in reqs])
-            fd = os.open(os.path.join(str(self.path), relative_path), os.O_RDONLY)
-            try:
-                for index in sorted(per_item, key=lambda i: self.storage_data[i].offset):
-                    self._read_item(fd, relative_path, per_item[index], plan, planner)
-            finally:
-                os.close(fd)
+            self._read_file(relative_path, per_item, plan, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut

@@ -209,12 +209,17 @@ def test_the_refusal_reason_keeps_torch_s_reason_and_drops_its_advice():
         assert "GLOBAL" in reason and "weights_only" not in reason and "add_safe_globals" not in reason, reason
 
 
-def test_hash_in_chunks_equals_one_hash(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mapped", [True, False])
+def test_hash_in_chunks_equals_one_hash(tmp_path, monkeypatch, mapped):
     monkeypatch.setattr(cr, "_HASH_CHUNK", 1000)
+    if not mapped:  # a file system that cannot map files: read with pread instead
+        monkeypatch.setattr(cr.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError("no mmap")))
     data = os.urandom(12_345)
-    (tmp_path / "f").write_bytes(b"x" * 77 + data)
+    (tmp_path / "f").write_bytes(b"x" * 77 + data + b"y" * 5)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
         assert cr.hash_file_range(fd, 77, len(data), "f", DEFAULT_ALGORITHM) == _digest(data)
+        with pytest.raises(cr.ChecksumMismatch, match="truncated"):
+            cr.hash_file_range(fd, 77, len(data) + 6, "f", DEFAULT_ALGORITHM)
     finally:
         os.close(fd)
