@@ -27,11 +27,11 @@ pages), the first ``--warmup`` rounds dropped, medians of wall time (this is I/O
 from the page cache on both sides). Target: A/B >= 0.7 for save and load, time
 linear in size.
 
-Checksums: our save computes each item's checksum (XXH3-64 with xxhash installed, else CRC-32) as it writes and our load checks every item it
-reads whole against the marker (the default, as ``load_checkpoint`` runs). Both are also timed
-without (saves with the hash update skipped, loads with ``--no-ckpt-verify``), alternated with the
-rest; the verification overhead is printed beside its target (keep it on by default if < 5% of
-load time).
+Checksums: our save computes each item's checksum (XXH3-64 with xxhash installed, else CRC-32) as it
+writes; ``ours_load`` checks every item against the marker (``--ckpt-verify``). Both are also timed
+without (saves with the hash update skipped, loads without ``--ckpt-verify``), alternated with the
+rest; the verification overhead is printed beside its target (on by default only if <= 5% of load
+time). ``--readers`` measures it from disk too, and on a resharded load.
 """
 
 from __future__ import annotations
@@ -235,21 +235,25 @@ def _load_strategy(label: str, record: dict | None):
     return TorchDistLoadShardedStrategy() if label == "stock" else build_load_strategy(record)
 
 
-def _timed_load(targets: dict, ckpt_dir: str, label: str, record: dict | None) -> tuple[float, tuple[int, int]]:
-    """Wall time of one collective load (barrier to barrier), and the (verified, byte) item counts."""
+def _timed_load(targets: dict, ckpt_dir: str, label: str, record: dict | None) -> tuple[float, float, tuple]:
+    """One collective load: wall time (barrier to barrier), CPU seconds summed over the ranks (every
+    thread of each rank: on a shared machine, the cost that waiting for a core does not inflate), and
+    the (verified, without a checksum) item counts."""
     from megatron.core import dist_checkpointing
 
     first = next(iter(targets.values())).data
     first.fill_(float("nan"))  # a load that did nothing fails the check below
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     strategy = _load_strategy(label, record)
     loaded = dist_checkpointing.load(targets, ckpt_dir, sharded_strategy=strategy)
+    cpu = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
     dist.barrier()
     elapsed = time.perf_counter() - start
+    dist.all_reduce(cpu)
     assert not torch.isnan(loaded[next(iter(targets))]).any()
     stats = getattr(strategy, "stats", None)
-    return elapsed, ((stats.verified, stats.unverified) if stats is not None else (0, 0))
+    return elapsed, cpu.item(), ((stats.verified, stats.unverified) if stats is not None else (0, 0))
 
 
 def _reader_rounds(size_mib: int, rounds: int, warmup: int, work: str, rank: int, world_size: int,
@@ -278,10 +282,11 @@ def _reader_rounds(size_mib: int, rounds: int, warmup: int, work: str, rank: int
                             evicted = _resident_mib(files) if r == 0 else evicted
                         else:
                             _warm(files)
-                    elapsed, counted = _timed_load(targets[layout], ckpt_dir, label, record if verify else None)
+                    elapsed, cpu, counted = _timed_load(targets[layout], ckpt_dir, label, record if verify else None)
                     counts[(layout, label, verify)] = counted
                     if r >= warmup:
                         times.setdefault((where, layout, label, verify), []).append(elapsed)
+                        times.setdefault(("cpu", where, layout, label, verify), []).append(cpu)
     _check_loaded(targets, size_mib, rank, world_size)
     shutil.rmtree(root, ignore_errors=True)
     return {"times": times, "counts": counts, "evicted_mib": evicted}
@@ -326,22 +331,25 @@ def main_readers(args) -> None:
                             args.layouts, timeout=3600)[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'MiB/rank':>8} {'layout':>7} {'from':>5} | {'stock':>7} {'ours':>7} {'ours/stock':>10} | "
-          f"{'verified':>8} {'verify cost':>11}")
+    print(f"{'MiB/rank':>8} {'layout':>7} {'from':>5} | wall: {'stock':>6} {'ours':>6} {'/stock':>6} {'verified':>8} "
+          f"{'cost':>6} | CPU s: {'stock':>6} {'ours':>6} {'/stock':>6} {'verified':>8} {'cost':>6}")
     for size, res in results:
         t = {k: statistics.median(v) for k, v in res["times"].items()}
         for layout in args.layouts:
             for where in ("cache", "disk"):
-                stock, ours, verified = (t[(where, layout, label, v)] for label, v in READER_CASES)
-                print(f"{size:8d} {layout:>7} {where:>5} | {stock:6.3f}s {ours:6.3f}s {ours / stock:10.2f} | "
-                      f"{verified:7.3f}s {100 * (verified / ours - 1):+10.1f}%", flush=True)
+                wall = [t[(where, layout, label, v)] for label, v in READER_CASES]
+                cpu = [t[("cpu", where, layout, label, v)] for label, v in READER_CASES]
+                cells = [f"{a:5.3f}s {b:5.3f}s {b / a:6.2f} {c:7.3f}s {100 * (c / b - 1):+5.0f}%"
+                         for a, b, c in (wall, cpu)]
+                print(f"{size:8d} {layout:>7} {where:>5} | wall: {cells[0]} | CPU s: {cells[1]}", flush=True)
         counts = ", ".join(f"{layout}: {c[0]} items verified, {c[1]} without a checksum"
                            for (layout, label, v), c in sorted(res["counts"].items()) if v)
         print(f"{'':8} rank 0 with --ckpt-verify: {counts}; after an eviction {res['evicted_mib']} MiB of the "
               f"files were in the page cache")
     print(f"stock = megatron-core's TorchDistLoadShardedStrategy; ours = load_checkpoint's (the same reader with "
-          f"shard sizes and byte items checked); verify cost = ours with --ckpt-verify / ours - 1 (default on only "
-          f"if <= 5%); load average at the end {os.getloadavg()[0]:.2f}")
+          f"shard sizes and byte items checked); verified = ours with --ckpt-verify, cost = verified / ours - 1 "
+          f"(default on only if <= 5% of load time); CPU s = CPU seconds of all ranks and their threads; load "
+          f"average at the end {os.getloadavg()[0]:.2f}")
 
 
 def init_single_process_world() -> None:

@@ -208,7 +208,7 @@ class CheckpointConfig:
     override_opt_param_scheduler: bool = _f(False, "On resume, the LR/WD schedule flags of this run win over the checkpoint's.")
     use_checkpoint_opt_param_scheduler: bool = _f(False, "On resume, the checkpoint's LR/WD schedule wins over this run's flags.")
     ckpt_verify: bool = _f(False, "Check every item --load reads against the checksum its marker records (ours). Off by default: measured +9-34% of load time from the page cache here (bench/checkpoint.py), over the 5% budget; the coordinator files and the shard sizes are always checked.", negative_flag=True)
-    ckpt_fallback_on_corruption: bool = _f(False, "When the checkpoint --load names is damaged (checksum mismatch, unreadable file), load the previous complete one instead of stopping (ours).")
+    ckpt_fallback_on_corruption: bool = _f(False, "When the checkpoint --load names is damaged (a checksum mismatch, a missing or truncated shard, an unreadable coordinator file), load the previous complete one instead of stopping (ours); a file refused as possibly tampered with stops the run.")
     async_save: bool = _f(False, "Write checkpoints in a background thread while training goes on: the save step copies this rank's share of the checkpoint into host memory (kept for the next save), the checkpoint is published at the first step boundary after every rank finished writing; the last save of a run and a save before an exit stay synchronous.")
     exit_signal_handler: bool = _f(False, "On SIGTERM/SIGINT: all ranks agree at the next step boundary, save, exit 0.")
     exit_interval: int | None = _f(None, "Save and exit after the step whose number is a multiple of N.")

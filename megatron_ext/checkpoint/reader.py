@@ -239,7 +239,8 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
             except pickle.UnpicklingError as err:
                 raise UnsafeCheckpointFile(describe_unsafe(where, err, verified)) from None
             except Exception as err:  # noqa: BLE001 - torch's zip reader and unpickler raise many kinds
-                state = "its checksum matches" if verified else "not verified: --ckpt-verify tells whether it is damaged"
+                state = ("its checksum matches" if verified
+                         else "not verified: --ckpt-verify tells whether it is damaged")
                 raise UnreadableCheckpointItem(
                     f"{UNREADABLE}: {where} ({state}): {type(err).__name__}: {' '.join(str(err).split())[:200]}") \
                     from None
