@@ -92,7 +92,6 @@ def python_group(filename: str, function: str) -> str:
     the file, or one of three C groups: the autograd engine (the backward pass's C++ part: its
     operators' dispatch and launches), torch operators called from Python (dispatch and launch), other
     builtins (pure)."""
-    path = filename.replace(os.sep, "/")
     if filename == "~":
         if "run_backward" in function:
             return "C: autograd engine (backward operators)"

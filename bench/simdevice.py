@@ -13,6 +13,10 @@ Pieces:
 - :class:`SimChunk`: a megatron-core pipeline model chunk of SimLayers (``config``,
   ``model_type``, ``set_input_tensor``): runs through ``get_forward_backward_func()``.
 - :class:`SimStage`: the same layers as a plain module, for ``torch.distributed.pipelining``.
+- :class:`SplitSimLayer`: the same layer with its backward split in two autograd nodes, an input
+  path (``t_B``) and a weight path (``t_W``), so that torch.distributed.pipelining's zero-bubble
+  schedules can run the weight path later; under a ``WeightGradQueue`` capture (our runtime's B) the
+  weight path queues its work instead, as the model side's linears do.
 - :class:`SavedTensorMeter`: exact live / peak bytes of saved activations.
 """
 
@@ -56,6 +60,66 @@ class SimulatedCompute(torch.autograd.Function):
         return grad * ctx.weight, (grad * x).sum().reshape(ctx.weight.shape), None
 
 
+class _InputPath(torch.autograd.Function):
+    """y = x * w after ``t_forward``; backward: dx = g * w after ``t_input`` (w comes in detached)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, t_forward: float, t_input: float) -> torch.Tensor:
+        busy_wait(t_forward)
+        ctx.weight, ctx.t_input = weight, t_input
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        busy_wait(ctx.t_input)
+        return grad * ctx.weight, None, None, None
+
+
+class _WeightPath(torch.autograd.Function):
+    """0 in forward (free); backward: dw = sum(g * x) after ``t_weight``, deferred to the layer's
+    queue while one captures. Saves x: the activation lives until W."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, t_weight: float,
+                layer: "SplitSimLayer") -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.t_weight, ctx.layer = t_weight, layer
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        t_weight, weight = ctx.t_weight, ctx.layer.weight
+
+        def run_w() -> None:
+            busy_wait(t_weight)
+            dw = (grad * x).sum().reshape(weight.shape)
+            weight.grad = dw if weight.grad is None else weight.grad + dw
+
+        queue = ctx.layer.wgrad_queue
+        if queue is not None and queue.defer(run_w):
+            return None, None, None, None
+        busy_wait(t_weight)
+        return None, (grad * x).sum().reshape(weight.shape), None, None
+
+
+class SplitSimLayer(torch.nn.Module):
+    """A SimLayer whose backward is two autograd nodes: input path (``t_input`` per token) and weight
+    path (``t_weight`` per token); ``wgrad_queue``: where a captured W goes (None: never deferred)."""
+
+    def __init__(self, seconds_per_token: float, input_seconds_per_token: float, weight_seconds_per_token: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+        self.rates = (seconds_per_token, input_seconds_per_token, weight_seconds_per_token)
+        self.wgrad_queue = None
+
+    def forward(self, x: torch.Tensor, seq_dim: int = 0) -> torch.Tensor:
+        tokens = x.numel() // x.shape[-1]
+        t_f, t_b, t_w = (rate * tokens for rate in self.rates)
+        y = _InputPath.apply(x, self.weight.detach(), t_f, t_b)
+        return y + _WeightPath.apply(x.detach(), self.weight, t_w, self)
+
+
 class SimLayer(torch.nn.Module):
     """One simulated layer on [..., h] activations: tokens = numel / h."""
 
@@ -80,14 +144,18 @@ class SimChunk(torch.nn.Module):
     The first virtual stage takes its input from the batch (no embedding), the others from
     ``set_input_tensor`` (what the schedule received from the previous stage)."""
 
-    def __init__(self, config, num_layers: int, seconds_per_token: float, pre_process: bool):
+    def __init__(self, config, num_layers: int, seconds_per_token: float, pre_process: bool,
+                 split: tuple[float, float] | None = None):
+        """``split`` = (input, weight) seconds per token: SplitSimLayers (else SimLayers, backward 2x)."""
         from megatron.core.enums import ModelType
 
         super().__init__()
         self.config = config
         self.model_type = ModelType.encoder_or_decoder
         self.pre_process = pre_process
-        self.layers = torch.nn.ModuleList(SimLayer(seconds_per_token) for _ in range(num_layers))
+        self.layers = torch.nn.ModuleList(
+            SplitSimLayer(seconds_per_token, *split) if split else SimLayer(seconds_per_token)
+            for _ in range(num_layers))
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
@@ -103,9 +171,11 @@ class SimChunk(torch.nn.Module):
 class SimStage(torch.nn.Module):
     """The same layers for ``torch.distributed.pipelining`` (batch-first [b, s, h])."""
 
-    def __init__(self, num_layers: int, seconds_per_token: float):
+    def __init__(self, num_layers: int, seconds_per_token: float, split: tuple[float, float] | None = None):
         super().__init__()
-        self.layers = torch.nn.ModuleList(SimLayer(seconds_per_token) for _ in range(num_layers))
+        self.layers = torch.nn.ModuleList(
+            SplitSimLayer(seconds_per_token, *split) if split else SimLayer(seconds_per_token)
+            for _ in range(num_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -218,12 +218,65 @@ WORKAROUNDS: tuple[Workaround, ...] = (
          "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward"),
     ),
     Workaround(
+        "weight-gradient-deferral",
+        "megatron-core's local linears compute the weight gradient inside the backward (their backward_dw() "
+        "does nothing) and return a dummy gradient so DDP's grad-ready hook fires at B. With a zero-bubble "
+        "schedule's deferral installed, each linear's _forward_impl (per instance) runs our copy of "
+        "LinearWithGradAccumulationAndAsyncCommunication whose weight GEMM (megatron-core's own fused "
+        "wgrad_gemm_accum_* or plain GEMM, the SP all-gather into the 'mpu' buffer) is deferred, and DDP's "
+        "delay_wgrad_compute / skip_backward_post_hook / register_wgrad_accumulation_and_reduce_hooks seam "
+        "hands the weight's hook to the layer, which runs it in W",
+        "megatron_ext.model.wgrad_deferral:apply_weight_grad_deferral",
+        ("megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
+         "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
+         "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
+         "megatron.core.tensor_parallel.layers.dist_all_gather_func",
+         "megatron.core.tensor_parallel.layers.dist_reduce_scatter_func",
+         "megatron.core.utils.prepare_input_tensors_for_wgrad_compute",
+         "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel._make_backward_post_hook",
+         "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig"),
+    ),
+    Workaround(
+        "v-placement-layer-numbers",
+        "megatron-core names a chunk's layers (count and global offset: layer numbers, checkpoint keys) from "
+        "(vp_stage, pp rank) of its loop placement; under the V placement (ZBV) chunk 1 of rank r is stage "
+        "2p-1-r, which the loop placement puts on rank p-1-r: the three functions are wrapped to ask for that "
+        "chunk when the TransformerConfig is marked 'v' (unchanged otherwise)",
+        "megatron_ext.model.v_placement:apply_v_placement_layer_numbers",
+        ("megatron.core.transformer.transformer_layer.get_transformer_layer_offset",
+         "megatron.core.transformer.transformer_block.get_transformer_layer_offset",
+         "megatron.core.transformer.transformer_block.get_num_layers_to_build"),
+    ),
+    Workaround(
+        "v-placement-last-stage",
+        "megatron-core puts the last stage on the last pipeline rank: Float16Module upcasts the outputs of "
+        "(last vp stage, last pp rank), finalize_model_grads broadcasts the token count from the last pp rank, "
+        "and the embedding group (tied output weight) is the first and last pp rank, whose build then fails "
+        "under V. Under V: Float16Module.forward decides by the chunk's pre/post_process, our finalize "
+        "broadcasts from rank 0 and ties the embedding locally, the embedding group is rank 0 alone",
+        "megatron_ext.model.v_placement:finalize_model_grads_v",
+        ("megatron.core.transformer.module.Float16Module.forward",
+         "megatron.core.distributed.finalize_model_grads.finalize_model_grads",
+         "megatron.core.parallel_state.default_embedding_ranks",
+         "megatron.core.models.common.language_module.language_module.LanguageModule"
+         ".setup_embeddings_and_output_layer"),
+    ),
+    Workaround(
         "checkpoint-without-output-fp8-flag",
         "CheckpointWithoutOutput(fp8=False), its default, sets self.fp8 = (fp8 is not None) = True and "
         "calls Transformer Engine's FP8GlobalStateManager: --recompute-modules layernorm raises "
         "NameError without TE",
         "megatron_ext.model.gpt:apply_checkpoint_without_output_fix",
         ("megatron.core.tensor_parallel.random.CheckpointWithoutOutput",),
+    ),
+    Workaround(
+        "process-group-store",
+        "torch has no public accessor for the default process group's key-value store (the one torchrun's "
+        "agent or rank 0 hosts); the stall watchdog's heartbeats clone it for connections of their own, with "
+        "short timeouts, and fall back to a TCPStore client to MASTER_ADDR:MASTER_PORT",
+        "megatron_ext.heartbeat:open_store_connection",
+        ("torch.distributed.distributed_c10d._get_default_store", "torch.distributed.Store.clone",
+         "torch.distributed.Store.set_timeout"),
     ),
     Workaround(
         "destroy-process-groups",

@@ -89,35 +89,44 @@ def _tiktoken_pattern(value, cfg):
 
 
 FLAGS = [
-    MegatronFlag("--use-mcore-models", STORE_TRUE, _noop("--use-mcore-models changes nothing: the models are always megatron-core's"), "Accepted (always so)."),
-    MegatronFlag("--use-dist-ckpt", STORE_TRUE, _noop("--use-dist-ckpt changes nothing: checkpoints are always megatron-core distributed checkpoints (torch_dist)"), "Accepted (always so)."),
-    MegatronFlag("--ckpt-format", 1, _one_of({"torch_dist": None}, "--ckpt-format {value}: only torch_dist (megatron-core distributed checkpoints) is written and read"), "torch_dist only."),
-    MegatronFlag("--no-create-attention-mask-in-dataloader", STORE_TRUE, _noop("--no-create-attention-mask-in-dataloader changes nothing: no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)"), "Accepted (always so)."),
-    MegatronFlag("--no-mmap-bin-files", STORE_TRUE, _noop("--no-mmap-bin-files changes nothing here: .bin files are memory-mapped"), "Accepted, no effect."),
-    MegatronFlag("--log-throughput", STORE_TRUE, _noop("--log-throughput changes nothing: tokens/s and TFLOP/s per GPU are always logged"), "Accepted (always so)."),
-    MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is our fused vocab-parallel cross-entropy (model/cross_entropy.py) in any case"), "Accepted, no effect."),
-    MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / flash's varlen kernel; the start-up line names them)"), "Accepted, no effect."),
-    MegatronFlag("--no-masked-softmax-fusion", STORE_TRUE, _noop("--no-masked-softmax-fusion changes nothing: the local spec uses no masked-softmax kernel"), "Accepted, no effect."),
-    MegatronFlag("--no-bias-gelu-fusion", STORE_TRUE, _noop("--no-bias-gelu-fusion changes nothing here"), "Accepted, no effect."),
-    MegatronFlag("--no-bias-swiglu-fusion", STORE_TRUE, _noop("--no-bias-swiglu-fusion changes nothing here"), "Accepted, no effect."),
-    MegatronFlag("--no-bias-dropout-fusion", STORE_TRUE, _noop("--no-bias-dropout-fusion changes nothing here"), "Accepted, no effect."),
-    MegatronFlag("--no-rope-fusion", STORE_TRUE, _noop("--no-rope-fusion changes nothing: rotary embeddings are applied by our packed-aware code, unfused"), "Accepted, no effect."),
-    MegatronFlag("--distributed-backend", 1, _one_of({"nccl": None, "gloo": None}, "--distributed-backend {value}: nccl (CUDA) or gloo (CPU), chosen by device"), "nccl on CUDA, gloo on CPU (by device)."),
-    MegatronFlag("--use-rotary-position-embeddings", STORE_TRUE, _needs_rope("--use-rotary-position-embeddings"), "Accepted with --position-embedding-type rope."),
-    MegatronFlag("--no-position-embedding", STORE_TRUE, _needs_rope("--no-position-embedding"), "Accepted with --position-embedding-type rope (no learned absolute embedding then)."),
-    MegatronFlag("--kv-channels", 1, _kv_channels, "Accepted when it equals --hidden-size / --num-attention-heads."),
-    MegatronFlag("--attention-backend", 1, _attention_backend, "Accepted with the local spec (no effect); refused with Transformer Engine."),
-    MegatronFlag("--tiktoken-pattern", 1, _tiktoken_pattern, "Accepted (no effect) with tokenizers other than TikTokenizer."),
+    MegatronFlag("--use-mcore-models", STORE_TRUE, _noop("--use-mcore-models changes nothing: the models are always megatron-core's"), "Accepted, no effect (one warning line): the models are always megatron-core's."),
+    MegatronFlag("--use-dist-ckpt", STORE_TRUE, _noop("--use-dist-ckpt changes nothing: checkpoints are always megatron-core distributed checkpoints (torch_dist)"), "Accepted, no effect (one warning line): checkpoints are always megatron-core distributed "
+                 "checkpoints (torch_dist)."),
+    MegatronFlag("--ckpt-format", 1, _one_of({"torch_dist": None}, "--ckpt-format {value}: only torch_dist (megatron-core distributed checkpoints) is written and read"), "torch_dist accepted silently (the only format written and read); other formats refused."),
+    MegatronFlag("--no-create-attention-mask-in-dataloader", STORE_TRUE, _noop("--no-create-attention-mask-in-dataloader changes nothing: no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)"), "Accepted, no effect (one warning line): no dense attention mask is ever built (causal "
+                 "kernels; packed documents through cu_seqlens)."),
+    MegatronFlag("--no-mmap-bin-files", STORE_TRUE, _noop("--no-mmap-bin-files changes nothing here: .bin files are memory-mapped"), "Accepted, no effect (one warning line): .bin files are memory-mapped."),
+    MegatronFlag("--log-throughput", STORE_TRUE, _noop("--log-throughput changes nothing: tokens/s and TFLOP/s per GPU are always logged"), "Accepted, no effect (one warning line): tokens/s and TFLOP/s per GPU are always logged."),
+    MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is our fused vocab-parallel cross-entropy (model/cross_entropy.py) in any case"), "Accepted, no effect (one warning line): the loss is our fused vocab-parallel "
+                 "cross-entropy (model/cross_entropy.py) in any case."),
+    MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / flash's varlen kernel; the start-up line names them)"), "Accepted, no effect (one warning line): attention kernels are chosen by device (torch "
+                 "SDPA; flash's varlen kernel for packed sequences on CUDA)."),
+    MegatronFlag("--no-masked-softmax-fusion", STORE_TRUE, _noop("--no-masked-softmax-fusion changes nothing: the local spec uses no masked-softmax kernel"), "Accepted, no effect (one warning line): the local spec uses no masked-softmax kernel."),
+    MegatronFlag("--no-bias-gelu-fusion", STORE_TRUE, _noop("--no-bias-gelu-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
+    MegatronFlag("--no-bias-swiglu-fusion", STORE_TRUE, _noop("--no-bias-swiglu-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
+    MegatronFlag("--no-bias-dropout-fusion", STORE_TRUE, _noop("--no-bias-dropout-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
+    MegatronFlag("--no-rope-fusion", STORE_TRUE, _noop("--no-rope-fusion changes nothing: rotary embeddings are applied by our packed-aware code, unfused"), "Accepted, no effect (one warning line): rotary embeddings are applied by our packed-aware "
+                 "code, unfused."),
+    MegatronFlag("--distributed-backend", 1, _one_of({"nccl": None, "gloo": None}, "--distributed-backend {value}: nccl (CUDA) or gloo (CPU), chosen by device"), "nccl or gloo accepted silently: the backend is chosen by device (nccl on CUDA, gloo on "
+                 "CPU); other values refused."),
+    MegatronFlag("--use-rotary-position-embeddings", STORE_TRUE, _needs_rope("--use-rotary-position-embeddings"), "Accepted silently with --position-embedding-type rope; refused without it."),
+    MegatronFlag("--no-position-embedding", STORE_TRUE, _needs_rope("--no-position-embedding"), "Accepted silently with --position-embedding-type rope (no learned absolute embedding "
+                 "then); refused without it."),
+    MegatronFlag("--kv-channels", 1, _kv_channels, "Accepted silently when it equals --hidden-size / --num-attention-heads; other head sizes "
+                 "refused."),
+    MegatronFlag("--attention-backend", 1, _attention_backend, "Accepted with the local spec, no effect (one warning line: attention runs on torch SDPA, "
+                 "packed sequences on flash's varlen kernel on CUDA in bf16/fp16); refused with Transformer Engine."),
+    MegatronFlag("--tiktoken-pattern", 1, _tiktoken_pattern, "Accepted, no effect (one warning line) with tokenizers other than TikTokenizer."),
     # refused: they would change the model or the training, and we lack them
-    MegatronFlag("--apply-layernorm-1p", STORE_TRUE, _refuse("--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"), "Refused."),
-    MegatronFlag("--decoupled-lr", 1, _refuse("--decoupled-lr (a separate learning rate for the embedding and output layer) is not supported: leave it out"), "Refused."),
-    MegatronFlag("--decoupled-min-lr", 1, _refuse("--decoupled-min-lr is not supported (see --decoupled-lr)"), "Refused."),
-    MegatronFlag("--grad-reduce-in-bf16", STORE_TRUE, _refuse("--grad-reduce-in-bf16 is not supported: gradients are reduced in fp32"), "Refused."),
-    MegatronFlag("--fp8-format", 1, _refuse("--fp8-format: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16"), "Refused."),
-    MegatronFlag("--fp8-amax-history-len", 1, _refuse("--fp8-amax-history-len: FP8 training is not supported"), "Refused."),
-    MegatronFlag("--fp8-amax-compute-algo", 1, _refuse("--fp8-amax-compute-algo: FP8 training is not supported"), "Refused."),
-    MegatronFlag("--fp8-param-gather", STORE_TRUE, _refuse("--fp8-param-gather: FP8 training is not supported"), "Refused."),
-    MegatronFlag("--use-checkpoint-args", STORE_TRUE, _refuse("--use-checkpoint-args is not supported: give the model flags (a mismatch with the checkpoint is refused by name)"), "Refused."),
+    MegatronFlag("--apply-layernorm-1p", STORE_TRUE, _refuse("--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"), "Refused: zero-centred LayerNorm weights are not supported (the model would differ)."),
+    MegatronFlag("--decoupled-lr", 1, _refuse("--decoupled-lr (a separate learning rate for the embedding and output layer) is not supported: leave it out"), "Refused: a separate learning rate for the embedding and output layer is not supported."),
+    MegatronFlag("--decoupled-min-lr", 1, _refuse("--decoupled-min-lr is not supported (see --decoupled-lr)"), "Refused (see --decoupled-lr)."),
+    MegatronFlag("--grad-reduce-in-bf16", STORE_TRUE, _refuse("--grad-reduce-in-bf16 is not supported: gradients are reduced in fp32"), "Refused: gradients are reduced in fp32."),
+    MegatronFlag("--fp8-format", 1, _refuse("--fp8-format: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16"), "Refused: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16."),
+    MegatronFlag("--fp8-amax-history-len", 1, _refuse("--fp8-amax-history-len: FP8 training is not supported"), "Refused: FP8 training is not supported."),
+    MegatronFlag("--fp8-amax-compute-algo", 1, _refuse("--fp8-amax-compute-algo: FP8 training is not supported"), "Refused: FP8 training is not supported."),
+    MegatronFlag("--fp8-param-gather", STORE_TRUE, _refuse("--fp8-param-gather: FP8 training is not supported"), "Refused: FP8 training is not supported."),
+    MegatronFlag("--use-checkpoint-args", STORE_TRUE, _refuse("--use-checkpoint-args is not supported: give the model flags (a mismatch with the checkpoint is refused by name)"), "Refused: give the model flags (a mismatch with the checkpoint is refused by name)."),
 ]
 BY_DEST = {f.dest: f for f in FLAGS}
 MEGATRON_FLAG_NAMES = frozenset(f.flag for f in FLAGS)

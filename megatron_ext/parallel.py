@@ -17,26 +17,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.config import JobConfig, get_virtual_pipeline_size
 from megatron_ext.compat import check_versions
+from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import apply_cpu_platform, get_distributed_backend
+from megatron_ext.derived import get_stage_placement, get_virtual_pipeline_size
+from megatron_ext.model.v_placement import get_v_embedding_ranks
+from megatron_ext.pipeline.placement import get_stage_index
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePlacement:
-    """Where one rank sits in the pipeline (read from megatron-core once, by the caller)."""
+    """Where one rank sits in the pipeline (read from megatron-core once, by the caller).
+
+    ``placement`` says which stage each local chunk runs (``pipeline/placement.py``): "loop"
+    (megatron-core's: the last stage on rank p-1) or "v" (ZBV: the first and the last on rank 0)."""
 
     pp_rank: int
     pp_size: int
     tp_rank: int
     tp_size: int
     vp_size: int | None
+    placement: str = "loop"
+
+    def get_stage(self, vp_stage: int) -> int:
+        """The pipeline stage this rank runs as local chunk ``vp_stage``."""
+        return get_stage_index(self.pp_rank, vp_stage, self.pp_size, self.vp_size or 1, self.placement)
 
     def is_first(self, vp_stage: int) -> bool:
-        return self.pp_rank == 0 and vp_stage == 0
+        return self.get_stage(vp_stage) == 0
 
     def is_last(self, vp_stage: int) -> bool:
-        return self.pp_rank == self.pp_size - 1 and vp_stage == (self.vp_size or 1) - 1
+        return self.get_stage(vp_stage) == self.pp_size * (self.vp_size or 1) - 1
 
 
 @dataclasses.dataclass
@@ -57,19 +68,26 @@ class ParallelContext:
     pp_group: Any
     dp_group: Any
     mp_group: Any  # TP x PP ranks sharing one DP rank: the ranks of one pipeline replica
+    stage_placement: str = "loop"  # "v" under ZBV / DualPipeV (pipeline/placement.py)
 
     @property
     def placement(self) -> StagePlacement:
-        return StagePlacement(self.pp_rank, self.pp_size, self.tp_rank, self.tp_size, self.vp_size)
+        return StagePlacement(self.pp_rank, self.pp_size, self.tp_rank, self.tp_size, self.vp_size,
+                              self.stage_placement)
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        """This pipeline rank holds the last stage, where the loss is: rank p-1 under the loop
+        placement, rank 0 under V."""
+        return self.pp_rank == (0 if self.stage_placement == "v" else self.pp_size - 1)
 
     @property
     def is_logging_rank(self) -> bool:
-        """The last rank: last pipeline stage, where the loss is known."""
-        return self.rank == self.world_size - 1
+        """The last TP and DP rank of the pipeline rank holding the loss (the last rank of the world
+        under the loop placement)."""
+        if self.stage_placement != "v":
+            return self.rank == self.world_size - 1
+        return self.is_last_stage and self.tp_rank == self.tp_size - 1 and self.dp_rank == self.dp_size - 1
 
 
 def init_distributed(device: torch.device, timeout_minutes: int) -> None:
@@ -114,12 +132,17 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
     apply_cpu_platform(device)
     check_tp_inside_node(cfg.parallel.tensor_model_parallel_size)
     vp = get_virtual_pipeline_size(cfg)
+    stage_placement = get_stage_placement(cfg)
+    embedding_ranks = {}
+    if stage_placement == "v":  # the tied embedding's two copies are both on pipeline rank 0
+        embedding_ranks = dict(get_embedding_ranks=get_v_embedding_ranks)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
         distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
         create_gloo_process_groups=device.type == "cuda",
+        **embedding_ranks,
     )
     # Dropout streams: megatron-core's convention (TP ranks differ, DP replicas agree).
     model_parallel_cuda_manual_seed(cfg.training.seed)
@@ -139,6 +162,7 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
+        stage_placement=stage_placement,
     )
 
 

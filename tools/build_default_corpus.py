@@ -103,7 +103,7 @@ def iter_module_docstrings(module) -> Iterator[str]:
             continue
         if inspect.isclass(obj) or inspect.isroutine(obj):
             members.append((name, obj))
-    for name, obj in sorted(members, key=lambda item: item[0]):
+    for _name, obj in sorted(members, key=lambda item: item[0]):
         doc = get_own_doc(obj)
         if doc:
             yield doc

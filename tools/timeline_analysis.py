@@ -72,30 +72,11 @@ def get_bubble_theory(pp_size: int, num_microbatches: int, vp_size: int = 1) -> 
 
 def get_schedule_order(pp_rank: int, pp_size: int, vp_size: int, num_microbatches: int,
                        group_size: int | None = None) -> list[tuple[str, int, int]]:
-    """The (kind, chunk, mb) sequence megatron-core's schedule runs on one pipeline rank.
+    """The (kind, chunk, mb) sequence megatron-core's schedule runs on one pipeline rank (the whole
+    backward as "B"): ``megatron_ext.pipeline.schedules.one_f_one_b``, which says how."""
+    from megatron_ext.pipeline.schedules.one_f_one_b import get_megatron_core_rank_order
 
-    1F1B (v = 1): w = min(p - r - 1, m) warm-up forwards, m - w (F, B) pairs, w cool-down
-    backwards; the no-pipelining schedule (p = 1) is the same with w = 0. Interleaved
-    (Narayanan et al. 2021, megatron-core's schedule table): forward k runs table entry k, where
-    micro-batches go in groups of g (``microbatch_group_size_per_vp_stage``, default p) through
-    every chunk in order before the next group; backward k runs table entry k on the mirrored
-    chunk v-1-c; w = min(2 (p - r - 1) + (v - 1) g, m v).
-    """
-    p, r, v, m = pp_size, pp_rank, vp_size, num_microbatches
-    if v == 1:
-        table = [(mb, 0) for mb in range(m)]
-        warmup = min(p - r - 1, m)
-    else:
-        g = group_size or p
-        table = [(mb, c) for lo in range(0, m, g)
-                 for c in range(v) for mb in range(lo, m if lo + g >= m else lo + g)]
-        warmup = min(2 * (p - r - 1) + (v - 1) * g, m * v)
-    fwd = [("F", c, mb) for mb, c in table]
-    bwd = [("B", v - 1 - c, mb) for mb, c in table]
-    order = fwd[:warmup]
-    for k in range(len(table) - warmup):
-        order += [fwd[warmup + k], bwd[k]]
-    return order + bwd[len(table) - warmup:]
+    return get_megatron_core_rank_order(pp_rank, pp_size, vp_size, num_microbatches, group_size)
 
 
 def get_max_in_flight(ops: list[Op]) -> int:
@@ -222,41 +203,27 @@ def get_bubble_stats(step_records: dict[int, list[dict]]) -> list[BubbleStats]:
 
 def simulate_schedule(pp_size: int, vp_size: int, num_microbatches: int, t_forward: float,
                       t_backward: float, hop: float = 0.0, group_size: int | None = None) -> dict[int, list[Op]]:
-    """Discrete-event model of megatron-core's schedule: every rank runs ``get_schedule_order``;
-    an op starts when its rank is free and its input is there (a forward's activation or a
-    backward's gradient arrives ``hop`` seconds after the neighbouring stage finished it).
-    ``t_forward`` / ``t_backward`` are per chunk. Returns {pp_rank: ops}."""
-    p, v, m = pp_size, vp_size, num_microbatches
-    orders = {r: get_schedule_order(r, p, v, m, group_size) for r in range(p)}
-    pos = dict.fromkeys(range(p), 0)
-    free = dict.fromkeys(range(p), 0.0)
-    done: dict[tuple[str, int, int], tuple[int, float]] = {}  # (kind, stage, mb) -> (rank, end)
-    ops: dict[int, list[Op]] = {r: [] for r in range(p)}
-    remaining = sum(len(o) for o in orders.values())
-    while remaining:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(orders[r]):
-                kind, c, mb = orders[r][pos[r]]
-                s = c * p + r
-                if kind == "F":
-                    dep = ("F", s - 1, mb) if s > 0 else None
-                else:
-                    dep = ("B", s + 1, mb) if s < p * v - 1 else ("F", s, mb)
-                if dep is not None and dep not in done:
-                    break
-                ready = 0.0 if dep is None else done[dep][1] + (hop if done[dep][0] != r else 0.0)
-                start = max(free[r], ready)
-                end = start + (t_forward if kind == "F" else t_backward)
-                free[r] = end
-                done[(kind, s, mb)] = (r, end)
-                ops[r].append(Op(kind, c, mb, start, end))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("simulate_schedule: deadlock (orders are inconsistent)")
-    return ops
+    """Discrete-event model of megatron-core's schedule (``get_schedule_order`` on every rank) in
+    the one execution model our own orders use (``megatron_ext.pipeline.simulate``): an op starts
+    when its rank is free and its input is there, an input made on another rank arriving ``hop``
+    seconds after its producer ended. ``t_forward`` / ``t_backward`` (the whole backward) are per
+    chunk. Returns {pp_rank: ops}."""
+    from megatron_ext.pipeline.schedules.one_f_one_b import build_megatron_core_order
+    from megatron_ext.pipeline.simulate import StageCosts
+
+    order = build_megatron_core_order("megatron-core", pp_size, vp_size, num_microbatches, group_size)
+    costs = StageCosts.uniform(pp_size * vp_size, t_forward, t_backward, 0.0)
+    return simulate_order_ops(order, costs, hop)
+
+
+def simulate_order_ops(order, costs, hop: float = 0.0) -> dict[int, list[Op]]:
+    """Any ``PipelineOrder`` (ours or megatron-core's) through ``megatron_ext.pipeline.simulate``, as
+    {pp_rank: ops} with chunks (a whole backward "BW" reported as "B", as the timeline records it)."""
+    from megatron_ext.pipeline.simulate import simulate_order
+
+    sim = simulate_order(order, costs, hop)
+    return {r: [Op("B" if t.action.kind == "BW" else t.action.kind, order.chunk_of(t.action.stage), t.action.mb,
+                   t.start, t.end) for t in ops] for r, ops in enumerate(sim.ranks)}
 
 
 def to_records(ops_by_rank: dict[int, list[Op]], pp_size: int, vp_size: int, num_microbatches: int,

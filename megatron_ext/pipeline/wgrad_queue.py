@@ -73,3 +73,7 @@ class WeightGradQueue:
 
     def pending_keys(self) -> list[Hashable]:
         return list(self._pending)
+
+    def pending_work(self) -> list[Callable[[], None]]:
+        """The deferred W not run yet, all keys, in order (for inspection: what they hold)."""
+        return [fn for work in self._pending.values() for fn in work]

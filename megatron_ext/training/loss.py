@@ -11,6 +11,13 @@ and megatron-core divides by the global count only (by clamp(count, 1) in the op
 
 Only the last pipeline stage calls this. ``TokenLoss`` is our named type; megatron-core's
 ``(loss, num_tokens, report)`` tuple exists only at the boundary, in ``to_megatron``.
+
+Non-finite guard: a micro-batch whose loss is not finite makes every gradient of its backward NaN
+(``poison_non_finite``), so that the step's global gradient norm, which every rank agrees on before
+the optimizer step, is NaN and the update is skipped everywhere, as for non-finite gradients. An inf
+loss can come with finite gradients (the cross-entropy's gradient is bounded); without this its
+update was applied. No collective and no host synchronisation is added; a finite loss keeps its
+value and gradient bit for bit (multiplied by 1.0).
 """
 
 from __future__ import annotations
@@ -27,10 +34,30 @@ class TokenLoss(NamedTuple):
     loss_sum: torch.Tensor  # [] fp32, carries the graph
     num_tokens: torch.Tensor  # [] int
 
-    def to_megatron(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """megatron-core's 3-tuple: (loss, num_tokens, {name: [sum, count] for reporting})."""
+    def to_megatron(self, poison: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """megatron-core's 3-tuple: (loss, num_tokens, {name: [sum, count] for reporting}). ``poison``
+        (the non-finite guard on): the loss to differentiate is ``poison_non_finite``'s; the report
+        keeps the loss as computed, so that an inf shows as inf."""
         report = torch.stack([self.loss_sum.detach().float(), self.num_tokens.float()])
-        return self.loss_sum, self.num_tokens, {"lm loss": report}
+        loss = poison_non_finite(self.loss_sum) if poison else self.loss_sum
+        return loss, self.num_tokens, {"lm loss": report}
+
+
+def poison_non_finite(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` times 1.0 where it is finite (the same value and gradient, bit for bit), times NaN
+    where it is not: then the gradient of everything upstream of it (every pipeline stage, through
+    the P2P gradients) is NaN, and megatron-core's DP reduction carries it to every data-parallel
+    replica before the gradient norm is computed. On the device, without a host synchronisation."""
+    factor = torch.where(torch.isfinite(loss.detach()), 1.0, float("nan"))
+    return loss * factor
+
+
+def find_non_finite_microbatch(reports: list[dict[str, torch.Tensor]], key: str = "lm loss") -> int | None:
+    """The first micro-batch (its place in the step) whose reported loss is not finite, or None."""
+    for i, report in enumerate(reports):
+        if not bool(torch.isfinite(report[key]).all()):
+            return i
+    return None
 
 
 def compute_token_loss(per_token_loss: torch.Tensor, valid: torch.Tensor) -> TokenLoss:

@@ -19,13 +19,14 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_ext.config import get_max_microbatch_length, get_sequence_padding
-from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators, fetch_step_samples, get_microbatch_indices
-from megatron_ext.data.padding import collate_step
+from megatron_ext.cpu_platform import get_collective_device
+from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators
 from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
+from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
 from megatron_ext.parallel import ParallelContext
-from megatron_ext.training.loss import compute_token_loss, reduce_reported_loss
+from megatron_ext.pipeline.runtime import get_schedule_runtime
+from megatron_ext.training.loss import compute_token_loss, find_non_finite_microbatch, reduce_reported_loss
 from megatron_ext.training.optimizer import step_optimizer
 from megatron_ext.training.profiling import StepTimers
 
@@ -38,10 +39,12 @@ class StepResult:
     # the update was skipped because a loss or gradient was not finite (not an fp16 overflow,
     # which the loss scaler handles): the same on every rank
     non_finite: bool = False
+    # this rank's first micro-batch (its place in the step) whose loss was not finite (last stage only)
+    non_finite_microbatch: int | None = None
 
 
-def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor):
-    return compute_token_loss(output_tensor, valid).to_megatron()
+def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor, check_for_nan: bool = True):
+    return compute_token_loss(output_tensor, valid).to_megatron(poison=check_for_nan)
 
 
 def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -68,16 +71,17 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
     )
 
 
-def forward_step(data_iterator, model, progress: StepProgress | None = None):
+def forward_step(data_iterator, model, progress: StepProgress | None = None, check_for_nan: bool = True):
     """megatron-core forward_step_func: one micro-batch through one model chunk.
 
     Every virtual stage has its own iterator over the step's micro-batches, so a packed
     micro-batch's boundaries reach every stage with it (never through the P2P activations).
-    ``progress`` (the step watchdog's record) learns which micro-batch and chunk run.
+    ``progress`` (the step watchdog's record) learns which micro-batch and chunk run;
+    ``check_for_nan``: a non-finite loss makes the step's gradients NaN (``loss.poison_non_finite``).
     """
     mb: Microbatch = next(data_iterator)
     if progress is not None:
-        progress.microbatch, progress.chunk = mb.index, getattr(unwrap_model(model), "vp_stage", None) or 0
+        progress.record_microbatch(mb.index, getattr(unwrap_model(model), "vp_stage", None) or 0)
     output = model(
         input_ids=mb.tokens,
         position_ids=mb.position_ids,
@@ -85,15 +89,17 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None):
         labels=mb.labels.clamp(min=0),  # ignored positions are masked out of the loss
         packed_seq_params=get_packed_seq_params(mb, model),
     )
-    return output, functools.partial(_loss_func, mb.valid)
+    return output, functools.partial(_loss_func, mb.valid, check_for_nan=check_for_nan)
 
 
 def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
-    """Wire megatron-core's per-step hooks into the (shared) TransformerConfig."""
+    """Wire megatron-core's per-step hooks into the (shared) TransformerConfig (under the V
+    placement, the finalize that knows the loss and the tied embedding are on pipeline rank 0)."""
     from megatron.core.distributed import finalize_model_grads
 
     config = model[0].config
-    config.finalize_model_grads_func = finalize_model_grads
+    v = get_config_placement(config) == "v"
+    config.finalize_model_grads_func = finalize_model_grads_v if v else finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync if len(model) > 1 else no_sync[0]
@@ -149,13 +155,20 @@ def run_forward_backward(
     model: list[torch.nn.Module], microbatches: list[Microbatch], seq_length: int,
     forward_only: bool = False, forward_step_func: Callable = forward_step,
 ) -> list[dict[str, torch.Tensor]]:
-    """The schedule over the step's micro-batches; returns the last stage's loss reports."""
+    """The schedule over the step's micro-batches; returns the last stage's loss reports. The
+    schedule is ours (``pipeline/runtime.py``) when run.py attached one to the chunks for
+    --pipeline-schedule, else megatron-core's ``get_forward_backward_func()`` (unchanged)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not forward_only:
         for chunk in model:
             chunk.zero_grad_buffer()
     iterators = build_chunk_iterators(microbatches, len(model))
+    runtime = get_schedule_runtime(model)
+    if runtime is not None:
+        return runtime.run(forward_step_func=forward_step_func, data_iterator=iterators, model=model,
+                           num_microbatches=len(microbatches), seq_length=seq_length,
+                           micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
     return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=iterators if len(model) > 1 else iterators[0],
@@ -180,7 +193,7 @@ def train_step(
 ) -> StepResult:
     timer = timers.time if timers is not None else (lambda name: contextlib.nullcontext())
     optimizer.zero_grad()
-    step_func = functools.partial(forward_step, progress=progress) if progress is not None else forward_step
+    step_func = functools.partial(forward_step, progress=progress, check_for_nan=check_for_nan)
     with timer("forward-backward"):
         reports = run_forward_backward(model, microbatches, seq_length, forward_step_func=step_func)
     empty_unused_memory(ctx, empty_memory_level >= 1)
@@ -190,25 +203,28 @@ def train_step(
             scheduler.step(increment=global_batch_size)
     empty_unused_memory(ctx, empty_memory_level >= 2)
     local = reduce_reported_loss(reports) if ctx.is_last_stage else torch.zeros(2, dtype=torch.float64)
-    # a skip is an fp16 overflow when megatron-core's dynamic loss scaler is on, else non-finite
-    non_finite = check_for_nan and not update_successful and not model[0].config.fp16
-    return StepResult(local, grad_norm, update_successful, non_finite)
+    bad_microbatch = None if bool(torch.isfinite(local).all()) else find_non_finite_microbatch(reports)
+    non_finite = check_for_nan and not update_successful
+    if non_finite and model[0].config.fp16:
+        non_finite = agree_loss_non_finite(bad_microbatch is not None)
+    return StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch)
 
 
-def pad_step_samples(cfg: Any, pad_id: int, raw: list, group: Any) -> tuple[list[Microbatch], int]:
-    """A step's raw samples padded as ``--sequence-padding`` says (negotiating over ``group``)."""
-    return collate_step(raw, get_sequence_padding(cfg), group, cfg.data.pad_to_multiple_of,
-                        get_max_microbatch_length(cfg), pad_id)
+def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:
+    """Whether any rank's loss was not finite (one all-reduce over ``group``, by default the world:
+    every rank must learn it, and a pipeline's last stage sees only its own loss). Only after a skipped
+    --fp16 step: megatron-core's dynamic loss scaler skips an overflow of the scaled gradients too,
+    and the NaN a non-finite loss puts into the gradients looks the same to it; the skip is a nan
+    iteration only when a loss caused it (the scaler has backed off for it anyway, as it would for
+    an overflow). Steps whose update was applied, and every step without --fp16, never call this."""
+    flag = torch.tensor([float(mine)], device=get_collective_device(group))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
-    """This rank's micro-batches of the step starting at ``first_sample``: fetched, padded as
-    ``--sequence-padding`` says and moved to the device, now, in this thread; returns them and the
-    schedule's seq_length. (Training steps come from ``run.prefetcher`` when there is one.)"""
-    cfg, ctx = run.cfg, run.ctx
-    indices = get_microbatch_indices(
-        first_sample, run.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size
-    )
-    microbatches, length = pad_step_samples(cfg, run.pad_id, fetch_step_samples(dataset, indices, run.vocab_size),
-                                            ctx.mp_group)
-    return [mb.to(ctx.device) for mb in microbatches], length
+    """This rank's micro-batches of the step starting at ``first_sample`` from ``dataset``, built
+    now, in this thread, by the run's step-data builder (``data/step_data.py``: read, pad as
+    ``--sequence-padding`` says over the model-parallel group, move to the device); returns them and
+    the schedule's seq_length. (Training steps come from ``run.prefetcher`` when there is one.)"""
+    return run.step_data.build(dataset, first_sample)

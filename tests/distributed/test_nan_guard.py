@@ -56,7 +56,7 @@ def inject_nan(run, dp_rank: int, iterations: set[int], microbatch: int = 1) -> 
 def _snapshot(run) -> dict:
     out = {f"p{i}.{n}": p.detach().clone() for i, c in enumerate(run.model) for n, p in c.named_parameters()}
     inner = run.optimizer.optimizer
-    for k, (param, state) in enumerate(inner.state.items()):
+    for k, state in enumerate(inner.state.values()):
         for name, value in state.items():
             if torch.is_tensor(value):
                 out[f"opt{k}.{name}"] = value.clone()

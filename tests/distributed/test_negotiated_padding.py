@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
-from megatron_ext.data.microbatch import IGNORE_INDEX, collate
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.data.padding import collate
+from megatron_ext.derived import resolve_config
 from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.data.packed_dataset import build_packed_sample
 from megatron_ext.data.padding import negotiate_step_length
@@ -84,7 +86,8 @@ def _reference(rank: int, world_size: int) -> dict:
     for name, make in DATASETS.items():
         cfg = build_job_config(_values())
         ctx = build_parallel_context(cfg, torch.device("cpu"))
-        (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
+        (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
+                                      torch.device("cpu"))
         ds, total, count = make(), 0.0, 0
         for i in range(GBS):
             s = ds[i]
@@ -169,7 +172,7 @@ def test_pipeline_ranks_agree_on_the_rounded_global_max(ranks):
         groups.setdefault(tuple(members), []).append((local, agreed))
     assert len(groups) == 2  # two DP replicas of TP2 x PP2
     for members, pairs in groups.items():
-        expected = min(SEQ, -(-max(l for l, _ in pairs) // MULTIPLE) * MULTIPLE)
+        expected = min(SEQ, -(-max(length for length, _ in pairs) // MULTIPLE) * MULTIPLE)
         assert {a for _, a in pairs} == {expected}, (members, pairs)
         assert expected <= SEQ
 

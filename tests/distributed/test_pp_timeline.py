@@ -94,7 +94,7 @@ def test_render_png(traces, tmp_path):
     rows = re.findall(r"^rank\s+(\d+)\s+pp\s+(\d+)\s+v\s+(\d+)\s+m\s+(\d+)\s+bubble\s+([\d.]+)\s+theory\s+([\d.]+)",
                       proc.stdout, re.M)
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3], proc.stdout
-    for _, pp, vv, mm, measured, theory in rows:
+    for _, _pp, vv, mm, measured, theory in rows:
         assert (int(vv), int(mm)) == (v, m)
         assert float(theory) == pytest.approx(get_bubble_theory(p, m, v), abs=5e-4)
         assert float(measured) >= 0.0

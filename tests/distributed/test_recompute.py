@@ -11,7 +11,6 @@ comparison sees dropout masks.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import (

@@ -106,7 +106,7 @@ def test_blend_of_two_prefixes_follows_weights(tokenizer, tmp_path):
     path = tmp_path / "ids.jsonl"
     rng = numpy.random.default_rng(0)
     path.write_text("".join(
-        '{"text": "%s"}\n' % " ".join(map(str, rng.integers(8100, 8180, size=int(n))))
+        '{"text": "' + " ".join(map(str, rng.integers(8100, 8180, size=int(n)))) + '"}\n'
         for n in rng.integers(20, 200, size=300)))
     preprocess_data(str(path), str(tmp_path / "ids"), "NullTokenizer", vocab_size=8191,
                     append_eod=True, progress=False)

@@ -92,7 +92,6 @@ def test_real_corpus_train_split_keeps_every_token_once(tmp_path):
     indexed = IndexedDataset(prefix)
     rebuilt: dict[int, list[np.ndarray]] = {}
     for b in range(train.index.num_bins):
-        lo, hi = train.index.bin_offsets[b], train.index.bin_offsets[b + 1]
         sample = train[b]  # epoch 0 visits every bin once (shuffled)
         cu = sample["cu_seqlens"].tolist()
         assert cu[0] == 0 and cu[-1] == len(sample["tokens"]) <= 256

@@ -25,7 +25,7 @@ def test_cuda_call_sites_still_exist_where_checked():
 
 
 def test_device_mapping_and_removal():
-    handle = platform.apply_cpu_platform(torch.device("cpu"))
+    platform.apply_cpu_platform(torch.device("cpu"))
     try:
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
@@ -82,7 +82,7 @@ def test_known_warnings_are_quiet_and_others_are_not():
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
         platform.quiet_known_warnings()
-        warnings.warn(DEPRECATE_MSG, FutureWarning)
-        warnings.warn("Transformer Engine and Apex are not installed. Falling back", UserWarning)
-        warnings.warn("something users should read", FutureWarning)
+        warnings.warn(DEPRECATE_MSG, FutureWarning, stacklevel=1)
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back", UserWarning, stacklevel=1)
+        warnings.warn("something users should read", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["something users should read"]

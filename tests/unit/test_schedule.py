@@ -9,9 +9,12 @@ import types
 
 import pytest
 
-from megatron_ext.checkpoint.state import check_scheduler_flags
-from megatron_ext.config import ConfigError, build_job_config, get_schedule_steps, get_train_iters, validate
-from megatron_ext.training.optimizer import build_scheduler, get_scheduler_state, load_scheduler_state
+from megatron_ext.checkpoint.compatibility import check_optimizer_flags, check_scheduler_flags
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import get_schedule_steps, get_train_iters
+from megatron_ext.validation import validate
+from megatron_ext.optim import apply_flag_settings, get_scheduler_state, load_scheduler_state, record_flag_settings
+from megatron_ext.training.optimizer import build_scheduler, get_schedule_lr_range
 
 MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, global_batch_size=8, micro_batch_size=1)
 
@@ -116,3 +119,49 @@ def test_a_changed_wsd_phase_is_refused_on_resume_and_restored_when_the_checkpoi
     sched = build_scheduler(cfg, _stub_optimizer(), 8)
     load_scheduler_state(sched, {**saved, "num_steps": 80})
     assert (sched.wsd_decay_steps, sched.lr_wsd_decay_style) == (32, "exponential")
+
+
+def _group(max_lr, min_lr, betas=(0.8, 0.95), eps=1e-6):
+    return {"params": [], "lr": 0.0, "weight_decay": 0.0, "max_lr": max_lr, "min_lr": min_lr, "betas": betas,
+            "eps": eps}
+
+
+def test_override_restores_each_groups_built_settings_by_index():
+    """megatron-core's groups may carry their own LR (a decoupled LR for the embeddings): a load gives
+    every group the checkpoint's values, and --override-opt-param-scheduler gives each group back what
+    it was built with, not --lr for all."""
+    cfg = _cfg(train_iters=10, lr=1e-3, min_lr=1e-4, lr_decay_style="linear",
+               override_opt_param_scheduler=True)
+    optimizer = types.SimpleNamespace(param_groups=[_group(1e-3, 1e-4), _group(5e-3, 5e-4)])  # group 1 decoupled
+    recorded = record_flag_settings(optimizer)
+    scheduler = build_scheduler(cfg, optimizer, 8)
+    saved = get_scheduler_state(scheduler)
+    # the load replaced the group dicts with the checkpoint's (an older --lr 3e-4, another Adam)
+    optimizer.param_groups = [_group(3e-4, 3e-5, (0.9, 0.999), 1e-8), _group(2e-3, 2e-4, (0.9, 0.999), 1e-8)]
+    apply_flag_settings(optimizer, recorded)
+    load_scheduler_state(scheduler, {**saved, "max_lr": 3e-4, "min_lr": 3e-5, "num_steps": 40})
+    # linear decay over 80 samples from 0, half-way: each group at the middle of its own range
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([5.5e-4, 2.75e-3])
+    assert [(g["betas"], g["eps"]) for g in optimizer.param_groups] == [((0.8, 0.95), 1e-6)] * 2
+    assert get_schedule_lr_range(scheduler) == (1e-3, 1e-4)  # what the start-up line shows: group 0's
+
+
+def test_the_schedule_line_reads_the_groups_own_learning_rates():
+    """megatron-core's get_lr reads a group's max_lr/min_lr before the scheduler's fields."""
+    optimizer = types.SimpleNamespace(param_groups=[_group(3e-4, 3e-5)])
+    scheduler = types.SimpleNamespace(optimizer=optimizer, max_lr=1e-3, min_lr=1e-4)
+    assert get_schedule_lr_range(scheduler) == (3e-4, 3e-5)
+    assert get_schedule_lr_range(types.SimpleNamespace(max_lr=1e-3, min_lr=1e-4)) == (1e-3, 1e-4)
+
+
+def test_changed_adam_options_are_refused_unless_a_flag_says_which_wins():
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "max_lr": 1e-3}
+    saved = {"optimizer": {0: {"optimizer": {"param_groups": [group, dict(group)]}}}}  # chained, mixed precision
+    assert check_optimizer_flags(saved, _cfg(adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)) == []
+    (problem,) = check_optimizer_flags(saved, _cfg(adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8))
+    assert problem.startswith("--adam-beta2: the checkpoint's Adam beta2 is 0.999, this run's flags give 0.95; "
+                              "add --override-opt-param-scheduler"), problem
+    for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        assert check_optimizer_flags(saved, _cfg(adam_beta2=0.95, **{flag: True})) == []
+    sgd = {"optimizer": {"param_groups": [{"momentum": 0.9, "max_lr": 1e-3}]}}
+    assert check_optimizer_flags(sgd, _cfg(optimizer="sgd", adam_beta2=0.95)) == []
