@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -98,6 +99,9 @@ def test_clean_resume_verifies_what_it_reads_and_is_exact(saved, tmp_path):
     assert out[-1]["loaded"] == 4 and out[-1]["losses"] == reference["losses"][4:]
     (line,) = [x for x in out[-1]["log"] if x.startswith("loaded checkpoint")]
     assert "checksums verified for" in line and "verified for 0 items" not in line
+    # the RNG state is a byte item: hashed and counted like the tensors (issue 27 item 3)
+    byte_items = re.search(r"\((\d+) of them byte items", line)
+    assert byte_items and int(byte_items[1]) >= 1 and "no recorded checksum" not in line, line
     # a resumed run reports its memory after its first log line too (it did only at iteration --log-interval)
     assert [x for x in out[-1]["log"] if x.startswith("> memory after iteration 5:")], out[-1]["log"]
 
