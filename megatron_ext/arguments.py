@@ -22,7 +22,7 @@ import typing
 from typing import Any, Sequence
 
 from megatron_ext.config import (
-    SECTION_TYPES, ConfigError, DataConfig, JobConfig, TrainingConfig, build_job_config,
+    REMOVED_SETTINGS, SECTION_TYPES, ConfigError, DataConfig, JobConfig, TrainingConfig, build_job_config,
 )
 from megatron_ext.derived import precision_name
 from megatron_ext.megatron_flags import (
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls):
             _add_flag(group, f, hints[f.name])
     add_megatron_flags(parser)
+    for name in REMOVED_SETTINGS:  # accepted by the parser, so that build_job_config names the replacement
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -225,7 +227,8 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError([f"--config {path}: expected a mapping of flag names to values"])
     flat, problems = flatten_config_sections(data, path)
     types = get_field_types()
-    for k in sorted(k for k in flat if k not in types):
+    problems += [f"--config {path}: {REMOVED_SETTINGS[k]}" for k in sorted(k for k in flat if k in REMOVED_SETTINGS)]
+    for k in sorted(k for k in flat if k not in types and k not in REMOVED_SETTINGS):
         close = difflib.get_close_matches(k, list(types), 1, 0.8)
         dashed = "--" + k.replace("_", "-")
         if dashed in MEGATRON_FLAG_NAMES:

@@ -73,14 +73,20 @@ WORKAROUNDS: tuple[Workaround, ...] = (
          "torch.distributed.checkpoint.filesystem._write_item"),
     ),
     Workaround(
-        "direct-checkpoint-reader",
-        "torch's FileSystemReader runs a full torch.load of every item into a temporary tensor and "
-        "copies it (every byte written twice; under half the speed of torch.load); DCP's load "
-        "planning round trips only carry exceptions. Switch back: --ckpt-reader megatron",
-        "megatron_ext.checkpoint.reader:_direct_reader",
+        "checkpoint-reader-hook",
+        "megatron-core's torch_dist load strategy builds torch's FileSystemReader through a module function "
+        "and offers no way to check what it reads: a truncated shard fails inside torch's zip reader naming no "
+        "file, a damaged item loads silently, and torch DCP's DefaultLoadPlanner.load_bytes unpickles byte items "
+        "(the RNG state) with weights_only=False. During our load that function returns our subclass, which "
+        "checks shard sizes, hashes every item against the marker (--ckpt-verify) and lets a byte item reach "
+        "load_bytes only after torch's weights-only unpickler accepted it. (Our own faster reader, 'direct', "
+        "was removed: 2.4-3.0x megatron-core's from the page cache, 0.6-0.9x from disk; bench/checkpoint.py "
+        "--readers)",
+        "megatron_ext.checkpoint.reader:_verifying_reader",
         ("megatron.core.dist_checkpointing.strategies.torch._get_filesystem_reader",
-         "megatron.core.dist_checkpointing.strategies.torch.checkpoint",
-         "torch._C.PyTorchFileReader", "torch._utils._rebuild_tensor_v2"),
+         "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader.CachedMetadataFileSystemReader",
+         "torch.distributed.checkpoint.FileSystemReader.read_data",
+         "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes"),
     ),
     Workaround(
         "distrib-optimizer-bucket-padding",

@@ -216,13 +216,21 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = _f(False, "With --load: a directory holding no checkpoint is an error even when it is --save.")
     override_opt_param_scheduler: bool = _f(False, "On resume, this run's LR/WD schedule and Adam flags (--lr, --min-lr, --adam-beta1/2, --adam-eps) win over the checkpoint's in every parameter group, from the first resumed step.")
     use_checkpoint_opt_param_scheduler: bool = _f(False, "On resume, the checkpoint's LR/WD schedule and Adam betas/eps win over this run's flags.")
-    ckpt_verify: bool = _f(False, "Check every item --load reads against the checksum its marker records (ours). Off by default: measured +9-34% of load time from the page cache here (bench/checkpoint.py), over the 5% budget; the coordinator files and the shard sizes are always checked.", negative_flag=True)
-    ckpt_fallback_on_corruption: bool = _f(False, "When the checkpoint --load names is damaged (checksum mismatch, unreadable file), load the previous complete one instead of stopping (ours).")
-    ckpt_reader: str = _f("direct", "How --load reads tensor bytes: direct (ours, straight into the model and optimizer tensors) or megatron (megatron-core's stock torch_dist reader). Same files either way.", choices=["direct", "megatron"])
+    ckpt_verify: bool = _f(False, "Hash every stored item --load uses (whole, also when a reshard reads part of it; byte items such as the RNG state included) and compare it with the checksum its marker records; a mismatch is a damaged checkpoint named with file and byte range (ours). Off by default: at 1 GiB per rank it cost +42-48% of load time from the page cache and +24-49% from disk (python -m bench.checkpoint --readers), over the 5% budget; coordinator files, shard sizes and safe unpickling are always checked.", negative_flag=True)
+    ckpt_fallback_on_corruption: bool = _f(False, "When the checkpoint --load names is damaged (a checksum mismatch, a missing or truncated shard, an unreadable coordinator file), load the previous complete one instead of stopping (ours); a file refused as possibly tampered with stops the run.")
     async_save: bool = _f(False, "Write checkpoints in a background thread while training goes on: the save step copies this rank's share of the checkpoint into host memory (kept for the next save), the checkpoint is published at the first step boundary after every rank finished writing; the last save of a run and a save before an exit stay synchronous.")
     exit_signal_handler: bool = _f(False, "On SIGTERM/SIGINT: all ranks agree at the next step boundary, save, exit 0.")
     exit_interval: int | None = _f(None, "Save and exit after the step whose number is a multiple of N.")
     exit_duration_in_mins: float | None = _f(None, "Save and exit once the run has lasted this many minutes.")
+
+
+# Settings that no longer exist: each name -> the one error that says what replaces it (flags and
+# config files alike), instead of "unknown setting".
+REMOVED_SETTINGS = {
+    "ckpt_reader": "--ckpt-reader was removed: checkpoints always load through megatron-core's torch_dist reader "
+                   "(what '--ckpt-reader megatron' chose; ours, 'direct', was slower from disk), checked by "
+                   "--ckpt-verify; delete the setting",
+}
 
 
 @dataclass
@@ -311,6 +319,9 @@ def report_error_once(message: str) -> bool:
 def build_job_config(values: dict[str, Any]) -> JobConfig:
     """Build a JobConfig from flat ``{field_name: value}``; unknown names are an error."""
     where = get_field_section()
+    removed = [REMOVED_SETTINGS[k] for k in sorted(values) if k in REMOVED_SETTINGS]
+    if removed:
+        raise ConfigError(removed)
     unknown = sorted(k for k in values if k not in where)
     if unknown:
         raise ConfigError([f"unknown setting '{k}' (no flag --{k.replace('_', '-')})" for k in unknown])

@@ -130,7 +130,7 @@ MEGATRON_FLAG_NAMES = frozenset(f.flag for f in FLAGS)
 
 
 def escape_help(text: str) -> str:
-    """argparse formats help text with ``%``: a literal percent sign ("+9-34% of load time") must be
+    """argparse formats help text with ``%``: a literal percent sign ("+42-48% of load time") must be
     doubled, or ``--help`` fails with a TypeError."""
     return text.replace("%", "%%")
 

@@ -373,11 +373,15 @@ def check_hf_output_dir(hf_dir: str) -> None:
 
 def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = print) -> str:
     """Our newest complete checkpoint under ``load`` (or ``load`` itself, one ``iter_XXXXXXX``
-    directory) -> HF safetensors + config.json in a new or empty ``hf_dir``."""
+    directory) -> HF safetensors + config.json in a new or empty ``hf_dir``. Every file and item read
+    is checked against the checksums its save recorded (as ``--ckpt-verify`` checks a load); a
+    damaged file, or one holding what a checkpoint never holds, is a ValueError naming it, and
+    nothing is written."""
     from safetensors.torch import save_file
 
     from megatron_ext.checkpoint.directory import resolve_load_path
-    from megatron_ext.checkpoint.state import load_full_tensors, read_checkpoint_common
+    from megatron_ext.checkpoint.reader import NAMED_ERRORS, open_checkpoint
+    from megatron_ext.checkpoint.state import load_full_tensors
 
     check_hf_output_dir(hf_dir)
     found, warning = resolve_load_path(load)  # a save directory or one iter_XXXXXXX, as --load takes
@@ -386,14 +390,17 @@ def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = 
     if found is None:
         raise ValueError(f"--load {load}: no complete checkpoint")
     iteration, ckpt_dir = found
-    common = read_checkpoint_common(ckpt_dir)
-    args = common["args"]
-    hf = common.get("hf_config") or build_hf_config(args, common)
-    check_supported(hf)
-    log(f"reading {ckpt_dir} (iteration {iteration})")
-    # the weights only: a run's optimizer state (fp32 main parameters and two Adam moments, 6x the
-    # bytes of a bf16 model) would be read into memory and dropped
-    full = load_full_tensors(ckpt_dir, exclude=("optimizer.",))
+    try:  # every file and item read is checked against the checksums the save recorded
+        common = open_checkpoint(ckpt_dir, warn=lambda message: log(f"WARNING: {message}"))[1]
+        args = common["args"]
+        hf = common.get("hf_config") or build_hf_config(args, common)
+        check_supported(hf)
+        log(f"reading {ckpt_dir} (iteration {iteration})")
+        # the weights only: a run's optimizer state (fp32 main parameters and two Adam moments, 6x the
+        # bytes of a bf16 model) would be read into memory and dropped
+        full = load_full_tensors(ckpt_dir, exclude=("optimizer.",))
+    except NAMED_ERRORS as err:
+        raise ValueError(f"--load {load}: {err}; nothing was written to {hf_dir}") from None
     ours = unstack_layers(full, args["num_layers"])
     tensors = megatron_to_hf_tensors(ours, hf)
     os.makedirs(hf_dir, exist_ok=True)
@@ -491,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="TP size of the runs that will load it (only checked: it must divide the multiple)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    b = sub.add_parser("megatron-to-hf", help="our checkpoint -> HF Llama / Qwen2 (safetensors + config.json)")
+    b = sub.add_parser("megatron-to-hf", help="our checkpoint -> HF Llama / Qwen2 (safetensors + config.json); "
+                       "every file read is checked against the checksums its save recorded, a damaged one refused")
     b.add_argument("--load", required=True)
     b.add_argument("--hf-dir", required=True)
     args = parser.parse_args(argv)

@@ -11,8 +11,8 @@ rank and are restored only when the layout is unchanged; everything else reshard
 It works on a run's typed parts (``parts.CheckpointParts``: model chunks, optimizer, scheduler,
 train state, flags and meta) with this rank's ``ParallelContext`` and a log function, never on the
 ``TrainingRun`` (``training/checkpointing.py`` adapts a run). Writing follows ``directory.py`` (atomic
-publish); loading reads with ``reader.py`` (our direct reader, or megatron-core's stock reader with
-``--ckpt-reader megatron``), after ``compatibility.py`` has accepted the checkpoint.
+publish); loading reads with megatron-core's stock reader, checked as ``reader.py`` describes, after
+``compatibility.py`` has accepted the checkpoint.
 """
 
 from __future__ import annotations
@@ -25,20 +25,22 @@ from typing import Any, Callable
 import torch
 
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
-from megatron_ext.checkpoint.checksum import file_digest, is_available
 from megatron_ext.checkpoint.compatibility import (
     check_compatible, check_optimizer_flags, check_scheduler_flags, describe_changed_settings,
     describe_optimizer_flag_changes, effective_model_shape,
 )
 from megatron_ext.checkpoint.directory import (
-    FORMAT_VERSION, list_complete_checkpoints, read_marker, resolve_load_path, write_checkpoint,
+    FORMAT_VERSION, list_complete_checkpoints, resolve_load_path, write_checkpoint,
 )
 from megatron_ext.checkpoint.finite import describe_non_finite_weights
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
 from megatron_ext.checkpoint.parts import CheckpointParts
-from megatron_ext.checkpoint.reader import DAMAGED, DirectReadTorchDistLoadStrategy
+from megatron_ext.checkpoint.reader import (
+    ChecksumMismatch, UnsafeCheckpointFile, VerifyingFileSystemReader, VerifyingTorchDistLoadStrategy,
+    find_named_failure, open_checkpoint,
+)
 from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.optim import apply_flag_settings, get_scheduler_state, load_scheduler_state
 from megatron_ext.parallel import ParallelContext
@@ -51,7 +53,6 @@ SHARDED_STATE_DICT_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "chained_optim_avoid_prefix": True,
 }
-CHECKPOINT_READERS = ("direct", "megatron")
 
 
 def get_layout(ctx: ParallelContext) -> dict[str, int]:
@@ -218,25 +219,27 @@ def check_load_flags(cfg: JobConfig) -> str | None:
 def load_full_tensors(ckpt_dir: str, prefix: str = "", exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """{checkpoint key: full unsharded tensor} for every tensor whose key starts with ``prefix``
     and with none of ``exclude``, read in this process without a process group (for tools and
-    tests). Layer-stacked keys (``decoder.layers.*``) have the global layer index as dimension 0."""
+    tests). Layer-stacked keys (``decoder.layers.*``) have the global layer index as dimension 0.
+    Everything read is checked as ``--ckpt-verify`` checks a load (``reader.open_checkpoint``, then
+    every item against the marker); a damaged or unsafe file raises ``reader``'s named error."""
     from torch.distributed import checkpoint as dcp
 
-    reader = dcp.FileSystemReader(ckpt_dir)
+    checksums, _ = open_checkpoint(ckpt_dir)  # every item checked, as --ckpt-verify does
+    reader = VerifyingFileSystemReader(ckpt_dir, *((checksums["items"], checksums["algorithm"]) if checksums else ()))
     metadata = reader.read_metadata()
     state = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and not key.startswith(exclude) and hasattr(md, "size")
     }
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except BaseException as err:  # torch's CheckpointException (a BaseException) wraps the reader's
+        found = find_named_failure(err)
+        if found is None:
+            raise
+        raise found from None
     return state
-
-
-def read_checkpoint_common(ckpt_dir: str) -> dict[str, Any]:
-    """The non-sharded part of a checkpoint (args, train state, scheduler, ...), no process group."""
-    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-    return load_common_state_dict(ckpt_dir)
 
 
 class CheckpointDamaged(Exception):
@@ -245,7 +248,7 @@ class CheckpointDamaged(Exception):
 
 def load_parts(
     parts: CheckpointParts, ctx: ParallelContext, root: str, log: Log, load_optimizer: bool = True,
-    reader: str | None = None, *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
+    *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
 ) -> int | None:
     """Restore ``parts`` in place from the newest complete checkpoint under ``root`` (or from ``root``
     itself when it is one checkpoint's ``iter_XXXXXXX`` directory); collective.
@@ -255,9 +258,10 @@ def load_parts(
     (``parts.meta`` is what this run's must match), or the LR schedule flags differ with no flag
     saying which wins; and when the checkpoint is damaged (a checksum mismatch or an unreadable
     file, named), unless --ckpt-fallback-on-corruption asks to load the previous complete checkpoint
-    instead. ``reader`` defaults to ``--ckpt-reader``. ``step`` loads that iteration; ``weights_only``
-    (fine-tuning) restores the model and nothing else (iteration 0, fresh optimizer and schedule);
-    ``load_rng=False`` keeps the run's own random-number states.
+    instead; a file holding what a checkpoint never holds is a ConfigError saying it may have been
+    tampered with (no fallback). ``step`` loads that iteration; ``weights_only`` (fine-tuning) restores
+    the model and nothing else (iteration 0, fresh optimizer and schedule); ``load_rng=False`` keeps
+    the run's own random-number states.
     """
     found, warning = resolve_load_path(root, step)
     if found is None:
@@ -271,7 +275,7 @@ def load_parts(
     for i, (iteration, ckpt_dir) in enumerate(candidates):
         try:
             return _load_from(parts, ctx, log, root, iteration, ckpt_dir, load_optimizer and not weights_only,
-                              reader, weights_only, load_rng and not weights_only)
+                              weights_only, load_rng and not weights_only)
         except CheckpointDamaged as err:
             if i + 1 == len(candidates):
                 hint = ("" if fallback else
@@ -282,39 +286,13 @@ def load_parts(
     return None
 
 
-def _check_small_files(ckpt_dir: str, checksums: dict[str, Any]) -> None:
-    algorithm = checksums["algorithm"]
-    for name, digest in checksums.get("files", {}).items():
-        path = os.path.join(ckpt_dir, name)
-        try:
-            got = file_digest(path, algorithm)
-        except OSError as err:
-            raise CheckpointDamaged(f"damaged checkpoint file: {path} cannot be read ({err.strerror})") from None
-        if got != digest:
-            raise CheckpointDamaged(f"damaged checkpoint file (checksum mismatch): {path} ({algorithm} {got:x}, "
-                                    f"the checkpoint recorded {digest:x}): the file was damaged after it was written")
-
-
-def get_checksums_to_verify(ckpt_dir: str, marker: dict[str, Any], warn: Log) -> dict[str, Any] | None:
-    """The marker's checksum record when this machine has its algorithm (the coordinator files are
-    always checked; the items only with --ckpt-verify); ``warn`` is told when it does not."""
-    checksums = marker.get("checksums")
-    if not checksums:
-        return None
-    if not is_available(checksums["algorithm"]):
-        warn(f"WARNING: {ckpt_dir} was checksummed with {checksums['algorithm']}, which this machine "
-             f"lacks (pip install xxhash): loading it unverified")
-        return None
-    return checksums
-
-
 def _load_from(parts: CheckpointParts, ctx: ParallelContext, log: Log, root: str, iteration: int, ckpt_dir: str,
-               load_optimizer: bool, reader: str | None, weights_only: bool = False, load_rng: bool = True) -> int:
+               load_optimizer: bool, weights_only: bool = False, load_rng: bool = True) -> int:
     """``load_parts`` from one checkpoint directory: check it, read it, restore the parts."""
     from megatron.core import dist_checkpointing
 
     cfg = parts.cfg
-    checksums, common = _read_coordinator_files(ctx, log, ckpt_dir)
+    checksums, common = _read_coordinator_files(ctx, log, root, ckpt_dir)
     # weights only, e.g. converted by tools/convert_checkpoint.py: no optimizer state whose form
     # (distributed optimizer, precision) must match this run's
     holds_no_optimizer = load_optimizer and "opt_param_scheduler" not in common
@@ -332,22 +310,16 @@ def _load_from(parts: CheckpointParts, ctx: ParallelContext, log: Log, root: str
             f"random streams start afresh from --seed {cfg.training.seed}")
     state = build_sharded_state_dict(parts, ctx, is_loading=True, include_optimizer=load_optimizer,
                                      include_rng=restore_rng)
-    strategy = build_load_strategy(reader or cfg.checkpoint.ckpt_reader,
-                                   checksums if cfg.checkpoint.ckpt_verify else None)
+    strategy = build_load_strategy(checksums if cfg.checkpoint.ckpt_verify else None)
     try:
         loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=strategy)
-    except BaseException as err:  # torch's CheckpointException is a BaseException
-        message = " ".join(str(err).split())
-        if DAMAGED in message:
-            raise CheckpointDamaged(message[message.find(DAMAGED):].split(" Traceback")[0]) from None
-        if "failed on another rank" in message:
-            raise CheckpointDamaged(f"{ckpt_dir}: another rank could not load its part (its output names the "
-                                    f"file)") from None
+    except BaseException as err:  # torch's CheckpointException is a BaseException, raised on every rank
+        _raise_named_load_error(err, root)
         raise
     _restore_parts(parts, ctx, loaded, load_optimizer, weights_only, restore_rng)
     if ctx.is_logging_rank:
         log(_describe_load(cfg, ckpt_dir, iteration, common, same_layout, weights_only, load_optimizer,
-                           checksums, strategy, reader))
+                           checksums, strategy))
     return iteration
 
 
@@ -395,30 +367,36 @@ def _restore_parts(parts: CheckpointParts, ctx: ParallelContext, loaded: dict[st
         parts.train_state.restore(loaded.get("train_state", {}))
 
 
-def _read_coordinator_files(ctx: ParallelContext, log: Log,
+def _read_coordinator_files(ctx: ParallelContext, log: Log, root: str,
                             ckpt_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The marker's checksums to verify (None: none usable) and ``common.pt``, each checked first;
-    CheckpointDamaged names the file that is not what the save wrote."""
-    marker = read_marker(ckpt_dir)
-    if not isinstance(marker, dict) or not isinstance(marker.get("iteration"), int):
-        # every publish writes {"iteration": ..., ...}: an unreadable marker means a damaged
-        # checkpoint, whose checksums (and so --ckpt-verify) are lost with it
-        raise CheckpointDamaged(f"damaged checkpoint file: {os.path.join(ckpt_dir, 'complete.json')} is not the "
-                                f"marker a save writes (unreadable, or no iteration in it)")
-    checksums = get_checksums_to_verify(ckpt_dir, marker, log if ctx.is_logging_rank else lambda message: None)
-    if checksums is not None:
-        _check_small_files(ckpt_dir, checksums)
+    """The marker's checksums to verify (None: none usable) and ``common.pt``, each checked first
+    (``reader.open_checkpoint``); CheckpointDamaged names the file that is not what the save wrote."""
+    def warn(message: str) -> None:
+        if ctx.is_logging_rank:
+            log(f"WARNING: {message}")
+
     try:
-        common = read_checkpoint_common(ckpt_dir)
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointDamaged(f"{os.path.join(ckpt_dir, 'common.pt')} cannot be read "
-                                f"({' '.join(str(err).split())[:160]})") from None
-    return checksums, common
+        return open_checkpoint(ckpt_dir, warn)
+    except ChecksumMismatch as err:
+        raise CheckpointDamaged(str(err)) from None
+    except UnsafeCheckpointFile as err:
+        raise ConfigError([f"--load {root}: {err}"]) from None
+
+
+def _raise_named_load_error(err: BaseException, root: str) -> None:
+    """One named error for what the reader found on any rank (torch's CheckpointException carries
+    every failing rank's exception): damage (CheckpointDamaged, which the fallback acts on); a file
+    holding what a checkpoint never holds, or an item torch cannot read (ConfigError). Returns for
+    anything else."""
+    found = find_named_failure(err)
+    if isinstance(found, ChecksumMismatch):
+        raise CheckpointDamaged(str(found)) from None
+    if found is not None:
+        raise ConfigError([f"--load {root}: {found}"]) from None
 
 
 def _describe_load(cfg: JobConfig, ckpt_dir: str, iteration: int, common: dict[str, Any], same_layout: bool,
-                   weights_only: bool, load_optimizer: bool, checksums: dict[str, Any] | None, strategy: Any,
-                   reader: str | None) -> str:
+                   weights_only: bool, load_optimizer: bool, checksums: dict[str, Any] | None, strategy: Any) -> str:
     """The "loaded checkpoint" line: layout, what was loaded, what was verified."""
     saved_layout = common.get("layout")
     how = ("same layout" if same_layout else f"resharded from {saved_layout}" if saved_layout
@@ -427,31 +405,22 @@ def _describe_load(cfg: JobConfig, ckpt_dir: str, iteration: int, common: dict[s
         how += "; weights only: iteration, optimizer and LR schedule start afresh"
     elif not load_optimizer and "opt_param_scheduler" in common:
         how += "; optimizer and LR schedule not loaded (--no-load-optim): they start afresh"
-    stats = getattr(strategy, "stats", None)
-    verify = cfg.checkpoint.ckpt_verify
-    if stats is not None and checksums is not None and verify:
-        checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in "
-                   f"part or by torch's reader)")
-    elif not verify:
+    stats = strategy.stats
+    if not cfg.checkpoint.ckpt_verify:
         checked = "; items not verified (--ckpt-verify is off)"
     elif checksums is None:
         checked = "; items not verified (--ckpt-verify: the checkpoint records no checksums this machine can check)"
     else:
-        checked = (f"; items not verified (--ckpt-verify: --ckpt-reader {reader or cfg.checkpoint.ckpt_reader} "
-                   f"does not verify)")
+        missing = f", {stats.unverified} with no recorded checksum" if stats.unverified else ""
+        checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.byte_items} of them "
+                   f"byte items{missing})")
     return f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how}{checked})"
 
 
-def build_load_strategy(reader: str, checksums: dict[str, Any] | None = None):
-    """megatron-core's load strategy for ``--ckpt-reader``: ``direct`` (ours: tensor bytes straight
-    into their destinations, ``reader.py``) or ``megatron`` (megatron-core's stock torch_dist
-    reader). Both read the same files; only ours checks the marker's ``checksums`` as it reads."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-
-    if reader == "direct":
-        if checksums is None:
-            return DirectReadTorchDistLoadStrategy()
-        return DirectReadTorchDistLoadStrategy(checksums=checksums["items"], algorithm=checksums["algorithm"])
-    if reader == "megatron":
-        return TorchDistLoadShardedStrategy()
-    raise ValueError(f"--ckpt-reader {reader}: use one of {', '.join(CHECKPOINT_READERS)}")
+def build_load_strategy(checksums: dict[str, Any] | None = None) -> VerifyingTorchDistLoadStrategy:
+    """megatron-core's ``torch_dist`` load strategy reading through ``reader.VerifyingFileSystemReader``:
+    shard sizes always checked, every stored item the load touches hashed and compared with the
+    marker's ``checksums`` record when given (``--ckpt-verify``)."""
+    if checksums is None:
+        return VerifyingTorchDistLoadStrategy()
+    return VerifyingTorchDistLoadStrategy(checksums["items"], checksums["algorithm"])

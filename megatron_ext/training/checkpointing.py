@@ -36,10 +36,10 @@ def start_async_checkpoint(run: Any, root: str, keep_last: int | None = None) ->
 
 
 def load_checkpoint(
-    run: Any, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None,
+    run: Any, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True,
     *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
 ) -> int | None:
     """Restore the run in place from ``root`` (``state.load_parts``, which says what is loaded and
     refused); returns the loaded iteration, or None when ``root`` holds no complete checkpoint."""
-    return load_parts(get_checkpoint_parts(run, meta), run.ctx, root, run.log, load_optimizer, reader, step=step,
+    return load_parts(get_checkpoint_parts(run, meta), run.ctx, root, run.log, load_optimizer, step=step,
                       weights_only=weights_only, load_rng=load_rng)

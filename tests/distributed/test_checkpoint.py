@@ -4,8 +4,8 @@ One 8-rank world (TP2 x PP2 x VPP2 x DP2 with the distributed optimizer, 8 layer
 uninterrupted reference, then a run that stops at iteration K through --exit-interval (saving
 there), then resumes it in the same layout (losses must be bit-identical), then loads the same
 checkpoint under PP4 x DP2 and TP2 x DP4, each time saving it again at iteration K and training
-on. A 1-rank world does the same in one process. Every load runs twice, once with each
-``--ckpt-reader`` (our direct reader and megatron-core's stock one). The re-saved checkpoints must
+on. A 1-rank world does the same in one process. Every load runs twice, without and with
+``--ckpt-verify`` (every item hashed and checked, in every layout). The re-saved checkpoints must
 hold exactly the weights and Adam moments of the original (compared as full tensors, read without
 a process group), and the next iterations must match the reference within the layout-parity
 tolerance.
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint.directory import find_latest_checkpoint, read_tracker
-from megatron_ext.checkpoint.state import CHECKPOINT_READERS, load_full_tensors
+from megatron_ext.checkpoint.state import load_full_tensors
 from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.config import ConfigError
 from megatron_ext.parallel import destroy_parallel_context
@@ -33,6 +33,7 @@ TOL = 1e-5  # layout-parity tolerance (tests/distributed/test_layout_parity.py)
 BASE = dict(num_layers=8, train_iters=ITERS, clip_grad=0.3, global_batch_size=8, micro_batch_size=2)
 SAVE_LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                    num_layers_per_virtual_pipeline_stage=2, use_distributed_optimizer=True)
+CHECKPOINT_READERS = ("unverified", "verified")  # each load without and with --ckpt-verify
 RESHARD_LAYOUTS = {
     "PP4xDP2": dict(pipeline_model_parallel_size=4, use_distributed_optimizer=True),
     "TP2xDP4": dict(tensor_model_parallel_size=2, use_distributed_optimizer=True),
@@ -56,8 +57,8 @@ def _eight_rank_world(rank: int, world_size: int, root: str) -> dict:
     out["stopped"] = _train_and_close(run)
 
     for reader in CHECKPOINT_READERS:
-        run = _build(SAVE_LAYOUT)
-        out[("loaded_iteration", reader)] = load_checkpoint(run, os.path.join(root, "saved"), reader=reader)
+        run = _build(SAVE_LAYOUT, ckpt_verify=reader == "verified")
+        out[("loaded_iteration", reader)] = load_checkpoint(run, os.path.join(root, "saved"))
         out[("fused_after_load", reader)] = _fused_adam_state(run.optimizer)
         out[("resumed", reader)] = _train_and_close(run)
         for name, layout in RESHARD_LAYOUTS.items():
@@ -74,8 +75,8 @@ def _fused_adam_state(optimizer) -> list[tuple[bool, bool, str]]:
 
 
 def _load_resave_train(layout: dict, root: str, name: str, reader: str) -> list[dict]:
-    run = _build(layout)
-    assert load_checkpoint(run, os.path.join(root, "saved"), reader=reader) == K
+    run = _build(layout, ckpt_verify=reader == "verified")
+    assert load_checkpoint(run, os.path.join(root, "saved")) == K
     save_checkpoint(run, os.path.join(root, f"{name}-{reader}"))
     return _train_and_close(run)
 

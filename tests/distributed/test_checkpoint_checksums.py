@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -98,27 +99,11 @@ def test_clean_resume_verifies_what_it_reads_and_is_exact(saved, tmp_path):
     assert out[-1]["loaded"] == 4 and out[-1]["losses"] == reference["losses"][4:]
     (line,) = [x for x in out[-1]["log"] if x.startswith("loaded checkpoint")]
     assert "checksums verified for" in line and "verified for 0 items" not in line
+    # the RNG state is a byte item: hashed and counted like the tensors (issue 27 item 3)
+    byte_items = re.search(r"\((\d+) of them byte items", line)
+    assert byte_items and int(byte_items[1]) >= 1 and "no recorded checksum" not in line, line
     # a resumed run reports its memory after its first log line too (it did only at iteration --log-interval)
     assert [x for x in out[-1]["log"] if x.startswith("> memory after iteration 5:")], out[-1]["log"]
-
-
-def test_device_targets_are_staged_checked_and_copied(saved, tmp_path, monkeypatch):
-    """A GPU's parameters and optimizer state are not host memory: the reader stages them in host
-    memory (a bounded batch at a time), checks them there and copies them over. Here every target
-    is staged, in batches of at most 4 KiB: same verified items, exact resume, damage still found."""
-    from megatron_ext.checkpoint import reader
-
-    root, reference = saved
-    staged = []
-    monkeypatch.setattr(reader, "_reads_in_place", lambda target: staged.append(target.numel()) and False)
-    monkeypatch.setattr(reader, "_STAGING_MAX", 4096)
-    out = run_ranks(_train, 2, _damage_free(root, str(tmp_path)), {"ckpt_verify": True})
-    assert out[-1]["loaded"] == 4 and out[-1]["losses"] == reference["losses"][4:]
-    (line,) = [x for x in out[-1]["log"] if x.startswith("loaded checkpoint")]
-    assert "(0 read in part or by torch's reader)" in line and "verified for 0 items" not in line, line
-    out = run_ranks(_train, 2, _damage(root, str(tmp_path), "flipped"), {"ckpt_verify": True})
-    errors = [r.get("error", "") for r in out]
-    assert all(errors) and any("damaged checkpoint file (checksum mismatch)" in e for e in errors), errors
 
 
 def _damage_free(root: str, tmp: str) -> str:

@@ -6,8 +6,8 @@ save of iteration 4 (also with --async-save: in the background writer, and at th
 step makes). The parent notices the killed rank and kills the rest (they would block in
 a collective until the gloo timeout). A fresh world then resumes from the same directory: it must
 load the newest complete checkpoint (iteration 2, or 4 when only the pointer update was cut
-short) and reproduce the uninterrupted run's losses exactly, with each ``--ckpt-reader`` (the
-crashed directory is copied, so both readers resume from the same state).
+short) and reproduce the uninterrupted run's losses exactly, without and with ``--ckpt-verify`` (the
+crashed directory is copied, so both resume from the same state).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import time
 import pytest
 
 from megatron_ext.checkpoint.directory import FAULT_ENV, list_complete_checkpoints, read_tracker
-from megatron_ext.checkpoint.state import CHECKPOINT_READERS
 from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.training.loop import train
@@ -45,8 +44,8 @@ CASES = [
 ]
 
 
-def _train(rank: int, world_size: int, root: str | None, reader: str = "direct", async_save: bool = False) -> dict:
-    values = tiny_values(**VALUES, **(dict(save=root, save_interval=2, keep_last=2, ckpt_reader=reader,
+def _train(rank: int, world_size: int, root: str | None, verify: bool = False, async_save: bool = False) -> dict:
+    values = tiny_values(**VALUES, **(dict(save=root, save_interval=2, keep_last=2, ckpt_verify=verify,
                                            async_save=async_save) if root else {}))
     run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
     loaded = load_checkpoint(run, root) if root else None
@@ -94,7 +93,7 @@ def reference() -> list[dict]:
 @pytest.mark.parametrize("phase,rank,expected,async_save", CASES)
 def test_crash_during_save_keeps_last_complete_checkpoint(tmp_path, reference, phase, rank, expected, async_save):
     root = str(tmp_path / "ckpt")
-    codes = run_until_killed(_train, 2, root, "direct", async_save, env={FAULT_ENV: f"{phase}:{rank}:4"})
+    codes = run_until_killed(_train, 2, root, False, async_save, env={FAULT_ENV: f"{phase}:{rank}:4"})
     assert codes[rank] == -signal.SIGKILL, codes
 
     assert [it for it, _ in list_complete_checkpoints(root)] == sorted({2, expected})
@@ -104,10 +103,11 @@ def test_crash_during_save_keeps_last_complete_checkpoint(tmp_path, reference, p
 
     crashed = str(tmp_path / "crashed")
     shutil.copytree(root, crashed)
-    for reader in CHECKPOINT_READERS:
-        root = str(tmp_path / f"resume-{reader}")
+    for verify in (False, True):
+        reader = f"--ckpt-verify {verify}"
+        root = str(tmp_path / f"resume-{verify}")
         shutil.copytree(crashed, root)
-        resumed = run_ranks(_train, 2, root, reader, timeout=300)
+        resumed = run_ranks(_train, 2, root, verify, timeout=300)
         assert [r["loaded"] for r in resumed] == [expected, expected], reader
         records = resumed[-1]["records"]
         assert [r["iteration"] for r in records] == list(range(expected + 1, ITERS + 1))

@@ -1,128 +1,225 @@
-"""The direct checkpoint reader's pure parts, against torch's own zip reader and plain file reads.
+"""The checking reader on a torch DCP checkpoint written without a process group.
 
-``_locate_fast`` parses the zip that ``torch.save`` writes from an item's two edges; the reference
-is ``_locate`` (torch's ``PyTorchFileReader``). ``_read_all`` must put the same bytes in every
-destination as one plain read of the file, with or without threads.
+A checkpoint of two tensors and a byte item is written by torch DCP itself; its checksum table is
+computed here from the file (the reference: one hash of each item's stored bytes, independent of
+the writer's streaming hash). Loaded through ``VerifyingFileSystemReader`` it must give the saved
+values and count every item; one flipped byte anywhere in an item (its zip header, its pickle, its
+tensor data, a byte item) must be ``ChecksumMismatch`` naming the file and byte range, whatever
+torch's parser would have said. A parse error under a matching checksum is not damage; an item
+holding objects a checkpoint never holds is refused before anything in it runs, and no message
+advises turning torch's safe loader off.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import pickle
+import re
 import struct
+import zipfile
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import _create_file_view
+from torch.distributed import checkpoint as dcp
 
 from megatron_ext.checkpoint import reader as cr
+from megatron_ext.checkpoint.checksum import DEFAULT_ALGORITHM, new_hasher
 
-PREFIX, SUFFIX = b"z" * 123, b"q" * 77  # other items around this one in the rank's file
-
-
-def _saved(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+DAMAGED_RANGE = r"damaged checkpoint file \(checksum mismatch\): .*\.distcp bytes (\d+)\.\.(\d+)"
 
 
-def _item(tmp_path, data: bytes):
-    path = tmp_path / "item.distcp"
-    path.write_bytes(PREFIX + data + SUFFIX)
-    f = open(path, "rb")
-    return f, cr._ItemFile(f.fileno(), len(PREFIX), len(data))
+class _RunsCode:
+    """A pickle that calls os.system when unpickled by a full unpickler."""
+
+    def __init__(self, sentinel: str):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.sentinel}",)
 
 
-TENSORS = {
-    "small fp32": lambda: torch.randn(10),
-    "one edge": lambda: torch.randn(1500),
-    "large fp32": lambda: torch.randn(300_000),
-    "transposed view": lambda: torch.randn(5, 7, 300).transpose(0, 2),
-    "offset view": lambda: torch.arange(100)[10:20],
-    "scalar": lambda: torch.tensor(3.0),
-    "empty": lambda: torch.empty(0, 4),
-    "bf16": lambda: torch.ones(2, 3, dtype=torch.bfloat16),
-    "bool": lambda: torch.zeros(5000, dtype=torch.bool),
-    "fp16 large": lambda: torch.randn(2**20).half(),
-}
+def _state() -> dict:
+    return {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "b": torch.ones(7), "note": "abc"}
 
 
-@pytest.mark.parametrize("name", sorted(TENSORS))
-def test_fast_locate_matches_torch_zip_reader(tmp_path, name):
-    tensor = TENSORS[name]()
-    data = _saved(tensor)
-    f, item = _item(tmp_path, data)
-    with f:
-        fast = cr._locate_fast(item)
-        reference = cr._locate(_create_file_view(f, len(PREFIX), len(data)))
-    assert fast == reference
-    stored, data_offset = fast
-    assert stored.dtype == tensor.dtype and stored.size == tuple(tensor.shape)
-    # the located bytes are the tensor's storage
-    nbytes = stored.storage_numel * stored.dtype.itemsize
-    storage = tensor.untyped_storage()
-    assert data[data_offset:data_offset + nbytes] == bytes(storage)
+def _digest(data: bytes) -> int:
+    h = new_hasher(DEFAULT_ALGORITHM)
+    h.update(data)
+    return h.intdigest()
 
 
-def test_zip_with_a_comment_goes_to_torch_reader(tmp_path):
-    data = bytearray(_saved(torch.randn(64)))
-    comment = b"not written by torch.save"
-    struct.pack_into("<H", data, len(data) - 2, len(comment))
-    data = bytes(data) + comment
-    f, item = _item(tmp_path, data)
-    with f:
-        with pytest.raises(cr._ZipLayout):
-            cr._locate_fast(item)
-        stored, _ = cr._locate(_create_file_view(f, len(PREFIX), len(data)))  # still readable
-    assert stored.size == (64,)
+@pytest.fixture
+def saved(tmp_path):
+    """(directory, {fqn: (file path, offset, length)}, checksum table) of a DCP checkpoint."""
+    path = str(tmp_path / "ckpt")
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    items, table = {}, {}
+    for index, info in metadata.storage_data.items():
+        file = os.path.join(path, info.relative_path)
+        with open(file, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        items[index.fqn] = (file, info.offset, info.length)
+        table.setdefault(info.relative_path, {})[str(info.offset)] = [info.length, _digest(data)]
+    return path, items, table
 
 
-@pytest.mark.parametrize("obj", [{"a": torch.ones(2)}, [1, 2], torch.nn.Parameter(torch.ones(3))])
-def test_anything_but_a_plain_tensor_is_refused(tmp_path, obj):
-    f, item = _item(tmp_path, _saved(obj))
-    with f, pytest.raises(cr._Unsupported):
-        cr._locate_fast(item)
+def _load(path: str, table: dict | None, stats: cr.VerifyStats | None = None) -> dict:
+    state = {"w": torch.zeros(64, 64), "b": torch.zeros(7), "note": None}
+    reader = cr.VerifyingFileSystemReader(path, table, DEFAULT_ALGORITHM, stats)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except BaseException as err:  # torch's CheckpointException wraps what the reader raised
+        found = cr.find_named_failure(err)
+        if found is None:
+            raise
+        raise found from None
+    return state
 
 
-def test_truncated_item_is_refused(tmp_path):
-    data = _saved(torch.randn(3000))
-    f, item = _item(tmp_path, data[:-30])
-    with f, pytest.raises(cr._Unsupported):
-        cr._locate_fast(item)
+def _patch(file: str, offset: int, data: bytes) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_read_all_fills_destinations_like_a_plain_read(tmp_path, threads, monkeypatch):
-    monkeypatch.setattr(cr, "_PARALLEL_MIN", 1)  # split even these few MiB across the threads
-    monkeypatch.setattr(cr, "_PIECE_MIN", 4096)
-    tensors = [torch.randn(n) for n in (3, 700, 1_000_003, 2**20)]
-    path = tmp_path / "rank.distcp"
-    blobs, reads = [], []
-    with open(path, "wb") as out:
-        for t in tensors:
-            data = _saved(t)
-            blobs.append((out.tell(), data))
-            out.write(data)
-    with open(path, "rb") as f:
-        targets = []
-        for t, (base, data) in zip(tensors, blobs):
-            item = cr._ItemFile(f.fileno(), base, len(data))
-            stored, data_offset = cr._locate_fast(item)
-            half = t.numel() // 2  # read the second half, as a shard of it would be
-            target = torch.full((t.numel() - half,), float("nan"))
-            buffer = memoryview(target.numpy()).cast("B")
-            reads.append(cr._DirectRead(None, target, item, buffer, data_offset + half * 4))
-            targets.append((target, t[half:]))
-        cr._read_all(reads, threads)
-    for target, expected in targets:
-        assert torch.equal(target, expected)
+def _flip(file: str, offset: int) -> None:
+    with open(file, "rb") as f:
+        f.seek(offset)
+        byte = f.read(1)
+    _patch(file, offset, bytes([byte[0] ^ 0x5A]))
 
 
-@pytest.mark.parametrize("offsets,lengths,expected", [
-    ((0, 0), (4, 6), (0, (4, 6))),  # the whole tensor
-    ((1, 0), (2, 6), (6, (2, 6))),  # whole rows: contiguous
-    ((0, 2), (4, 3), None),  # a column block: strided
-    ((2, 2), (1, 3), (14, (1, 3))),  # part of one row
-])
-def test_contiguous_run(offsets, lengths, expected):
-    stored = cr._StoredTensor(torch.float32, 24, 0, (4, 6), (6, 1))
-    assert cr._contiguous_run(stored, offsets, lengths) == expected
+def _record_offsets(item: tuple[str, int, int]) -> dict[str, int]:
+    """Offsets in the file of parts of one stored item (a torch.save zip): its end-of-central-
+    directory record, the start of its pickle and the middle of its tensor data."""
+    file, offset, length = item
+    with open(file, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    out = {"zip header": offset + data.rindex(b"PK\x05\x06")}
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for info in z.infolist():
+            # the local header's own name and extra lengths (torch pads records with a local extra field)
+            name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+            start = info.header_offset + 30 + name_len + extra_len
+            if info.filename.endswith("data.pkl"):
+                out["pickle"] = offset + start
+            elif info.filename.endswith("data/0"):
+                out["tensor data"] = offset + start + info.file_size // 2
+    return out
+
+
+def test_clean_load_gives_the_saved_values_and_counts_every_item(saved):
+    path, items, table = saved
+    stats = cr.VerifyStats()
+    state = _load(path, table, stats)
+    expected = _state()
+    assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
+    assert state["note"] == "abc"
+    assert (stats.verified, stats.byte_items, stats.unverified) == (len(items), 1, 0)
+
+
+@pytest.mark.parametrize("where", ["zip header", "pickle", "tensor data", "byte item"])
+def test_a_flipped_byte_anywhere_in_an_item_is_named_damage(saved, where):
+    path, items, table = saved
+    if where == "byte item":
+        file, offset, length = items["note"]
+        target, span = offset + length // 2, (offset, offset + length)
+    else:
+        file, offset, length = items["w"]
+        target, span = _record_offsets(items["w"])[where], (offset, offset + length)
+    _flip(file, target)
+    with pytest.raises(cr.ChecksumMismatch) as err:
+        _load(path, table)
+    found = re.search(DAMAGED_RANGE, str(err.value))
+    assert found and (int(found[1]), int(found[2])) == span, str(err.value)
+    assert os.path.basename(file) in str(err.value)
+    if where in ("zip header", "pickle"):  # the flip breaks torch's parser: unchecked, it is not named damage
+        with pytest.raises((cr.UnreadableCheckpointItem, cr.UnsafeCheckpointFile), match="not verified|damaged, or"):
+            _load(path, None)
+
+
+def test_without_checksums_a_flipped_tensor_byte_loads_silently(saved):
+    """The control: the damage above is only seen through the checksums."""
+    path, items, _ = saved
+    _flip(items["w"][0], _record_offsets(items["w"])["tensor data"])
+    assert not torch.equal(_load(path, None)["w"], _state()["w"])
+
+
+def test_a_parse_error_under_a_matching_checksum_is_not_damage(saved):
+    path, items, table = saved
+    file, offset, length = items["w"]
+    _flip(file, _record_offsets(items["w"])["zip header"])
+    with open(file, "rb") as f:
+        f.seek(offset)
+        table[os.path.basename(file)][str(offset)] = [length, _digest(f.read(length))]
+    with pytest.raises(cr.UnreadableCheckpointItem, match=r"unreadable checkpoint item: .* \(its checksum matches\)"):
+        _load(path, table)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_item_that_would_run_code_is_refused_and_nothing_runs(saved, tmp_path, verify):
+    path, items, table = saved
+    sentinel = tmp_path / "ran"
+    file, offset, length = items["note"]
+    payload = pickle.dumps(_RunsCode(str(sentinel)), protocol=2)  # DCP's load_bytes would run it
+    payload += b"\0" * (length - len(payload))
+    _patch(file, offset, payload)
+    table[os.path.basename(file)][str(offset)] = [length, _digest(payload)]  # as a tamperer would
+    with pytest.raises(cr.UnsafeCheckpointFile) as err:
+        _load(path, table if verify else None)
+    message = str(err.value)
+    assert not sentinel.exists()
+    assert f"bytes {offset}..{offset + length}" in message and cr.UNSAFE in message
+    assert "weights_only" not in message and re.search(r"GLOBAL (posix|os)\.system", message), message
+    assert ("checksum matches" in message) == verify
+
+
+def test_common_file_that_would_run_code_is_refused(tmp_path):
+    sentinel = tmp_path / "ran"
+    torch.save({"args": _RunsCode(str(sentinel))}, tmp_path / cr.COMMON_FILE)
+    with pytest.raises(cr.UnsafeCheckpointFile, match=r"common\.pt holds objects a checkpoint never holds") as err:
+        cr.read_common(str(tmp_path))
+    assert not sentinel.exists() and "weights_only" not in str(err.value)
+
+
+def test_truncated_shard_is_named(saved):
+    path, items, table = saved
+    file = items["w"][0]
+    os.truncate(file, os.path.getsize(file) - 10)
+    with pytest.raises(cr.ChecksumMismatch, match=r"damaged checkpoint file \(truncated\): .*\.distcp has \d+ bytes"):
+        _load(path, None)
+
+
+class _Custom:
+    """A class torch's weights-only unpickler does not allow (its module is not blocked)."""
+
+
+def test_the_refusal_reason_keeps_torch_s_reason_and_drops_its_advice():
+    for obj in (_RunsCode("/nonexistent/x"), _Custom()):
+        buffer = io.BytesIO()
+        torch.save({"x": obj}, buffer)
+        with pytest.raises(pickle.UnpicklingError) as err:
+            torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        assert "weights_only" in str(err.value)  # torch's own message advises it
+        reason = cr.describe_refusal(err.value)
+        assert "GLOBAL" in reason and "weights_only" not in reason and "add_safe_globals" not in reason, reason
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_hash_in_chunks_equals_one_hash(tmp_path, monkeypatch, mapped):
+    monkeypatch.setattr(cr, "_HASH_CHUNK", 1000)
+    if not mapped:  # a file system that cannot map files: read with pread instead
+        monkeypatch.setattr(cr.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError("no mmap")))
+    data = os.urandom(12_345)
+    (tmp_path / "f").write_bytes(b"x" * 77 + data + b"y" * 5)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert cr.hash_file_range(fd, 77, len(data), "f", DEFAULT_ALGORITHM) == _digest(data)
+        with pytest.raises(cr.ChecksumMismatch, match="truncated"):
+            cr.hash_file_range(fd, 77, len(data) + 6, "f", DEFAULT_ALGORITHM)
+    finally:
+        os.close(fd)

@@ -123,6 +123,18 @@ def test_unknown_keys_are_errors(tmp_path):
         build_job_config({"tensor_model_parallel_sizee": 2})
 
 
+@pytest.mark.parametrize("value", ["direct", "megatron"])
+def test_removed_ckpt_reader_is_one_error_naming_the_replacement(tmp_path, value):
+    path = tmp_path / "old.yaml"
+    path.write_text(f"ckpt-reader: {value}\n")
+    for argv in (["--ckpt-reader", value], ["--config", str(path)]):
+        with pytest.raises(ConfigError) as err:
+            parse_args(argv)
+        (problem,) = err.value.problems
+        assert "--ckpt-reader was removed" in problem and "megatron-core's torch_dist reader" in problem, problem
+        assert "--ckpt-verify" in problem and "unknown" not in problem
+
+
 def test_flags_override_config_file(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('tensor-model-parallel-size = 2\nlr = 0.5\ndata-path = "a b"\nmock-data = false\n')
@@ -211,7 +223,7 @@ def test_help_lists_every_flag_with_its_text(capsys):
         parse_args(["--help"])
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "+9-34% of load time" in text  # --ckpt-verify's help, percent sign and all
+    assert "+42-48% of load time" in text  # --ckpt-verify's help, percent sign and all
     for flag in ("--tensor-model-parallel-size", "--packed-sequences", "--bf16", "--fp8-format"):
         assert flag in text, flag
 
