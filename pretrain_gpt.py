@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         apply_parent_death_signal()
     cfg, flag_notes = parse_args_with_notes(argv)
     if cfg.parallel.rehearse:  # this world size's checks, groups, model chunks and first step, on this machine
-        rehearse_job(cfg, flag_notes, int(os.environ.get("WORLD_SIZE", "1")), os.environ)
+        rehearse_job(cfg, flag_notes, os.environ)
         return []
     device = select_device(cfg.parallel.device)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")

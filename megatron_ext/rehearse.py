@@ -117,8 +117,8 @@ def get_ranks_per_node(env: Mapping[str, str], world_size: int) -> tuple[int, st
             if not value.isdigit() or int(value) <= 0:
                 raise ConfigError([f"{name}={value!r} must be a positive number of processes per node"])
             return int(value), f"{name}={value}"
-    return min(DEFAULT_RANKS_PER_NODE, max(world_size, 1)), \
-        f"LOCAL_WORLD_SIZE unset: {DEFAULT_RANKS_PER_NODE} per node assumed"
+    assumed = min(DEFAULT_RANKS_PER_NODE, max(world_size, 1))
+    return assumed, f"LOCAL_WORLD_SIZE unset: {assumed} per node assumed"
 
 
 def check_nodes(world_size: int, ranks_per_node: int, source: str, tp: int) -> list[str]:
@@ -220,7 +220,8 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
         validate(cfg, world_size, cuda=p.device != "cpu")
     except ConfigError as err:
         problems += err.problems
-    problems += check_nodes(world_size, ranks_per_node, source, p.tensor_model_parallel_size)
+    if world_size % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) == 0:  # else validate said it
+        problems += check_nodes(world_size, ranks_per_node, source, p.tensor_model_parallel_size)
     if problems:
         raise ConfigError(problems)
     d = cfg.data
@@ -315,10 +316,21 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
     return "\n".join(lines)
 
 
-def rehearse_job(cfg: JobConfig, notes: list[str], world_size: int, env: Mapping[str, str],
+def get_world_size(env: Mapping[str, str]) -> int:
+    """The rehearsed world: ``WORLD_SIZE`` as torchrun would set it (required: a rehearsal of one
+    process is rarely what was meant)."""
+    value = env.get("WORLD_SIZE", "")
+    if not value.isdigit() or int(value) <= 0:
+        raise ConfigError([f"--rehearse rehearses a launch of WORLD_SIZE ranks: set WORLD_SIZE to the job's number of "
+                           f"processes (e.g. WORLD_SIZE=64 python pretrain_gpt.py ... --rehearse), got {value!r}"])
+    return int(value)
+
+
+def rehearse_job(cfg: JobConfig, notes: list[str], env: Mapping[str, str],
                  log: Callable[[str], None] = print) -> Rehearsal:
-    """``pretrain_gpt.py --rehearse``: rehearse and print the summary (and the flag notices)."""
-    result = rehearse(cfg, world_size, env)
+    """``pretrain_gpt.py --rehearse``: rehearse the launch ``env`` describes (WORLD_SIZE,
+    LOCAL_WORLD_SIZE) and print the summary (and the flag notices)."""
+    result = rehearse(cfg, get_world_size(env), env)
     for note in notes:
         log(f"WARNING: {note}")
     log(describe_rehearsal(cfg, result))

@@ -118,8 +118,8 @@ def test_uneven_split_is_shown_per_rank(capsys, monkeypatch):
 
 def test_group_map_with_v_placement_keeps_the_embedding_group_on_the_first_rank():
     gm = build_group_map(2, 4, 2, 8, placement="v")
-    check_group_map_groups_only = expected_groups(2, 4, 2)
-    assert all(set(g) == check_group_map_groups_only["pp"][g[0]] for g in gm.pp_groups)
+    want = expected_groups(2, 4, 2)
+    assert all(set(g) == want["pp"][g[0]] for g in gm.pp_groups)
     assert {tuple(g) for g in gm.embedding_groups} == {(p[0],) for p in gm.pp_groups}
 
 
@@ -128,13 +128,15 @@ def test_group_map_with_v_placement_keeps_the_embedding_group_on_the_first_rank(
     ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "2"}, [], "--tensor-model-parallel-size 4 does not divide the 2 ranks"),
     # a world the layout (TP 4 x PP 8) does not divide
     ({"WORLD_SIZE": "100"}, [], "--tensor-model-parallel-size"),
+    # no WORLD_SIZE: a rehearsal of one process is rarely what was meant
+    ({}, [], "--rehearse rehearses a launch of WORLD_SIZE ranks: set WORLD_SIZE"),
     # a world that does not fill whole nodes
     ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "6"}, [], "WORLD_SIZE 64 is not a multiple of the 6 ranks per node"),
     # a batch the DP ranks cannot share: 128 samples over DP 16 in micro-batches of 16
     ({"WORLD_SIZE": "512"}, ["--micro-batch-size", "16"], "--global-batch-size"),
 ])
 def test_a_bad_layout_fails_with_rc_2_naming_the_flag(capsys, monkeypatch, env, flags, message):
-    for name in ("LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -164,7 +166,13 @@ def test_rehearse_errors_are_config_errors_listed_together():
     assert len(err.value.problems) == 1 and "--tensor-model-parallel-size 4" in err.value.problems[0]
     with pytest.raises(ConfigError, match="NPROC_PER_NODE='eight' must be a positive number"):
         rehearse(cfg, 512, {"NPROC_PER_NODE": "eight"})
-    # a bad layout and a bad node size are reported together, before the model is built
+    # a bad batch and TP across nodes are reported together, before the model is built
+    bad_batch = parse_args(["--config", LLAMA_70B, "--rehearse", "--micro-batch-size", "3"])
+    with pytest.raises(ConfigError) as err:
+        rehearse(bad_batch, 64, {"LOCAL_WORLD_SIZE": "2"})
+    assert any("--micro-batch-size" in p for p in err.value.problems)
+    assert any("--tensor-model-parallel-size 4 does not divide the 2 ranks per node" in p for p in err.value.problems)
+    # a world the layout does not divide: that error alone (not a second one about nodes)
     with pytest.raises(ConfigError) as err:
         rehearse(cfg, 100, {"LOCAL_WORLD_SIZE": "8"})
-    assert any("WORLD_SIZE 100" in p for p in err.value.problems) and len(err.value.problems) > 1
+    assert len(err.value.problems) >= 1 and not any("per node" in p for p in err.value.problems)
