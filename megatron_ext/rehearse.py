@@ -259,11 +259,15 @@ def _span(ranks: tuple[int, ...] | list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 'es' if noun.endswith('h') else 's'}"
+
+
 def _describe_groups(kind: str, groups: tuple[tuple[int, ...], ...], gm: GroupMap) -> str:
     first, last = groups[0], groups[-1]
     nodes = sorted({gm.get_node(r) for r in first})
-    return (f"  {kind}: {len(groups)} groups of {len(first)}, e.g. ranks {_span(first)} (node{'s' if len(nodes) > 1 else ''}"
-            f" {_span(nodes)}) ... {_span(last)}")
+    return (f"  {kind}: {_count(len(groups), 'group')} of {len(first)}, e.g. ranks {_span(first)} "
+            f"(node{'s' if len(nodes) > 1 else ''} {_span(nodes)}){f' ... {_span(last)}' if len(groups) > 1 else ''}")
 
 
 def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
@@ -273,7 +277,7 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
     vpp = get_virtual_pipeline_size(cfg)
     schedule = get_schedule_name(cfg) or ("Interleaved1F1B" if vpp else "1F1B" if pp > 1 else "no pipeline")
     lines = [
-        f"rehearsal: {r.world_size} ranks on {r.world_size // r.ranks_per_node} nodes of {r.ranks_per_node} "
+        f"rehearsal: {r.world_size} ranks on {_count(r.world_size // r.ranks_per_node, 'node')} of {r.ranks_per_node} "
         f"({r.ranks_per_node_source}): TP {tp} x PP {pp}{f' x VPP {vpp}' if vpp else ''} x DP {dp}, {schedule}"
         f"{', sequence parallel' if p.sequence_parallel else ''}"
         f"{', distributed optimizer' if p.use_distributed_optimizer else ''}",
@@ -289,7 +293,7 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
     layers = sorted({c.num_layers for c in counts.chunks})
     lines.append(
         f"model: {counts.total:,} parameters (vocabulary {r.vocab_size:,} padded to {r.padded_vocab_size:,}), "
-        f"{len(counts.chunks)} chunks of {'/'.join(map(str, layers))} layers"
+        f"{_count(len(counts.chunks), 'chunk')} of {'/'.join(map(str, layers))} layers"
         f"{' (uneven split)' if len(layers) > 1 else ''}, {distinct} distinct, each built once on meta; "
         f"embedding on pipeline rank {r.embedding_pp_rank}, output layer on pipeline rank {r.output_pp_rank}")
     precision = precision_name(cfg.training.bf16, cfg.training.fp16)
@@ -307,8 +311,8 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
             f"{state.parameters / GIB:.2f} + grads {state.gradients / GIB:.2f} + optimizer {state.optimizer / GIB:.2f}")
     samples = r.first_step_samples
     m = len(samples[0])
-    lines.append(f"first step: global batch {sum(len(mb) for s in samples for mb in s)}, {m} micro-batch"
-                 f"{'es' if m > 1 else ''} of {len(samples[0][0])} per DP rank (each once):")
+    lines.append(f"first step: global batch {sum(len(mb) for s in samples for mb in s)}, {_count(m, 'micro-batch')}"
+                 f" of {len(samples[0][0])} per DP rank (each once):")
     for dp_rank in sorted({0, len(samples) - 1}):
         flat = [i for mb in samples[dp_rank] for i in mb]
         lines.append(f"  DP rank {dp_rank}: samples {_span(flat)}")

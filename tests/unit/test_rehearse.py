@@ -176,3 +176,19 @@ def test_rehearse_errors_are_config_errors_listed_together():
     with pytest.raises(ConfigError) as err:
         rehearse(cfg, 100, {"LOCAL_WORLD_SIZE": "8"})
     assert len(err.value.problems) >= 1 and not any("per node" in p for p in err.value.problems)
+
+
+def test_v_schedule_puts_the_embedding_and_the_output_layer_on_pipeline_rank_0(caplog, monkeypatch):
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    monkeypatch.setattr(LanguageModule, "embedding_warning_printed", False, raising=False)  # warned once a process
+    cfg = parse_args(["--config", GPT3_175B, "--rehearse", "--pipeline-schedule", "ZBVZeroBubble",
+                      "--pipeline-model-parallel-size", "8"])
+    r = rehearse(cfg, 128, {})
+    assert (r.embedding_pp_rank, r.output_pp_rank) == (0, 0)
+    assert [c.stage for c in r.params.chunks if c.pp_rank == 0] == [0, 15]
+    assert {tuple(g) for g in r.groups.embedding_groups} == {(p[0],) for p in r.groups.pp_groups}
+    # rank 0 holds both copies of the tied embedding (its memory), the model counts one
+    assert r.params.total == 174_604_836_864
+    assert r.params.per_pp_rank()[0] - r.params.per_pp_rank()[1] == 2 * 50304 * 12288 // 8 + 2048 * 12288 + 2 * 12288
+    assert "Distributed processes aren't initialized" not in caplog.text  # megatron-core's tie warning, expected here
