@@ -259,6 +259,10 @@ def _span(ranks: tuple[int, ...] | list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 1024 ** 2:.1f} MiB"
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 'es' if noun.endswith('h') else 's'}"
 
@@ -307,8 +311,8 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
         lines.append(
             f"  pp {pp_rank:>2} (ranks {ranks[0]}..{ranks[-1]}, {len(ranks)}): stages "
             f"{','.join(str(c.stage) for c in chunks)} of {'+'.join(str(c.num_layers) for c in chunks)} layers{roles}"
-            f" | {counts.per_pp_rank()[pp_rank]:,} parameters | {state.total / GIB:.2f} GiB = weights "
-            f"{state.parameters / GIB:.2f} + grads {state.gradients / GIB:.2f} + optimizer {state.optimizer / GIB:.2f}")
+            f" | {counts.per_pp_rank()[pp_rank]:,} parameters | {_size(state.total)} = weights "
+            f"{_size(state.parameters)} + grads {_size(state.gradients)} + optimizer {_size(state.optimizer)}")
     samples = r.first_step_samples
     m = len(samples[0])
     lines.append(f"first step: global batch {sum(len(mb) for s in samples for mb in s)}, {_count(m, 'micro-batch')}"

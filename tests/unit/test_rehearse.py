@@ -192,3 +192,18 @@ def test_v_schedule_puts_the_embedding_and_the_output_layer_on_pipeline_rank_0(c
     assert r.params.total == 174_604_836_864
     assert r.params.per_pp_rank()[0] - r.params.per_pp_rank()[1] == 2 * 50304 * 12288 // 8 + 2048 * 12288 + 2 * 12288
     assert "Distributed processes aren't initialized" not in caplog.text  # megatron-core's tie warning, expected here
+
+
+def test_real_data_path_is_checked_as_at_start_up(capsys, monkeypatch):
+    """configs/default.yaml reads the shipped corpus (its headers and tokenizer record checked); a
+    missing prefix is the start-up's error, rc 2."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    default = os.path.join(ROOT, "configs", "default.yaml")
+    corpus = os.path.join(ROOT, "data", "default", "corpus_text_document")
+    model = os.path.join(ROOT, "data", "default", "tokenizer.model")
+    args = ["--config", default, "--rehearse", "--data-path", corpus, "--tokenizer-model", model]
+    assert pretrain_gpt.run_cli(args) == 0
+    out = capsys.readouterr().out
+    assert "DP rank 1: samples 1..7 step 2" in out and "MiB = weights" in out
+    assert pretrain_gpt.run_cli(args[:-3] + [corpus + "-missing", "--tokenizer-model", model]) == 2
+    assert "-missing.bin" in capsys.readouterr().err
