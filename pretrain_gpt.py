@@ -25,6 +25,7 @@ from megatron_ext.config import ConfigError, JobConfig, report_error_once  # noq
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
+from megatron_ext.rehearse import rehearse_job  # noqa: E402
 from megatron_ext.run import build_training_run, describe_run, describe_schedule  # noqa: E402
 from megatron_ext.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: die with the agent, even on kill -9
         apply_parent_death_signal()
     cfg, flag_notes = parse_args_with_notes(argv)
+    if cfg.parallel.rehearse:  # this world size's checks, groups, model chunks and first step, on this machine
+        rehearse_job(cfg, flag_notes, os.environ)
+        return []
     device = select_device(cfg.parallel.device)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too

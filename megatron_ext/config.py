@@ -61,6 +61,7 @@ class ParallelConfig:
         None, "Stall watchdog (ours): the same for a checkpoint save (a synchronous save; with --async-save the "
         "snapshot and the publication), which may last much longer than a step (default off; set it below "
         "--distributed-timeout-minutes).")
+    rehearse: bool = _f(False, "Rehearse the job on this machine instead of running it (ours): for WORLD_SIZE ranks (required, as torchrun sets it; LOCAL_WORLD_SIZE ranks per node, else NPROC_PER_NODE, else 8), with no process group or GPU: every flag and the layout checked as a launch checks them, the process-group map (TP, PP, DP groups, each rank's node; a TP group across nodes is an error), each distinct model chunk built once on the meta device (parameters per rank, the embedding's and output layer's pipeline ranks, uneven splits), weight, gradient and optimizer-state bytes per rank (not activations), the samples each DP rank reads in its first step; prints a summary, exit status 0 when all holds, 2 otherwise (docs/planning.md).")
     device: str = _f("auto", "Where ranks run (ours, not Megatron-LM's): auto (the local GPU when CUDA is available, else the CPU with gloo), cpu (force the CPU/gloo path even on a GPU machine) or cuda.", choices=["auto", "cpu", "cuda"])
 
 

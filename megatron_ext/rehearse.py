@@ -1,0 +1,345 @@
+"""A rehearsal of a whole job on one CPU machine (``pretrain_gpt.py --rehearse``): what a launch of
+WORLD_SIZE ranks decides before its first step, computed for that world size in one process, with
+no process group, no GPU and no memory for the weights.
+
+    WORLD_SIZE=512 python pretrain_gpt.py --config configs/llama3-70b.yaml --rehearse
+
+1. The flags and the layout: ``validation.validate`` for that world size, the tokenizer built and
+   checked against the data as at start-up (the real run's own checks, not a copy of them).
+2. The process-group map: megatron-core's pure-Python ``RankGenerator`` in the order
+   ``initialize_model_parallel`` uses by default (ours passes none), so the TP, PP, DP and
+   embedding groups are those a real launch creates; a rank's node is ``rank // ranks per node``
+   as torchrun numbers them. Invariant checked: every TP group sits inside one node (its
+   all-reduces run at every layer).
+3. The model: each distinct (pipeline stage, virtual stage) chunk built once on the ``meta``
+   device (``model/param_count.py``): parameters per rank, which pipeline ranks hold the embedding
+   and the output layer, uneven splits.
+4. Memory per rank, of the state only: parameter, gradient-buffer and optimizer-state bytes from
+   the exact counts (``get_state_bytes``). Activations, temporary buffers and allocator slack are
+   the layout planner's (issue 32), not estimated here.
+5. The samples each DP rank reads in the first step of a fresh run, from the run's own
+   assignment (``data.microbatch.get_microbatch_indices``); their contents are not read.
+
+Ranks per node: ``LOCAL_WORLD_SIZE`` (torchrun's, from ``--nproc-per-node``), else
+``NPROC_PER_NODE`` (``launch/torchrun.sh``'s), else 8 (the GPUs of an HGX node, as
+``launch/slurm.sbatch``), at most the world size. Any failing check is one ConfigError naming the
+flag or variable and the fix (exit status 2, like every configuration error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from typing import Callable, Mapping
+
+from megatron_ext.config import ConfigError, JobConfig
+from megatron_ext.data.microbatch import get_microbatch_indices
+from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.derived import (
+    get_data_parallel_size, get_global_batch_size, get_padded_vocab_size, get_schedule_name,
+    get_stage_placement, get_virtual_pipeline_size, precision_name,
+)
+from megatron_ext.model.param_count import ParameterCount, count_parameters
+from megatron_ext.model.v_placement import get_v_embedding_ranks
+from megatron_ext.validation import check_data_tokenizer, validate
+
+DEFAULT_RANKS_PER_NODE = 8
+GIB = 1024 ** 3
+
+
+# ----------------------------------------------------------------------------- the process-group map
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupMap:
+    """Which global ranks share each process group, and each rank's coordinates and node.
+
+    ``tp_rank[r]``, ``pp_rank[r]``, ``dp_rank[r]``: rank r's place in its TP, PP and DP group."""
+
+    world_size: int
+    ranks_per_node: int
+    tp_groups: tuple[tuple[int, ...], ...]
+    pp_groups: tuple[tuple[int, ...], ...]
+    dp_groups: tuple[tuple[int, ...], ...]
+    embedding_groups: tuple[tuple[int, ...], ...]  # megatron-core's word-embedding groups (tie and grad sync)
+    tp_rank: tuple[int, ...]
+    pp_rank: tuple[int, ...]
+    dp_rank: tuple[int, ...]
+
+    def get_node(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def get_ranks_of_pp_rank(self, pp_rank: int) -> list[int]:
+        return [r for r in range(self.world_size) if self.pp_rank[r] == pp_rank]
+
+
+def get_megatron_order() -> str:
+    """The group order ``initialize_model_parallel`` uses when given none, as parallel.py calls it."""
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    return inspect.signature(initialize_model_parallel).parameters["order"].default
+
+
+def _index_in_groups(groups: list[list[int]], world_size: int) -> tuple[int, ...]:
+    place = [-1] * world_size
+    for group in groups:
+        for i, r in enumerate(group):
+            assert place[r] == -1, f"rank {r} is in two groups of one kind"
+            place[r] = i
+    assert min(place) >= 0, "a rank is in no group"
+    return tuple(place)
+
+
+def build_group_map(tp: int, pp: int, dp: int, ranks_per_node: int, placement: str = "loop") -> GroupMap:
+    """The groups megatron-core forms for TP x PP x DP (no process group is created)."""
+    from megatron.core.parallel_state import RankGenerator, default_embedding_ranks
+
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=get_megatron_order())
+    world = tp * pp * dp
+    tp_groups, pp_groups, dp_groups = gen.get_ranks("tp"), gen.get_ranks("pp"), gen.get_ranks("dp")
+    embedding_ranks = get_v_embedding_ranks if placement == "v" else default_embedding_ranks  # as parallel.py
+    return GroupMap(
+        world_size=world, ranks_per_node=ranks_per_node,
+        tp_groups=tuple(map(tuple, tp_groups)), pp_groups=tuple(map(tuple, pp_groups)),
+        dp_groups=tuple(map(tuple, dp_groups)),
+        embedding_groups=tuple(tuple(embedding_ranks(g)) for g in pp_groups),
+        tp_rank=_index_in_groups(tp_groups, world), pp_rank=_index_in_groups(pp_groups, world),
+        dp_rank=_index_in_groups(dp_groups, world),
+    )
+
+
+def get_ranks_per_node(env: Mapping[str, str], world_size: int) -> tuple[int, str]:
+    """(ranks per node, where the figure came from); see the module docstring."""
+    for name in ("LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
+        value = env.get(name)
+        if value:
+            if not value.isdigit() or int(value) <= 0:
+                raise ConfigError([f"{name}={value!r} must be a positive number of processes per node"])
+            return int(value), f"{name}={value}"
+    assumed = min(DEFAULT_RANKS_PER_NODE, max(world_size, 1))
+    return assumed, f"LOCAL_WORLD_SIZE unset: {assumed} per node assumed"
+
+
+def check_nodes(world_size: int, ranks_per_node: int, source: str, tp: int) -> list[str]:
+    """The world fills whole nodes, and TP's consecutive ranks stay inside one."""
+    if world_size % ranks_per_node:
+        return [f"WORLD_SIZE {world_size} is not a multiple of the {ranks_per_node} ranks per node ({source}): "
+                f"torchrun starts the same number on every node; set LOCAL_WORLD_SIZE to the processes per node"]
+    if ranks_per_node % tp:
+        return [f"--tensor-model-parallel-size {tp} does not divide the {ranks_per_node} ranks per node ({source}): "
+                f"TP groups (consecutive ranks) would span nodes, and TP all-reduces at every layer over the "
+                f"network; use a TP size that divides {ranks_per_node} (pipeline stages span nodes instead)"]
+    return []
+
+
+def check_group_map(gm: GroupMap) -> list[str]:
+    """Every TP group inside one node (after ``check_nodes``, a check of megatron-core's order)."""
+    spanning = [g for g in gm.tp_groups if len({gm.get_node(r) for r in g}) > 1]
+    return [f"TP group {list(g)} spans nodes {sorted({gm.get_node(r) for r in g})} under megatron-core's "
+            f"order {get_megatron_order()!r}: use a --tensor-model-parallel-size that divides the ranks per node"
+            for g in spanning[:1]]
+
+
+# ----------------------------------------------------------------------------- state memory
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """One rank's model state: weights, DDP gradient buffer, optimizer state (its DP shard with the
+    distributed optimizer). Bucket padding is left out (at most a bucket's alignment per bucket)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def get_state_bytes(cfg: JobConfig, num_params: int, dp: int) -> StateBytes:
+    """Bytes of ``num_params`` parameters held by one rank, as megatron-core keeps them: weights in
+    the training dtype; gradients in fp32 buffers (bf16 with --grad-reduce-in-bf16); Adam's two
+    moments (SGD's momentum) in fp32, plus fp32 main parameters under bf16/fp16, sharded over DP with
+    --use-distributed-optimizer. bf16 Adam: 18 bytes a parameter, 6 + 12/DP distributed
+    (Megatron-LM's ``theoretical_memory_usage`` figures)."""
+    t, p = cfg.training, cfg.parallel
+    mixed = t.bf16 or t.fp16
+    weight = 2 if mixed else 4
+    grad = 2 if p.grad_reduce_in_bf16 else 4
+    optimizer = (8 if t.optimizer == "adam" else 4) + (4 if mixed else 0)
+    shard = -(-num_params // dp) if p.use_distributed_optimizer else num_params
+    return StateBytes(num_params * weight, num_params * grad, shard * optimizer)
+
+
+# ----------------------------------------------------------------------------- the rehearsal
+
+
+@dataclasses.dataclass(frozen=True)
+class Rehearsal:
+    """What a launch of ``world_size`` ranks would build before its first step."""
+
+    world_size: int
+    ranks_per_node: int
+    ranks_per_node_source: str
+    groups: GroupMap
+    vocab_size: int  # the tokenizer's ids
+    padded_vocab_size: int
+    params: ParameterCount
+    embedding_pp_rank: int  # the pipeline rank holding the word embedding (stage 0)
+    output_pp_rank: int  # ... and the output layer (the last stage)
+    state_bytes: tuple[StateBytes, ...]  # per pipeline rank: what each of its ranks holds
+    first_step_samples: tuple[tuple[tuple[int, ...], ...], ...]  # [dp rank][micro-batch] -> global sample indices
+    seconds: float
+
+
+def get_first_step_samples(cfg: JobConfig, world_size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Each DP rank's micro-batches (global sample indices) in the first step of a fresh run."""
+    dp, b = get_data_parallel_size(cfg, world_size), cfg.training.micro_batch_size
+    gbs = get_global_batch_size(cfg, world_size)
+    return tuple(tuple(tuple(mb) for mb in get_microbatch_indices(0, gbs, b, r, dp)) for r in range(dp))
+
+
+def check_samples(samples: tuple[tuple[tuple[int, ...], ...], ...], global_batch_size: int) -> list[str]:
+    """The DP ranks read the global batch [0, G) exactly once between them."""
+    read = sorted(i for rank in samples for mb in rank for i in mb)
+    if read != list(range(global_batch_size)):
+        return [f"the first step's samples over the DP ranks are not the global batch 0..{global_batch_size - 1} "
+                f"once each (--global-batch-size, --micro-batch-size)"]
+    return []
+
+
+def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehearsal:
+    """Check and compute everything of the module docstring; ConfigError listing what fails."""
+    start = time.perf_counter()
+    ranks_per_node, source = get_ranks_per_node(env, world_size)
+    p = cfg.parallel
+    problems = []
+    try:  # a real run on GPUs unless --device cpu (the profiler flags differ)
+        validate(cfg, world_size, cuda=p.device != "cpu")
+    except ConfigError as err:
+        problems += err.problems
+    if world_size % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) == 0:  # else validate said it
+        problems += check_nodes(world_size, ranks_per_node, source, p.tensor_model_parallel_size)
+    if problems:
+        raise ConfigError(problems)
+    d = cfg.data
+    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
+    check_data_tokenizer(d, tokenizer.identity())
+
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, get_data_parallel_size(cfg, world_size)
+    placement = get_stage_placement(cfg)
+    groups = build_group_map(tp, pp, dp, ranks_per_node, placement)
+    params = count_parameters(cfg, tokenizer.vocab_size)
+    last_stage = len(params.chunks) - 1
+    samples = get_first_step_samples(cfg, world_size)
+    problems = check_group_map(groups) + check_samples(samples, get_global_batch_size(cfg, world_size))
+    if problems:
+        raise ConfigError(problems)
+    return Rehearsal(
+        world_size=world_size, ranks_per_node=ranks_per_node, ranks_per_node_source=source, groups=groups,
+        vocab_size=tokenizer.vocab_size, padded_vocab_size=get_padded_vocab_size(tokenizer.vocab_size, cfg),
+        params=params,
+        embedding_pp_rank=next(c.pp_rank for c in params.chunks if c.stage == 0),
+        output_pp_rank=next(c.pp_rank for c in params.chunks if c.stage == last_stage),
+        state_bytes=tuple(get_state_bytes(cfg, n, dp) for n in params.per_pp_rank()),
+        first_step_samples=samples, seconds=time.perf_counter() - start,
+    )
+
+
+# ----------------------------------------------------------------------------- the summary
+
+
+def _span(ranks: tuple[int, ...] | list[int]) -> str:
+    """[0, 64, 128, ..., 448] as '0..448 step 64' when evenly spaced ('0..3' for a step of 1)."""
+    if len(ranks) > 2 and len({b - a for a, b in zip(ranks, ranks[1:])}) == 1:
+        step = ranks[1] - ranks[0]
+        return f"{ranks[0]}..{ranks[-1]}" + (f" step {step}" if step != 1 else "")
+    return ", ".join(map(str, ranks))
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 1024 ** 2:.1f} MiB"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 'es' if noun.endswith('h') else 's'}"
+
+
+def _describe_groups(kind: str, groups: tuple[tuple[int, ...], ...], gm: GroupMap) -> str:
+    first, last = groups[0], groups[-1]
+    nodes = sorted({gm.get_node(r) for r in first})
+    return (f"  {kind}: {_count(len(groups), 'group')} of {len(first)}, e.g. ranks {_span(first)} "
+            f"(node{'s' if len(nodes) > 1 else ''} {_span(nodes)}){f' ... {_span(last)}' if len(groups) > 1 else ''}")
+
+
+def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
+    """The summary ``--rehearse`` prints."""
+    gm, p = r.groups, cfg.parallel
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, len(gm.dp_groups[0])
+    vpp = get_virtual_pipeline_size(cfg)
+    schedule = get_schedule_name(cfg) or ("Interleaved1F1B" if vpp else "1F1B" if pp > 1 else "no pipeline")
+    lines = [
+        f"rehearsal: {r.world_size} ranks on {_count(r.world_size // r.ranks_per_node, 'node')} of {r.ranks_per_node} "
+        f"({r.ranks_per_node_source}): TP {tp} x PP {pp}{f' x VPP {vpp}' if vpp else ''} x DP {dp}, {schedule}"
+        f"{', sequence parallel' if p.sequence_parallel else ''}"
+        f"{', distributed optimizer' if p.use_distributed_optimizer else ''}",
+        f"process groups (megatron-core's RankGenerator, order {get_megatron_order()}; node = rank // "
+        f"{r.ranks_per_node}; every TP group inside one node):",
+        _describe_groups("TP", gm.tp_groups, gm),
+        _describe_groups("PP", gm.pp_groups, gm),
+        _describe_groups("DP", gm.dp_groups, gm),
+        f"  embedding groups: {len(gm.embedding_groups)}, e.g. ranks {_span(gm.embedding_groups[0])}",
+    ]
+    counts = r.params
+    distinct = len({(c.num_layers, c.stage == 0, c.stage == len(counts.chunks) - 1) for c in counts.chunks})
+    layers = sorted({c.num_layers for c in counts.chunks})
+    lines.append(
+        f"model: {counts.total:,} parameters (vocabulary {r.vocab_size:,} padded to {r.padded_vocab_size:,}), "
+        f"{_count(len(counts.chunks), 'chunk')} of {'/'.join(map(str, layers))} layers"
+        f"{' (uneven split)' if len(layers) > 1 else ''}, {distinct} distinct, each built once on meta; "
+        f"embedding on pipeline rank {r.embedding_pp_rank}, output layer on pipeline rank {r.output_pp_rank}")
+    precision = precision_name(cfg.training.bf16, cfg.training.fp16)
+    lines.append(f"per rank (state only: {precision} weights, gradient buffers, {cfg.training.optimizer} state"
+                 f"{' sharded over DP' if p.use_distributed_optimizer else ''}; activations not estimated):")
+    for pp_rank, state in enumerate(r.state_bytes):
+        chunks = [c for c in counts.chunks if c.pp_rank == pp_rank]
+        ranks = gm.get_ranks_of_pp_rank(pp_rank)
+        roles = (" embedding" if pp_rank == r.embedding_pp_rank else "") + (
+            " output" if pp_rank == r.output_pp_rank else "")
+        lines.append(
+            f"  pp {pp_rank:>2} (ranks {ranks[0]}..{ranks[-1]}, {len(ranks)}): stages "
+            f"{','.join(str(c.stage) for c in chunks)} of {'+'.join(str(c.num_layers) for c in chunks)} layers{roles}"
+            f" | {counts.per_pp_rank()[pp_rank]:,} parameters | {_size(state.total)} = weights "
+            f"{_size(state.parameters)} + grads {_size(state.gradients)} + optimizer {_size(state.optimizer)}")
+    samples = r.first_step_samples
+    m = len(samples[0])
+    lines.append(f"first step: global batch {sum(len(mb) for s in samples for mb in s)}, {_count(m, 'micro-batch')}"
+                 f" of {len(samples[0][0])} per DP rank (each once):")
+    for dp_rank in sorted({0, len(samples) - 1}):
+        flat = [i for mb in samples[dp_rank] for i in mb]
+        lines.append(f"  DP rank {dp_rank}: samples {_span(flat)}")
+    lines.append(f"rehearsal passed in {r.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def get_world_size(env: Mapping[str, str]) -> int:
+    """The rehearsed world: ``WORLD_SIZE`` as torchrun would set it (required: a rehearsal of one
+    process is rarely what was meant)."""
+    value = env.get("WORLD_SIZE", "")
+    if not value.isdigit() or int(value) <= 0:
+        raise ConfigError([f"--rehearse rehearses a launch of WORLD_SIZE ranks: set WORLD_SIZE to the job's number of "
+                           f"processes (e.g. WORLD_SIZE=64 python pretrain_gpt.py ... --rehearse), got {value!r}"])
+    return int(value)
+
+
+def rehearse_job(cfg: JobConfig, notes: list[str], env: Mapping[str, str],
+                 log: Callable[[str], None] = print) -> Rehearsal:
+    """``pretrain_gpt.py --rehearse``: rehearse the launch ``env`` describes (WORLD_SIZE,
+    LOCAL_WORLD_SIZE) and print the summary (and the flag notices)."""
+    result = rehearse(cfg, get_world_size(env), env)
+    for note in notes:
+        log(f"WARNING: {note}")
+    log(describe_rehearsal(cfg, result))
+    return result
