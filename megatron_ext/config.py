@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_ext.model.compile_checks import check_compile_and_graphs
 from megatron_ext.pipeline.validate import (
     check_pipeline_schedule, check_schedule_name, get_schedule_chunks, uses_our_runtime,
 )
@@ -177,6 +178,10 @@ class TrainingConfig:
     min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale (--fp16).")
     loss_scale_window: int = _f(1000, "Steps without overflow before the dynamic loss scale grows (--fp16).")
     hysteresis: int = _f(2, "Overflows tolerated before the dynamic loss scale shrinks (--fp16).")
+    torch_compile: bool = _f(False, "Compile each transformer layer whole, in place, with torch.compile (ours; off by default until a GPU shows it helps): parameter names and checkpoints are those of eager runs; packed micro-batches reach the layers in bounded shapes (docs/gpus.md).")
+    cuda_graph_impl: str = _f("none", "CUDA graphs (Megatron-LM's flag): local captures each transformer layer whole with megatron-core's CudaGraphManager (CUDA only; with --cuda-graph-scope full_iteration megatron-core captures the whole step); transformer_engine needs Transformer Engine.", choices=["none", "local", "transformer_engine"])
+    cuda_graph_scope: str = _f("full", "What --cuda-graph-impl local captures: full (each whole transformer layer, the default) or full_iteration (the whole forward-backward step; needs --no-check-for-nan-in-loss-and-grad); attn, mlp and the other per-module scopes need Transformer Engine.", choices=["full", "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"])
+    cuda_graph_warmup_steps: int = _f(3, "Eager steps before megatron-core captures a layer's CUDA graph (Megatron-LM's default 3).")
     empty_unused_memory_level: int = _f(0, "Return cached CUDA memory to the driver: 1 after each forward-backward, 2 also after the optimizer step (as Megatron-LM; costs time; nothing on CPU).", choices=[0, 1, 2])
 
 
@@ -574,6 +579,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_loss_scaling(cfg)
         + _check_stall_limits(cfg)
         + _check_keep_last(cfg)
+        + check_compile_and_graphs(cfg, cuda)
     )
     if problems:
         raise ConfigError(problems)

@@ -25,6 +25,7 @@ from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators, fetc
 from megatron_ext.data.padding import collate_step
 from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
+from megatron_ext.model.compile import prepare_static_shapes, uses_static_shapes, warm_rotary_table
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import compute_token_loss, find_non_finite_microbatch, reduce_reported_loss
 from megatron_ext.training.optimizer import step_optimizer
@@ -65,10 +66,13 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
     if isinstance(rotary, CoreAttentionRotaryEmbedding):
         freqs = build_packed_rotary_freqs(rotary, mb.position_ids, mb.max_seqlen)
     cu = mb.cu_seqlens.to(device=mb.tokens.device, dtype=torch.int32)
-    return PackedMicrobatchParams(
+    params = PackedMicrobatchParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
         max_seqlen_kv=mb.max_seqlen, cu_seqlens_host=mb.cu_seqlens_host, rotary_freqs=freqs,
     )
+    if model is not None and uses_static_shapes(model):  # --torch-compile: bounded shapes, nothing host-side
+        prepare_static_shapes(params, mb.tokens.shape[1], unwrap_model(model).config)
+    return params
 
 
 def forward_step(data_iterator, model, progress: StepProgress | None = None, check_for_nan: bool = True):
@@ -82,6 +86,8 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None, che
     mb: Microbatch = next(data_iterator)
     if progress is not None:
         progress.record_microbatch(mb.index, getattr(unwrap_model(model), "vp_stage", None) or 0)
+    if not mb.is_packed and uses_static_shapes(model):  # the layers' RoPE table filled outside them
+        warm_rotary_table(unwrap_model(model), mb.tokens.shape[1], mb.tokens.device)
     output = model(
         input_ids=mb.tokens,
         position_ids=mb.position_ids,

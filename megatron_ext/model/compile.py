@@ -1,0 +1,234 @@
+"""--torch-compile (ours, off by default): each transformer layer compiled whole, in place.
+
+``apply_torch_compile(chunks)`` runs after mixed precision and before DDP (as torchtitan's
+``apply_compile``): every ``TransformerLayer`` of every chunk gets ``layer.compile(fullgraph=True)``,
+which compiles the module's call in place, so parameter names and state-dict keys are unchanged
+(``torch.compile(layer)`` would rename every key to ``_orig_mod.*`` and break checkpoints between
+compiled and eager runs). Before that, each of the layer's column/row-parallel linears gets our
+``_forward_impl`` (the seam ``model/wgrad_deferral.py`` uses too), because megatron-core 0.16.1's
+cannot be traced whole:
+
+- its backward assigns ``weight.main_grad`` and ``weight.grad_added_to_main_grad`` (attribute side
+  effects dynamo refuses inside an autograd.Function's backward): ours hands ``main_grad`` to the
+  Function as an input kept on ``ctx`` (not ``save_for_backward``: DDP's buffer is bumped by every
+  other weight's accumulation before this backward runs, so a saved version would never match) and
+  accumulates into it through the ``megatron_ext::accumulate_wgrad`` custom op, which lists it in
+  ``mutates_args``; ``grad_added_to_main_grad`` is set in the forward (dynamo replays that side
+  effect), before the backward whose DDP hook reads it;
+- ``RowParallelLinear`` passes ``tp_group=None`` and megatron-core resolves it per call through a
+  function that warns (a break, and a process-group look-up per linear per micro-batch): ours uses
+  the group the layer resolved when it was built.
+
+Invariants: numbers are megatron-core's (the same GEMMs; the fused accumulation is
+``model/wgrad.accumulate_wgrad``); eager runs never see these linears (they are installed with the
+flag only); the W queue of zero-bubble schedules is refused with the flag (``check_torch_compile``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from megatron_ext.model.wgrad import accumulate_wgrad
+
+# graphs per layer: grad on/off (full recompute's no-grad forward) x a few length/document buckets
+# (dynamo counts every layer's graphs against one code object, TransformerLayer's call)
+GRAPHS_PER_LAYER = 32
+BACKEND = "inductor"  # torch.compile's backend (tests use aot_eager: the same graphs, no code generation)
+
+
+@torch.library.custom_op("megatron_ext::accumulate_wgrad", mutates_args=("main_grad",))
+def accumulate_wgrad_op(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad [out, in] += grad_output [n, out]^T @ total_input [n, in]`` (fp32 accumulation of
+    bf16 inputs on CUDA); opaque to the compiler, which sees only that ``main_grad`` is written."""
+    accumulate_wgrad(total_input, grad_output, main_grad)
+
+
+@accumulate_wgrad_op.register_fake
+def _(total_input, grad_output, main_grad) -> None:
+    return None
+
+
+def _collective_input(input_: torch.Tensor, tp_group: Any, sequence_parallel: bool) -> torch.Tensor:
+    """[s/tp, b, h] shards -> [s, b, h] under sequence parallelism (a synchronous all-gather, which
+    dynamo turns into a functional collective or breaks at); the input itself otherwise."""
+    if not sequence_parallel:
+        return input_
+    size = list(input_.shape)
+    size[0] *= tp_group.size()
+    out = input_.new_empty(size)
+    torch.distributed.all_gather_into_tensor(out, input_.contiguous(), group=tp_group)
+    return out
+
+
+class CompilableLinear(torch.autograd.Function):
+    """megatron-core's ``LinearWithGradAccumulationAndAsyncCommunication``, traceable:
+    ``output [s, b, out] = gather_sp(input) @ weight^T + bias``; backward gives the input gradient
+    (all-reduced over TP, or reduce-scattered under SP), the bias gradient, and the weight gradient
+    either accumulated into ``main_grad`` (returning the dummy gradient DDP's hook then ignores,
+    as upstream) or, without DDP's buffers, returned."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, main_grad, allreduce_dgrad, sequence_parallel, tp_group):
+        ctx.save_for_backward(input_, weight)
+        ctx.main_grad = main_grad  # on ctx, not saved: see the module docstring
+        ctx.use_bias, ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = (
+            bias is not None, allreduce_dgrad, sequence_parallel, tp_group)
+        output = torch.matmul(_collective_input(input_, tp_group, sequence_parallel), weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        total_input = _collective_input(input_, ctx.tp_group, ctx.sequence_parallel)
+        grad_input = grad_output.matmul(weight)
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        if ctx.sequence_parallel:
+            shard = grad_input.new_empty(input_.shape)
+            torch.distributed.reduce_scatter_tensor(shard, grad_input.contiguous(), group=ctx.tp_group)
+            grad_input = shard
+        g2 = grad_output.reshape(-1, grad_output.shape[-1])
+        x2 = total_input.reshape(-1, total_input.shape[-1])
+        if ctx.main_grad is not None:
+            accumulate_wgrad_op(x2, g2, ctx.main_grad)
+            grad_weight = torch.empty_like(weight)  # DDP's hook drops it (grad_added_to_main_grad)
+        else:
+            grad_weight = g2.t().matmul(x2)
+        grad_bias = g2.sum(dim=0) if ctx.use_bias else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _compilable_forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (upstream's name)
+    """``_forward_impl`` of a linear in a compiled layer (bound to the instance): upstream's keyword
+    arguments, our Function, the layer's own TP group. A frozen weight keeps upstream's path."""
+    from megatron.core.tensor_parallel.layers import linear_with_frozen_weight
+
+    if not weight.requires_grad:
+        return linear_with_frozen_weight(input, weight, *args, **{**kwargs, "tp_group": self.tp_group})
+    main_grad = None
+    if kwargs["gradient_accumulation_fusion"] and hasattr(weight, "main_grad"):
+        main_grad = weight.main_grad
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True  # read by DDP's hook in this micro-batch's backward
+    return CompilableLinear.apply(input, weight, kwargs["bias"], main_grad, kwargs["allreduce_dgrad"],
+                                  kwargs["sequence_parallel"], self.tp_group)
+
+
+def install_compilable_linears(module: torch.nn.Module) -> int:
+    """Our ``_forward_impl`` on every column/row-parallel linear under ``module``; returns how many."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for linear in module.modules():
+        if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+            if getattr(linear, "wgrad_queue", None) is not None:
+                raise ValueError("--torch-compile: this linear defers its weight gradient into a zero-bubble W queue, "
+                                 "which a compiled backward cannot feed; drop --torch-compile or pick a 1F1B schedule")
+            linear._forward_impl = types.MethodType(_compilable_forward_impl, linear)
+            count += 1
+    return count
+
+
+def transformer_layers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Every megatron-core TransformerLayer of the chunks (inside Float16Module or not)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
+
+
+def apply_torch_compile(chunks: list[torch.nn.Module], backend: Any = None) -> int:
+    """Compile every transformer layer of ``chunks`` in place (before DDP); returns how many.
+    ``backend``: torch.compile's (default ``BACKEND``). Static shapes (``dynamic=False``): each
+    bucket of ``data/padding.py`` gets its own graph, as CUDA graphs and fixed kernels want."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if any(isinstance(c, DistributedDataParallel) for c in chunks):
+        raise RuntimeError("apply_torch_compile runs before wrap_with_ddp (DDP registers its hooks on the weights)")
+    mark_static_shapes(chunks)
+    layers = transformer_layers(chunks)
+    configure_dynamo(len(layers))
+    for layer in layers:
+        install_compilable_linears(layer)
+        install_compilable_recompute(layer)
+        layer.compile(fullgraph=True, dynamic=False, backend=backend or BACKEND)
+    return len(layers)
+
+
+def configure_dynamo(num_layers: int) -> None:
+    """Room for every layer's graph of every bucketed shape without falling back to eager."""
+    import torch._dynamo
+
+    limit = max(1, num_layers) * GRAPHS_PER_LAYER
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, limit)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, limit)
+
+
+def _checkpointed_core_attention(self, query, key, value, attention_mask, rotary_pos_emb=None, attn_mask_type=None,
+                                 attention_bias=None, packed_seq_params=None):
+    """megatron-core's selective recompute of core attention (``Attention._checkpointed_attention_forward``,
+    bound to the instance) through ``torch.utils.checkpoint`` (non-reentrant), which dynamo traces as one
+    region: upstream's reentrant ``CheckpointFunction`` saves RNG states with ``get_rng_state``, which
+    dynamo will not trace. Same recomputation: core attention's output is not kept, its inputs are."""
+    import torch.utils.checkpoint
+
+    def core_attention(q, k, v, mask):
+        return self.core_attention(q, k, v, mask, attn_mask_type=attn_mask_type or self.attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+    return torch.utils.checkpoint.checkpoint(core_attention, query, key, value, attention_mask, use_reentrant=False)
+
+
+def install_compilable_recompute(layer: torch.nn.Module) -> None:
+    """Selective recompute of core attention through ``_checkpointed_core_attention`` where the
+    layer's attention recomputes it (``--recompute-modules core_attn``, the default)."""
+    attention = getattr(layer, "self_attention", None)
+    if attention is not None and getattr(attention, "checkpoint_core_attention", False):
+        attention._checkpointed_attention_forward = types.MethodType(_checkpointed_core_attention, attention)
+
+
+# ----------------------------------------------------------------------------- static shapes
+
+
+def mark_static_shapes(chunks: list[torch.nn.Module]) -> None:
+    """Tell ``training/step.py`` to hand these chunks' layers bounded shapes and nothing host-side
+    (``prepare_static_shapes``): compiled layers and CUDA graphs need both."""
+    for chunk in chunks:
+        chunk.static_shapes = True
+
+
+def uses_static_shapes(model: torch.nn.Module) -> bool:
+    while not hasattr(model, "static_shapes") and hasattr(model, "module"):
+        model = model.module
+    return bool(getattr(model, "static_shapes", False))
+
+
+def prepare_static_shapes(params, num_tokens: int, config) -> None:
+    """Once per packed micro-batch, before the first layer: the kernel chosen (flash varlen where it
+    runs, else one masked SDPA), boundaries checked and padded, ``max_seqlen`` bucketed, rotary
+    coefficients built in the layers' dtype (``model/attention.prepare_static_packed_params``)."""
+    from megatron_ext.model.attention import (
+        MASKED, VARLEN, flash_varlen_supported, prepare_static_packed_params, select_packed_kernel,
+    )
+
+    device = params.cu_seqlens_q.device
+    dtype = config.params_dtype
+    available = device.type == "cuda" and flash_varlen_supported(device.index or 0, config.kv_channels)
+    kernel = select_packed_kernel(device.type, config.attention_dropout, available, dtype)
+    prepare_static_packed_params(params, num_tokens, dtype, config.rotary_interleaved,
+                                 VARLEN if kernel == VARLEN else MASKED)
+
+
+def warm_rotary_table(model: torch.nn.Module, seq_len: int, device: torch.device) -> None:
+    """Fill the chunk's RoPE table for ``seq_len`` before the layers read it (a miss inside a
+    compiled layer would break its graph)."""
+    from megatron_ext.model.attention import VarlenDotProductAttention
+
+    for module in model.modules():
+        if isinstance(module, VarlenDotProductAttention) and module._rotates():
+            config = module.config
+            module.rotary_table.coefficients(seq_len, config.params_dtype, device, config.rotary_interleaved)
+            return

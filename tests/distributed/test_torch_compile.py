@@ -1,0 +1,155 @@
+"""--torch-compile: layers compile whole at TP 1, train as eager does, keep eager's checkpoints, and see
+a bounded set of shapes (model/compile.py).
+
+Compile is slow on the CPU: graphs are traced with ``torch._dynamo.explain`` (no code generation) or
+compiled with the ``aot_eager`` backend (dynamo + AOT autograd, the graphs inductor would get, run by
+eager kernels); inductor's own code runs in ``bench/host_overhead.py``. Layers are tiny (2 layers,
+hidden 64), and each case builds one model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_ext.testing import MarkovDataset, PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
+
+pytestmark = pytest.mark.distributed
+
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+             untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2)
+SELECTIVE = dict(recompute_granularity="selective")
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+SEQ = 32
+
+
+def _values(style: str, packed: bool, **overrides) -> dict:
+    values = tiny_values(num_layers=2, seq_length=SEQ, global_batch_size=2, micro_batch_size=1 if packed else 2)
+    if style == "llama":
+        values.update(LLAMA)
+    if packed:
+        values.update(packed_sequences=True)
+    values.update(overrides)
+    return values
+
+
+def _dataset(packed: bool):
+    return PackedMarkovDataset(SEQ) if packed else MarkovDataset(SEQ, mask_every=1)
+
+
+def _record_layer_call(run, dataset, packed: bool):
+    """The first layer and the arguments it really receives in one training forward."""
+    from megatron_ext.testing import fetch_step_microbatches
+    from megatron_ext.training.step import forward_step, unwrap_model
+
+    model = run.model[0]
+    layer = unwrap_model(model).decoder.layers[0]
+    seen = {}
+    handle = layer.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
+    forward_step(iter(fetch_step_microbatches(dataset, [[0]] if packed else [[0, 1]])), model)
+    handle.remove()
+    return layer, seen["args"], seen["kwargs"]
+
+
+def _explain(rank, world_size, style, packed, overrides):
+    import torch._dynamo
+
+    from megatron_ext.model.compile import install_compilable_linears, install_compilable_recompute, mark_static_shapes
+
+    dataset = _dataset(packed)
+    run = build_tiny_run(_values(style, packed, **overrides), dataset)
+    mark_static_shapes([run.model[0].module])  # what --torch-compile sets (layers stay eager here)
+    layer, args, kwargs = _record_layer_call(run, dataset, packed)
+    install_compilable_linears(layer)
+    install_compilable_recompute(layer)
+    torch._dynamo.reset()
+    result = torch._dynamo.explain(layer)(*args, **kwargs)
+    return result.graph_count, result.graph_break_count, [b.reason.splitlines()[0] for b in result.break_reasons]
+
+
+CASES = {  # pairwise over style x packing x precision x recompute
+    "gpt2-unpacked-fp32": ("gpt2", False, {}),
+    "gpt2-packed-bf16-selective": ("gpt2", True, dict(bf16=True, **SELECTIVE)),
+    "gpt2-unpacked-bf16-full": ("gpt2", False, dict(bf16=True, **FULL)),
+    "llama-packed-fp32-full": ("llama", True, FULL),
+    "llama-unpacked-fp32-selective": ("llama", False, SELECTIVE),
+    "llama-packed-bf16": ("llama", True, dict(bf16=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layer_compiles_without_graph_breaks_at_tp1(case):
+    """One graph per layer, no break, on the arguments a real training forward hands the layer
+    (megatron-core's own linears break it into 14 graphs: see ``test_upstream_linears_break``)."""
+    style, packed, overrides = CASES[case]
+    graphs, breaks, reasons = run_ranks(_explain, 1, style, packed, overrides)[0]
+    assert (graphs, breaks) == (1, 0), reasons
+
+
+def _explain_upstream(rank, world_size):
+    import torch._dynamo
+
+    run = build_tiny_run(_values("gpt2", False), _dataset(False))
+    layer, args, kwargs = _record_layer_call(run, _dataset(False), False)
+    return torch._dynamo.explain(layer)(*args, **kwargs).graph_break_count
+
+
+def test_upstream_linears_break():
+    """The reference: without our linears the same layer breaks (so the test above can fail)."""
+    assert run_ranks(_explain_upstream, 1)[0] > 0
+
+
+# ----------------------------------------------------------------------------- training and checkpoints
+
+ITERS, SAVED_AT = 4, 2
+TRAIN = dict(train_iters=ITERS, global_batch_size=4, save_interval=SAVED_AT, clip_grad=0.5)
+
+
+def _train(values: dict, dataset, load: str | None = None):
+    from megatron_ext.checkpoint.state import load_checkpoint
+    from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.training.loop import train
+
+    run = build_tiny_run(values, dataset)
+    keys = sorted(run.model[0].state_dict().keys())
+    if load is not None:
+        assert load_checkpoint(run, load, step=SAVED_AT) == SAVED_AT
+    train(run)
+    destroy_parallel_context()
+    return [r["loss"] for r in run.records], keys
+
+
+def _train_across_the_flag(rank, world_size, root, style, packed, overrides):
+    import torch._dynamo.utils
+
+    import megatron_ext.model.compile as compile_module
+
+    compile_module.BACKEND = "aot_eager"
+    dataset = _dataset(packed)
+    values = _values(style, packed, **TRAIN, **overrides)
+    eager, compiled = os.path.join(root, "eager"), os.path.join(root, "compiled")
+    out = {"eager": _train(dict(values, save=eager), dataset)}
+    out["compiled"] = _train(dict(values, save=compiled, torch_compile=True), dataset)
+    out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # the layers did compile
+    out["eager_from_compiled"] = _train(values, dataset, load=compiled)
+    out["compiled_from_eager"] = _train(dict(values, torch_compile=True), dataset, load=eager)
+    return out
+
+
+@pytest.mark.parametrize("case,tol", [("llama-packed-fp32", 1e-5), ("gpt2-unpacked-bf16", 2e-2)])
+def test_compiled_training_matches_eager_and_resumes_across_the_flag(case, tol, tmp_path):
+    """Against eager (an independent reference: megatron-core's own linears, no compiler): the same
+    losses, step by step, within 1e-5 relative (fp32) / 2e-2 (bf16); the same state-dict keys; and a
+    checkpoint saved by either loads into the other and continues as the uninterrupted run does."""
+    style, packing, precision = case.split("-")
+    overrides = dict(bf16=True) if precision == "bf16" else {}
+    out = run_ranks(_train_across_the_flag, 1, str(tmp_path), style, packing == "packed", overrides)[0]
+    losses, keys = out["eager"]
+    assert len(losses) == ITERS and out["graphs"] >= 2
+    for name in ("compiled", "eager_from_compiled", "compiled_from_eager"):
+        other, other_keys = out[name]
+        assert other_keys == keys, name
+        got = other if name == "compiled" else losses[:SAVED_AT] + other
+        assert torch.allclose(torch.tensor(got), torch.tensor(losses), rtol=tol, atol=0), (name, got, losses)
