@@ -134,25 +134,42 @@ def get_loss_scale(cfg: JobConfig) -> float | None:
 
 
 def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
-    """megatron-core's optimizer step, plus the non-finite guard for its fp32 optimizer.
+    """``step_optimizer_fetching`` without anything to fetch: (update applied, global gradient norm)."""
+    applied, grad_norm, _ = step_optimizer_fetching(optimizer, check_for_nan)
+    return applied, grad_norm
 
-    Returns (update applied, global gradient norm). megatron-core 0.16.1 wraps every optimizer in a
-    ``ChainedOptimizer``; when it holds an ``FP32Optimizer`` (which reports no found-inf) this is
-    ``ChainedOptimizer.step`` (prepare_grads -> get_grad_norm -> clip -> step_with_ready_grads,
-    registered in compat.py) with the update skipped when the norm, one global reduction that the
-    step computes anyway, is not finite."""
+
+def step_optimizer_fetching(optimizer, check_for_nan: bool, fetch: list[torch.Tensor | None] = (),
+                            ) -> tuple[bool, float | None, list[list[float] | None]]:
+    """megatron-core's optimizer step, plus the non-finite guard, in ONE device-to-host copy.
+
+    Returns (update applied, global gradient norm, each tensor of ``fetch`` flattened to host floats,
+    None for None). megatron-core 0.16.1 wraps every optimizer in a ``ChainedOptimizer`` whose ``step`` is
+    prepare_grads -> get_grad_norm -> clip -> step_with_ready_grads (registered in compat.py), with a
+    ``.item()`` for found-inf (a grad scaler's) and another for the norm. Where every child is the fp32
+    optimizer or a mixed-precision one with a constant scale of 1.0 (--bf16 with the guard on), found-inf
+    says nothing the norm does not (a gradient is non-finite exactly when the norm is, and unscaling by
+    1.0 changes nothing), so this runs those steps itself: the model gradients copied to the main ones,
+    the squared norm computed and all-reduced on the device (``grad_norm_squared``), then one copy of it
+    together with ``fetch`` (the step's loss reports), then clipping and the update, skipped when the
+    norm is not finite. Otherwise (--fp16's dynamic scaler) megatron-core's step runs and ``fetch`` is
+    copied after it."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-    from megatron.core.optimizer.optimizer import FP32Optimizer
 
     children = getattr(optimizer, "chained_optimizers", [optimizer])
-    if not (check_for_nan and any(isinstance(c, FP32Optimizer) for c in children)):
+    if not (check_for_nan and all(scales_by_one(c) for c in children)):
         success, grad_norm, _ = optimizer.step()
-        return bool(success), grad_norm
-    if optimizer.prepare_grads():
-        return False, None
-    grad_norm = optimizer.get_grad_norm()
+        return bool(success), grad_norm, fetch_to_host(fetch)[1]
+    for child in children:
+        if getattr(child, "grad_scaler", None) is None:
+            child.prepare_grads()  # no sync: the fp32 optimizer's, or a mixed-precision one without a scaler
+        elif not child.is_stub_optimizer:
+            child._copy_model_grads_to_main_grads()  # prepare_grads less its unscale-by-1.0 and found-inf sync
+    (norm_sq,), fetched = fetch_to_host([grad_norm_squared(children), *fetch])  # the step's one copy
+    grad_norm = norm_sq ** 0.5  # as get_grad_norm_fp32 takes the root
+    fetched = fetched[1:] if fetched else [None] * len(fetch)
     if not math.isfinite(grad_norm):
-        return False, grad_norm
+        return False, grad_norm, fetched
     for child in children:
         params = child.get_parameters()
         if getattr(child, "is_stub_optimizer", False) or not params or child.config.clip_grad <= 0.0:
@@ -161,7 +178,63 @@ def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
             params, max_norm=child.config.clip_grad, total_norm=grad_norm,
             use_decoupled_grad=child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
         )
-    return bool(optimizer.step_with_ready_grads()), grad_norm
+    return bool(optimizer.step_with_ready_grads()), grad_norm, fetched
+
+
+def fetch_to_host(tensors: list[torch.Tensor | None]) -> tuple[list[float], list[list[float] | None]]:
+    """Each tensor flattened to float64 host values (None stays None) with ONE ``tolist`` of their
+    concatenation (all on one device); returns (the first's values, all of them)."""
+    present = [t.reshape(-1).to(torch.float64) for t in tensors if t is not None]
+    if not present:
+        return [], [None] * len(tensors)
+    flat = (torch.cat(present) if len(present) > 1 else present[0]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        out.append(flat[start:start + t.numel()])
+        start += t.numel()
+    return out[0] or [], out
+
+
+def scales_by_one(child) -> bool:
+    """The fp32 optimizer, or a mixed-precision one whose grad scaler is a constant 1.0 (or absent)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+
+    if isinstance(child, FP32Optimizer):
+        return True
+    if not isinstance(child, MixedPrecisionOptimizer):
+        return False
+    scaler = child.grad_scaler
+    # (the configured constant, not the scaler's device tensor: reading that would be a sync)
+    return scaler is None or (isinstance(scaler, ConstantGradScaler) and child.config.loss_scale == 1.0)
+
+
+@torch.no_grad()
+def grad_norm_squared(children: list) -> torch.Tensor:
+    """[1] fp32 on the device: the squared global L2 norm of the main gradients, computed and reduced
+    as megatron-core's ``ChainedOptimizer.get_grad_norm`` / ``get_grad_norm_fp32`` do (the same
+    multi-tensor L2 norm, squared; one all-reduce SUM over the stats group when the children share it,
+    else one per child, summed), without their ``.item()``: the norm is ``value ** 0.5`` on the host."""
+    from megatron.core.optimizer.clip_grads import l2_norm_impl, multi_tensor_applier
+
+    groups = [c.get_grad_stats_parallel_group() for c in children]
+    shared = all(g == groups[0] for g in groups)
+    parts = [(children, groups[0])] if shared else [([c], g) for c, g in zip(children, groups)]
+    total = None
+    for opts, group in parts:
+        grads = [g for o in opts for g in o.get_main_grads_for_grad_norm()]
+        if grads:
+            overflow = torch.zeros(1, dtype=torch.int, device=grads[0].device)
+            norm, _ = multi_tensor_applier(l2_norm_impl, overflow, [grads], False)
+            sq = norm ** 2.0
+        else:
+            sq = torch.zeros(1, dtype=torch.float, device=torch.cuda.current_device())
+        torch.distributed.all_reduce(sq, op=torch.distributed.ReduceOp.SUM, group=group)
+        total = sq if total is None else total + sq
+    return total
 
 
 # Parameter-group settings that this run's flags give when the optimizer is built and that loading

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import torch
@@ -27,8 +28,8 @@ from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
 from megatron_ext.model.compile import prepare_static_shapes, uses_static_shapes, warm_rotary_table
 from megatron_ext.parallel import ParallelContext
-from megatron_ext.training.loss import compute_token_loss, find_non_finite_microbatch, reduce_reported_loss
-from megatron_ext.training.optimizer import step_optimizer
+from megatron_ext.training.loss import compute_token_loss, stack_reported_losses, sum_reported_losses
+from megatron_ext.training.optimizer import step_optimizer_fetching
 from megatron_ext.training.profiling import StepTimers
 
 
@@ -42,6 +43,8 @@ class StepResult:
     non_finite: bool = False
     # this rank's first micro-batch (its place in the step) whose loss was not finite (last stage only)
     non_finite_microbatch: int | None = None
+    # the exit agreement begun inside the step, read on the host (None: none was begun)
+    agreed_bits: list[float] | None = None
 
 
 def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor, check_for_nan: bool = True):
@@ -101,9 +104,8 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None, che
 def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
     """Wire megatron-core's per-step hooks into the (shared) TransformerConfig (under the V
     placement, the finalize that knows the loss and the tied embedding are on pipeline rank 0)."""
-    from megatron.core.distributed import finalize_model_grads
-
     from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
+    from megatron_ext.training.finalize import finalize_model_grads  # upstream's, scaling on the device
 
     config = model[0].config
     v = get_config_placement(config) == "v"
@@ -200,24 +202,33 @@ def train_step(
     model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
     seq_length: int, global_batch_size: int, ctx: ParallelContext, check_for_nan: bool = True,
     progress: StepProgress | None = None, timers: StepTimers | None = None, empty_memory_level: int = 0,
+    agreement: Callable[[], torch.Tensor | None] | None = None,
 ) -> StepResult:
+    """One step; ``agreement`` begins the exit agreement (``ExitDecider.start_agreement``) after the
+    forward-backward, so that its bits reach the host with the step's one copy (``StepResult.agreed_bits``)."""
     timer = timers.time if timers is not None else (lambda name: contextlib.nullcontext())
     optimizer.zero_grad()
     step_func = functools.partial(forward_step, progress=progress, check_for_nan=check_for_nan)
     with timer("forward-backward"):
         reports = run_forward_backward(model, microbatches, seq_length, forward_step_func=step_func)
     empty_unused_memory(ctx, empty_memory_level >= 1)
+    # the loss reports (and the exit agreement, begun now) travel to the host with the gradient norm:
+    # one device-to-host copy per step (training/optimizer.step_optimizer_fetching)
+    on_device = stack_reported_losses(reports) if ctx.is_last_stage and reports else None
+    bits = agreement() if agreement is not None else None
     with timer("optimizer"):
-        update_successful, grad_norm = step_optimizer(optimizer, check_for_nan)
+        update_successful, grad_norm, (fetched, agreed_bits) = step_optimizer_fetching(
+            optimizer, check_for_nan, [on_device, bits])
         if update_successful:
             scheduler.step(increment=global_batch_size)
     empty_unused_memory(ctx, empty_memory_level >= 2)
-    local = reduce_reported_loss(reports) if ctx.is_last_stage else torch.zeros(2, dtype=torch.float64)
-    bad_microbatch = None if bool(torch.isfinite(local).all()) else find_non_finite_microbatch(reports)
+    rows = [fetched[i:i + 2] for i in range(0, len(fetched), 2)] if fetched is not None else []
+    local = sum_reported_losses(rows)
+    bad_microbatch = next((i for i, row in enumerate(rows) if not all(map(math.isfinite, row))), None)
     non_finite = check_for_nan and not update_successful
     if non_finite and model[0].config.fp16:
         non_finite = agree_loss_non_finite(bad_microbatch is not None)
-    return StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch)
+    return StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch, agreed_bits)
 
 
 def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:
