@@ -133,6 +133,7 @@ class DataConfig:
     eod_mask_loss: bool = _f(False, "Mask the loss of positions whose input token is EOD (Megatron-LM). With --packed-sequences / --one-document-per-row it holds already: a document's last token (its EOD) predicts nothing.")
     sequence_padding: str | None = _f(None, "static (to --seq-length), negotiated (one MAX over the pipeline per step) or variable (megatron-core variable_seq_lengths handshake). Default: negotiated with packed/variable-length samples, else static.", choices=["static", "negotiated", "variable"])
     pad_to_multiple_of: int = _f(64, "Round negotiated/variable lengths up to a multiple of this (--seq-length must be one).")
+    pad_length_bucket: str = _f("multiple", "How negotiated/variable lengths round up (ours): multiple (to --pad-to-multiple-of: up to seq/multiple lengths) or power-of-two (to --pad-to-multiple-of times a power of two, capped at the longest length: a handful of shapes, for --torch-compile and CUDA graphs, at up to 2x the padding).", choices=["multiple", "power-of-two"])
 
 
 DEFAULT_TRAIN_ITERS = 100

@@ -246,7 +246,7 @@ def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:
 def pad_step_samples(cfg: Any, pad_id: int, raw: list, group: Any) -> tuple[list[Microbatch], int]:
     """A step's raw samples padded as ``--sequence-padding`` says (negotiating over ``group``)."""
     return collate_step(raw, get_sequence_padding(cfg), group, cfg.data.pad_to_multiple_of,
-                        get_max_microbatch_length(cfg), pad_id)
+                        get_max_microbatch_length(cfg), pad_id, cfg.data.pad_length_bucket)
 
 
 def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:

@@ -153,3 +153,67 @@ def test_compiled_training_matches_eager_and_resumes_across_the_flag(case, tol, 
         assert other_keys == keys, name
         got = other if name == "compiled" else losses[:SAVED_AT] + other
         assert torch.allclose(torch.tensor(got), torch.tensor(losses), rtol=tol, atol=0), (name, got, losses)
+
+
+# ----------------------------------------------------------------------------- shapes that stay put
+
+MICROBATCHES, PER_STEP = 50, 1  # one micro-batch a step: each negotiates its own length
+
+
+def _count_compiles(rank, world_size, packed):
+    import megatron_ext.model.compile as compile_module
+    from megatron_ext.model.attention import document_bound
+    from megatron_ext.training.step import build_step_microbatches, train_step
+
+    compiles = []
+
+    def counting_backend(graph_module, example_inputs):  # dynamo calls it once per graph it compiles
+        compiles.append(tuple(example_inputs[0].shape) if example_inputs else ())
+        return graph_module.forward
+
+    compile_module.BACKEND = counting_backend
+    seq = 64
+    values = _values("llama", packed, seq_length=seq, micro_batch_size=1, global_batch_size=PER_STEP,
+                     torch_compile=True, sequence_padding="negotiated", pad_to_multiple_of=8,
+                     pad_length_bucket="power-of-two")
+    dataset = PackedMarkovDataset(seq, median=3.0) if packed else _VaryingLengths(seq)
+    run = build_tiny_run(values, dataset)
+    seen, late, documents = set(), [], set()
+    for step in range(MICROBATCHES // PER_STEP):
+        microbatches, length = build_step_microbatches(run, dataset, step * PER_STEP)
+        # the CPU's masked kernel reads each token's document index [t]: the padded length is the bucket
+        # (cu_seqlens, padded to the document bound, enters the graph with flash's varlen kernel: a GPU test)
+        new = any(tuple(mb.tokens.shape) not in seen for mb in microbatches)
+        seen |= {tuple(mb.tokens.shape) for mb in microbatches}
+        documents |= {document_bound(len(mb.cu_seqlens_host) - 1) for mb in microbatches if mb.is_packed}
+        before = len(compiles)
+        train_step(run.model, run.optimizer, run.scheduler, microbatches, length, PER_STEP, run.ctx)
+        if len(compiles) > before and not new:
+            late.append((step, compiles[before:]))
+    return len(seen), len(compiles), late, len(documents), len(run.model[0].module.decoder.layers)
+
+
+class _VaryingLengths:
+    """Unpacked samples of 5 to ``seq`` tokens (negotiated padding gives each step its own length)."""
+
+    def __init__(self, seq: int):
+        self.inner, self.seq = MarkovDataset(seq), seq
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        n = 5 + (i * 37) % (self.seq - 4)
+        return {k: v[:n] for k, v in self.inner[i].items()}
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_no_recompile_after_the_first_micro_batch_of_each_bucket(packed):
+    """50 micro-batches of varying documents and lengths through compiled layers: one graph per layer
+    per bucket (the padded length), compiled at the bucket's first micro-batch, none after; the
+    documents' count and lengths never reach a guard (without ``prepare_static_shapes`` the host
+    boundaries did: a recompile per distinct document layout)."""
+    buckets, compiles, late, document_bounds, layers = run_ranks(_count_compiles, 1, packed)[0]
+    assert buckets >= 2 and (document_bounds >= 2 or not packed), (buckets, document_bounds)  # the data did vary
+    assert not late, late  # a compile after a bucket's first micro-batch
+    assert compiles == layers * buckets
