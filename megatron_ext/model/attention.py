@@ -59,13 +59,25 @@ class PackedMicrobatchParams(PackedSeqParams):
 
     cu_seqlens_host: tuple[int, ...] | None = None
     rotary_freqs: torch.Tensor | None = None  # [t, 1, rot_dim] fp32, gathered by position id
-    # (dtype, interleaved) -> rotary_coefficients, made by the first layer that rotates (or, with
-    # static shapes, before the first layer: ``prepare_static_packed_params``)
+    # (dtype, interleaved) -> rotary_coefficients, made by the first layer that rotates
     rotary_coefficients: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    # static shapes (--torch-compile, CUDA graphs): the kernel chosen outside the layers, and for the
-    # masked kernel each token's document index [t] int64; nothing host-side is read in a layer
-    kernel: str | None = None
+
+
+@dataclasses.dataclass
+class StaticPackedParams(PackedSeqParams):
+    """What layers receive for a packed micro-batch with static shapes (--torch-compile, CUDA graphs;
+    ``prepare_static_packed_params``): tensors of a bounded set of shapes, ints from a bounded set, the
+    kernel's name; nothing host-side (megatron-core's CUDA-graph argument check, ``_check_supported_type``,
+    takes tensors, ints, strings and dataclasses of them; a tuple or a dict it refuses).
+
+    ``cu_seqlens_q/kv`` [D + 1] int32, D = ``document_bound`` (the added documents zero-length);
+    ``max_seqlen_q/kv`` bucketed (``bucket_max_seqlen``); ``document_ids`` [t] int64 (the masked
+    kernel); ``rotary_cos/sin`` [t, 1, rot_dim] in the activations' dtype (None without RoPE)."""
+
+    kernel: str = MASKED
     document_ids: torch.Tensor | None = None
+    rotary_cos: torch.Tensor | None = None
+    rotary_sin: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -345,7 +357,7 @@ class VarlenDotProductAttention(DotProductAttention):
         return self._with_rng(lambda: causal_attention(query, key, value, self.softmax_scale, p))
 
     def _packed_forward(self, query, key, value, params: PackedSeqParams):
-        if getattr(params, "kernel", None) is not None:
+        if isinstance(params, StaticPackedParams):
             return self._static_packed_forward(query, key, value, params)
         if params.qkv_format != "thd":
             raise ValueError(f"packed sequences: qkv_format {params.qkv_format!r} is not supported (use 'thd')")
@@ -372,12 +384,15 @@ class VarlenDotProductAttention(DotProductAttention):
         return self._with_rng(lambda: document_causal_attention(query, key, value, host, self.softmax_scale, p))
 
 
-    def _static_packed_forward(self, query, key, value, params: PackedMicrobatchParams):
+    def _static_packed_forward(self, query, key, value, params: StaticPackedParams):
         """The packed path on tensors alone (``prepare_static_packed_params`` checked the boundaries
         and chose the kernel once per micro-batch): bucketed ``max_seqlen``, ``cu_seqlens`` padded with
         zero-length documents, or each token's document index for the masked kernel."""
         if self._rotates():
-            cos, sin = params.rotary_coefficients[(query.dtype, self.config.rotary_interleaved)]
+            if params.rotary_cos is None:
+                raise ValueError("packed sequences with RoPE: the static THD parameters carry no rotary "
+                                 "coefficients; build them with megatron_ext.training.step.get_packed_seq_params")
+            cos, sin = params.rotary_cos, params.rotary_sin
             query = rotate(query, cos, sin, self.config.rotary_interleaved)
             key = rotate(key, cos, sin, self.config.rotary_interleaved)
         if params.kernel == VARLEN:
@@ -428,25 +443,26 @@ def pad_boundaries(cu_seqlens: torch.Tensor, documents: int) -> torch.Tensor:
 
 
 def prepare_static_packed_params(params: PackedMicrobatchParams, num_tokens: int, dtype: torch.dtype,
-                                 interleaved: bool, kernel: str) -> PackedMicrobatchParams:
-    """Make ``params`` (with ``cu_seqlens_host``) ready for ``_static_packed_forward``, once per
-    micro-batch, outside the layers: boundaries checked, ``kernel`` (VARLEN or MASKED) recorded,
-    ``cu_seqlens`` padded to ``document_bound``, ``max_seqlen`` bucketed, the document index of each
-    token for MASKED, rotary coefficients in the activations' ``dtype``. No device-to-host copy."""
+                                 interleaved: bool, kernel: str) -> StaticPackedParams:
+    """``params`` (with ``cu_seqlens_host``) as ``StaticPackedParams``, once per micro-batch, outside
+    the layers: boundaries checked, ``kernel`` (VARLEN or MASKED) recorded, ``cu_seqlens`` padded to
+    ``document_bound``, ``max_seqlen`` bucketed, each token's document index for MASKED, rotary
+    coefficients in the activations' ``dtype``. No device-to-host copy."""
     host = params.cu_seqlens_host
     check_boundaries(host, num_tokens)
     cu = params.cu_seqlens_q
+    document_ids = None
     if kernel == MASKED:
         positions = torch.arange(num_tokens, device=cu.device, dtype=cu.dtype)
-        params.document_ids = torch.searchsorted(cu[1:], positions, right=True)
+        document_ids = torch.searchsorted(cu[1:], positions, right=True)
     cu = pad_boundaries(cu, document_bound(len(host) - 1))
     longest = bucket_max_seqlen(max(b - a for a, b in zip(host, host[1:])), num_tokens)
-    params.cu_seqlens_q = params.cu_seqlens_kv = cu
-    params.max_seqlen_q = params.max_seqlen_kv = longest
-    params.kernel = kernel
+    cos = sin = None
     if params.rotary_freqs is not None:
-        packed_coefficients(params, dtype, interleaved)
-    return params
+        cos, sin = rotary_coefficients(params.rotary_freqs, dtype, interleaved)
+    return StaticPackedParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                              max_seqlen_kv=longest, kernel=kernel, document_ids=document_ids, rotary_cos=cos,
+                              rotary_sin=sin)
 
 
 def describe_attention_kernels(device_type: str, attention_dropout: float, transformer_engine: bool,

@@ -206,10 +206,11 @@ def uses_static_shapes(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "static_shapes", False))
 
 
-def prepare_static_shapes(params, num_tokens: int, config) -> None:
-    """Once per packed micro-batch, before the first layer: the kernel chosen (flash varlen where it
-    runs, else one masked SDPA), boundaries checked and padded, ``max_seqlen`` bucketed, rotary
-    coefficients built in the layers' dtype (``model/attention.prepare_static_packed_params``)."""
+def prepare_static_shapes(params, num_tokens: int, config):
+    """Once per packed micro-batch, before the first layer: ``StaticPackedParams`` with the kernel
+    chosen (flash varlen where it runs, else one masked SDPA), boundaries checked and padded,
+    ``max_seqlen`` bucketed, rotary coefficients built in the layers' dtype
+    (``model/attention.prepare_static_packed_params``)."""
     from megatron_ext.model.attention import (
         MASKED, VARLEN, flash_varlen_supported, prepare_static_packed_params, select_packed_kernel,
     )
@@ -218,8 +219,8 @@ def prepare_static_shapes(params, num_tokens: int, config) -> None:
     dtype = config.params_dtype
     available = device.type == "cuda" and flash_varlen_supported(device.index or 0, config.kv_channels)
     kernel = select_packed_kernel(device.type, config.attention_dropout, available, dtype)
-    prepare_static_packed_params(params, num_tokens, dtype, config.rotary_interleaved,
-                                 VARLEN if kernel == VARLEN else MASKED)
+    return prepare_static_packed_params(params, num_tokens, dtype, config.rotary_interleaved,
+                                        VARLEN if kernel == VARLEN else MASKED)
 
 
 def warm_rotary_table(model: torch.nn.Module, seq_len: int, device: torch.device) -> None:

@@ -63,6 +63,10 @@ def _check_cuda_graphs(cfg: Any, cuda: bool) -> list[str]:
     if scope == "full_iteration" and t.check_for_nan_in_loss_and_grad:
         out.append("--cuda-graph-scope full_iteration with the NaN check on: the check reads the loss on the host "
                    "inside the captured step; add --no-check-for-nan-in-loss-and-grad or use --cuda-graph-scope full")
+    elif scope == "full_iteration":
+        out.append("--cuda-graph-scope full_iteration is not wired here yet: megatron-core's FullCudaGraphWrapper "
+                   "copies its data iterators' dict batches into static buffers, and ours yield Microbatch objects; "
+                   "use --cuda-graph-scope full (each whole layer)")
     if cfg.model.recompute_granularity == "full" and scope != "full_iteration":
         out.append("--cuda-graph-impl local with --recompute-granularity full: a recomputed layer runs outside its "
                    "graph; use --cuda-graph-scope full_iteration or selective recompute")

@@ -19,6 +19,7 @@ import math
 from typing import Any, Callable
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_ext.config import get_max_microbatch_length, get_sequence_padding
 from megatron_ext.cpu_platform import get_collective_device
@@ -58,10 +59,11 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) -> PackedMicrobatchParams | None:
+def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) -> PackedSeqParams | None:
     """THD parameters of a packed micro-batch (None unpacked), with the host boundaries and, for
     a RoPE model chunk on the local spec, its tokens' rotary frequencies: computed here once per
-    micro-batch and chunk, never inside a layer."""
+    micro-batch and chunk, never inside a layer. With static shapes (--torch-compile, CUDA graphs):
+    ``StaticPackedParams`` instead, tensors of bounded shapes and nothing host-side."""
     if not mb.is_packed:
         return None
     rotary = getattr(unwrap_model(model), "rotary_pos_emb", None) if model is not None else None
@@ -74,7 +76,7 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
         max_seqlen_kv=mb.max_seqlen, cu_seqlens_host=mb.cu_seqlens_host, rotary_freqs=freqs,
     )
     if model is not None and uses_static_shapes(model):  # --torch-compile: bounded shapes, nothing host-side
-        prepare_static_shapes(params, mb.tokens.shape[1], unwrap_model(model).config)
+        return prepare_static_shapes(params, mb.tokens.shape[1], unwrap_model(model).config)
     return params
 
 

@@ -41,6 +41,7 @@ def test_prepared_params_are_bounded_and_host_free():
     assert params.cu_seqlens_q.tolist() == [0, 3, 4, 11, 19, 20] + [20] * 11  # 16 documents, 11 of them empty
     assert params.document_ids.tolist() == [0] * 3 + [1] + [2] * 7 + [3] * 8 + [4]
     assert params.max_seqlen_q == 8 and params.kernel == MASKED  # the longest (8) is its own bucket
+    assert params.rotary_cos is None  # no RoPE frequencies given
     with pytest.raises(ValueError, match="document boundaries"):
         prepare_static_packed_params(_params([0, 3, 3, 20]), 20, torch.float32, False, MASKED)
 
