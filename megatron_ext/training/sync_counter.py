@@ -9,11 +9,13 @@ contract: only the training thread's syncs stall the GPU's launch queue) that re
 - ``Tensor.item``, ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.__bool__`` / ``__float__`` / ``__int__``
   / ``__index__`` (``if t``, ``float(t)``, ``range(t)``), ``torch.equal``, ``torch.nonzero`` /
   ``Tensor.nonzero``;
-- ``Tensor.cpu`` and ``Tensor.to`` with a CPU target (a device-to-host copy on a GPU).
+- ``Tensor.cpu``, and ``Tensor.to`` with the string ``"cpu"`` (a device-to-host copy on a GPU). A
+  ``torch.device`` target is a move to where another tensor lives (on a GPU run, the GPU): not counted.
 
-Calls on tensors that live on the host on a GPU too cannot be told apart here; ``exclude`` names call
-sites known to be host-only (e.g. torch Adam's CPU step counter), and every count is reported by site
-so that a reader can check.
+Calls on tensors that live on the host on a GPU too cannot be told apart here. Calls made inside
+torch's optimizers and ``clip_grad_norm_`` are not counted (their ``.item()`` reads the CPU step
+counter of a non-capturable optimizer; on a GPU they make no device-to-host copy); ``exclude`` names
+more call sites to leave out, and every count is reported by site so that a reader can check.
 """
 
 from __future__ import annotations
@@ -35,11 +37,21 @@ SYNC_FUNCS = {
 _SKIP = (os.path.dirname(torch.__file__), __file__)
 
 
+_HOST_SIDE = tuple(os.path.join(os.path.dirname(torch.__file__), *p) for p in (("optim",), ("nn", "utils", "clip_grad.py")))
+
+
 def _is_cpu_target(args, kwargs) -> bool:
     target = kwargs.get("device", args[1] if len(args) > 1 else None)
-    if isinstance(target, torch.Tensor):
-        return False
-    return target is not None and not isinstance(target, torch.dtype) and torch.device(target).type == "cpu"
+    return isinstance(target, str) and target.startswith("cpu")
+
+
+def _inside_host_side_torch() -> bool:
+    frame = sys._getframe(3)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_HOST_SIDE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _call_site() -> str:
@@ -71,7 +83,7 @@ class SyncCounter(TorchFunctionMode):
         name = SYNC_FUNCS.get(func)
         if name is None and func is _T.to and _is_cpu_target(args, kwargs):
             name = "to(cpu)"
-        if name is not None and threading.get_ident() == self.thread:
+        if name is not None and threading.get_ident() == self.thread and not _inside_host_side_torch():
             site = _call_site()
             if not any(x in site for x in self.exclude):
                 self.by_site[f"{name} @ {site}"] += 1
