@@ -164,6 +164,35 @@ WORKAROUNDS: tuple[Workaround, ...] = (
          "megatron.core.utils.get_tensor_model_parallel_group_if_none"),
     ),
     Workaround(
+        "foreach-main-to-model-copy",
+        "the distributed optimizer copies each updated fp32 main shard into the model's parameter buffer "
+        "with its own copy_ (one kernel and launch per parameter per step: 148 at GPT-2 124M); ours "
+        "collects the same pairs and makes one torch._foreach_copy_ (stub, Megatron-FSDP, precision-aware "
+        "and FP8 cases keep upstream's method); Float16OptimizerWithFloat16Params goes through "
+        "multi_tensor_scale_impl, our foreach_scale: a _foreach_copy_ already",
+        "megatron_ext.training.optimizer:foreach_copy_main_params_to_model_params",
+        ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._copy_main_params_to_model_params",
+         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._get_model_param_range_map",
+         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params"),
+    ),
+    Workaround(
+        "lean-tp1-linears",
+        "at TP 1 each megatron-core linear still runs its autocast-decorated Function, resolves its TP "
+        "group per call (RowParallelLinear passes tp_group=None) and applies the identity copy-to/reduce-from "
+        "TP-region Functions, forward and backward: measured 5,073 -> 3,785 Python calls per micro-batch "
+        "(Llama style, 4 layers, bench/host_overhead.py's shapes; GPT-2 style likewise to 3,724); ours "
+        "runs the same GEMMs and accumulation (bit for bit: tests/distributed/test_torch_compile.py) in "
+        "the transformer layers' linears at TP 1. NVTX ranges are left alone: megatron-core's "
+        "nvtx_range_push/pop already return at once when profiling is off (one call each, 96 per "
+        "micro-batch); removing the calls means rewriting its layers",
+        "megatron_ext.model.compile:install_lean_linears",
+        ("megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward",
+         "megatron.core.tensor_parallel.layers.RowParallelLinear.forward",
+         "megatron.core.tensor_parallel.mappings.copy_to_tensor_model_parallel_region",
+         "megatron.core.tensor_parallel.mappings.reduce_from_tensor_model_parallel_region",
+         "megatron.core.utils.nvtx_range_push"),
+    ),
+    Workaround(
         "compilable-selective-recompute",
         "selective recompute of core attention runs megatron-core's reentrant CheckpointFunction, which "
         "saves RNG states with get_rng_state (a graph break); with --torch-compile the attention's "

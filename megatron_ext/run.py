@@ -32,7 +32,7 @@ from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
-from megatron_ext.model.compile import apply_torch_compile, mark_static_shapes
+from megatron_ext.model.compile import apply_torch_compile, install_lean_linears, mark_static_shapes
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
 from megatron_ext.parallel import ParallelContext, build_parallel_context
@@ -82,8 +82,10 @@ def build_training_run(
     chunks = apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, vocab, device))
     if cfg.training.torch_compile:  # in place, after mixed precision, before DDP (model/compile.py)
         apply_torch_compile(chunks)
-    elif cfg.training.cuda_graph_impl == "local":  # captured layers need the same bounded shapes
-        mark_static_shapes(chunks)
+    else:
+        install_lean_linears(chunks)  # TP 1: fewer Python calls, megatron-core's numbers (model/compile.py)
+        if cfg.training.cuda_graph_impl == "local":  # captured layers need the same bounded shapes
+            mark_static_shapes(chunks)
     runtime = build_schedule_runtime(cfg, ctx, chunks)  # before DDP: deferred W's move DDP's hooks
     model = wrap_with_ddp(cfg, chunks)
     attach_schedule_runtime(model, runtime)

@@ -48,6 +48,7 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     apply_multi_tensor_fallback_fix()
+    apply_foreach_main_to_model_copy()
     # On the CPU every group is gloo already; separate gloo groups exist only on CUDA.
     optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=device.type == "cuda")
     use_fused_adam(optimizer)
@@ -123,6 +124,47 @@ def apply_multi_tensor_fallback_fix() -> None:
     for module in (clip_grads, optimizer):
         if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = foreach_scale
+
+
+def foreach_copy_main_params_to_model_params(self) -> None:
+    """``DistributedOptimizer._copy_main_params_to_model_params`` (megatron-core 0.16.1) with its
+    per-parameter ``copy_`` loop (one kernel, and on CUDA one launch, per parameter, every step) as
+    one ``torch._foreach_copy_`` over the same (model-buffer shard, fp32 main shard) pairs. Where
+    upstream does something else (a stub, Megatron-FSDP, the precision-aware optimizer, FP8
+    parameters) upstream's method runs. (Float16OptimizerWithFloat16Params copies through
+    ``multi_tensor_scale_impl`` with scale 1.0: ``foreach_scale`` above, a ``_foreach_copy_`` already.)"""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    groups = [*zip(self.shard_fp32_from_float16_groups, self.model_float16_groups),
+              *zip(self.shard_fp32_groups, self.model_fp32_groups)]
+    if (self.is_stub_optimizer or self.ddp_config.use_megatron_fsdp
+            or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            or any(is_float8tensor(p) for _, model_group in groups for p in model_group)):
+        return _UPSTREAM_COPY[0](self)
+    dst, src = [], []
+    for shard_main_group, model_group in groups:
+        for shard_main_param, model_param in zip(shard_main_group, model_group):
+            world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+            assert world_range.size == shard_main_param.nelement()
+            gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
+            buffer = self.buffers[gbuf_index].buckets[bucket_id].param_data
+            dst.append(buffer.view(-1)[world_range.start:world_range.end])
+            src.append(shard_main_param)
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+_UPSTREAM_COPY: list = []
+
+
+def apply_foreach_main_to_model_copy() -> None:
+    """Install ``foreach_copy_main_params_to_model_params`` on megatron-core's DistributedOptimizer
+    (registered in compat.py). Idempotent."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not _UPSTREAM_COPY:
+        _UPSTREAM_COPY.append(DistributedOptimizer._copy_main_params_to_model_params)
+        DistributedOptimizer._copy_main_params_to_model_params = foreach_copy_main_params_to_model_params
 
 
 def get_loss_scale(cfg: JobConfig) -> float | None:
