@@ -299,8 +299,10 @@ def warm_rotary_table(model: torch.nn.Module, seq_len: int, device: torch.device
     compiled layer would break its graph)."""
     from megatron_ext.model.attention import VarlenDotProductAttention
 
-    for module in model.modules():
-        if isinstance(module, VarlenDotProductAttention) and module._rotates():
-            config = module.config
-            module.rotary_table.coefficients(seq_len, config.params_dtype, device, config.rotary_interleaved)
-            return
+    found = getattr(model, "rope_attention", None)  # looked up once per chunk (a tuple: not a submodule)
+    if found is None:
+        found = model.rope_attention = tuple(
+            m for m in model.modules() if isinstance(m, VarlenDotProductAttention) and m._rotates())[:1]
+    for module in found:
+        config = module.config
+        module.rotary_table.coefficients(seq_len, config.params_dtype, device, config.rotary_interleaved)
