@@ -156,9 +156,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "RowParallelLinear passes tp_group=None, resolved per call by a function that warns "
         "(utils.py:501); with --torch-compile each linear of a compiled layer gets our _forward_impl "
         "(main_grad accumulated by a torch.library custom op that lists it in mutates_args, the flag set "
-        "in the forward, the layer's own TP group)",
+        "in the forward, the layer's own TP group; collectives through the torch.distributed calls dynamo "
+        "traces; under sequence parallelism the row-parallel linear's reduce-scatter too: megatron-core's "
+        "goes through _reduce_scatter_base, 8 breaks per layer at TP 2): zero breaks at TP 1 and TP 2",
         "megatron_ext.model.compile:_compilable_forward_impl",
         ("megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
+         "megatron.core.tensor_parallel.mappings.reduce_scatter_to_sequence_parallel_region",
          "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
          "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication",
          "megatron.core.utils.get_tensor_model_parallel_group_if_none"),

@@ -132,7 +132,9 @@ def install_compilable_linears(module: torch.nn.Module) -> int:
                 raise ValueError("--torch-compile: this linear defers its weight gradient into a zero-bubble W queue, "
                                  "which a compiled backward cannot feed; drop --torch-compile or pick a 1F1B schedule")
             linear._forward_impl = types.MethodType(_compilable_forward_impl, linear)
-            install_lean_forward(linear)
+            if (not install_lean_forward(linear) and isinstance(linear, RowParallelLinear)
+                    and linear.sequence_parallel and not linear.explicit_expert_comm):
+                linear.forward = types.MethodType(_sequence_parallel_row_forward, linear)
             count += 1
     return count
 
@@ -159,6 +161,35 @@ def _lean_row_forward(self, input_):
     output = self._forward_impl(
         input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
         allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None, tp_group=self.tp_group)
+    if self.skip_bias_add:
+        return output, self.bias
+    return (output + self.bias if self.bias is not None else output), None
+
+
+class _ReduceScatterToSequenceShards(torch.autograd.Function):
+    """megatron-core's reduce-scatter to the sequence-parallel region ([s, b, h] partial sums -> the
+    summed [s/tp, b, h] shard; backward: all-gather), through the ``torch.distributed`` calls dynamo
+    traces as collectives (megatron-core's goes through ``_reduce_scatter_base``, a graph break)."""
+
+    @staticmethod
+    def forward(ctx, input_, tp_group):
+        ctx.tp_group = tp_group
+        out = input_.new_empty((input_.shape[0] // tp_group.size(), *input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, input_.contiguous(), group=tp_group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _collective_input(grad_output, ctx.tp_group, True), None
+
+
+def _sequence_parallel_row_forward(self, input_):
+    """``RowParallelLinear.forward`` under sequence parallelism (bound to the instance, compiled layers
+    only): upstream's steps with a reduce-scatter dynamo traces. Returns (output, bias or None)."""
+    output = self._forward_impl(
+        input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None, tp_group=self.tp_group)
+    output = _ReduceScatterToSequenceShards.apply(output, self.tp_group)
     if self.skip_bias_add:
         return output, self.bias
     return (output + self.bias if self.bias is not None else output), None

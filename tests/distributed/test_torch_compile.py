@@ -256,3 +256,29 @@ def test_lean_linears_keep_megatron_cores_numbers_bit_for_bit(style):
     assert lean_grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
         assert torch.equal(lean_grads[name], g), name
+
+
+# ----------------------------------------------------------------------------- TP 2
+
+
+def _tp2(rank, world_size):
+    import megatron_ext.model.compile as compile_module
+
+    compile_module.BACKEND = "aot_eager"
+    from megatron_ext.parallel import destroy_parallel_context
+
+    explained = _explain(rank, world_size, "llama", True, dict(tensor_model_parallel_size=2, sequence_parallel=True))
+    destroy_parallel_context()
+    dataset = _dataset(True)
+    values = _values("llama", True, train_iters=3, global_batch_size=4, tensor_model_parallel_size=2,
+                     sequence_parallel=True)
+    return explained, _train(values, dataset)[0], _train(dict(values, torch_compile=True), dataset)[0]
+
+
+def test_tp2_with_sequence_parallelism_compiles_whole_and_trains_as_eager():
+    """At TP 2 with SP the collectives are traced in the graph (our reduce-scatter for the row-parallel
+    linears: megatron-core's goes through _reduce_scatter_base, 8 breaks per layer): no break (the cap),
+    and the compiled run's losses are eager's."""
+    for (graphs, breaks, reasons), eager, compiled in run_ranks(_tp2, 2):
+        assert (graphs, breaks) == (1, 0), reasons
+        assert torch.allclose(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0), (compiled, eager)
