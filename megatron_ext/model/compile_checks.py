@@ -35,6 +35,9 @@ def _check_torch_compile(cfg: Any) -> list[str]:
     m = cfg.model
     granularity = m.recompute_granularity or ("selective" if m.recompute_activations else None)
     modules = [x for x in (m.recompute_modules or []) if x not in COMPILABLE_RECOMPUTE_MODULES]
+    if cfg.training.cuda_graph_impl != "none":
+        out.append(f"--torch-compile with --cuda-graph-impl {cfg.training.cuda_graph_impl}: megatron-core's graph "
+                   f"capture around a compiled layer is untested here; use one of them")
     if granularity == "selective" and modules:
         out.append(f"--torch-compile with --recompute-modules {' '.join(modules)}: megatron-core recomputes those "
                    f"through its own checkpoint functions, which do not compile whole; use --recompute-modules "

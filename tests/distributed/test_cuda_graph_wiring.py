@@ -143,6 +143,7 @@ def test_no_sync_inside_a_layer():
     (dict(cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform",
           recompute_num_layers=1), True, "--recompute-granularity full"),
     (dict(cuda_graph_warmup_steps=-1), False, "--cuda-graph-warmup-steps"),
+    (dict(torch_compile=True, cuda_graph_impl="local"), True, "--torch-compile with --cuda-graph-impl local"),
     (dict(torch_compile=True, pipeline_model_parallel_size=2, pipeline_schedule="ZBH1"), False,
      "a zero-bubble schedule"),
     (dict(torch_compile=True, recompute_granularity="selective", recompute_modules=["mlp"], disable_bias_linear=True),
