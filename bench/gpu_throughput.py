@@ -258,7 +258,8 @@ def section_packed(args, peak, name: str, shape: dict, micro_batches: tuple[int,
     models with Adam states and b = 4 activations exceed 80 GB) one after the other."""
     for b in micro_batches:
         variant = "".join(f" {title}" for title, _ in VARIANT_ROWS)
-        titles = (f"unpacked, micro-batch {b} x {shape['seq_length']}{variant}", f"packed, {b} packs joined (THD){variant}")
+        titles = (f"unpacked, micro-batch {b} x {shape['seq_length']}{variant}",
+                  f"packed, {b} packs joined (THD){variant}")
         if side_by_side:
             unpacked = Ours(shape, b, packed=False, **VARIANT)
             sides = {titles[0]: unpacked, titles[1]: Ours(shape, b, packed=True, beside=unpacked, **VARIANT)}

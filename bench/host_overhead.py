@@ -335,8 +335,9 @@ def print_style(style: str, out: dict, args) -> None:
     compiled = out.get(f"ours {style} compiled")
     if compiled:
         late, buckets, n = compiled["recompiles"]
-        print(f"targets: compiled Python calls <= transformers eager: {compiled['calls'] / hf_eager:.2f}x; graph breaks "
-              f"per layer 0 (TP 1): {compiled['explain'][1]}; recompiles after each bucket's first micro-batch 0: "
+        print(f"targets: compiled Python calls <= transformers eager: {compiled['calls'] / hf_eager:.2f}x; "
+              f"graph breaks per layer 0 (TP 1): {compiled['explain'][1]}; recompiles after each bucket's first "
+              f"micro-batch 0: "
               f"{late} ({buckets} buckets over {n} packed micro-batches); compiled vs eager <= 1e-5 relative "
               f"(fp32): loss {compiled['loss_rel']:.1e}, worst parameter gradient {compiled['grad_rel'][0]:.1e} "
               f"({compiled['grad_rel'][1]})")

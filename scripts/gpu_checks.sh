@@ -40,7 +40,10 @@ wanted=("$@")
 if [[ "${1:-}" == "--group" ]]; then
   [[ -z "${2:-}" ]] && { echo "gpu_checks: --group needs a number (bash scripts/gpu_checks.sh --list)" >&2; exit 2; }
   wanted=()
-  for c in "${CHECKS[@]}"; do IFS='|' read -r name limit group cmd <<<"$c"; [[ $group == "$2" ]] && wanted+=("$name"); done
+  for c in "${CHECKS[@]}"; do
+    IFS='|' read -r name limit group cmd <<<"$c"
+    [[ $group == "$2" ]] && wanted+=("$name")
+  done
   [[ ${#wanted[@]} == 0 ]] && { echo "gpu_checks: no group $2 (bash scripts/gpu_checks.sh --list)" >&2; exit 2; }
 fi
 names=" ${wanted[*]:-} "

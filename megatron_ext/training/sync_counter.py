@@ -37,7 +37,8 @@ SYNC_FUNCS = {
 _SKIP = (os.path.dirname(torch.__file__), __file__)
 
 
-_HOST_SIDE = tuple(os.path.join(os.path.dirname(torch.__file__), *p) for p in (("optim",), ("nn", "utils", "clip_grad.py")))
+_HOST_SIDE = tuple(os.path.join(os.path.dirname(torch.__file__), *p)
+                   for p in (("optim",), ("nn", "utils", "clip_grad.py")))
 
 
 def _is_cpu_target(args, kwargs) -> bool:

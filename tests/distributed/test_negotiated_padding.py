@@ -216,7 +216,8 @@ def test_exactly_one_extra_collective_per_step(ranks):
         # diff above shows negotiation leaves them alone)
         # (nor are megatron-core's own that our wrappers now issue: the token count's broadcast and DP
         # all-reduce in training/finalize.py, the grad norm's all-reduce in training/optimizer.py, each once)
-        rehomed = ("megatron_ext.model.cross_entropy", "megatron_ext.training.finalize", "megatron_ext.training.optimizer")
+        rehomed = ("megatron_ext.model.cross_entropy", "megatron_ext.training.finalize",
+                   "megatron_ext.training.optimizer")
         ours = {k: v for k, v in neg.items() if k[0].startswith("megatron_ext") and k[0] not in rehomed}
         assert all(v == 1 for k, v in neg.items() if k[0] in rehomed[1:]), neg
         allowed = {("megatron_ext.data.padding", "all_reduce"), ("megatron_ext.training.loop", "all_reduce")}

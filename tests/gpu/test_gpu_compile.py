@@ -14,8 +14,10 @@ COMMON = TINY + ["--packed-sequences", "--micro-batch-size", "2", "--train-iters
                  "--pad-length-bucket", "power-of-two"]
 
 
-@pytest.mark.parametrize("flags", [["--torch-compile"], ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2"]],
-                         ids=["torch-compile", "cuda-graphs"])
+GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2"]
+
+
+@pytest.mark.parametrize("flags", [["--torch-compile"], GRAPHS], ids=["torch-compile", "cuda-graphs"])
 def test_packed_bf16_training_follows_eager(flags):
     """The eager run is the reference: the same losses within 2e-2 relative (bf16; flash's backward is
     not bitwise deterministic), graphs captured and replayed past the warm-up steps."""
