@@ -216,4 +216,17 @@ def describe_run(run: TrainingRun) -> str:
         + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
                                      use_transformer_engine(cfg, ctx.device), uses_document_boundaries(cfg),
                                      get_params_dtype(cfg), cfg.model.hidden_size // cfg.model.num_attention_heads)
+        + describe_compilation(cfg)
     )
+
+
+def describe_compilation(cfg: JobConfig) -> str:
+    """The start-up line of --torch-compile / --cuda-graph-impl (empty without them)."""
+    t = cfg.training
+    if not (t.torch_compile or t.cuda_graph_impl != "none"):
+        return ""
+    what = ("each transformer layer compiled whole, in place (the first step of each length bucket compiles)"
+            if t.torch_compile else f"CUDA graphs ({t.cuda_graph_impl}, warm-up {t.cuda_graph_warmup_steps} steps)")
+    packed = (" | packed micro-batches reach the layers in bounded shapes (one SDPA with a document mask on the "
+              "CPU, flash varlen on GPUs)" if uses_document_boundaries(cfg) else "")
+    return f"\n> {what} | lengths: --pad-length-bucket {cfg.data.pad_length_bucket}{packed}"
