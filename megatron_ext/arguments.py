@@ -5,7 +5,8 @@ Flags are generated from the config dataclasses (one flag per field, Megatron-LM
 sections (any mapping: ``[training]``, ``model:``), each setting once: a key given twice in one
 mapping, in two sections, or with dashes and with underscores is an error naming it (PyYAML would
 keep the last silently; TOML refuses the first case itself). Flags given on the command line
-override the file. Nothing here validates layout rules: ``config.validate`` does.
+override the file. Settings Megatron-LM adjusts rather than refuses are adjusted here, each with a
+notice (``adjust_like_megatron``); nothing here checks layout rules: ``validation.validate`` does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import types
 import typing
 from typing import Any, Sequence
 
-from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, adjust_like_megatron, build_job_config
+from megatron_ext.config import (
+    SECTION_TYPES, ConfigError, DataConfig, JobConfig, TrainingConfig, build_job_config,
+)
+from megatron_ext.derived import precision_name
 from megatron_ext.megatron_flags import (
     MEGATRON_FLAG_NAMES, add_megatron_flags, escape_help, judge_megatron_flags, pop_megatron_flags,
 )
@@ -263,3 +267,41 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
     if problems:
         raise ConfigError(problems)
     return cfg, notes + adjust_like_megatron(cfg)
+
+
+def adjust_like_megatron(cfg: JobConfig) -> list[str]:
+    """Settings Megatron-LM adjusts rather than refuses, adjusted the same way in ``cfg``; returns
+    one notice line for each (printed at start-up)."""
+    notes = []
+    p, t = cfg.parallel, cfg.training
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        p.sequence_parallel = False  # Megatron-LM: sequence parallelism is off without TP
+        notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
+                     "and --tensor-model-parallel-size is 1 (Megatron-LM turns it off too)")
+    m = cfg.model
+    if m.num_query_groups is not None and not m.group_query_attention:
+        notes.append(f"--num-query-groups {m.num_query_groups}: ignored without --group-query-attention, every "
+                     f"attention head keeps its own key/value head (as in Megatron-LM); add --group-query-attention "
+                     f"for grouped-query attention")
+    if t.eval_interval and t.eval_iters == 0:
+        t.eval_interval = 0  # Megatron-LM: no validation without validation batches
+        notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
+    c = cfg.checkpoint
+    for flag, value in (("--exit-signal-handler", c.exit_signal_handler), ("--exit-interval", c.exit_interval),
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins)):
+        if value and not c.save:  # Megatron-LM: exits, and saves only with --save
+            notes.append(f"{flag} without --save: the run stops there without saving a checkpoint")
+    d = cfg.data
+    per_split = [flag for flag, given in (("--train-data-path", d.train_data_path),
+                                          ("--per-split-data-args-path", d.per_split_data_args_path)) if given]
+    if per_split and d.split != DataConfig.__dataclass_fields__["split"].default:
+        notes.append(f"--split {d.split}: ignored, {per_split[0]} gives each split its own data "
+                     f"(read whole; Megatron-LM ignores --split there too)")
+    if not t.fp16:
+        given = [f"--{name.replace('_', '-')}" for name in
+                 ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+                 if getattr(t, name) != TrainingConfig.__dataclass_fields__[name].default]
+        if given:
+            notes.append(f"{', '.join(given)}: loss scaling is for --fp16 only; ignored in "
+                         f"{precision_name(t.bf16, t.fp16)}")
+    return notes

@@ -128,7 +128,7 @@ def get_rope_scaling_factor(hf: dict[str, Any]) -> float | None:
 
 
 def get_padded_vocab(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
-    """Rounded up to ``divisible_by`` whatever the TP size (megatron_ext.config.get_padded_vocab_size);
+    """Rounded up to ``divisible_by`` whatever the TP size (megatron_ext.derived.get_padded_vocab_size);
     ``tp`` only has to divide it."""
     if divisible_by % tp:
         raise ValueError(f"--make-vocab-size-divisible-by {divisible_by} is not divisible by "
@@ -242,6 +242,7 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
     import torch.distributed as dist
 
     from megatron_ext.config import build_job_config
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
 
@@ -261,7 +262,7 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
     device = torch.device("cpu")
     ctx = build_parallel_context(cfg, device)
     try:
-        (chunk,) = build_model_chunks(cfg, ctx.placement, padded_vocab, device)
+        (chunk,) = build_model_chunks(cfg, resolve_config(cfg, 1, padded_vocab), ctx.placement, device)
         return fn(chunk, cfg)
     finally:
         destroy_parallel_context()
@@ -459,7 +460,7 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
     if args.get("use_rope_scaling"):
         rope = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE, "rope_theta": theta}
     qwen = bool(args.get("add_qkv_bias"))
-    from megatron_ext.checkpoint.state import saved_ffn_hidden_size
+    from megatron_ext.checkpoint.compatibility import saved_ffn_hidden_size
 
     return {
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],

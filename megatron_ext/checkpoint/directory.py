@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.checkpoint.checksum import DEFAULT_ALGORITHM, file_digest
+from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
+from megatron_ext.config import ConfigError
 from megatron_ext.cpu_platform import get_collective_device
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -115,8 +117,6 @@ def probe_save_dir(path: str | None, flag: str = "--save") -> None:
     --save-interval steps of work. Every rank probes (its shards go there)."""
     if not path:
         return
-    from megatron_ext.config import ConfigError
-
     probe = os.path.join(path, f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     try:
         os.makedirs(path, exist_ok=True)
@@ -326,8 +326,6 @@ def begin_checkpoint_write(state: dict[str, Any], root: str, iteration: int, kee
     anything changes them. ``non_finite``: this rank's weights are not finite (``finite.py``): the
     plan is made with every rank, this rank writes nothing and the publication refuses the save."""
     from megatron.core import dist_checkpointing
-
-    from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
 
     rank = dist.get_rank()
     final_dir = get_checkpoint_dir(root, iteration)

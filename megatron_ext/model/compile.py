@@ -20,8 +20,12 @@ cannot be traced whole:
   the group the layer resolved when it was built.
 
 Invariants: numbers are megatron-core's (the same GEMMs; the fused accumulation is
-``model/wgrad.accumulate_wgrad``); eager runs never see these linears (they are installed with the
-flag only); the W queue of zero-bubble schedules is refused with the flag (``check_torch_compile``).
+``model/wgrad.accumulate_wgrad``); eager runs at TP 1 run the same linears, less their TP-region
+Functions (``install_lean_linears``: fewer Python calls); the zero-bubble schedules' W deferral
+(``model/wgrad_deferral.py``) and these linears never meet: validation refuses --torch-compile with a
+zero-bubble --pipeline-schedule (``compile_checks``), ``run.prepare_layers`` leaves the lean linears out
+under one, each of these linears is marked ``traceable_linear``, which ``apply_weight_grad_deferral``
+refuses, and ``install_compilable_linears`` refuses a linear that already defers.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from typing import Any
 
 import torch
 
+from megatron_ext.model.attention import (
+    MASKED, VARLEN, VarlenDotProductAttention, flash_varlen_supported, prepare_static_packed_params,
+    select_packed_kernel,
+)
 from megatron_ext.model.wgrad import accumulate_wgrad
 
 # graphs per layer: grad on/off (full recompute's no-grad forward) x a few length/document buckets
@@ -313,10 +321,6 @@ def prepare_static_shapes(params, num_tokens: int, config):
     chosen (flash varlen where it runs, else one masked SDPA), boundaries checked and padded,
     ``max_seqlen`` bucketed, rotary coefficients built in the layers' dtype
     (``model/attention.prepare_static_packed_params``)."""
-    from megatron_ext.model.attention import (
-        MASKED, VARLEN, flash_varlen_supported, prepare_static_packed_params, select_packed_kernel,
-    )
-
     device = params.cu_seqlens_q.device
     dtype = config.params_dtype
     available = device.type == "cuda" and flash_varlen_supported(device.index or 0, config.kv_channels)
@@ -328,8 +332,6 @@ def prepare_static_shapes(params, num_tokens: int, config):
 def warm_rotary_table(model: torch.nn.Module, seq_len: int, device: torch.device) -> None:
     """Fill the chunk's RoPE table for ``seq_len`` before the layers read it (a miss inside a
     compiled layer would break its graph)."""
-    from megatron_ext.model.attention import VarlenDotProductAttention
-
     found = getattr(model, "rope_attention", None)  # looked up once per chunk (a tuple: not a submodule)
     if found is None:
         found = model.rope_attention = tuple(

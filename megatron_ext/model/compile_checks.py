@@ -1,5 +1,5 @@
 """What --torch-compile and --cuda-graph-impl refuse, checked with the other flags before any work
-(``config.validate``); pure: nothing is imported from torch or megatron-core here.
+(``validation.validate``); pure: nothing is imported from torch or megatron-core here.
 
 CUDA graphs follow Megatron-LM 0.16's rules for ``--cuda-graph-impl local``: only the whole-layer
 scope or ``full_iteration`` (the per-module scopes need Transformer Engine's graphs), and
@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from megatron_ext.pipeline.names import splits_backward
+
 LOCAL_SCOPES = ("full", "full_iteration")
 COMPILABLE_RECOMPUTE_MODULES = ("core_attn",)
 
@@ -22,8 +24,6 @@ def check_compile_and_graphs(cfg: Any, cuda: bool) -> list[str]:
 
 
 def _check_torch_compile(cfg: Any) -> list[str]:
-    from megatron_ext.pipeline.names import splits_backward
-
     if not cfg.training.torch_compile:
         return []
     out = []

@@ -11,7 +11,7 @@ p-1) wherever it needs to know a stage. Each such place, and what replaces it un
   same layers, the same checkpoint keys and, through our init by global name, the same initial
   weights under every schedule. So ``--account-for-embedding/loss-in-pipeline-split`` lighten stages 0
   and 2p-1, both on rank 0 under V; ``--decoder-first/last-pipeline-num-layers`` (layers of the
-  loop placement's first/last *rank*) are refused under V (``config._check_v_split``).
+  loop placement's first/last *rank*) are refused under V (``layout_rules.check_v_split``).
 - where the embedding and the output layer with the loss are built: ``StagePlacement.is_first`` /
   ``is_last`` from the placement (``parallel.py``), passed to GPTModel as pre/post_process.
 - the embedding group (first and last pipeline rank; the tied output weight's initial copy and
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from megatron_ext.pipeline.placement import get_stage_index, get_stage_location
+from megatron_ext.training.finalize import scale_by_token_count
 
 PLACEMENT_ATTR = "pipeline_stage_placement"  # set on the TransformerConfig: "loop" (absent) or "v"
 
@@ -148,8 +149,6 @@ def finalize_model_grads_v(model: list[torch.nn.Module], num_tokens: torch.Tenso
     first_rank = torch.distributed.get_process_group_ranks(pp_group)[0]
     torch.distributed.broadcast(num_tokens, src=first_rank, group=pp_group)
     torch.distributed.all_reduce(num_tokens, group=dp_cp_group)
-    from megatron_ext.training.finalize import scale_by_token_count
-
     scale_by_token_count(model, num_tokens)  # on the device: no host sync (training/finalize.py)
 
 

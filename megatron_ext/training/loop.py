@@ -29,12 +29,15 @@ import torch.distributed as dist
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.directory import NonFiniteCheckpoint
 from megatron_ext.checkpoint.exit_policy import EXIT_FLAGS, ExitDecider, describe_exit
-from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint, start_async_checkpoint
+from megatron_ext.checkpoint.parts import CheckpointMeta, TrainState
 from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.prefetch import StepPrefetcher
+from megatron_ext.data.step_data import StepDataBuilder
+from megatron_ext.derived import ResolvedConfig
 from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
+from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss, reduce_reported_loss
 from megatron_ext.training.metrics import (
     IterationStats, MetricWriter, format_iteration_line, format_validation_line, get_memory_report, get_memory_stats,
@@ -47,16 +50,6 @@ from megatron_ext.training.step import (
 )
 from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
 from megatron_ext.training.timeline import PipelineTimeline
-
-
-@dataclasses.dataclass
-class TrainState:
-    """What a resume needs besides weights and optimizer state."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
 
 
 class TrainingDiverged(RuntimeError):
@@ -73,6 +66,7 @@ class TrainingRun:
     """Everything the loop needs, built by ``megatron_ext.run.build_training_run``."""
 
     cfg: JobConfig
+    resolved: ResolvedConfig  # what the flags of cfg mean for this run (derived.resolve_config)
     ctx: ParallelContext
     model: list[torch.nn.Module]
     optimizer: Any
@@ -83,10 +77,10 @@ class TrainingRun:
     writer: MetricWriter
     checkpoint_meta: CheckpointMeta
     exit_decider: ExitDecider
-    pad_id: int = 0
-    vocab_size: int | None = None  # the tokenizer's: every token id of the data must lie below it
+    # builds a step's micro-batches now, in this thread (evaluation; training without a prefetcher)
+    step_data: StepDataBuilder
     state: TrainState = dataclasses.field(default_factory=TrainState)
-    # each optimizer parameter group's flag-given settings as built (optimizer.record_flag_settings),
+    # each optimizer parameter group's flag-given settings as built (optim.record_flag_settings),
     # restored after a load under --override-opt-param-scheduler
     optimizer_flags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     log: Callable[[str], None] = functools.partial(print, flush=True)
@@ -192,7 +186,7 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     window.seconds += time.perf_counter() - start
     window.iterations += 1
     real = sum(mb.num_real_tokens for mb in microbatches)
-    flops = sum(num_floating_point_operations(run.cfg, run.checkpoint_meta.padded_vocab_size,
+    flops = sum(num_floating_point_operations(run.cfg.model, run.checkpoint_meta.padded_vocab_size,
                                               mb.num_real_tokens, mb.attention_pairs) for mb in microbatches)
     window.real_tokens += real
     window.slots += sum(mb.num_slots for mb in microbatches)

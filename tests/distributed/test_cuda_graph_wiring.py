@@ -14,7 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ext.config import ConfigError, build_job_config, validate
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.validation import validate
 from megatron_ext.testing import PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
@@ -24,12 +25,16 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
 
 
 def test_the_flags_reach_megatron_cores_config():
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_transformer_config
+    from megatron_ext.testing import VOCAB
 
     cfg = build_job_config(tiny_values(cuda_graph_impl="local", cuda_graph_warmup_steps=2))
-    config = build_transformer_config(cfg, torch.device("cpu"))
+    config = build_transformer_config(cfg, resolve_config(cfg, 1, VOCAB - 1), torch.device("cpu"))
     assert (config.cuda_graph_impl, config.cuda_graph_scope, config.cuda_graph_warmup_steps) == ("local", [], 2)
-    assert build_transformer_config(build_job_config(tiny_values()), torch.device("cpu")).cuda_graph_impl == "none"
+    plain = build_job_config(tiny_values())
+    assert build_transformer_config(plain, resolve_config(plain, 1, VOCAB - 1), torch.device("cpu")).cuda_graph_impl \
+        == "none"
 
 
 def _seed_call(rank, world_size, values):

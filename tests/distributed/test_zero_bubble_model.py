@@ -21,7 +21,9 @@ import os
 import pytest
 import torch
 
-from megatron_ext.checkpoint.state import load_checkpoint, load_full_tensors, save_checkpoint
+from megatron_ext.checkpoint.state import load_full_tensors
+
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.pipeline.runtime import get_schedule_runtime

@@ -14,7 +14,8 @@ from megatron_ext.checkpoint.directory import (
     list_complete_checkpoints, publish_checkpoint, read_tracker, select_checkpoints_to_delete,
     should_inject_fault,
 )
-from megatron_ext.checkpoint.state import CheckpointMeta, check_compatible
+from megatron_ext.checkpoint.compatibility import check_compatible
+from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import build_job_config
 from megatron_ext.checkpoint.exit_policy import (
     DURATION_EXCEEDED, INTERVAL_REACHED, SIGNAL_RECEIVED, describe_exit, get_interval_flag,
@@ -139,7 +140,7 @@ def test_precision_switch_is_refused_where_the_optimizer_states_differ():
 
 
 def test_a_resume_that_changes_what_the_model_computes_says_so():
-    from megatron_ext.checkpoint.state import describe_changed_settings
+    from megatron_ext.checkpoint.compatibility import describe_changed_settings
 
     saved = {"args": _cfg(position_embedding_type="rope", seed=1).to_flat_dict()}
     assert describe_changed_settings(saved, _cfg(position_embedding_type="rope", seed=1)) is None
@@ -229,7 +230,8 @@ def test_host_snapshot_copies_and_reuses_its_buffers():
 
 
 def test_async_save_needs_save_dir():
-    from megatron_ext.config import ConfigError, build_job_config, validate
+    from megatron_ext.config import ConfigError, build_job_config
+    from megatron_ext.validation import validate
 
     cfg = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, async_save=True))
     with pytest.raises(ConfigError) as err:

@@ -8,7 +8,9 @@ import types
 import pytest
 import torch
 
-from megatron_ext.config import ConfigError, build_job_config, get_stage_placement, validate
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import get_stage_placement
+from megatron_ext.validation import validate
 from megatron_ext.model.v_placement import build_placed_float16_module, get_loop_equivalent
 from megatron_ext.parallel import ParallelContext, StagePlacement
 from megatron_ext.testing import tiny_values
