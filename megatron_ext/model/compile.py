@@ -140,6 +140,7 @@ def install_compilable_linears(module: torch.nn.Module) -> int:
                 raise ValueError("--torch-compile: this linear defers its weight gradient into a zero-bubble W queue, "
                                  "which a compiled backward cannot feed; drop --torch-compile or pick a 1F1B schedule")
             linear._forward_impl = types.MethodType(_compilable_forward_impl, linear)
+            linear.traceable_linear = True  # apply_weight_grad_deferral refuses it (model/wgrad_deferral.py)
             if (not install_lean_forward(linear) and isinstance(linear, RowParallelLinear)
                     and linear.sequence_parallel and not linear.explicit_expert_comm):
                 linear.forward = types.MethodType(_sequence_parallel_row_forward, linear)

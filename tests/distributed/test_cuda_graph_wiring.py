@@ -4,7 +4,8 @@ The CPU build cannot construct megatron-core's ``CudaGraphManager`` (it asks
 ``torch.cuda.get_device_capability()`` and ``torch.cuda.graph_pool_handle()``), so no layer is built with
 the flag here: the flag reaching megatron-core's config, the graph-safe RNG tracker asked for, the real
 arguments a layer receives passing megatron-core's own argument check, their shapes bounded, and no sync
-inside a layer. Capture, replay and equality with eager are ``gpu`` tests (tests/gpu/test_gpu.py).
+inside a layer. Capture, replay and equality with eager are ``gpu`` tests (tests/gpu/test_gpu.py); the
+flags' refusals and their reaching megatron-core's config are unit tests (tests/unit/test_compile_flags.py).
 """
 
 from __future__ import annotations
@@ -14,27 +15,13 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ext.config import ConfigError, build_job_config
-from megatron_ext.validation import validate
+from megatron_ext.config import build_job_config
 from megatron_ext.testing import PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
              untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2)
-
-
-def test_the_flags_reach_megatron_cores_config():
-    from megatron_ext.derived import resolve_config
-    from megatron_ext.model.gpt import build_transformer_config
-    from megatron_ext.testing import VOCAB
-
-    cfg = build_job_config(tiny_values(cuda_graph_impl="local", cuda_graph_warmup_steps=2))
-    config = build_transformer_config(cfg, resolve_config(cfg, 1, VOCAB - 1), torch.device("cpu"))
-    assert (config.cuda_graph_impl, config.cuda_graph_scope, config.cuda_graph_warmup_steps) == ("local", [], 2)
-    plain = build_job_config(tiny_values())
-    assert build_transformer_config(plain, resolve_config(plain, 1, VOCAB - 1), torch.device("cpu")).cuda_graph_impl \
-        == "none"
 
 
 def _seed_call(rank, world_size, values):
@@ -139,38 +126,3 @@ def _forward_syncs(rank, world_size):
 
 def test_no_sync_inside_a_layer():
     assert run_ranks(_forward_syncs, 1)[0] == {}
-
-
-@pytest.mark.parametrize("values,cuda,message", [
-    (dict(cuda_graph_impl="local"), False, "--cuda-graph-impl local needs CUDA"),
-    (dict(cuda_graph_impl="local", cuda_graph_scope="attn"), True, "--cuda-graph-scope attn"),
-    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), True, "with the NaN check on"),
-    (dict(cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform",
-          recompute_num_layers=1), True, "--recompute-granularity full"),
-    (dict(cuda_graph_warmup_steps=-1), False, "--cuda-graph-warmup-steps"),
-    (dict(torch_compile=True, cuda_graph_impl="local"), True, "--torch-compile with --cuda-graph-impl local"),
-    (dict(torch_compile=True, pipeline_model_parallel_size=2, pipeline_schedule="ZBH1"), False,
-     "a zero-bubble schedule"),
-    (dict(torch_compile=True, recompute_granularity="selective", recompute_modules=["mlp"], disable_bias_linear=True),
-     False, "--torch-compile with --recompute-modules mlp"),
-])
-def test_refused_with_one_error_naming_the_flag(values, cuda, message):
-    with pytest.raises(ConfigError) as err:
-        validate(build_job_config(tiny_values(**values)), world_size=2 if "pipeline_schedule" in values else 1,
-                 cuda=cuda)
-    assert sum(message in p for p in err.value.problems) == 1, err.value.problems
-
-
-def test_transformer_engine_graphs_need_transformer_engine():
-    import importlib.util
-
-    if importlib.util.find_spec("transformer_engine") is not None:
-        pytest.skip("transformer_engine is installed here")
-    with pytest.raises(ConfigError, match="transformer_engine is not installed"):
-        validate(build_job_config(tiny_values(cuda_graph_impl="transformer_engine")), world_size=1, cuda=True)
-
-
-def test_defaults_are_off():
-    cfg = build_job_config(tiny_values())
-    assert cfg.training.torch_compile is False and cfg.training.cuda_graph_impl == "none"
-    validate(cfg, world_size=1)
