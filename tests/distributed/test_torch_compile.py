@@ -111,7 +111,7 @@ TRAIN = dict(train_iters=ITERS, global_batch_size=4, save_interval=SAVED_AT, cli
 
 
 def _train(values: dict, dataset, load: str | None = None):
-    from megatron_ext.checkpoint.state import load_checkpoint
+    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.training.loop import train
 
