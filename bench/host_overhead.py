@@ -20,7 +20,8 @@ Figures, each beside the issue-30 target where there is one:
 - syncs per step on the training thread (``SyncCounter``; ours through ``train_one`` with the flags
   printed, transformers' loop as people write it: ``loss.item()`` for the log);
 - host milliseconds per micro-batch (median CPU time, A B A B over the sides, warm-up dropped);
-- graphs and breaks per layer (``torch._dynamo.explain`` on one layer with the arguments it receives);
+- graphs and breaks per layer (``torch._dynamo.explain`` on one layer with the arguments it receives),
+  at TP 1 and at TP 2 with sequence parallelism (two forked ranks; ours compiled and megatron-core's linears);
 - recompiles over a packed run (ours: 40 packed micro-batches, negotiated power-of-two buckets).
 """
 
@@ -89,7 +90,7 @@ def build_ours(args, style: str, num_layers: int, ctx=None, **extra):
 def build_hf(args, style: str, num_layers: int):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from megatron_ext.model.gpt import resolve_ffn_hidden_size
+    from megatron_ext.derived import resolve_ffn_hidden_size
 
     torch.manual_seed(0)
     h = args.hidden_size
@@ -260,6 +261,33 @@ def compare_compiled(args, style: str, ctx, microbatches) -> tuple[float, tuple[
     return float((a[0] - b[0]).abs() / a[0].abs()), worst
 
 
+def explain_tp2(rank: int, world_size: int, args, styles) -> dict:
+    """{style: {"compiled": (graphs, breaks, reasons), "upstream": ...}} of one layer at TP 2 with sequence
+    parallelism (a 2-rank gloo world of its own): with what --torch-compile installs, and with megatron-core's
+    own linears (what an eager run at TP 2 has)."""
+    from megatron_ext.model.compile import install_compilable_linears, install_compilable_recompute, mark_static_shapes
+    from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.training.step import unwrap_model
+
+    torch.set_num_threads(1)
+    out, ctx = {}, None
+    mbs = make_microbatches(args, 1)
+    for style in styles:
+        out[style] = {}
+        for side in ("upstream", "compiled"):
+            run = build_ours(args, style, args.num_layers, ctx=ctx, tensor_model_parallel_size=2,
+                             sequence_parallel=True)
+            ctx = run.ctx
+            layer = unwrap_model(run.model[0]).decoder.layers[0]
+            if side == "compiled":
+                mark_static_shapes([run.model[0].module])
+                install_compilable_linears(layer)
+                install_compilable_recompute(layer)
+            out[style][side] = explain_layer(layer, lambda: ours_step(run, mbs))
+    destroy_parallel_context()
+    return out
+
+
 # ----------------------------------------------------------------------------- the report
 
 
@@ -317,7 +345,7 @@ def measure_style(args, style: str, ctx) -> tuple[dict, object]:
     return out, ctx
 
 
-def print_style(style: str, out: dict, args) -> None:
+def print_style(style: str, out: dict, args, tp2: dict | None = None) -> None:
     hf_eager = out[f"transformers {style} eager"]["calls"]
     print(f"\n== {style} style: hidden {args.hidden_size}, {args.num_layers} layers, seq {args.seq_length}, "
           f"micro-batch {args.micro_batch_size}, {args.microbatches} micro-batches a step, fp32, 1 thread")
@@ -341,6 +369,14 @@ def print_style(style: str, out: dict, args) -> None:
               f"{late} ({buckets} buckets over {n} packed micro-batches); compiled vs eager <= 1e-5 relative "
               f"(fp32): loss {compiled['loss_rel']:.1e}, worst parameter gradient {compiled['grad_rel'][0]:.1e} "
               f"({compiled['grad_rel'][1]})")
+    if tp2:
+        compiled_tp2, upstream_tp2 = tp2["compiled"], tp2["upstream"]
+        print(f"targets: graph breaks per layer at TP 2 with sequence parallelism: only at named collective "
+              f"boundaries, capped (0 is the cap here): compiled {compiled_tp2[1]} ({compiled_tp2[0]} graph(s)); "
+              f"megatron-core's own linears (eager at TP 2) {upstream_tp2[1]}"
+              + (f", first at: {upstream_tp2[2][0]}" if upstream_tp2[2] else ""))
+        if compiled_tp2[2]:
+            print(f"  compiled TP 2 breaks at: {'; '.join(compiled_tp2[2][:3])}")
     reasons = ours_eager["explain"][2]
     if reasons:
         print(f"ours eager (megatron-core's linears) breaks at: {reasons[0]} ...")
@@ -349,15 +385,19 @@ def print_style(style: str, out: dict, args) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    init_single_rank_world(timeout_minutes=30)
     import os
+
+    from megatron_ext.testing import run_ranks
 
     print(f"host overhead | torch {torch.__version__} | load average {os.getloadavg()[0]:.1f} | "
           f"backend {args.backend if not args.skip_compiled else '-'}")
+    # TP 2 first, in forked ranks of their own world (before this process joins its one-rank world)
+    tp2 = None if args.skip_compiled else run_ranks(explain_tp2, 2, args, STYLES, timeout=900)[0]
+    init_single_rank_world(timeout_minutes=30)
     ctx = None
     for style in STYLES:
         out, ctx = measure_style(args, style, ctx)
-        print_style(style, out, args)
+        print_style(style, out, args, tp2[style] if tp2 else None)
     return 0
 
 
