@@ -94,8 +94,8 @@ PREFETCH = True  # --no-data-prefetch: build each step's data in the step (no ba
 ACCUMULATE = 1  # --accumulate N: micro-batches per optimizer step, on every side
 
 
-def job_values(shape: dict, micro_batch: int, packed: bool) -> dict:
-    return dict(data_prefetch=PREFETCH,
+def job_values(shape: dict, micro_batch: int, packed: bool, **extra) -> dict:
+    return dict(data_prefetch=PREFETCH, **extra,
         **shape, max_position_embeddings=shape["seq_length"], micro_batch_size=micro_batch,
         global_batch_size=micro_batch * ACCUMULATE, train_iters=10_000, bf16=True, lr=1e-4, min_lr=1e-4,
         lr_decay_style="constant", weight_decay=0.1, clip_grad=1.0, mock_data=not packed,
@@ -107,12 +107,13 @@ def job_values(shape: dict, micro_batch: int, packed: bool) -> dict:
 class Ours:
     """What pretrain_gpt.py builds on one GPU, stepped by the training loop's own iteration."""
 
-    def __init__(self, shape: dict, micro_batch: int, packed: bool = False, beside: "Ours | None" = None):
+    def __init__(self, shape: dict, micro_batch: int, packed: bool = False, beside: "Ours | None" = None,
+                 **extra):
         from megatron_ext.config import build_job_config
         from megatron_ext.run import build_training_run
         from megatron_ext.training.loop import LogWindow
 
-        self.cfg = build_job_config(job_values(shape, micro_batch, packed))
+        self.cfg = build_job_config(job_values(shape, micro_batch, packed, **extra))
         data = RandomPacks(shape["seq_length"]) if packed else RandomRows(shape["seq_length"])
         self.run = build_training_run(self.cfg, device=DEVICE, data=(data, None),
                                       log=lambda s: None, metrics=False, ctx=beside.run.ctx if beside else None)
@@ -216,16 +217,22 @@ def print_rows(title: str, results: dict, peak: float | None) -> None:
 
 
 def section_gpt2(args, peak) -> None:
-    sides = {"A ours (megatron-core, bf16, SDPA)": Ours(GPT2_124M, 8),
+    ours = Ours(GPT2_124M, 8)
+    sides = {"A ours (megatron-core, bf16, SDPA)": ours,
              "B transformers GPT-2 eager": Reference(GPT2_124M, 8, compiled=False),
              "C transformers GPT-2 compiled": Reference(GPT2_124M, 8, compiled=True)}
+    for title, extra in VARIANT_ROWS:  # --torch-compile, --cuda-graph-impl local: rows beside A
+        sides[f"A' ours {title}"] = Ours(GPT2_124M, 8, beside=ours, **extra)
     res = measure(sides, args.steps, args.warmup)
-    for side in sides.values():
+    for side in reversed(sides.values()):
         side.close()
     print_rows("gpt2 | 124M, seq 1024, micro-batch 8, bf16", res, peak)
-    a, b, c = (r["tokens/s"] for r in res.values())
+    a, b, c = (res[k]["tokens/s"] for k in list(sides)[:3])
     verdict = "PASS" if a >= 0.9 * c else "FAIL"
     print(f"  A/B = {a / b:.2f} | A/C = {a / c:.2f}   target A/C >= 0.9 (stretch 1.0)  -> {verdict}")
+    for name in list(sides)[3:]:
+        x = res[name]["tokens/s"]
+        print(f"  {name}: /C = {x / c:.2f}   target >= 1.0 (issue 30)  -> {'PASS' if x >= c else 'FAIL'}")
 
 
 def section_1_3b(args, peak) -> None:
@@ -250,10 +257,12 @@ def section_packed(args, peak, name: str, shape: dict, micro_batches: tuple[int,
     """side_by_side: both models live at once and alternate step by step; otherwise (two 1.5B
     models with Adam states and b = 4 activations exceed 80 GB) one after the other."""
     for b in micro_batches:
-        titles = (f"unpacked, micro-batch {b} x {shape['seq_length']}", f"packed, {b} packs joined (THD)")
+        variant = "".join(f" {title}" for title, _ in VARIANT_ROWS)
+        titles = (f"unpacked, micro-batch {b} x {shape['seq_length']}{variant}",
+                  f"packed, {b} packs joined (THD){variant}")
         if side_by_side:
-            unpacked = Ours(shape, b, packed=False)
-            sides = {titles[0]: unpacked, titles[1]: Ours(shape, b, packed=True, beside=unpacked)}
+            unpacked = Ours(shape, b, packed=False, **VARIANT)
+            sides = {titles[0]: unpacked, titles[1]: Ours(shape, b, packed=True, beside=unpacked, **VARIANT)}
             res = measure(sides, args.steps, args.warmup)
             for side in reversed(sides.values()):
                 side.close()
@@ -261,7 +270,7 @@ def section_packed(args, peak, name: str, shape: dict, micro_batches: tuple[int,
         else:
             res = {}
             for title, packed in zip(titles, (False, True)):
-                side = Ours(shape, b, packed=packed)
+                side = Ours(shape, b, packed=packed, **VARIANT)
                 res.update(measure({title: side}, args.steps, args.warmup))
                 side.close()
                 del side
@@ -272,6 +281,25 @@ def section_packed(args, peak, name: str, shape: dict, micro_batches: tuple[int,
         rows, packs = (r["tokens/s"] for r in res.values())
         print(f"  packed/unpacked real tokens/s = {packs / rows:.3f}   target >= 0.95  -> "
               f"{'PASS' if packs >= 0.95 * rows else 'FAIL'}", flush=True)
+
+
+VARIANT: dict = {}  # flags every one of our sides gets in the packed sections (--torch-compile, CUDA graphs)
+VARIANT_ROWS: list = []  # (title, flags) of the rows beside A in the gpt2 section
+
+
+def set_variants(args) -> None:
+    """--torch-compile / --cuda-graph-impl local: extra rows in gpt2, every side in the packed sections
+    (with power-of-two length buckets: a handful of shapes to compile or capture)."""
+    global VARIANT
+    rows = []
+    if args.torch_compile:
+        rows.append(("--torch-compile", dict(torch_compile=True)))
+    if args.cuda_graph_impl:
+        rows.append(("--cuda-graph-impl local", dict(cuda_graph_impl="local")))
+    VARIANT_ROWS[:] = rows
+    VARIANT = {k: v for _, flags in rows for k, v in flags.items()}
+    if VARIANT:
+        VARIANT["pad_length_bucket"] = "power-of-two"
 
 
 def free_memory() -> None:
@@ -324,7 +352,12 @@ def main(argv=None) -> int:
                         "global batch > micro-batch); 1 = an optimizer step per micro-batch")
     p.add_argument("--no-data-prefetch", action="store_true",
                    help="our sides build each step's data in the step, not in the background thread")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="gpt2: a row of ours with --torch-compile beside A; packed sections: every side with it")
+    p.add_argument("--cuda-graph-impl", choices=["local"], default=None,
+                   help="gpt2: a row of ours with --cuda-graph-impl local beside A; packed sections: every side")
     args = p.parse_args(argv)
+    set_variants(args)
     PREFETCH = not args.no_data_prefetch
     if args.accumulate < 1:
         p.error(f"--accumulate {args.accumulate}: needs at least 1 micro-batch per optimizer step")

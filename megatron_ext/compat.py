@@ -127,13 +127,88 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         "fp32-optimizer-nan-guard",
         "FP32Optimizer.prepare_grads reports no found-inf, so ChainedOptimizer.step applies an update "
-        "whose gradients are NaN; our step is ChainedOptimizer.step with the update skipped on a "
-        "non-finite global grad norm (mixed-precision and distributed optimizers use megatron-core's "
-        "own found-inf skip with a constant scaler)",
-        "megatron_ext.training.optimizer:step_optimizer",
+        "whose gradients are NaN; and each step reads found-inf (.item(), optimizer.py:519) and the grad "
+        "norm (.item(), clip_grads.py:133) on the host. Our step is ChainedOptimizer.step with the update "
+        "skipped on a non-finite global grad norm, the norm computed and all-reduced on the device as "
+        "get_grad_norm_fp32 does and read with the step's loss reports and exit agreement in one copy; "
+        "where the grad scaler is a constant 1.0 (--bf16 with the guard) prepare_grads' unscale and "
+        "found-inf read are left out (a non-finite gradient is a non-finite norm). --fp16's dynamic "
+        "scaler keeps megatron-core's step",
+        "megatron_ext.training.optimizer:step_optimizer_fetching",
         ("megatron.core.optimizer.optimizer.ChainedOptimizer.step",
          "megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads",
+         "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.prepare_grads",
+         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads",
+         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._copy_model_grads_to_main_grads",
+         "megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
+         "megatron.core.optimizer.clip_grads.l2_norm_impl",
+         "megatron.core.optimizer.clip_grads.multi_tensor_applier",
          "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32"),
+    ),
+    Workaround(
+        "token-count-scaling-on-device",
+        "finalize_model_grads ends with 'if num_tokens > 0: scale_gradients(1.0 / num_tokens)' "
+        "(finalize_model_grads.py:495), a host read of the count every step; ours runs upstream's "
+        "function without the count, then its broadcast and DP all-reduce of the count and the scaling by "
+        "1 / max(count, 1) on the device (with no valid token every gradient is zero: the same step)",
+        "megatron_ext.training.finalize:finalize_model_grads",
+        ("megatron.core.distributed.finalize_model_grads.finalize_model_grads",
+         "megatron.core.distributed.finalize_model_grads.get_pp_last_rank"),
+    ),
+    Workaround(
+        "compilable-linear",
+        "torch.compile breaks a transformer layer into 14 graphs at megatron-core's linears: their "
+        "backward assigns weight.main_grad and weight.grad_added_to_main_grad (layers.py:506, 610), and "
+        "RowParallelLinear passes tp_group=None, resolved per call by a function that warns "
+        "(utils.py:501); with --torch-compile each linear of a compiled layer gets our _forward_impl "
+        "(main_grad accumulated by a torch.library custom op that lists it in mutates_args, the flag set "
+        "in the forward, the layer's own TP group; collectives through the torch.distributed calls dynamo "
+        "traces; under sequence parallelism the row-parallel linear's reduce-scatter too: megatron-core's "
+        "goes through _reduce_scatter_base, 8 breaks per layer at TP 2): zero breaks at TP 1 and TP 2",
+        "megatron_ext.model.compile:_compilable_forward_impl",
+        ("megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
+         "megatron.core.tensor_parallel.mappings.reduce_scatter_to_sequence_parallel_region",
+         "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
+         "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication",
+         "megatron.core.utils.get_tensor_model_parallel_group_if_none"),
+    ),
+    Workaround(
+        "foreach-main-to-model-copy",
+        "the distributed optimizer copies each updated fp32 main shard into the model's parameter buffer "
+        "with its own copy_ (one kernel and launch per parameter per step: 148 at GPT-2 124M); ours "
+        "collects the same pairs and makes one torch._foreach_copy_ (stub, Megatron-FSDP, precision-aware "
+        "and FP8 cases keep upstream's method); Float16OptimizerWithFloat16Params goes through "
+        "multi_tensor_scale_impl, our foreach_scale: a _foreach_copy_ already",
+        "megatron_ext.training.optimizer:foreach_copy_main_params_to_model_params",
+        ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._copy_main_params_to_model_params",
+         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._get_model_param_range_map",
+         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params"),
+    ),
+    Workaround(
+        "lean-tp1-linears",
+        "at TP 1 each megatron-core linear still runs its autocast-decorated Function, resolves its TP "
+        "group per call (RowParallelLinear passes tp_group=None) and applies the identity copy-to/reduce-from "
+        "TP-region Functions, forward and backward: measured 5,073 -> 3,785 Python calls per micro-batch "
+        "(Llama style, 4 layers, bench/host_overhead.py's shapes; GPT-2 style likewise to 3,724); ours "
+        "runs the same GEMMs and accumulation (bit for bit: tests/distributed/test_torch_compile.py) in "
+        "the transformer layers' linears at TP 1. NVTX ranges are left alone: megatron-core's "
+        "nvtx_range_push/pop already return at once when profiling is off (one call each, 96 per "
+        "micro-batch); removing the calls means rewriting its layers",
+        "megatron_ext.model.compile:install_lean_linears",
+        ("megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward",
+         "megatron.core.tensor_parallel.layers.RowParallelLinear.forward",
+         "megatron.core.tensor_parallel.mappings.copy_to_tensor_model_parallel_region",
+         "megatron.core.tensor_parallel.mappings.reduce_from_tensor_model_parallel_region",
+         "megatron.core.utils.nvtx_range_push"),
+    ),
+    Workaround(
+        "compilable-selective-recompute",
+        "selective recompute of core attention runs megatron-core's reentrant CheckpointFunction, which "
+        "saves RNG states with get_rng_state (a graph break); with --torch-compile the attention's "
+        "_checkpointed_attention_forward is torch.utils.checkpoint (non-reentrant), one traced region",
+        "megatron_ext.model.compile:_checkpointed_core_attention",
+        ("megatron.core.transformer.attention.Attention._checkpointed_attention_forward",
+         "megatron.core.tensor_parallel.random.CheckpointFunction"),
     ),
     Workaround(
         "reshardable-optimizer-format",

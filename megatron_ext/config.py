@@ -128,6 +128,7 @@ class DataConfig:
     eod_mask_loss: bool = _f(False, "Mask the loss of positions whose input token is EOD (Megatron-LM). With --packed-sequences / --one-document-per-row it holds already: a document's last token (its EOD) predicts nothing.")
     sequence_padding: str | None = _f(None, "static (to --seq-length), negotiated (one MAX over the pipeline per step) or variable (megatron-core variable_seq_lengths handshake). Default: negotiated with packed/variable-length samples, else static.", choices=["static", "negotiated", "variable"])
     pad_to_multiple_of: int = _f(64, "Round negotiated/variable lengths up to a multiple of this (--seq-length must be one).")
+    pad_length_bucket: str = _f("multiple", "How negotiated/variable lengths round up (ours): multiple (to --pad-to-multiple-of: up to seq/multiple lengths) or power-of-two (to --pad-to-multiple-of times a power of two, capped at the longest length: a handful of shapes, for --torch-compile and CUDA graphs, at up to 2x the padding).", choices=["multiple", "power-of-two"])
 
 
 DEFAULT_TRAIN_ITERS = 100
@@ -175,6 +176,10 @@ class TrainingConfig:
     min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale (--fp16).")
     loss_scale_window: int = _f(1000, "Steps without overflow before the dynamic loss scale grows (--fp16).")
     hysteresis: int = _f(2, "Overflows tolerated before the dynamic loss scale shrinks (--fp16).")
+    torch_compile: bool = _f(False, "Compile each transformer layer whole, in place, with torch.compile (ours; off by default until a GPU shows it helps): parameter names and checkpoints are those of eager runs; packed micro-batches reach the layers in bounded shapes (docs/gpus.md).")
+    cuda_graph_impl: str = _f("none", "CUDA graphs (Megatron-LM's flag): local captures each transformer layer whole with megatron-core's CudaGraphManager (CUDA only; with --cuda-graph-scope full_iteration megatron-core captures the whole step); transformer_engine needs Transformer Engine.", choices=["none", "local", "transformer_engine"])
+    cuda_graph_scope: str = _f("full", "What --cuda-graph-impl local captures: full (each whole transformer layer, the default) or full_iteration (the whole forward-backward step; needs --no-check-for-nan-in-loss-and-grad); attn, mlp and the other per-module scopes need Transformer Engine.", choices=["full", "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"])
+    cuda_graph_warmup_steps: int = _f(3, "Eager steps before megatron-core captures a layer's CUDA graph (Megatron-LM's default 3).")
     empty_unused_memory_level: int = _f(0, "Return cached CUDA memory to the driver: 1 after each forward-backward, 2 also after the optimizer step (as Megatron-LM; costs time; nothing on CPU).", choices=[0, 1, 2])
 
 

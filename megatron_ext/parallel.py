@@ -123,6 +123,11 @@ def check_tp_inside_node(tp_size: int) -> None:
         )
 
 
+def get_rng_tracker_options(cfg: JobConfig) -> dict:
+    """Keyword arguments of megatron-core's ``model_parallel_cuda_manual_seed`` for this job."""
+    return {"use_cudagraphable_rng": True} if cfg.training.cuda_graph_impl == "local" else {}
+
+
 def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelContext:
     """megatron-core's model-parallel groups for this job, and the RNG tracker seeds."""
     from megatron.core import parallel_state as ps
@@ -145,7 +150,8 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
         **embedding_ranks,
     )
     # Dropout streams: megatron-core's convention (TP ranks differ, DP replicas agree).
-    model_parallel_cuda_manual_seed(cfg.training.seed)
+    # (CUDA graphs need the graph-safe tracker, whose states live in the captured graph's generator)
+    model_parallel_cuda_manual_seed(cfg.training.seed, **get_rng_tracker_options(cfg))
     torch.manual_seed(cfg.training.seed)
     return ParallelContext(
         device=device,

@@ -23,7 +23,7 @@ from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.parts import CheckpointMeta
-from megatron_ext.config import DataConfig, JobConfig, ParallelConfig
+from megatron_ext.config import DataConfig, JobConfig, ParallelConfig, TrainingConfig
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
@@ -33,6 +33,7 @@ from megatron_ext.derived import ResolvedConfig, resolve_config, resolve_train_i
 from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
+from megatron_ext.model.compile import apply_torch_compile, install_lean_linears, mark_static_shapes
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
 from megatron_ext.optim import record_flag_settings
@@ -78,6 +79,7 @@ def build_training_run(
     global_batch_size = resolved.global_batch_size
 
     chunks = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement, device))
+    prepare_layers(cfg.training, resolved, chunks)  # compiled or lean linears: before the W deferral and DDP
     # before DDP: deferred W's move DDP's hooks
     runtime = build_schedule_runtime(cfg.parallel, resolved, ctx, chunks)
     model = wrap_with_ddp(cfg.parallel, chunks, cfg.training.gradient_accumulation_fusion)
@@ -114,6 +116,21 @@ def build_training_run(
     )
 
 
+def prepare_layers(t: TrainingConfig, resolved: ResolvedConfig, chunks: list[torch.nn.Module]) -> None:
+    """The transformer layers' linears, in place, after mixed precision: --torch-compile compiles each
+    layer whole (our traceable linear); else, at TP 1, the lean eager linears (fewer Python calls,
+    megatron-core's numbers), except under a zero-bubble schedule, whose W deferral
+    (``model/wgrad_deferral.py``) owns the linears' backward (--torch-compile with one is refused by
+    ``validation``; ``apply_weight_grad_deferral`` refuses a linear that is ours)."""
+    if t.torch_compile:  # in place, after mixed precision, before DDP (model/compile.py)
+        apply_torch_compile(chunks)
+        return
+    if not (resolved.uses_our_runtime and splits_backward(resolved.pipeline_schedule)):
+        install_lean_linears(chunks)
+    if t.cuda_graph_impl == "local":  # captured layers need the same bounded shapes
+        mark_static_shapes(chunks)
+
+
 def build_step_data_spec(cfg: JobConfig, resolved: ResolvedConfig, ctx: ParallelContext,
                          tokenizer: Any) -> StepDataSpec:
     """How this rank's micro-batches of a step are made: its DP slice of the global batch, padded
@@ -122,7 +139,7 @@ def build_step_data_spec(cfg: JobConfig, resolved: ResolvedConfig, ctx: Parallel
         global_batch_size=resolved.global_batch_size, micro_batch_size=cfg.training.micro_batch_size,
         dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, sequence_padding=resolved.sequence_padding,
         pad_to_multiple_of=cfg.data.pad_to_multiple_of, max_microbatch_length=resolved.max_microbatch_length,
-        pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size,
+        pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size, pad_length_bucket=cfg.data.pad_length_bucket,
     )
 
 
@@ -220,4 +237,17 @@ def describe_run(run: TrainingRun) -> str:
         + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
                                      use_transformer_engine(cfg.model, ctx.device), resolved.uses_document_boundaries,
                                      resolved.params_dtype, cfg.model.hidden_size // cfg.model.num_attention_heads)
+        + describe_compilation(cfg, resolved)
     )
+
+
+def describe_compilation(cfg: JobConfig, resolved: ResolvedConfig) -> str:
+    """The start-up line of --torch-compile / --cuda-graph-impl (empty without them)."""
+    t = cfg.training
+    if not (t.torch_compile or t.cuda_graph_impl != "none"):
+        return ""
+    what = ("each transformer layer compiled whole, in place (the first step of each length bucket compiles)"
+            if t.torch_compile else f"CUDA graphs ({t.cuda_graph_impl}, warm-up {t.cuda_graph_warmup_steps} steps)")
+    packed = (" | packed micro-batches reach the layers in bounded shapes (one SDPA with a document mask on the "
+              "CPU, flash varlen on GPUs)" if resolved.uses_document_boundaries else "")
+    return f"\n> {what} | lengths: --pad-length-bucket {cfg.data.pad_length_bucket}{packed}"

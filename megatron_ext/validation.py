@@ -23,6 +23,7 @@ from megatron_ext.derived import get_sequence_padding, precision_name, uses_vari
 from megatron_ext.layout_rules import (
     check_batch, check_layout, check_model, check_pipeline_schedule_layout, check_v_split,
 )
+from megatron_ext.model.compile_checks import check_compile_and_graphs
 
 
 def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
@@ -41,6 +42,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_stall_limits(cfg)
         + _check_keep_last(cfg)
         + _check_decoupled_lr_and_grad_dtype(cfg)
+        + check_compile_and_graphs(cfg, cuda)
     )
     if problems:
         raise ConfigError(problems)

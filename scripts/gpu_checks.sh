@@ -4,35 +4,50 @@
 # and one summary line per check says its exit status and time. megatron-core must be importable
 # (pip install, or a cp312 wheel unpacked with --target and PYTHONPATH, as bench/README.md says).
 #
-#   bash scripts/gpu_checks.sh                 # every check, in the order below
-#   bash scripts/gpu_checks.sh tests 1.3b      # some of them
-#   bash scripts/gpu_checks.sh --list          # the checks and their commands
+#   bash scripts/gpu_checks.sh --group 1       # one group: the checks of one call (<= 10 minutes)
+#   bash scripts/gpu_checks.sh tests 1.3b      # some checks
+#   bash scripts/gpu_checks.sh --list          # the checks, their limits and groups
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-gpu_checks}"
 export PYTHONUNBUFFERED=1
 
-# name | time limit (s) | command, in the order of what issue 12 still needs measured. The limits add
-# up to more than one 30-minute device session: run them a few per call, e.g.
-#   call 1: tests profile-llama     call 2: 1.3b packed-llama     call 3: ablation-llama gpt2
+# name | time limit (s) | group | command. A device session is 30 minutes of device time, a call at most
+# 10: each group's limits add up to at most 570 s (one call), groups 1-3 to at most 1500 s (one session,
+# with the machine's start). Group 1 is what issue 30 needs first; group 4 is for a second session.
 CHECKS=(
-  "tests|420|python -m pytest tests/gpu -rs -q"
-  "profile-llama|300|python -m bench.gpu_profile --shape llama --micro-batch 1 --python"
-  "1.3b|300|python -m bench.gpu_throughput --only 1.3b --accumulate 8 --steps 8 --warmup 2"
-  "packed-llama|300|python -m bench.gpu_throughput --only packed-llama"
-  "ablation-llama|300|python -m bench.gpu_ablation --shape llama --micro-batch 1 --only rope gqa-kernel"
-  "gpt2|300|python -m bench.gpu_throughput --only gpt2 packed-gpt2 --accumulate 8"
-  "profile-gpt2|300|python -m bench.gpu_profile --shape gpt2 --micro-batch 8 --accumulate 8 --no-packed --python"
-  "ablation|360|python -m bench.gpu_ablation"
+  "tests|280|1|python -m pytest tests/gpu -rs -q"
+  "host-overhead|220|1|python -m bench.host_overhead --steps 6"
+  "gpt2|280|2|python -m bench.gpu_throughput --only gpt2 --accumulate 8 --torch-compile --cuda-graph-impl local"
+  "packed-llama|220|2|python -m bench.gpu_throughput --only packed-llama"
+  "1.3b|280|3|python -m bench.gpu_throughput --only 1.3b --accumulate 8 --steps 8 --warmup 2"
+  "profile-llama|200|3|python -m bench.gpu_profile --shape llama --micro-batch 1 --python"
+  "packed-llama-compiled|280|4|python -m bench.gpu_throughput --only packed-llama --torch-compile"
+  "ablation-llama|280|4|python -m bench.gpu_ablation --shape llama --micro-batch 1 --only rope gqa-kernel"
+  "profile-gpt2|200|5|python -m bench.gpu_profile --shape gpt2 --micro-batch 8 --accumulate 8 --no-packed --python"
+  "ablation|360|5|python -m bench.gpu_ablation"
 )
 export MEGATRON_EXT_REQUIRE_GPU=1  # the gpu tests fail, not skip, if they cannot see the GPU
 
 if [[ "${1:-}" == "--list" ]]; then
-  for c in "${CHECKS[@]}"; do IFS='|' read -r name limit cmd <<<"$c"; printf '%-14s %4ss  %s\n' "$name" "$limit" "$cmd"; done
+  for c in "${CHECKS[@]}"; do
+    IFS='|' read -r name limit group cmd <<<"$c"
+    printf '%-22s %4ss  group %s  %s\n' "$name" "$limit" "$group" "$cmd"
+  done
   exit 0
 fi
-names=" ${*:-} "
-for want in "$@"; do
+wanted=("$@")
+if [[ "${1:-}" == "--group" ]]; then
+  [[ -z "${2:-}" ]] && { echo "gpu_checks: --group needs a number (bash scripts/gpu_checks.sh --list)" >&2; exit 2; }
+  wanted=()
+  for c in "${CHECKS[@]}"; do
+    IFS='|' read -r name limit group cmd <<<"$c"
+    [[ $group == "$2" ]] && wanted+=("$name")
+  done
+  [[ ${#wanted[@]} == 0 ]] && { echo "gpu_checks: no group $2 (bash scripts/gpu_checks.sh --list)" >&2; exit 2; }
+fi
+names=" ${wanted[*]:-} "
+for want in "${wanted[@]}"; do
   found=0
   for c in "${CHECKS[@]}"; do [[ "${c%%|*}" == "$want" ]] && found=1; done
   if [[ $found == 0 ]]; then
@@ -40,6 +55,12 @@ for want in "$@"; do
     exit 2
   fi
 done
+# fail fast, before any device time is spent on a check that would only fail at its import
+if ! python -c "import megatron.core" 2>/dev/null; then
+  echo "gpu_checks: megatron-core is not importable here (pip install -e . installs megatron-core 0.16.1; or unpack" \
+       "its wheel with --target and put it on PYTHONPATH, as bench/README.md says)" >&2
+  exit 3
+fi
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_checks: torch sees no CUDA GPU here; the CPU runs the suite (bash scripts/test.sh)" >&2
   exit 2
@@ -47,7 +68,7 @@ fi
 mkdir -p "$OUT_DIR"
 status=0
 for c in "${CHECKS[@]}"; do
-  IFS='|' read -r name limit cmd <<<"$c"
+  IFS='|' read -r name limit group cmd <<<"$c"
   [[ "$names" != "  " && "$names" != *" $name "* ]] && continue
   start=$SECONDS
   timeout --signal=INT --kill-after=20 "$limit" $cmd >"$OUT_DIR/$name.log" 2>&1

@@ -61,12 +61,19 @@ def get_local_exit_flags(
     return flags
 
 
-def agree_on_flags(local_flags: int, group: Any = None) -> int:
-    """Bitwise OR of every rank's flags: one all-reduce MAX of a small int64 tensor, one bit each."""
+def agree_on_flags(local_flags: int, group: Any = None, read: bool = True) -> int | torch.Tensor:
+    """Bitwise OR of every rank's flags: one all-reduce MAX of a small int64 tensor, one bit each.
+    ``read=False``: the reduced bits tensor, left on the collective's device for the caller to read
+    with something else it copies to the host (``flags_from_bits``)."""
     bits = torch.tensor([(local_flags >> i) & 1 for i in range(_AGREED_BITS)], dtype=torch.int64,
                         device=get_collective_device(group))
     dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
-    return int(sum(int(b) << i for i, b in enumerate(bits.tolist())))
+    return flags_from_bits(bits.tolist()) if read else bits
+
+
+def flags_from_bits(bits: list[float] | list[int]) -> int:
+    """The flags of ``agree_on_flags``'s bits read on the host."""
+    return int(sum(int(b) << i for i, b in enumerate(bits)))
 
 
 def get_interval_flag(iteration: int, exit_interval: int | None) -> int:
@@ -105,18 +112,33 @@ class ExitDecider:
     def needs_agreement(self) -> bool:
         return self.handler is not None or self.duration is not None
 
-    def decide(self, iteration: int, save_flags: int | None = None) -> int:
+    def decide(self, iteration: int, save_flags: int | None = None, agreed_bits: list[float] | None = None) -> int:
         """Flags agreed by all ranks (``& EXIT_FLAGS`` == 0: keep training). ``save_flags``: this
         rank's asynchronous-save bits while a save is in flight (the same on every rank), else
-        None. Collective when ``needs_agreement`` or a save is in flight."""
+        None. Collective when ``needs_agreement`` or a save is in flight, unless ``agreed_bits``
+        brings the agreement ``start_agreement`` began inside the step, read with the step's one copy."""
         flags = get_interval_flag(iteration, self.exit_interval)
+        if agreed_bits is not None:
+            return flags | flags_from_bits(agreed_bits)
         if self.needs_agreement or save_flags is not None:
-            local = get_local_exit_flags(
-                self.handler is not None and self.handler.received is not None,
-                (time.monotonic() - self.start_time) / 60.0, self.duration,
-            )
-            flags |= agree_on_flags(local | (save_flags or 0))
+            flags |= agree_on_flags(self._local_flags(save_flags))
         return flags
+
+    def start_agreement(self, save_flags: int | None = None) -> torch.Tensor | None:
+        """The agreement of ``decide``, begun inside a step (collective when ``decide`` would be): every
+        rank's flags as of now, all-reduced, not read (None when no agreement is needed). The training
+        step copies it to the host with its loss and gradient norm (one sync for all three); a signal
+        arriving after this point is agreed on after the next step."""
+        if not (self.needs_agreement or save_flags is not None):
+            return None
+        return agree_on_flags(self._local_flags(save_flags), read=False)
+
+    def _local_flags(self, save_flags: int | None) -> int:
+        local = get_local_exit_flags(
+            self.handler is not None and self.handler.received is not None,
+            (time.monotonic() - self.start_time) / 60.0, self.duration,
+        )
+        return local | (save_flags or 0)
 
 
 def build_exit_decider(cfg: JobConfig) -> ExitDecider:

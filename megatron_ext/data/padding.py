@@ -38,11 +38,22 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def get_step_length(global_max: int, multiple: int, max_length: int) -> int:
-    """The padded length for a step whose longest micro-batch has ``global_max`` tokens."""
+BUCKETS = ("multiple", "power-of-two")
+
+
+def get_step_length(global_max: int, multiple: int, max_length: int, bucket: str = "multiple") -> int:
+    """The padded length for a step whose longest micro-batch has ``global_max`` tokens: rounded up to
+    ``multiple``, or with ``bucket="power-of-two"`` to ``multiple`` times a power of two (the lengths
+    a run sees: log2(max_length / multiple) + 1 or so, as compiled layers and CUDA graphs want);
+    never above ``max_length``."""
     if global_max > max_length:
         raise ValueError(f"a micro-batch has {global_max} tokens, more than its longest possible length {max_length}")
-    return min(max_length, round_up(max(global_max, 1), multiple))
+    if bucket not in BUCKETS:
+        raise ValueError(f"--pad-length-bucket {bucket}: use one of {', '.join(BUCKETS)}")
+    blocks = -(-max(global_max, 1) // multiple)
+    if bucket == "power-of-two":
+        blocks = 1 << (blocks - 1).bit_length()
+    return min(max_length, blocks * multiple)
 
 
 def get_max_seqlen(cu_seqlens: torch.Tensor) -> int:
@@ -127,27 +138,28 @@ def get_local_max(raw_microbatches: list[list[Sample]]) -> int:
     return max(get_microbatch_length(mb) for mb in raw_microbatches)
 
 
-def negotiate_step_length(local_max: int, group, multiple: int, max_length: int) -> int:
+def negotiate_step_length(local_max: int, group, multiple: int, max_length: int, bucket: str = "multiple") -> int:
     """THE collective of this feature: one all-reduce MAX over the replica's TP x PP group."""
     if group is not None and dist.get_world_size(group) > 1:
         t = torch.tensor([local_max], dtype=torch.int64, device=get_collective_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         local_max = int(t.item())
-    return get_step_length(local_max, multiple, max_length)
+    return get_step_length(local_max, multiple, max_length, bucket)
 
 
 def collate_step(
-    raw: list[list[Sample]], mode: str, group, multiple: int, max_length: int, pad_id: int,
+    raw: list[list[Sample]], mode: str, group, multiple: int, max_length: int, pad_id: int, bucket: str = "multiple",
 ) -> tuple[list[Microbatch], int]:
     """Pad the step's micro-batches as ``mode`` says; returns them and the schedule's seq_length.
     ``max_length``: a micro-batch's longest possible length (``--seq-length``, x b when packed)."""
     if mode == "static":
         mbs, length = [collate_padded(mb, max_length, pad_id) for mb in raw], max_length
     elif mode == "negotiated":
-        length = negotiate_step_length(get_local_max(raw), group, multiple, max_length)
+        length = negotiate_step_length(get_local_max(raw), group, multiple, max_length, bucket)
         mbs = [collate_padded(mb, length, pad_id) for mb in raw]
     elif mode == "variable":
-        mbs = [collate_padded(mb, get_step_length(get_local_max([mb]), multiple, max_length), pad_id) for mb in raw]
+        mbs = [collate_padded(mb, get_step_length(get_local_max([mb]), multiple, max_length, bucket), pad_id)
+               for mb in raw]
         length = max_length
     else:
         raise ValueError(f"--sequence-padding {mode}: use one of {', '.join(MODES)}")

@@ -44,6 +44,7 @@ class StepDataSpec:
     max_microbatch_length: int  # --seq-length, or b x --seq-length with document boundaries
     pad_id: int
     vocab_size: int | None  # the tokenizer's: every token id must lie below it (None: unchecked)
+    pad_length_bucket: str = "multiple"  # how padded lengths round up (padding.get_step_length)
 
     @property
     def num_microbatches(self) -> int:
@@ -75,7 +76,7 @@ class StepDataBuilder:
         when negotiated); returns the micro-batches and the schedule's seq_length."""
         s = self.spec
         return collate_step(raw, s.sequence_padding, self.group, s.pad_to_multiple_of, s.max_microbatch_length,
-                            s.pad_id)
+                            s.pad_id, s.pad_length_bucket)
 
     def to_device(self, microbatches: list[Microbatch], stream: Any = None) -> tuple[list[Microbatch], Any]:
         """The micro-batches on the device, and the CUDA event that marks their copy on ``stream``

@@ -49,6 +49,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 PER_DOCUMENT = "per-document SDPA loop"
 VARLEN = "flash varlen (the kernel of torch's varlen_attn)"
+MASKED = "one SDPA with a block-diagonal causal mask (static shapes)"
 
 
 @dataclasses.dataclass
@@ -60,6 +61,23 @@ class PackedMicrobatchParams(PackedSeqParams):
     rotary_freqs: torch.Tensor | None = None  # [t, 1, rot_dim] fp32, gathered by position id
     # (dtype, interleaved) -> rotary_coefficients, made by the first layer that rotates
     rotary_coefficients: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclasses.dataclass
+class StaticPackedParams(PackedSeqParams):
+    """What layers receive for a packed micro-batch with static shapes (--torch-compile, CUDA graphs;
+    ``prepare_static_packed_params``): tensors of a bounded set of shapes, ints from a bounded set, the
+    kernel's name; nothing host-side (megatron-core's CUDA-graph argument check, ``_check_supported_type``,
+    takes tensors, ints, strings and dataclasses of them; a tuple or a dict it refuses).
+
+    ``cu_seqlens_q/kv`` [D + 1] int32, D = ``document_bound`` (the added documents zero-length);
+    ``max_seqlen_q/kv`` bucketed (``bucket_max_seqlen``); ``document_ids`` [t] int64 (the masked
+    kernel); ``rotary_cos/sin`` [t, 1, rot_dim] in the activations' dtype (None without RoPE)."""
+
+    kernel: str = MASKED
+    document_ids: torch.Tensor | None = None
+    rotary_cos: torch.Tensor | None = None
+    rotary_sin: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -339,6 +357,8 @@ class VarlenDotProductAttention(DotProductAttention):
         return self._with_rng(lambda: causal_attention(query, key, value, self.softmax_scale, p))
 
     def _packed_forward(self, query, key, value, params: PackedSeqParams):
+        if isinstance(params, StaticPackedParams):
+            return self._static_packed_forward(query, key, value, params)
         if params.qkv_format != "thd":
             raise ValueError(f"packed sequences: qkv_format {params.qkv_format!r} is not supported (use 'thd')")
         if params.cu_seqlens_kv is not params.cu_seqlens_q and not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
@@ -362,6 +382,87 @@ class VarlenDotProductAttention(DotProductAttention):
             max_seqlen = params.max_seqlen_q or max(b - a for a, b in zip(host, host[1:]))
             return varlen_causal_attention(query, key, value, params.cu_seqlens_q, max_seqlen, self.softmax_scale)
         return self._with_rng(lambda: document_causal_attention(query, key, value, host, self.softmax_scale, p))
+
+
+    def _static_packed_forward(self, query, key, value, params: StaticPackedParams):
+        """The packed path on tensors alone (``prepare_static_packed_params`` checked the boundaries
+        and chose the kernel once per micro-batch): bucketed ``max_seqlen``, ``cu_seqlens`` padded with
+        zero-length documents, or each token's document index for the masked kernel."""
+        if self._rotates():
+            if params.rotary_cos is None:
+                raise ValueError("packed sequences with RoPE: the static THD parameters carry no rotary "
+                                 "coefficients; build them with megatron_ext.training.step.get_packed_seq_params")
+            cos, sin = params.rotary_cos, params.rotary_sin
+            query = rotate(query, cos, sin, self.config.rotary_interleaved)
+            key = rotate(key, cos, sin, self.config.rotary_interleaved)
+        if params.kernel == VARLEN:
+            return varlen_causal_attention(query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
+                                           self.softmax_scale)
+        p = self._dropout_p()
+        return self._with_rng(lambda: masked_document_attention(query, key, value, params.document_ids,
+                                                                self.softmax_scale, p))
+
+
+def masked_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, document_ids: torch.Tensor,
+                              scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """query [t, np, hn], key/value [t, ng, hn], document_ids [t] (non-decreasing) -> [t, np * hn]: one
+    SDPA whose mask allows a token its own document's earlier tokens (itself included, so no row is
+    empty and no softmax sees only -inf). Shapes depend on t alone: what static shapes need on the
+    CPU, where flash's varlen kernel does not exist ([t, t] mask: ``bench/varlen.py`` measured it 1.14x
+    slower than the per-document loop eager runs use)."""
+    t, np_, hn = query.shape
+    groups = np_ // key.shape[1]
+    allowed = (document_ids[:, None] == document_ids[None, :]) & torch.ones(
+        t, t, dtype=torch.bool, device=query.device).tril()
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, hn]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, dropout_p=dropout_p)
+    return o.squeeze(0).transpose(0, 1).reshape(t, np_ * hn)
+
+
+def bucket_max_seqlen(max_seqlen: int, num_tokens: int) -> int:
+    """The next power of two >= ``max_seqlen``, at most ``num_tokens``: a handful of values per run
+    (flash's kernel and a compiled graph key on it; a longer bound only sizes its grid)."""
+    return min(num_tokens, 1 << max(0, max_seqlen - 1).bit_length())
+
+
+def document_bound(num_documents: int, minimum: int = 16) -> int:
+    """Documents ``cu_seqlens`` is padded to: the next power of two >= ``num_documents`` (>= ``minimum``)."""
+    return max(minimum, 1 << max(0, num_documents - 1).bit_length())
+
+
+def pad_boundaries(cu_seqlens: torch.Tensor, documents: int) -> torch.Tensor:
+    """[n + 1] boundaries -> [documents + 1], the added documents zero-length at the end (each
+    repeats the total). A zero-length document holds no query row, so no kernel computes a softmax
+    for it; the masked kernel never sees it (it reads ``document_ids``)."""
+    extra = documents + 1 - cu_seqlens.numel()
+    if extra < 0:
+        raise ValueError(f"{cu_seqlens.numel() - 1} documents exceed the bound {documents}")
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)]) if extra else cu_seqlens
+
+
+def prepare_static_packed_params(params: PackedMicrobatchParams, num_tokens: int, dtype: torch.dtype,
+                                 interleaved: bool, kernel: str) -> StaticPackedParams:
+    """``params`` (with ``cu_seqlens_host``) as ``StaticPackedParams``, once per micro-batch, outside
+    the layers: boundaries checked, ``kernel`` (VARLEN or MASKED) recorded, ``cu_seqlens`` padded to
+    ``document_bound``, ``max_seqlen`` bucketed, each token's document index for MASKED, rotary
+    coefficients in the activations' ``dtype``. No device-to-host copy."""
+    host = params.cu_seqlens_host
+    check_boundaries(host, num_tokens)
+    cu = params.cu_seqlens_q
+    document_ids = None
+    if kernel == MASKED:
+        positions = torch.arange(num_tokens, device=cu.device, dtype=cu.dtype)
+        document_ids = torch.searchsorted(cu[1:], positions, right=True)
+    cu = pad_boundaries(cu, document_bound(len(host) - 1))
+    longest = bucket_max_seqlen(max(b - a for a, b in zip(host, host[1:])), num_tokens)
+    cos = sin = None
+    if params.rotary_freqs is not None:
+        cos, sin = rotary_coefficients(params.rotary_freqs, dtype, interleaved)
+    return StaticPackedParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                              max_seqlen_kv=longest, kernel=kernel, document_ids=document_ids, rotary_cos=cos,
+                              rotary_sin=sin)
 
 
 def describe_attention_kernels(device_type: str, attention_dropout: float, transformer_engine: bool,

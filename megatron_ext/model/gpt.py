@@ -72,6 +72,10 @@ def build_transformer_config(cfg: JobConfig, resolved: ResolvedConfig, device: t
         # (megatron-core rejects variable_seq_lengths with its default MoE dispatcher even
         # without experts; the dispatcher is unused in a dense model)
         moe_token_dispatcher_type="alltoall",
+        # --cuda-graph-impl local: megatron-core builds a CudaGraphManager per layer (CUDA only: validated)
+        cuda_graph_impl=cfg.training.cuda_graph_impl,
+        cuda_graph_scope=cfg.training.cuda_graph_scope,
+        cuda_graph_warmup_steps=cfg.training.cuda_graph_warmup_steps,
         # megatron-core draws its own (layout-dependent) init, which ours then overwrites; its
         # draw cannot be skipped: perform_initialization=False also skips setting the TP
         # attributes (tensor_model_parallel, partition_dim) that grad norms and checkpoints need.

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from megatron_ext.pipeline.placement import get_stage_index, get_stage_location
+from megatron_ext.training.finalize import scale_by_token_count
 
 PLACEMENT_ATTR = "pipeline_stage_placement"  # set on the TransformerConfig: "loop" (absent) or "v"
 
@@ -148,9 +149,7 @@ def finalize_model_grads_v(model: list[torch.nn.Module], num_tokens: torch.Tenso
     first_rank = torch.distributed.get_process_group_ranks(pp_group)[0]
     torch.distributed.broadcast(num_tokens, src=first_rank, group=pp_group)
     torch.distributed.all_reduce(num_tokens, group=dp_cp_group)
-    for chunk in model:
-        if num_tokens > 0:
-            chunk.scale_gradients(1.0 / num_tokens)
+    scale_by_token_count(model, num_tokens)  # on the device: no host sync (training/finalize.py)
 
 
 def build_placed_float16_module(config: Any, chunk: torch.nn.Module) -> torch.nn.Module:

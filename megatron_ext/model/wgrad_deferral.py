@@ -225,6 +225,12 @@ def check_weight_grad_deferral(chunks: list[torch.nn.Module]) -> None:
             raise ValueError("megatron-core's defer_embedding_wgrad_compute (the output layer's W buffered to "
                              "the pipeline flush) and a zero-bubble schedule's W queue both defer the output "
                              "layer's weight gradient: turn defer_embedding_wgrad_compute off")
+        ours = [name for name, m in chunk.named_modules() if getattr(m, "traceable_linear", False)]
+        if ours:
+            raise ValueError(f"chunk {i}'s {ours[0]} runs our traceable linear (model/compile.py: --torch-compile's, "
+                             f"or the lean TP-1 eager one), whose backward accumulates the weight gradient itself, "
+                             f"so no W would reach the zero-bubble queue: drop --torch-compile with a zero-bubble "
+                             f"--pipeline-schedule (run.prepare_layers skips the lean linears under one)")
         te = sorted({type(m).__name__ for m in chunk.modules() if type(m).__module__.startswith(TE_MODULES)})
         if te:
             raise ValueError(f"chunk {i} has Transformer Engine layers ({', '.join(te)}), whose weight gradients "

@@ -219,7 +219,8 @@ def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
         run.steps_this_run += 1
         result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
                             run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad,
-                            progress, run.timers, run.cfg.training.empty_unused_memory_level)
+                            progress, run.timers, run.cfg.training.empty_unused_memory_level,
+                            agreement=lambda: run.exit_decider.start_agreement(get_save_flags(run)))
     if run.timers is not None:
         run.timers.steps += 1
     return microbatches, length, result
@@ -432,6 +433,12 @@ def finish_async_save(run: TrainingRun) -> None:
             run.log(published.describe())
 
 
+def get_save_flags(run: TrainingRun) -> int | None:
+    """This rank's asynchronous-save bits for the exit agreement while a save is in flight, else None."""
+    saver = run.async_saver
+    return saver.local_flags() if saver and saver.in_flight else None
+
+
 def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool:
     """One iteration and what follows it, in the module docstring's order; False to stop."""
     cfg, state, t = run.cfg, run.state, run.cfg.training
@@ -448,7 +455,7 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
         flush_iteration_scalars(run, window)  # steps before the validation loss's, for wandb
         evaluate_and_log(run)
     saver = run.async_saver
-    agreed = run.exit_decider.decide(state.iteration, saver.local_flags() if saver and saver.in_flight else None)
+    agreed = run.exit_decider.decide(state.iteration, get_save_flags(run), agreed_bits=result.agreed_bits)
     exit_flags = agreed & EXIT_FLAGS
     if exit_flags:  # agreed by every rank; the resumed run starts after this iteration
         flush_iteration_scalars(run, window)

@@ -76,6 +76,20 @@ def reduce_reported_loss(reports: list[dict[str, torch.Tensor]], key: str = "lm 
     return total
 
 
+def stack_reported_losses(reports: list[dict[str, torch.Tensor]], key: str = "lm loss") -> torch.Tensor:
+    """[m, 2] float64 on the device: each micro-batch's reported [sum, count], for one copy to the host."""
+    return torch.stack([r[key].detach() for r in reports]).to(torch.float64)
+
+
+def sum_reported_losses(rows: list[list[float]]) -> torch.Tensor:
+    """[sum, count] (float64, on the host) of the micro-batches' host rows, added in order as
+    ``reduce_reported_loss`` adds them (the same float64 values); zeros without rows."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for row in rows:
+        total += torch.tensor(row, dtype=torch.float64)
+    return total
+
+
 def get_mean_loss(total: torch.Tensor) -> float:
     """Global sum / global count; NaN-free when no token counted (returns 0)."""
     count = float(total[1])

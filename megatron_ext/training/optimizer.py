@@ -52,6 +52,7 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     apply_multi_tensor_fallback_fix()
+    apply_foreach_main_to_model_copy()
     # On the CPU every group is gloo already; separate gloo groups exist only on CUDA.
     optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=device.type == "cuda")
     use_fused_adam(optimizer)
@@ -100,6 +101,47 @@ def apply_multi_tensor_fallback_fix() -> None:
             module.multi_tensor_scale_impl = foreach_scale
 
 
+def foreach_copy_main_params_to_model_params(self) -> None:
+    """``DistributedOptimizer._copy_main_params_to_model_params`` (megatron-core 0.16.1) with its
+    per-parameter ``copy_`` loop (one kernel, and on CUDA one launch, per parameter, every step) as
+    one ``torch._foreach_copy_`` over the same (model-buffer shard, fp32 main shard) pairs. Where
+    upstream does something else (a stub, Megatron-FSDP, the precision-aware optimizer, FP8
+    parameters) upstream's method runs. (Float16OptimizerWithFloat16Params copies through
+    ``multi_tensor_scale_impl`` with scale 1.0: ``foreach_scale`` above, a ``_foreach_copy_`` already.)"""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    groups = [*zip(self.shard_fp32_from_float16_groups, self.model_float16_groups),
+              *zip(self.shard_fp32_groups, self.model_fp32_groups)]
+    if (self.is_stub_optimizer or self.ddp_config.use_megatron_fsdp
+            or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            or any(is_float8tensor(p) for _, model_group in groups for p in model_group)):
+        return _UPSTREAM_COPY[0](self)
+    dst, src = [], []
+    for shard_main_group, model_group in groups:
+        for shard_main_param, model_param in zip(shard_main_group, model_group):
+            world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+            assert world_range.size == shard_main_param.nelement()
+            gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
+            buffer = self.buffers[gbuf_index].buckets[bucket_id].param_data
+            dst.append(buffer.view(-1)[world_range.start:world_range.end])
+            src.append(shard_main_param)
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+_UPSTREAM_COPY: list = []
+
+
+def apply_foreach_main_to_model_copy() -> None:
+    """Install ``foreach_copy_main_params_to_model_params`` on megatron-core's DistributedOptimizer
+    (registered in compat.py). Idempotent."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not _UPSTREAM_COPY:
+        _UPSTREAM_COPY.append(DistributedOptimizer._copy_main_params_to_model_params)
+        DistributedOptimizer._copy_main_params_to_model_params = foreach_copy_main_params_to_model_params
+
+
 def get_loss_scale(t: TrainingConfig) -> float | None:
     """--loss-scale with --fp16; 1.0 (a constant scaler, so found-inf is checked) with the guard on."""
     if t.fp16:
@@ -108,25 +150,42 @@ def get_loss_scale(t: TrainingConfig) -> float | None:
 
 
 def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
-    """megatron-core's optimizer step, plus the non-finite guard for its fp32 optimizer.
+    """``step_optimizer_fetching`` without anything to fetch: (update applied, global gradient norm)."""
+    applied, grad_norm, _ = step_optimizer_fetching(optimizer, check_for_nan)
+    return applied, grad_norm
 
-    Returns (update applied, global gradient norm). megatron-core 0.16.1 wraps every optimizer in a
-    ``ChainedOptimizer``; when it holds an ``FP32Optimizer`` (which reports no found-inf) this is
-    ``ChainedOptimizer.step`` (prepare_grads -> get_grad_norm -> clip -> step_with_ready_grads,
-    registered in compat.py) with the update skipped when the norm, one global reduction that the
-    step computes anyway, is not finite."""
+
+def step_optimizer_fetching(optimizer, check_for_nan: bool, fetch: list[torch.Tensor | None] = (),
+                            ) -> tuple[bool, float | None, list[list[float] | None]]:
+    """megatron-core's optimizer step, plus the non-finite guard, in ONE device-to-host copy.
+
+    Returns (update applied, global gradient norm, each tensor of ``fetch`` flattened to host floats,
+    None for None). megatron-core 0.16.1 wraps every optimizer in a ``ChainedOptimizer`` whose ``step`` is
+    prepare_grads -> get_grad_norm -> clip -> step_with_ready_grads (registered in compat.py), with a
+    ``.item()`` for found-inf (a grad scaler's) and another for the norm. Where every child is the fp32
+    optimizer or a mixed-precision one with a constant scale of 1.0 (--bf16 with the guard on), found-inf
+    says nothing the norm does not (a gradient is non-finite exactly when the norm is, and unscaling by
+    1.0 changes nothing), so this runs those steps itself: the model gradients copied to the main ones,
+    the squared norm computed and all-reduced on the device (``grad_norm_squared``), then one copy of it
+    together with ``fetch`` (the step's loss reports), then clipping and the update, skipped when the
+    norm is not finite. Otherwise (--fp16's dynamic scaler) megatron-core's step runs and ``fetch`` is
+    copied after it."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-    from megatron.core.optimizer.optimizer import FP32Optimizer
 
     children = getattr(optimizer, "chained_optimizers", [optimizer])
-    if not (check_for_nan and any(isinstance(c, FP32Optimizer) for c in children)):
+    if not (check_for_nan and all(scales_by_one(c) for c in children)):
         success, grad_norm, _ = optimizer.step()
-        return bool(success), grad_norm
-    if optimizer.prepare_grads():
-        return False, None
-    grad_norm = optimizer.get_grad_norm()
+        return bool(success), grad_norm, fetch_to_host(fetch)[1]
+    for child in children:
+        if getattr(child, "grad_scaler", None) is None:
+            child.prepare_grads()  # no sync: the fp32 optimizer's, or a mixed-precision one without a scaler
+        elif not child.is_stub_optimizer:
+            child._copy_model_grads_to_main_grads()  # prepare_grads less its unscale-by-1.0 and found-inf sync
+    (norm_sq,), fetched = fetch_to_host([grad_norm_squared(children), *fetch])  # the step's one copy
+    grad_norm = norm_sq ** 0.5  # as get_grad_norm_fp32 takes the root
+    fetched = fetched[1:] if fetched else [None] * len(fetch)
     if not math.isfinite(grad_norm):
-        return False, grad_norm
+        return False, grad_norm, fetched
     for child in children:
         params = child.get_parameters()
         if getattr(child, "is_stub_optimizer", False) or not params or child.config.clip_grad <= 0.0:
@@ -135,7 +194,63 @@ def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
             params, max_norm=child.config.clip_grad, total_norm=grad_norm,
             use_decoupled_grad=child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
         )
-    return bool(optimizer.step_with_ready_grads()), grad_norm
+    return bool(optimizer.step_with_ready_grads()), grad_norm, fetched
+
+
+def fetch_to_host(tensors: list[torch.Tensor | None]) -> tuple[list[float], list[list[float] | None]]:
+    """Each tensor flattened to float64 host values (None stays None) with ONE ``tolist`` of their
+    concatenation (all on one device); returns (the first's values, all of them)."""
+    present = [t.reshape(-1).to(torch.float64) for t in tensors if t is not None]
+    if not present:
+        return [], [None] * len(tensors)
+    flat = (torch.cat(present) if len(present) > 1 else present[0]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        out.append(flat[start:start + t.numel()])
+        start += t.numel()
+    return out[0] or [], out
+
+
+def scales_by_one(child) -> bool:
+    """The fp32 optimizer, or a mixed-precision one whose grad scaler is a constant 1.0 (or absent)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+
+    if isinstance(child, FP32Optimizer):
+        return True
+    if not isinstance(child, MixedPrecisionOptimizer):
+        return False
+    scaler = child.grad_scaler
+    # (the configured constant, not the scaler's device tensor: reading that would be a sync)
+    return scaler is None or (isinstance(scaler, ConstantGradScaler) and child.config.loss_scale == 1.0)
+
+
+@torch.no_grad()
+def grad_norm_squared(children: list) -> torch.Tensor:
+    """[1] fp32 on the device: the squared global L2 norm of the main gradients, computed and reduced
+    as megatron-core's ``ChainedOptimizer.get_grad_norm`` / ``get_grad_norm_fp32`` do (the same
+    multi-tensor L2 norm, squared; one all-reduce SUM over the stats group when the children share it,
+    else one per child, summed), without their ``.item()``: the norm is ``value ** 0.5`` on the host."""
+    from megatron.core.optimizer.clip_grads import l2_norm_impl, multi_tensor_applier
+
+    groups = [c.get_grad_stats_parallel_group() for c in children]
+    shared = all(g == groups[0] for g in groups)
+    parts = [(children, groups[0])] if shared else [([c], g) for c, g in zip(children, groups)]
+    total = None
+    for opts, group in parts:
+        grads = [g for o in opts for g in o.get_main_grads_for_grad_norm()]
+        if grads:
+            overflow = torch.zeros(1, dtype=torch.int, device=grads[0].device)
+            norm, _ = multi_tensor_applier(l2_norm_impl, overflow, [grads], False)
+            sq = norm ** 2.0
+        else:
+            sq = torch.zeros(1, dtype=torch.float, device=torch.cuda.current_device())
+        torch.distributed.all_reduce(sq, op=torch.distributed.ReduceOp.SUM, group=group)
+        total = sq if total is None else total + sq
+    return total
 
 
 def get_schedule_lr_range(scheduler) -> tuple[float, float]:

@@ -15,19 +15,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators
 from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
+from megatron_ext.model.compile import prepare_static_shapes, uses_static_shapes, warm_rotary_table
 from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.pipeline.runtime import get_schedule_runtime
-from megatron_ext.training.loss import compute_token_loss, find_non_finite_microbatch, reduce_reported_loss
-from megatron_ext.training.optimizer import step_optimizer
+from megatron_ext.training.finalize import finalize_model_grads
+from megatron_ext.training.loss import compute_token_loss, stack_reported_losses, sum_reported_losses
+from megatron_ext.training.optimizer import step_optimizer_fetching
 from megatron_ext.training.profiling import StepTimers
 
 
@@ -41,6 +45,8 @@ class StepResult:
     non_finite: bool = False
     # this rank's first micro-batch (its place in the step) whose loss was not finite (last stage only)
     non_finite_microbatch: int | None = None
+    # the exit agreement begun inside the step, read on the host (None: none was begun)
+    agreed_bits: list[float] | None = None
 
 
 def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor, check_for_nan: bool = True):
@@ -54,10 +60,11 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) -> PackedMicrobatchParams | None:
+def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) -> PackedSeqParams | None:
     """THD parameters of a packed micro-batch (None unpacked), with the host boundaries and, for
     a RoPE model chunk on the local spec, its tokens' rotary frequencies: computed here once per
-    micro-batch and chunk, never inside a layer."""
+    micro-batch and chunk, never inside a layer. With static shapes (--torch-compile, CUDA graphs):
+    ``StaticPackedParams`` instead, tensors of bounded shapes and nothing host-side."""
     if not mb.is_packed:
         return None
     rotary = getattr(unwrap_model(model), "rotary_pos_emb", None) if model is not None else None
@@ -65,10 +72,13 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
     if isinstance(rotary, CoreAttentionRotaryEmbedding):
         freqs = build_packed_rotary_freqs(rotary, mb.position_ids, mb.max_seqlen)
     cu = mb.cu_seqlens.to(device=mb.tokens.device, dtype=torch.int32)
-    return PackedMicrobatchParams(
+    params = PackedMicrobatchParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
         max_seqlen_kv=mb.max_seqlen, cu_seqlens_host=mb.cu_seqlens_host, rotary_freqs=freqs,
     )
+    if model is not None and uses_static_shapes(model):  # --torch-compile: bounded shapes, nothing host-side
+        return prepare_static_shapes(params, mb.tokens.shape[1], unwrap_model(model).config)
+    return params
 
 
 def forward_step(data_iterator, model, progress: StepProgress | None = None, check_for_nan: bool = True):
@@ -82,6 +92,8 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None, che
     mb: Microbatch = next(data_iterator)
     if progress is not None:
         progress.record_microbatch(mb.index, getattr(unwrap_model(model), "vp_stage", None) or 0)
+    if not mb.is_packed and uses_static_shapes(model):  # the layers' RoPE table filled outside them
+        warm_rotary_table(unwrap_model(model), mb.tokens.shape[1], mb.tokens.device)
     output = model(
         input_ids=mb.tokens,
         position_ids=mb.position_ids,
@@ -95,10 +107,9 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None, che
 def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
     """Wire megatron-core's per-step hooks into the (shared) TransformerConfig (under the V
     placement, the finalize that knows the loss and the tied embedding are on pipeline rank 0)."""
-    from megatron.core.distributed import finalize_model_grads
-
     config = model[0].config
     v = get_config_placement(config) == "v"
+    # (ours: upstream's, with the token-count scaling on the device)
     config.finalize_model_grads_func = finalize_model_grads_v if v else finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     no_sync = [chunk.no_sync for chunk in model]
@@ -190,24 +201,33 @@ def train_step(
     model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
     seq_length: int, global_batch_size: int, ctx: ParallelContext, check_for_nan: bool = True,
     progress: StepProgress | None = None, timers: StepTimers | None = None, empty_memory_level: int = 0,
+    agreement: Callable[[], torch.Tensor | None] | None = None,
 ) -> StepResult:
+    """One step; ``agreement`` begins the exit agreement (``ExitDecider.start_agreement``) after the
+    forward-backward, so that its bits reach the host with the step's one copy (``StepResult.agreed_bits``)."""
     timer = timers.time if timers is not None else (lambda name: contextlib.nullcontext())
     optimizer.zero_grad()
     step_func = functools.partial(forward_step, progress=progress, check_for_nan=check_for_nan)
     with timer("forward-backward"):
         reports = run_forward_backward(model, microbatches, seq_length, forward_step_func=step_func)
     empty_unused_memory(ctx, empty_memory_level >= 1)
+    # the loss reports (and the exit agreement, begun now) travel to the host with the gradient norm:
+    # one device-to-host copy per step (training/optimizer.step_optimizer_fetching)
+    on_device = stack_reported_losses(reports) if ctx.is_last_stage and reports else None
+    bits = agreement() if agreement is not None else None
     with timer("optimizer"):
-        update_successful, grad_norm = step_optimizer(optimizer, check_for_nan)
+        update_successful, grad_norm, (fetched, agreed_bits) = step_optimizer_fetching(
+            optimizer, check_for_nan, [on_device, bits])
         if update_successful:
             scheduler.step(increment=global_batch_size)
     empty_unused_memory(ctx, empty_memory_level >= 2)
-    local = reduce_reported_loss(reports) if ctx.is_last_stage else torch.zeros(2, dtype=torch.float64)
-    bad_microbatch = None if bool(torch.isfinite(local).all()) else find_non_finite_microbatch(reports)
+    rows = [fetched[i:i + 2] for i in range(0, len(fetched), 2)] if fetched is not None else []
+    local = sum_reported_losses(rows)
+    bad_microbatch = next((i for i, row in enumerate(rows) if not all(map(math.isfinite, row))), None)
     non_finite = check_for_nan and not update_successful
     if non_finite and model[0].config.fp16:
         non_finite = agree_loss_non_finite(bad_microbatch is not None)
-    return StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch)
+    return StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch, agreed_bits)
 
 
 def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:

@@ -76,7 +76,7 @@ def _patch_writer(rank: int, fail_at: int | None = None):
 def _count_agreements() -> list[int]:
     import megatron_ext.checkpoint.exit_policy as exit_policy
 
-    calls, original = [], exit_policy.agree_on_flags
+    calls, original = [], exit_policy.agree_on_flags  # (begun inside the step or at its end)
 
     def agree(*args, **kwargs):
         calls.append(1)

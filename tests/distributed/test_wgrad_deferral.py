@@ -29,6 +29,7 @@ from megatron_ext.config import build_job_config
 from megatron_ext.derived import get_padded_vocab_size, resolve_config
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, wrap_with_ddp
+from megatron_ext.model.compile import install_compilable_linears
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral, check_weight_grad_deferral
 from megatron_ext.parallel import StagePlacement, build_parallel_context, destroy_parallel_context
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
@@ -187,6 +188,7 @@ def _one_rank_world(rank: int, world_size: int) -> dict:
     out["installed, no capture"] = (out["fused fp32"][0], run_installed_1f1b({}, mbs))
     out["plain build"] = describe_plain_build({})
     out["refusal"] = _refusal_message(cfg)
+    out["ours refused"] = _traceable_linear_refusal(cfg)
     destroy_parallel_context()
     return out
 
@@ -196,6 +198,21 @@ def _refusal_message(cfg) -> str:
                                 StagePlacement(0, 1, 0, 1, None), torch.device("cpu"))
     try:
         check_weight_grad_deferral(chunks)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _traceable_linear_refusal(cfg) -> str:
+    """The deferral asked to take a chunk whose first layer runs our traceable linear (--torch-compile's,
+    or the lean TP-1 eager one: model/compile.py), untied so that nothing else is refused."""
+    cfg = build_job_config(tiny_values(**BASE, untie_embeddings_and_output_weights=True))
+    chunks = build_model_chunks(cfg, resolve_config(cfg, torch.distributed.get_world_size(), VOCAB - 1),
+                                StagePlacement(0, 1, 0, 1, None), torch.device("cpu"))
+    check_weight_grad_deferral(chunks)  # megatron-core's linears: accepted
+    assert install_compilable_linears(unwrap_model(chunks[0]).decoder.layers[0]) == 4
+    try:
+        apply_weight_grad_deferral(chunks, WeightGradQueue())
     except ValueError as e:
         return str(e)
     return ""
@@ -245,6 +262,13 @@ def test_without_deferral_megatron_cores_path_is_untouched(one_rank):
 
 def test_a_chunk_with_the_tied_embedding_and_output_layer_is_refused(one_rank):
     assert "--pipeline-model-parallel-size > 1" in one_rank["refusal"]
+
+
+def test_our_traceable_linear_is_refused_rather_than_bypassing_the_queue(one_rank):
+    """Our linear accumulates the weight gradient inside its own backward: deferral over it would put
+    nothing in the W queue (and the 1F1B-equality tests above would not see it at TP 1)."""
+    assert "'s decoder.layers.0." in one_rank["ours refused"] and "runs our traceable linear" in one_rank["ours refused"]
+    assert "drop --torch-compile" in one_rank["ours refused"]
 
 
 # ----------------------------------------------------------------------------- two ranks

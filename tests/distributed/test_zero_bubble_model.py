@@ -84,8 +84,9 @@ def _step(values: dict, data: str, save: str | None = None) -> dict:
     mbs, length = build_step_microbatches(run, run.train_ds, 0)
     reports = run_forward_backward(model, mbs, length)
     deferred = sum(getattr(p, "skip_backward_post_hook", False) for c in model for p in c.parameters())
+    ours = sum(getattr(m, "traceable_linear", False) for c in model for m in c.modules())  # run.prepare_layers
     out = {"grads": gather_full_grads(run), "losses": [float(r["lm loss"][0]) for r in reports],
-           "loss_rank": ctx.is_last_stage, "pending": queue.pending(), "deferred": deferred}
+           "loss_rank": ctx.is_last_stage, "pending": queue.pending(), "deferred": deferred, "ours": ours}
     if save is not None:
         assert step_optimizer(run.optimizer, True)[0]
         run.state.iteration = 1
@@ -173,6 +174,9 @@ def test_zero_bubble_step_gives_1f1bs_gradients_and_losses_bitwise(results, layo
     for rank_out in ranks:
         out = rank_out[(layout, schedule)]
         assert out["pending"] == 0 and out["deferred"] > 0
+        assert out["ours"] == 0  # the W deferral owns the linears: no lean/traceable linear of model/compile.py
+        # the 1F1B reference at TP 1 runs the lean eager linears: compared with megatron-core's (deferred) bitwise
+        assert (rank_out[reference]["ours"] > 0) == ("tensor_model_parallel_size" not in LAYOUTS[layout][0])
     flags = LAYOUTS[layout][0]
     pp = flags["pipeline_model_parallel_size"]
     v = schedule.startswith("ZBV")

@@ -20,6 +20,15 @@ def test_step_length_rounds_up_and_never_exceeds_seq_length():
         get_step_length(513, 64, 512)
 
 
+def test_power_of_two_buckets_give_a_handful_of_lengths():
+    lengths = {get_step_length(n, 64, 2048, "power-of-two") for n in range(1, 2049)}
+    assert lengths == {64, 128, 256, 512, 1024, 2048}  # against 32 multiples of 64
+    assert get_step_length(129, 64, 2048, "power-of-two") == 256 and get_step_length(65, 64, 192, "power-of-two") == 128
+    assert get_step_length(129, 64, 192, "power-of-two") == 192  # capped at the longest length
+    with pytest.raises(ValueError, match="--pad-length-bucket"):
+        get_step_length(1, 64, 512, "pow2")
+
+
 def test_pad_grows_the_last_document():
     s = build_packed_sample([np.array([1, 2, 3]), np.array([4, 5])])
     p = pad_sample(s, 8, pad_id=0)

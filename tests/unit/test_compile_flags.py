@@ -1,0 +1,89 @@
+"""--torch-compile and --cuda-graph-* as flags (issue 30): what validation refuses, each with one error
+naming the flag and the fix, and what reaches megatron-core's config. No process group, no layer built
+(the wiring that needs one is tests/distributed/test_cuda_graph_wiring.py and test_torch_compile.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import resolve_config
+from megatron_ext.model.gpt import build_transformer_config
+from megatron_ext.pipeline.names import SCHEDULES, splits_backward
+from megatron_ext.testing import VOCAB, tiny_values
+from megatron_ext.validation import validate
+
+ZERO_BUBBLE = [name for name in SCHEDULES if splits_backward(name)]
+# the layout each zero-bubble schedule accepts (so that the compile refusal is the only problem)
+SCHEDULE_LAYOUT = {"InterleavedZeroBubble": dict(num_virtual_stages_per_pipeline_rank=2)}
+
+
+def _problems(values: dict, world_size: int = 1, cuda: bool = False) -> list[str]:
+    try:
+        validate(build_job_config(tiny_values(**values)), world_size=world_size, cuda=cuda)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+@pytest.mark.parametrize("values,cuda,message", [
+    (dict(cuda_graph_impl="local"), False, "--cuda-graph-impl local needs CUDA"),
+    (dict(cuda_graph_impl="local", cuda_graph_scope="attn"), True, "--cuda-graph-scope attn"),
+    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), True, "with the NaN check on"),
+    (dict(cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform",
+          recompute_num_layers=1), True, "--recompute-granularity full"),
+    (dict(cuda_graph_warmup_steps=-1), False, "--cuda-graph-warmup-steps"),
+    (dict(torch_compile=True, cuda_graph_impl="local"), True, "--torch-compile with --cuda-graph-impl local"),
+    (dict(torch_compile=True, recompute_granularity="selective", recompute_modules=["mlp"], disable_bias_linear=True),
+     False, "--torch-compile with --recompute-modules mlp"),
+])
+def test_refused_with_one_error_naming_the_flag(values, cuda, message):
+    problems = _problems(values, cuda=cuda)
+    assert sum(message in p for p in problems) == 1, problems
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_a_zero_bubble_schedule_with_torch_compile_is_one_error_naming_both_flags_and_the_fix(schedule):
+    """The zero-bubble schedules defer each linear's weight gradient into a Python queue from inside its
+    backward (model/wgrad_deferral.py), which a compiled layer's backward cannot do."""
+    values = dict(pipeline_model_parallel_size=2, pipeline_schedule=schedule, **SCHEDULE_LAYOUT.get(schedule, {}))
+    without = _problems(values, world_size=2)  # none, or DualPipeV's "not implemented yet"
+    assert len(without) == (schedule == "DualPipeV"), without
+    problems = [p for p in _problems(dict(values, torch_compile=True), world_size=2) if p not in without]
+    assert len(problems) == 1, problems
+    assert f"--torch-compile with --pipeline-schedule {schedule}" in problems[0]
+    assert "drop --torch-compile or use 1F1B" in problems[0]
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_torch_compile_with_megatron_cores_schedules_is_accepted(schedule):
+    values = dict(pipeline_model_parallel_size=2, pipeline_schedule=schedule, torch_compile=True)
+    if schedule == "Interleaved1F1B":
+        values["num_virtual_stages_per_pipeline_rank"] = 2
+    assert _problems(values, world_size=2) == []
+
+
+def test_transformer_engine_graphs_need_transformer_engine():
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed here")
+    assert sum("transformer_engine is not installed" in p
+               for p in _problems(dict(cuda_graph_impl="transformer_engine"), cuda=True)) == 1
+
+
+def test_defaults_are_off():
+    cfg = build_job_config(tiny_values())
+    assert cfg.training.torch_compile is False and cfg.training.cuda_graph_impl == "none"
+    assert cfg.data.pad_length_bucket == "multiple"
+    validate(cfg, world_size=1)
+
+
+def test_the_flags_reach_megatron_cores_config():
+    cfg = build_job_config(tiny_values(cuda_graph_impl="local", cuda_graph_warmup_steps=2))
+    config = build_transformer_config(cfg, resolve_config(cfg, 1, VOCAB - 1), torch.device("cpu"))
+    assert (config.cuda_graph_impl, config.cuda_graph_scope, config.cuda_graph_warmup_steps) == ("local", [], 2)
+    plain = build_job_config(tiny_values())
+    assert build_transformer_config(plain, resolve_config(plain, 1, VOCAB - 1), torch.device("cpu")).cuda_graph_impl \
+        == "none"
