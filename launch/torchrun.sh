@@ -64,15 +64,17 @@ trap 'rm -rf "$marker_root"' EXIT
 export MEGATRON_EXT_MAX_RESTARTS=$MAX_RESTARTS
 stopping=0
 
-# One torchrun run (attempt $1) with its own marker directory; sets rc.
+# One torchrun run (attempt $1, then the worker's arguments) with its own marker directory; sets rc.
 run_attempt() {
-    MEGATRON_EXT_EXIT_MARKER_DIR="$marker_root/attempt$1"
+    local n=$1
+    shift
+    MEGATRON_EXT_EXIT_MARKER_DIR="$marker_root/attempt$n"
     mkdir "$MEGATRON_EXT_EXIT_MARKER_DIR" || exit 1
-    export MEGATRON_EXT_EXIT_MARKER_DIR MEGATRON_EXT_RESTART_ATTEMPT=$1
+    export MEGATRON_EXT_EXIT_MARKER_DIR MEGATRON_EXT_RESTART_ATTEMPT=$n
     local rdzv=("${rdzv_args[@]}")
-    if (( $1 > 0 )); then
+    if (( n > 0 )); then
         export MEGATRON_EXT_RESUME_FROM_SAVE=1
-        (( ${#rdzv[@]} )) && rdzv[1]="${rdzv[1]}.restart$1"
+        (( ${#rdzv[@]} )) && rdzv[1]="${rdzv[1]}.restart$n"
     fi
     # A command started with `&` by a script (no job control) gets SIGINT and SIGQUIT ignored, and
     # torchrun sets its own handlers only when it starts its workers: the SIGINT forwarded below (Ctrl-C)
