@@ -53,8 +53,9 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
         return f"> restart {attempt}: --save {c.save} holds no complete checkpoint yet: starting as the first run did"
     replaced = [f"{flag} {value}" for flag, value in (
         ("--load", c.load if c.load and os.path.abspath(c.load) != os.path.abspath(c.save) else None),
-        ("--ckpt-step", c.ckpt_step), ("--finetune", c.finetune or None), ("--no-load-optim", c.no_load_optim or None),
-        ("--no-load-rng", c.no_load_rng or None)) if value is not None]
+        ("--ckpt-step", c.ckpt_step)) if value is not None]
+    replaced += [flag for flag, on in (("--finetune", c.finetune), ("--no-load-optim", c.no_load_optim),
+                                       ("--no-load-rng", c.no_load_rng)) if on]
     c.load, c.ckpt_step, c.finetune, c.no_load_optim, c.no_load_rng = c.save, None, False, False, False
     instead = f" (instead of the first start's {', '.join(replaced)})" if replaced else ""
     return (f"> restart {attempt}: resuming from the newest complete checkpoint in --save {c.save} "
