@@ -173,7 +173,7 @@ def test_more_ranks_per_node_than_gpus_is_one_clear_error(monkeypatch):
 # leave ("ok": ranks, "noretry": {rank: "code reason"}, "iteration": {rank: n}) into the attempt's
 # MEGATRON_EXT_EXIT_MARKER_DIR, records what it was given, and exits with "rc"
 FAKE_PLAYING_TORCHRUN = f"""#!{sys.executable}
-import json, os, sys
+import json, os, sys, time
 plan = json.loads(os.environ["FAKE_PLAN"])
 seen = [json.loads(line) for line in open(os.environ["FAKE_TORCHRUN_LOG"])] if os.path.exists(
     os.environ["FAKE_TORCHRUN_LOG"]) else []
@@ -189,6 +189,7 @@ for rank, text in step.get("noretry", {{}}).items():
     open(os.path.join(marker_dir, "rank%s.noretry" % rank), "w").write(text + "\\n")
 for rank, it in step.get("iteration", {{}}).items():
     open(os.path.join(marker_dir, "rank%s.iteration" % rank), "w").write("%12d\\n" % it)
+time.sleep(step.get("sleep", 0))
 sys.exit(step["rc"])
 """
 
@@ -274,3 +275,25 @@ def test_restarted_multi_node_attempts_meet_at_their_own_rendezvous_id(tmp_path)
     assert rc == 0, (rc, err)
     ids = [a["argv"][a["argv"].index("--rdzv-id") + 1] for a in attempts]
     assert ids == ["job7", "job7.restart1"], ids
+
+
+def test_a_launcher_asked_to_stop_does_not_restart(tmp_path):
+    # preemption without --exit-signal-handler: torchrun dies of the forwarded SIGTERM, no worker finished
+    env = launch_env(tmp_path, NPROC_PER_NODE="2", MAX_RESTARTS="3", FAKE_TORCHRUN_LOG=str(tmp_path / "attempts.jsonl"),
+                     FAKE_PLAN=json.dumps([{"rc": 1, "iteration": {"0": 4}, "sleep": 60}, DONE]))
+    (tmp_path / "bin" / "torchrun").write_text(FAKE_PLAYING_TORCHRUN)
+    proc = subprocess.Popen([os.path.join(REPO, "launch", "torchrun.sh")], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "attempts.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
+    assert "not restarting: this launcher was asked to stop (SIGTERM/SIGINT)" in err, err
+    assert len((tmp_path / "attempts.jsonl").read_text().splitlines()) == 1
