@@ -81,6 +81,7 @@ run_attempt() {
     # did nothing before, e.g. while it waited in the rendezvous for the other nodes. Restore them.
     ( trap - INT QUIT; exec torchrun "${args[@]}" "${rdzv[@]}" "$TRAIN_SCRIPT" "$@" ) &
     pid=$!
+    (( stopping )) && kill -TERM "$pid" 2>/dev/null  # a signal between attempts, before pid was this one
     # A trapped signal interrupts `wait`: wait again until torchrun is gone, then read its status
     # (bash remembers it, so the last `wait` also covers torchrun exiting during the trap).
     while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
