@@ -26,6 +26,9 @@ from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.rehearse import rehearse_job  # noqa: E402
+from megatron_ext.restart import (  # noqa: E402
+    apply_restart, check_restart_settings, open_iteration_record, write_no_retry_marker,
+)
 from megatron_ext.run import build_training_run, describe_run, describe_schedule  # noqa: E402
 from megatron_ext.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
@@ -41,17 +44,20 @@ def main(argv: list[str] | None = None) -> list[float]:
         rehearse_job(cfg, flag_notes, os.environ)
         return []
     device = select_device(cfg.parallel.device)
+    check_restart_settings(cfg, os.environ)
+    restart_note = apply_restart(cfg, os.environ)  # launch/torchrun.sh's restart: resume from --save
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     exit_decider = build_exit_decider(cfg)  # SIGTERM during start-up is recorded too
     try:
-        return _train(cfg, flag_notes, device, exit_decider)
+        return _train(cfg, flag_notes, device, exit_decider, restart_note)
     finally:
         exit_decider.close()  # returned or raised: SIGTERM and Ctrl-C act as before main again
 
 
-def _train(cfg: JobConfig, flag_notes: list[str], device: torch.device, exit_decider: ExitDecider) -> list[float]:
+def _train(cfg: JobConfig, flag_notes: list[str], device: torch.device, exit_decider: ExitDecider,
+           restart_note: str | None = None) -> list[float]:
     """``main`` from the start-up checks to the end of training, with the exit decider's
-    signal handlers installed."""
+    signal handlers installed; ``restart_note``: what a restart by launch/torchrun.sh resumes from."""
     load_plan, load_message = plan_load(cfg)
     wandb_problem = check_wandb_ready(cfg.logging.wandb_project)
     if wandb_problem:
@@ -71,13 +77,15 @@ def _train(cfg: JobConfig, flag_notes: list[str], device: torch.device, exit_dec
         run.log(describe_run(run))
         for note in flag_notes:  # Megatron-LM flags accepted without effect, settings adjusted as it does
             run.log(f"WARNING: {note}")
-        if load_message:
-            run.log(load_message)
+        for line in (restart_note, load_message):
+            if line:
+                run.log(line)
     if load_plan is not None:
         load_checkpoint(run, load_plan.path, load_optimizer=not cfg.checkpoint.no_load_optim, step=load_plan.step,
                         weights_only=load_plan.weights_only, load_rng=load_plan.load_rng)
         if cfg.checkpoint.use_checkpoint_opt_param_scheduler and run.ctx.is_logging_rank:
             run.log(describe_schedule(run, "schedule taken from the checkpoint (--use-checkpoint-opt-param-scheduler)"))
+    run.iteration_record = open_iteration_record()
     history = train(run)
     run.writer.close()
     if run.watchdog is not None:
@@ -102,13 +110,19 @@ def run_cli(argv: list[str] | None = None) -> int:
     """``main`` as the command line runs it; returns the exit status. A user's error (2), a run that
     diverged or whose weights a save found non-finite, and a save that failed (1: the message is the
     same on every rank) are one ``error:`` block printed once per launch on a host, not a traceback
-    per rank."""
+    per rank. The first two would fail again: they tell launch/torchrun.sh not to restart the job
+    (a failed save may be a passing file-system fault: it may be retried)."""
     try:
         main(argv)
     except ConfigError as err:
         report_error_once(str(err))
+        write_no_retry_marker(2, "a user error (the error: block above)")
         return 2
-    except (TrainingDiverged, CheckpointWriteFailed) as err:
+    except TrainingDiverged as err:
+        report_error_once(str(err))
+        write_no_retry_marker(1, "the run diverged (the error: block above)")
+        return 1
+    except CheckpointWriteFailed as err:
         report_error_once(str(err))
         return 1
     return 0

@@ -12,11 +12,31 @@
 # this script exports MEGATRON_EXT_EXIT_MARKER_DIR, a fresh node-local directory, and a worker
 # that finishes cleanly writes "$MEGATRON_EXT_EXIT_MARKER_DIR/rank<RANK>.ok". If all
 # NPROC_PER_NODE local workers left a marker the script exits 0, else with torchrun's code.
+#
+# Automatic restart: MAX_RESTARTS (0: none, as before) more torchrun runs after a failed one,
+# each resuming from the newest complete checkpoint in --save (megatron_ext/restart.py: the
+# workers load --save on a restart). torchrun's own --max-restarts cannot tell a crash from a user
+# error, so this script decides, from the markers of that attempt only (a fresh directory per
+# attempt). No restart after a worker left rank<R>.noretry (a user error, exit 2, or a diverged
+# run, exit 1: this script exits with that code, also when MAX_RESTARTS is 0), after this script
+# was sent SIGTERM/SIGINT, or when the same failure (torchrun's exit code at the same iteration:
+# the highest a local rank started, from rank<R>.iteration) happened SAME_FAILURE_LIMIT (2) times
+# in a row. Each decision is one line on stderr starting with "launch/torchrun.sh:". Several
+# nodes: each node's launcher decides alone, and they meet again in the rendezvous (RDZV_ID with
+# ".restart<K>" added).
 set -uo pipefail
 
 NNODES=${NNODES:-1}
 NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 NODE_RANK=${NODE_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+SAME_FAILURE_LIMIT=2
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+    echo "error: MAX_RESTARTS=$MAX_RESTARTS is not a number: give how many times to restart after a failure," \
+         "e.g. MAX_RESTARTS=3 (0, the default: never)" >&2
+    exit 2
+fi
+MAX_RESTARTS=$((10#$MAX_RESTARTS))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Megatron-LM's setting: one hardware queue per GPU, so the TP/sequence-parallel communication
 # kernels megatron-core issues before a GEMM start before it (its TP linear layers warn otherwise)
@@ -28,36 +48,90 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/pretrain_gpt.py"}
 
 args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK")
+rdzv_args=()
 if [[ "$NNODES" == 1 && -z "${MASTER_ADDR:-}" ]]; then
     args+=(--standalone)
 elif [[ -n "${MASTER_ADDR:-}" ]]; then
-    args+=(--rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR}:${MASTER_PORT:-29500}"
-           --rdzv-id "${RDZV_ID:-megatron_ext}")
+    args+=(--rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR}:${MASTER_PORT:-29500}")
+    rdzv_args=(--rdzv-id "${RDZV_ID:-megatron_ext}")
 else
     echo "error: NNODES=$NNODES needs MASTER_ADDR (the rendezvous host, e.g. the first node)" >&2
     exit 2
 fi
 
-MEGATRON_EXT_EXIT_MARKER_DIR=$(mktemp -d "${TMPDIR:-/tmp}/megatron_ext_exit.XXXXXX") || exit 1
-export MEGATRON_EXT_EXIT_MARKER_DIR
-trap 'rm -rf "$MEGATRON_EXT_EXIT_MARKER_DIR"' EXIT
+marker_root=$(mktemp -d "${TMPDIR:-/tmp}/megatron_ext_exit.XXXXXX") || exit 1
+trap 'rm -rf "$marker_root"' EXIT
+export MEGATRON_EXT_MAX_RESTARTS=$MAX_RESTARTS
+stopping=0
 
-# A command started with `&` by a script (no job control) gets SIGINT and SIGQUIT ignored, and
-# torchrun sets its own handlers only when it starts its workers: the SIGINT forwarded below (Ctrl-C)
-# did nothing before, e.g. while it waited in the rendezvous for the other nodes. Restore them.
-( trap - INT QUIT; exec torchrun "${args[@]}" "$TRAIN_SCRIPT" "$@" ) &
-pid=$!
-trap 'kill -TERM "$pid" 2>/dev/null' TERM
-trap 'kill -INT "$pid" 2>/dev/null' INT
-# A trapped signal interrupts `wait`: wait again until torchrun is gone, then read its status
-# (bash remembers it, so the last `wait` also covers torchrun exiting during the trap).
-while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
-wait "$pid"
-rc=$?
+# One torchrun run (attempt $1, then the worker's arguments) with its own marker directory; sets rc.
+run_attempt() {
+    local n=$1
+    shift
+    MEGATRON_EXT_EXIT_MARKER_DIR="$marker_root/attempt$n"
+    mkdir "$MEGATRON_EXT_EXIT_MARKER_DIR" || exit 1
+    export MEGATRON_EXT_EXIT_MARKER_DIR MEGATRON_EXT_RESTART_ATTEMPT=$n
+    local rdzv=("${rdzv_args[@]}")
+    if (( n > 0 )); then
+        export MEGATRON_EXT_RESUME_FROM_SAVE=1
+        (( ${#rdzv[@]} )) && rdzv[1]="${rdzv[1]}.restart$n"
+    fi
+    # A command started with `&` by a script (no job control) gets SIGINT and SIGQUIT ignored, and
+    # torchrun sets its own handlers only when it starts its workers: the SIGINT forwarded below (Ctrl-C)
+    # did nothing before, e.g. while it waited in the rendezvous for the other nodes. Restore them.
+    ( trap - INT QUIT; exec torchrun "${args[@]}" "${rdzv[@]}" "$TRAIN_SCRIPT" "$@" ) &
+    pid=$!
+    (( stopping )) && kill -TERM "$pid" 2>/dev/null  # a signal between attempts, before pid was this one
+    # A trapped signal interrupts `wait`: wait again until torchrun is gone, then read its status
+    # (bash remembers it, so the last `wait` also covers torchrun exiting during the trap).
+    while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
+    wait "$pid"
+    rc=$?
+}
 
+pid=
+trap 'stopping=1; [[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null' TERM
+trap 'stopping=1; [[ -n "$pid" ]] && kill -INT "$pid" 2>/dev/null' INT
 shopt -s nullglob
-markers=("$MEGATRON_EXT_EXIT_MARKER_DIR"/rank*.ok)
-if [[ "$NPROC_PER_NODE" =~ ^[0-9]+$ ]] && (( ${#markers[@]} == NPROC_PER_NODE )); then
-    exit 0
-fi
-exit "$rc"
+attempt=0 last_failure= same=0
+while true; do
+    run_attempt "$attempt" "$@"
+    dir=$MEGATRON_EXT_EXIT_MARKER_DIR
+    markers=("$dir"/rank*.ok)
+    if [[ "$NPROC_PER_NODE" =~ ^[0-9]+$ ]] && (( ${#markers[@]} == NPROC_PER_NODE )); then
+        exit 0
+    fi
+    no_retry=("$dir"/rank*.noretry)
+    if (( ${#no_retry[@]} )); then  # the worker's own code (torchrun reports 1 for any failure)
+        read -r code reason < "${no_retry[0]}"
+        (( MAX_RESTARTS )) && echo "launch/torchrun.sh: not restarting: a worker stopped on $reason," \
+                                   "which a restart would repeat" >&2
+        exit "${code:-$rc}"
+    fi
+    (( rc == 0 || MAX_RESTARTS == 0 )) && exit "$rc"
+    if (( stopping )); then
+        echo "launch/torchrun.sh: not restarting: this launcher was asked to stop (SIGTERM/SIGINT)" >&2
+        exit "$rc"
+    fi
+    iteration=
+    for f in "$dir"/rank*.iteration; do
+        read -r it < "$f" || continue
+        [[ "$it" =~ ^[0-9]+$ ]] && (( it > ${iteration:-0} )) && iteration=$it
+    done
+    where=${iteration:+"at iteration $iteration"}
+    where=${where:-"before its first iteration"}
+    failure="torchrun exit code $rc $where"
+    if [[ "$failure" == "$last_failure" ]]; then same=$((same + 1)); else same=1; fi
+    last_failure=$failure
+    if (( same >= SAME_FAILURE_LIMIT )); then
+        echo "launch/torchrun.sh: not restarting: the same failure ($failure) happened $same times in a row" >&2
+        exit "$rc"
+    fi
+    if (( attempt >= MAX_RESTARTS )); then
+        echo "launch/torchrun.sh: not restarting: $failure, and MAX_RESTARTS=$MAX_RESTARTS restarts are used up" >&2
+        exit "$rc"
+    fi
+    attempt=$((attempt + 1))
+    echo "launch/torchrun.sh: $failure; restart $attempt of $MAX_RESTARTS, from the newest complete checkpoint" \
+         "in --save" >&2
+done

@@ -37,6 +37,7 @@ from megatron_ext.data.step_data import StepDataBuilder
 from megatron_ext.derived import ResolvedConfig
 from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
+from megatron_ext.restart import IterationRecord
 from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss, reduce_reported_loss
 from megatron_ext.training.metrics import (
@@ -107,6 +108,8 @@ class TrainingRun:
     weights_finite_at: int | None = None
     # builds the next step's data in the background (None with --no-data-prefetch)
     prefetcher: StepPrefetcher | None = None
+    # under launch/torchrun.sh: the iteration each step starts, for its restart decisions (restart.py)
+    iteration_record: IterationRecord | None = None
 
 
 @dataclasses.dataclass
@@ -442,6 +445,8 @@ def get_save_flags(run: TrainingRun) -> int | None:
 def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool:
     """One iteration and what follows it, in the module docstring's order; False to stop."""
     cfg, state, t = run.cfg, run.state, run.cfg.training
+    if run.iteration_record is not None:
+        run.iteration_record.record(state.iteration + 1)
     result, length = run_training_iteration(run, window)
     for tool in (run.profiler, run.manual_gc):
         if tool is not None:

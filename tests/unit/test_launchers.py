@@ -165,3 +165,135 @@ def test_more_ranks_per_node_than_gpus_is_one_clear_error(monkeypatch):
         messages.add(str(err.value))
     assert len(messages) == 1 and "8 processes on this node (LOCAL_WORLD_SIZE), 4 CUDA devices" in messages.pop()
     assert select_device("cpu") == torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- automatic restart (MAX_RESTARTS)
+
+# torchrun that plays one entry of FAKE_PLAN (JSON) per attempt: writes the markers a worker would
+# leave ("ok": ranks, "noretry": {rank: "code reason"}, "iteration": {rank: n}) into the attempt's
+# MEGATRON_EXT_EXIT_MARKER_DIR, records what it was given, and exits with "rc"
+FAKE_PLAYING_TORCHRUN = f"""#!{sys.executable}
+import json, os, sys, time
+plan = json.loads(os.environ["FAKE_PLAN"])
+seen = [json.loads(line) for line in open(os.environ["FAKE_TORCHRUN_LOG"])] if os.path.exists(
+    os.environ["FAKE_TORCHRUN_LOG"]) else []
+marker_dir = os.environ["MEGATRON_EXT_EXIT_MARKER_DIR"]
+step = plan[len(seen)]
+with open(os.environ["FAKE_TORCHRUN_LOG"], "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "marker_dir": marker_dir, "files": sorted(os.listdir(marker_dir)),
+                        **{{k: os.environ.get(k) for k in ("MEGATRON_EXT_RESTART_ATTEMPT", "MEGATRON_EXT_RESUME_FROM_SAVE",
+                                                          "MEGATRON_EXT_MAX_RESTARTS")}}}}) + "\\n")
+for rank in step.get("ok", []):
+    open(os.path.join(marker_dir, "rank%d.ok" % rank), "w").close()
+for rank, text in step.get("noretry", {{}}).items():
+    open(os.path.join(marker_dir, "rank%s.noretry" % rank), "w").write(text + "\\n")
+for rank, it in step.get("iteration", {{}}).items():
+    open(os.path.join(marker_dir, "rank%s.iteration" % rank), "w").write("%12d\\n" % it)
+time.sleep(step.get("sleep", 0))
+sys.exit(step["rc"])
+"""
+
+
+def run_restarts(tmp_path, plan: list[dict], max_restarts: str, **extra: str) -> tuple[int, str, list[dict]]:
+    """launch/torchrun.sh under MAX_RESTARTS with the playing torchrun: (exit code, stderr, one record per attempt)."""
+    tmp_path.mkdir(exist_ok=True)
+    env = launch_env(tmp_path, NPROC_PER_NODE="2", MAX_RESTARTS=max_restarts, FAKE_PLAN=json.dumps(plan),
+                     FAKE_TORCHRUN_LOG=str(tmp_path / "attempts.jsonl"), **extra)
+    (tmp_path / "bin" / "torchrun").write_text(FAKE_PLAYING_TORCHRUN)
+    proc = subprocess.run([os.path.join(REPO, "launch", "torchrun.sh"), "--save", "ckpt"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    log = tmp_path / "attempts.jsonl"
+    attempts = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.returncode, proc.stderr, attempts
+
+
+CRASH = {"rc": 1, "iteration": {"0": 7, "1": 6}}  # rank 1 died starting iteration 7 (rank 0 had begun it)
+DONE = {"rc": 0, "ok": [0, 1]}
+
+
+def test_a_crash_is_restarted_with_fresh_markers_and_resumes_from_save(tmp_path):
+    rc, err, attempts = run_restarts(tmp_path, [CRASH, {"rc": 1, "iteration": {"0": 12, "1": 12}}, DONE], "2")
+    assert rc == 0 and len(attempts) == 3, (rc, err, attempts)
+    assert [a["MEGATRON_EXT_RESTART_ATTEMPT"] for a in attempts] == ["0", "1", "2"], attempts
+    assert [a["MEGATRON_EXT_RESUME_FROM_SAVE"] for a in attempts] == [None, "1", "1"], attempts
+    assert {a["MEGATRON_EXT_MAX_RESTARTS"] for a in attempts} == {"2"}
+    # each attempt starts with an empty directory of its own: an earlier attempt's marker never counts
+    assert len({a["marker_dir"] for a in attempts}) == 3 and all(a["files"] == [] for a in attempts), attempts
+    assert "torchrun exit code 1 at iteration 7; restart 1 of 2" in err, err
+    assert "torchrun exit code 1 at iteration 12; restart 2 of 2" in err, err
+    # the worker's arguments, unchanged on every attempt (the restart's --load is the worker's business)
+    assert all(a["argv"][-3:] == [os.path.join(REPO, "pretrain_gpt.py"), "--save", "ckpt"] for a in attempts), attempts
+
+
+def test_the_markers_of_an_earlier_attempt_do_not_count(tmp_path):
+    # attempt 0: rank 0 finished, rank 1 crashed; attempt 1: only rank 1 finished -> not a success
+    rc, err, attempts = run_restarts(tmp_path, [{"rc": 1, "ok": [0], "iteration": {"1": 3}},
+                                                {"rc": 1, "ok": [1], "iteration": {"0": 5}}], "1")
+    assert rc == 1 and len(attempts) == 2, (rc, err, attempts)
+    assert "MAX_RESTARTS=1 restarts are used up" in err, err
+
+
+def test_the_same_failure_twice_in_a_row_stops(tmp_path):
+    rc, err, attempts = run_restarts(tmp_path / "a", [CRASH, CRASH, DONE], "5")
+    assert rc == 1 and len(attempts) == 2, (rc, err, attempts)
+    assert "not restarting: the same failure (torchrun exit code 1 at iteration 7) happened 2 times in a row" in err
+    # a failure before the first iteration is a failure of its own kind, recurring too
+    rc, err, attempts = run_restarts(tmp_path / "b", [{"rc": 1}, {"rc": 1}, DONE], "5")
+    assert rc == 1 and len(attempts) == 2 and "before its first iteration) happened 2 times" in err, (rc, err)
+    # the same iteration, but not in a row: restarted
+    rc, err, attempts = run_restarts(tmp_path / "c", [CRASH, {"rc": 1, "iteration": {"0": 9}}, CRASH, DONE], "5")
+    assert rc == 0 and len(attempts) == 4, (rc, err)
+
+
+def test_a_worker_that_says_do_not_retry_is_not_restarted(tmp_path):
+    user_error = {"rc": 1, "noretry": {"0": "2 a user error (the error: block above)",
+                                       "1": "2 a user error (the error: block above)"}}
+    rc, err, attempts = run_restarts(tmp_path, [user_error, DONE], "3")
+    assert rc == 2 and len(attempts) == 1, (rc, err, attempts)
+    assert "not restarting: a worker stopped on a user error" in err, err
+    (tmp_path / "d").mkdir()
+    diverged = {"rc": 1, "noretry": {"1": "1 the run diverged (the error: block above)"}, "iteration": {"1": 9}}
+    rc, err, attempts = run_restarts(tmp_path / "d", [diverged, DONE], "3")
+    assert rc == 1 and len(attempts) == 1 and "the run diverged" in err, (rc, err, attempts)
+
+
+def test_no_restart_by_default_and_a_bad_max_restarts_is_one_error(tmp_path):
+    rc, err, attempts = run_restarts(tmp_path / "default", [CRASH, DONE], "0")
+    assert rc == 1 and len(attempts) == 1 and "launch/torchrun.sh:" not in err, (rc, err)
+    rc, err, attempts = run_restarts(tmp_path / "empty", [DONE], "")  # empty: the default
+    assert rc == 0 and len(attempts) == 1, (rc, err)
+    for i, bad in enumerate(("two", "-1", "1.5", "3 ")):
+        rc, err, attempts = run_restarts(tmp_path / f"bad{i}", [DONE], bad)
+        assert rc == 2 and attempts == [], (bad, rc, err)
+        assert err.strip().splitlines() == [f"error: MAX_RESTARTS={bad} is not a number: give how many times to "
+                                            f"restart after a failure, e.g. MAX_RESTARTS=3 (0, the default: never)"]
+
+
+def test_restarted_multi_node_attempts_meet_at_their_own_rendezvous_id(tmp_path):
+    rc, err, attempts = run_restarts(tmp_path, [CRASH, DONE], "1", NNODES="2", MASTER_ADDR="10.0.0.1",
+                                     RDZV_ID="job7")
+    assert rc == 0, (rc, err)
+    ids = [a["argv"][a["argv"].index("--rdzv-id") + 1] for a in attempts]
+    assert ids == ["job7", "job7.restart1"], ids
+
+
+def test_a_launcher_asked_to_stop_does_not_restart(tmp_path):
+    # preemption without --exit-signal-handler: torchrun dies of the forwarded SIGTERM, no worker finished
+    env = launch_env(tmp_path, NPROC_PER_NODE="2", MAX_RESTARTS="3", FAKE_TORCHRUN_LOG=str(tmp_path / "attempts.jsonl"),
+                     FAKE_PLAN=json.dumps([{"rc": 1, "iteration": {"0": 4}, "sleep": 60}, DONE]))
+    (tmp_path / "bin" / "torchrun").write_text(FAKE_PLAYING_TORCHRUN)
+    proc = subprocess.Popen([os.path.join(REPO, "launch", "torchrun.sh")], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "attempts.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
+    assert "not restarting: this launcher was asked to stop (SIGTERM/SIGINT)" in err, err
+    assert len((tmp_path / "attempts.jsonl").read_text().splitlines()) == 1

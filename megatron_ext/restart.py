@@ -1,0 +1,93 @@
+"""The worker's side of launch/torchrun.sh's automatic restart (``MAX_RESTARTS``).
+
+The launcher runs torchrun again after a failed attempt, up to ``MAX_RESTARTS`` times. It gives
+each attempt a fresh marker directory (``MEGATRON_EXT_EXIT_MARKER_DIR``, so that an earlier
+attempt's markers never count) in which every rank may leave:
+
+- ``rank<R>.ok``: the rank finished cleanly (``pretrain_gpt.write_exit_marker``);
+- ``rank<R>.noretry``: "do not retry", with the exit code and the reason on one line: a user error
+  (exit 2: configuration, data, tokenizer, checkpoint directories) or a diverged run (exit 1:
+  ``--max-nan-iterations``, non-finite weights at a save) would fail the same way again;
+- ``rank<R>.iteration``: the iteration this rank last started, rewritten in place at every step
+  (one ``pwrite`` of a few bytes on an open file), so that the launcher can tell a failure that
+  recurs at the same iteration from one that made progress.
+
+On a restart (``MEGATRON_EXT_RESUME_FROM_SAVE=1``) the run resumes from the newest complete
+checkpoint in ``--save``: ``--load`` becomes ``--save`` (as Megatron-LM users write a restartable
+job) with the full state (optimizer, RNG, iteration), whatever ``--load``, ``--finetune``,
+``--ckpt-step``, ``--no-load-optim`` and ``--no-load-rng`` said for the first start; while
+``--save`` holds no complete checkpoint yet, the first start's flags load as given.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from megatron_ext.checkpoint.directory import find_latest_checkpoint
+from megatron_ext.config import ConfigError, JobConfig
+
+MARKER_DIR_ENV = "MEGATRON_EXT_EXIT_MARKER_DIR"
+RESUME_ENV = "MEGATRON_EXT_RESUME_FROM_SAVE"
+ATTEMPT_ENV = "MEGATRON_EXT_RESTART_ATTEMPT"
+MAX_RESTARTS_ENV = "MEGATRON_EXT_MAX_RESTARTS"
+
+
+def check_restart_settings(cfg: JobConfig, env: Mapping[str, str]) -> None:
+    """A job the launcher may restart must save: a restart without --save would start from scratch."""
+    max_restarts = env.get(MAX_RESTARTS_ENV, "0")
+    if max_restarts.isdigit() and int(max_restarts) > 0 and not cfg.checkpoint.save:
+        raise ConfigError([f"MAX_RESTARTS={max_restarts} needs --save DIR: a restart resumes from the newest "
+                           f"complete checkpoint there (add --save and --save-interval, or MAX_RESTARTS=0)"])
+
+
+def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
+    """On a restart, make ``cfg`` resume from --save's newest complete checkpoint (see the module
+    docstring); returns the line to log, or None on a first start."""
+    if env.get(RESUME_ENV) != "1" or not cfg.checkpoint.save:
+        return None
+    c = cfg.checkpoint
+    newest = find_latest_checkpoint(c.save)
+    attempt = env.get(ATTEMPT_ENV, "?")
+    if newest is None:
+        return f"> restart {attempt}: --save {c.save} holds no complete checkpoint yet: starting as the first run did"
+    replaced = [f"{flag} {value}" for flag, value in (
+        ("--load", c.load if c.load and os.path.abspath(c.load) != os.path.abspath(c.save) else None),
+        ("--ckpt-step", c.ckpt_step)) if value is not None]
+    replaced += [flag for flag, on in (("--finetune", c.finetune), ("--no-load-optim", c.no_load_optim),
+                                       ("--no-load-rng", c.no_load_rng)) if on]
+    c.load, c.ckpt_step, c.finetune, c.no_load_optim, c.no_load_rng = c.save, None, False, False, False
+    instead = f" (instead of the first start's {', '.join(replaced)})" if replaced else ""
+    return (f"> restart {attempt}: resuming from the newest complete checkpoint in --save {c.save} "
+            f"(iteration {newest[0]}){instead}")
+
+
+def write_no_retry_marker(code: int, reason: str, env: Mapping[str, str] | None = None) -> None:
+    """Tell the launcher not to restart this job: it would fail the same way (see the module docstring)."""
+    env = os.environ if env is None else env
+    marker_dir = env.get(MARKER_DIR_ENV)
+    if marker_dir and os.path.isdir(marker_dir):
+        with open(os.path.join(marker_dir, f"rank{env.get('RANK', '0')}.noretry"), "w") as f:
+            f.write(f"{code} {reason}\n")
+
+
+class IterationRecord:
+    """``rank<R>.iteration`` in the attempt's marker directory, rewritten in place at each step."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def record(self, iteration: int) -> None:
+        os.pwrite(self.fd, f"{iteration:>12}\n".encode(), 0)  # fixed width: never a stale tail
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def open_iteration_record(env: Mapping[str, str] | None = None) -> IterationRecord | None:
+    """This rank's record under launch/torchrun.sh, else None."""
+    env = os.environ if env is None else env
+    marker_dir = env.get(MARKER_DIR_ENV)
+    if not marker_dir or not os.path.isdir(marker_dir):
+        return None
+    return IterationRecord(os.path.join(marker_dir, f"rank{env.get('RANK', '0')}.iteration"))
