@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from megatron_ext.pipeline.placement import get_stage_index, get_stage_location
-from megatron_ext.training.finalize import scale_by_token_count
+from megatron_ext.training.finalize import scale_by_global_token_count
 
 PLACEMENT_ATTR = "pipeline_stage_placement"  # set on the TransformerConfig: "loop" (absent) or "v"
 
@@ -134,22 +134,16 @@ def finalize_model_grads_v(model: list[torch.nn.Module], num_tokens: torch.Tenso
     all-reduce and (one-rank, skipped) embedding all-reduce, then the local tie, then the per-token
     scaling with the token count broadcast from pipeline rank 0 (where the loss is), summed over
     DP: the same steps in the same order as under the loop placement."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     tie_word_embedding_grads(model)
-    if num_tokens is None:
-        return
-    if pg_collection is not None:
-        pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
-    else:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    first_rank = torch.distributed.get_process_group_ranks(pp_group)[0]
-    torch.distributed.broadcast(num_tokens, src=first_rank, group=pp_group)
-    torch.distributed.all_reduce(num_tokens, group=dp_cp_group)
-    scale_by_token_count(model, num_tokens)  # on the device: no host sync (training/finalize.py)
+    if num_tokens is not None:
+        scale_by_global_token_count(model, num_tokens, pg_collection, _first_rank)
+
+
+def _first_rank(group: Any) -> int:
+    return torch.distributed.get_process_group_ranks(group)[0]
 
 
 def build_placed_float16_module(config: Any, chunk: torch.nn.Module) -> torch.nn.Module:

@@ -26,18 +26,26 @@ def scale_by_token_count(model: list[torch.nn.Module], num_tokens: torch.Tensor)
 def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
                          pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
     """megatron-core's ``finalize_model_grads`` (same signature and steps) without its host sync."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads as upstream
     from megatron.core.distributed.finalize_model_grads import get_pp_last_rank
 
     upstream(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-    if num_tokens is None:
-        return
+    if num_tokens is not None:
+        scale_by_global_token_count(model, num_tokens, pg_collection, get_pp_last_rank)
+
+
+def scale_by_global_token_count(model: list[torch.nn.Module], num_tokens: torch.Tensor, pg_collection: Any,
+                                loss_rank_of: Any) -> None:
+    """Upstream's last steps: the count broadcast over the pipeline group from the rank that holds the
+    loss (``loss_rank_of(pp_group)``: the last rank, or rank 0 under the V placement), summed over DP
+    (with context parallelism), then every gradient scaled on the device."""
+    from megatron.core import parallel_state
+
     if pg_collection is not None:
         pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
     else:
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    torch.distributed.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
+    torch.distributed.broadcast(num_tokens, src=loss_rank_of(pp_group), group=pp_group)
     torch.distributed.all_reduce(num_tokens, group=dp_cp_group)
     scale_by_token_count(model, num_tokens)
