@@ -6,8 +6,8 @@ Per action, on local chunk c of stage s, micro-batch mb:
   the output goes to stage s+1 (P2P send or local hand-over) and is deallocated as megatron-core does.
 - B: ``schedules.backward_step`` inside ``queue.capture((c, mb))``: layers that defer their weight
   gradient queue it; the input gradient goes to stage s-1. On stage 0 nothing waits for the input
-  gradient, so its B does nothing and its W runs the whole backward (torch.distributed.pipelining's
-  choice, which the orders are generated for).
+  gradient, so its B does nothing and its W runs the whole backward, B part (captured) then W
+  (torch.distributed.pipelining's choice, which the orders are generated for).
 - W: ``queue.run((c, mb))`` (through ``weight_step``, which ``--pp-timeline`` wraps).
 - BW: the whole backward (orders that do not split it).
 
@@ -169,10 +169,11 @@ class ScheduleRuntime:
         self._give_output(step, action, grad)
 
     def _weight(self, step: _Step, config: Any, action: Action) -> None:
-        if action.stage == 0:
-            self._backward_step(step, config, action)
-        else:
-            weight_step(self.queue, (step.order.chunk_of(action.stage), action.mb))
+        key = (step.order.chunk_of(action.stage), action.mb)
+        if action.stage == 0:  # its B did nothing: the input-gradient part first, captured as any B's
+            with self.queue.capture(key):
+                self._backward_step(step, config, action)
+        weight_step(self.queue, key)
 
     def _backward_step(self, step: _Step, config: Any, action: Action) -> Any:
         from megatron.core.pipeline_parallel import schedules
