@@ -6,7 +6,9 @@
    InterleavedZeroBubble at PP 2 x VPP 2 x DP 2 and ZBVZeroBubble at PP 2 x DP 2 (1e-5), packed and
    unpacked. The runtime raises when a step ends with a W left in the queue, so a finished run also
    says the queue was empty at every step's end.
-2. The deferral-on matrix, TP 2 x PP 2 x DP 2 with sequence parallelism, full recompute, the
+2. After one step, every parameter's gradient under ZBH1 at PP 4 and InterleavedZeroBubble at PP 2 x
+   VPP 2 x DP 2 equals megatron-core's 1F1B / interleaved 1F1B on the same layout, packed and unpacked.
+3. The deferral-on matrix, TP 2 x PP 2 x DP 2 with sequence parallelism, full recompute, the
    distributed optimizer, --overlap-grad-reduce and --overlap-param-gather: after one step every
    parameter's gradient equals megatron-core's own schedule's (1F1B, interleaved 1F1B) on the same
    layout, and no DDP bucket starts its reduce before the last W of its chunk (counted).
@@ -65,8 +67,10 @@ def data_prefix(tmp_path_factory) -> str:
     return os.path.join(root, "docs_text_document")
 
 
-def _main_runs(rank: int, world_size: int, runs: list[list[str]]) -> list[dict]:
-    """``pretrain_gpt.main`` per argv: the logged losses and validation losses of this rank."""
+def _main_runs(rank: int, world_size: int, runs: list[list[str]], grad_cases: tuple = ()) -> list[dict]:
+    """``pretrain_gpt.main`` per argv: the logged losses and validation losses of this rank; then, for
+    each of ``grad_cases`` ((our flags, megatron-core's flags, packed)), one step's full gradients
+    under both schedules."""
     import pretrain_gpt
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.training import loop
@@ -98,6 +102,12 @@ def _main_runs(rank: int, world_size: int, runs: list[list[str]]) -> list[dict]:
             destroy_parallel_context()
     finally:
         loop.evaluate, torch.distributed.destroy_process_group = orig_evaluate, destroy
+    for ours, theirs, packed in grad_cases:
+        grads = []
+        for flags in (ours, theirs):
+            grads.append(_one_step_grads({**GRAD_BASE, **flags}, record=False, packed=packed)[0])
+            destroy_parallel_context()
+        out.append({"grads": grads})
     return out
 
 
@@ -108,28 +118,56 @@ def _logged(per_rank: list[list[dict]], i: int) -> tuple[list[float], list[float
     return found[0]["losses"], found[0]["evals"], found[0]["schedule"]
 
 
+GRAD_BASE = dict(global_batch_size=8, micro_batch_size=1, num_layers=4)
+GRAD_CASES = {  # name: (ours, megatron-core's schedule on the same layout); each packed and unpacked
+    "ZBH1 PP4": (dict(pipeline_model_parallel_size=4, pipeline_schedule="ZBH1"), dict(pipeline_model_parallel_size=4)),
+    "InterleavedZeroBubble PP2xVPP2xDP2": (
+        dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2,
+             pipeline_schedule="InterleavedZeroBubble"),
+        dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2)),
+}
+
+
 @pytest.fixture(scope="module")
 def main_results(data_prefix):
     base = BASE + ["--data-path", data_prefix]
     (reference,) = run_ranks(_main_runs, 1, [base + flags for flags in PACKINGS.values()], timeout=600)
     cases = [(name, packing) for name in FOUR_RANK for packing in PACKINGS]
     runs = [base + FOUR_RANK[name][0] + PACKINGS[packing] for name, packing in cases]
-    per_rank = run_ranks(_main_runs, 4, runs, timeout=900)
+    grad_cases = [(name, packed) for name in GRAD_CASES for packed in (False, True)]
+    per_rank = run_ranks(_main_runs, 4, runs, tuple((*GRAD_CASES[n], p) for n, p in grad_cases), timeout=900)
     ref = {packing: (reference[i]["losses"], reference[i]["evals"]) for i, packing in enumerate(PACKINGS)}
     assert all(r["schedule"] is None for r in reference)
-    return ref, {case: _logged(per_rank, i) for i, case in enumerate(cases)}
+    grads = {}
+    for i, case in enumerate(grad_cases, start=len(cases)):
+        merged = ({}, {})
+        for rank_out in per_rank:
+            for mine, theirs in zip(merged, rank_out[i]["grads"]):
+                mine.update(theirs)
+        grads[case] = merged
+    return ref, {case: _logged(per_rank, i) for i, case in enumerate(cases)}, grads
 
 
 @pytest.mark.parametrize("packing", list(PACKINGS))
 @pytest.mark.parametrize("name", list(FOUR_RANK))
 def test_losses_through_pretrain_gpt_equal_one_process(main_results, name, packing):
-    ref, results = main_results
+    ref, results, _ = main_results
     (ref_losses, ref_evals), (losses, evals, schedule) = ref[packing], results[(name, packing)]
     assert schedule == name.split()[0]  # our runtime ran it (megatron-core's schedules would pass too)
     tol = FOUR_RANK[name][1]
     assert len(ref_losses) == 6 and ref_losses[-1] < ref_losses[0], ref_losses  # the model learns
     assert losses == pytest.approx(ref_losses, rel=tol, abs=tol), (name, packing)
     assert len(ref_evals) == 1 and evals == pytest.approx(ref_evals, rel=tol, abs=tol), (name, packing)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("name", list(GRAD_CASES))
+def test_gradients_after_one_step_equal_megatron_core_s_schedule(main_results, name, packed):
+    ours, theirs = main_results[2][(name, packed)]
+    assert ours.keys() == theirs.keys() and ours
+    for param, g in theirs.items():
+        assert g.abs().sum() > 0, param
+        torch.testing.assert_close(ours[param], g, rtol=1e-6, atol=1e-9, msg=f"{name}: {param}")
 
 
 # ---- the deferral-on matrix, TP 2 x PP 2 x DP 2 ----
@@ -146,17 +184,18 @@ MATRIX_CASES = {  # ours: (our flags, megatron-core's schedule on the same layou
 }
 
 
-def _one_step_grads(values: dict, record: bool) -> tuple[dict, list]:
+def _one_step_grads(values: dict, record: bool, packed: bool = False) -> tuple[dict, list]:
     """Full gradients after one step (finalized), and, with ``record``, the order in which a second
     step ran its W's, started DDP bucket groups' reduces and finalized (DDP only dispatches reduces
     from the second step on: the first one learns which gradients a bucket waits for)."""
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
     from megatron_ext.pipeline import runtime as rt
-    from megatron_ext.testing import build_tiny_run, gather_full_grads, tiny_values
+    from megatron_ext.testing import PackedMarkovDataset, build_tiny_run, gather_full_grads, tiny_values
     from megatron_ext.training.step import build_step_microbatches, run_forward_backward
 
-    run = build_tiny_run(tiny_values(**values), MarkovDataset(32, mask_every=1))
+    dataset = PackedMarkovDataset(32) if packed else MarkovDataset(32, mask_every=1)
+    run = build_tiny_run(tiny_values(**values, packed_sequences=packed), dataset)
     mbs, length = build_step_microbatches(run, run.train_ds, 0)
     run_forward_backward(run.model, mbs, length)
     grads = gather_full_grads(run)
