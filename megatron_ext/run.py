@@ -102,7 +102,8 @@ def build_training_run(
         checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab),
         exit_decider=exit_decider or build_exit_decider(cfg),
         pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size, log=log,
-        timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx) if cfg.logging.pp_timeline else None,
+        timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx, get_schedule_name(cfg)) if cfg.logging.pp_timeline
+        else None,
         watchdog=build_step_watchdog(cfg, ctx),
         timers=timers if cfg.logging.timing_log_level else None,
         profiler=build_profiler(cfg, ctx),
