@@ -58,9 +58,12 @@ def get_schedule_runtime(model: list[torch.nn.Module]) -> "ScheduleRuntime | Non
 
 
 def weight_step(queue: WeightGradQueue, key: tuple[int, int]) -> int:
-    """Run the W deferred under ``key`` = (chunk, micro-batch); a module function so that the
-    timeline can wrap it (``training/timeline.py``)."""
-    return queue.run(key)
+    """Run the W deferred under ``key`` = (chunk, micro-batch), with grad mode off as inside autograd's
+    backward (the output gradients it holds may require grad: a received P2P buffer does, and a W
+    computed under grad mode would build a graph that keeps its inputs alive). A module function so
+    that the timeline can wrap it (``training/timeline.py``)."""
+    with torch.no_grad():
+        return queue.run(key)
 
 
 @dataclasses.dataclass
