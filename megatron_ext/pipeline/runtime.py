@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_ext.pipeline.actions import B, BW, F, W, Action, PipelineOrder
-from megatron_ext.pipeline.p2p import P2PChannels, build_p2p_plan, get_input_message, get_output_message
+from megatron_ext.pipeline.p2p import P2PChannels, P2PPlan, build_p2p_plan, get_input_message, get_output_message
 from megatron_ext.pipeline.schedules import get_order
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 
@@ -95,6 +95,7 @@ class ScheduleRuntime:
         self.queue = queue
         self.shape_divisor, self.cp_size = tensor_shape_divisor, cp_size
         self._communicator = None
+        self._plans: dict[tuple[str, int], P2PPlan] = {}  # (order's name, micro-batches) -> this rank's
 
     def get_order(self, num_microbatches: int, forward_only: bool = False) -> PipelineOrder:
         order = get_order(self.name, self.pp_size, self.vp_size, num_microbatches)
@@ -220,9 +221,11 @@ class ScheduleRuntime:
             p2p_config = copy.copy(config)
             p2p_config.batch_p2p_comm = False
             self._communicator = P2PCommunicator(pp_group=self.pp_group, config=p2p_config)
+        key = (order.name, order.num_microbatches)  # forward_only() renames the order
+        if key not in self._plans:
+            self._plans[key] = build_p2p_plan(order, self.pp_rank)
         p = self.pp_size
-        return P2PChannels(self._communicator, build_p2p_plan(order, self.pp_rank), shape,
-                           (self.pp_rank + 1) % p, (self.pp_rank - 1) % p)
+        return P2PChannels(self._communicator, self._plans[key], shape, (self.pp_rank + 1) % p, (self.pp_rank - 1) % p)
 
     @staticmethod
     def _dispatch_param_sync(config: Any, model: list[torch.nn.Module]) -> None:
