@@ -19,15 +19,17 @@ import torch  # noqa: E402
 
 from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider  # noqa: E402
-from megatron_ext.checkpoint.directory import probe_save_dir  # noqa: E402
-from megatron_ext.checkpoint.state import load_checkpoint, plan_load  # noqa: E402
-from megatron_ext.config import ConfigError, JobConfig, check_data_tokenizer, report_error_once, validate  # noqa: E402
+from megatron_ext.checkpoint.directory import CheckpointWriteFailed, probe_save_dir  # noqa: E402
+from megatron_ext.checkpoint.state import plan_load  # noqa: E402
+from megatron_ext.config import ConfigError, JobConfig, report_error_once  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.run import build_training_run, describe_run, describe_schedule  # noqa: E402
+from megatron_ext.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 from megatron_ext.training.metrics import check_wandb_ready  # noqa: E402
+from megatron_ext.validation import check_data_tokenizer, validate  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -56,7 +58,7 @@ def _train(cfg: JobConfig, flag_notes: list[str], device: torch.device, exit_dec
     save_lock = lock_save_dir(cfg.checkpoint.save) if os.environ.get("RANK", "0") == "0" else None
     d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
-    check_data_tokenizer(cfg, tokenizer.identity())  # data made by another tokenizer: one error, before any work
+    check_data_tokenizer(cfg.data, tokenizer.identity())  # data made by another tokenizer: one error, before any work
 
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -92,12 +94,21 @@ def write_exit_marker() -> None:
         open(os.path.join(marker_dir, f"rank{os.environ.get('RANK', '0')}.ok"), "w").close()
 
 
-if __name__ == "__main__":
+def run_cli(argv: list[str] | None = None) -> int:
+    """``main`` as the command line runs it; returns the exit status. A user's error (2), a run that
+    diverged or whose weights a save found non-finite, and a save that failed (1: the message is the
+    same on every rank) are one ``error:`` block printed once per launch on a host, not a traceback
+    per rank."""
     try:
-        main()
+        main(argv)
     except ConfigError as err:
         report_error_once(str(err))
-        sys.exit(2)
-    except TrainingDiverged as err:
+        return 2
+    except (TrainingDiverged, CheckpointWriteFailed) as err:
         report_error_once(str(err))
-        sys.exit(1)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli())

@@ -125,9 +125,10 @@ class Plain:
     """The same GPTModel (same builder, config and weights), a hand-written torch loop."""
 
     def __init__(self, cfg, ctx):
+        from megatron_ext.derived import resolve_config
         from megatron_ext.model.gpt import build_model_chunks
 
-        (self.model,) = build_model_chunks(cfg, ctx.placement, VOCAB, ctx.device)
+        (self.model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement, ctx.device)
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():  # megatron-core's default wd rule
             (no_decay if (p.ndim == 1 or name.endswith(".bias")) else decay).append(p)

@@ -10,7 +10,7 @@ Sides run one after the other (two 1.3B models do not fit beside each other), as
 the ratio is off / mean(on) of the median step times (> 1: the change helps). One optimizer
 step per micro-batch (``bench.gpu_throughput.Ours``, data built in the step).
 
-- ``fused-adam``: torch's fused AdamW (``training/optimizer.use_fused_adam``) vs the ``foreach``
+- ``fused-adam``: torch's fused AdamW (``optim.use_fused_adam``, called by ``training/optimizer``) vs the ``foreach``
   kernels megatron-core gets from torch without Apex/TE.
 - ``wgrad-fusion``: weight gradients accumulated into the fp32 buffer in the GEMM
   (``model/wgrad.py``) vs a bf16 gradient added by DDP's hook.

@@ -175,7 +175,7 @@ def flops_of(shape: dict, vocab: int, tokens: float, pairs: float) -> float:
     from megatron_ext.config import build_job_config
     from megatron_ext.training.metrics import num_floating_point_operations
 
-    return num_floating_point_operations(build_job_config(dict(shape)), vocab, tokens, pairs)
+    return num_floating_point_operations(build_job_config(dict(shape)).model, vocab, tokens, pairs)
 
 
 def synchronize() -> None:

@@ -5,7 +5,7 @@ and the collectives our code adds per training step.
 
 Part 1, throughput. 4 forked gloo ranks (``megatron_ext.testing.run_ranks``), PP=4, DP=TP=1,
 megatron-core's real 1F1B schedule (``get_forward_backward_func``) driven by OUR training path:
-``training.build_step_microbatches`` (fetch, ``--sequence-padding`` mode, the negotiation all-reduce)
+``data.step_data.StepDataBuilder`` (fetch, ``--sequence-padding`` mode, the negotiation all-reduce)
 then ``training.run_forward_backward``. The model is a simulated device (``bench/simdevice.py``):
 each stage is 2 layers whose forward sleeps ``--us-per-token`` x tokens and backward twice that,
 tokens = the padded micro-batch's b x L, so the 2 cores are not the bottleneck and step time
@@ -46,7 +46,6 @@ import statistics
 import sys
 import threading
 import time
-import types
 import warnings
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -163,25 +162,30 @@ def _values(mode: str, kind: str, pp: int = PP) -> dict:
 
 def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_token: float, data) -> dict:
     from megatron_ext.config import build_job_config
+    from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_transformer_config
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
-    from megatron_ext.training.step import build_step_microbatches, run_forward_backward
+    from megatron_ext.training.step import run_forward_backward
 
     device = torch.device("cpu")
     cfgs = {mode: build_job_config(_values(mode, kind)) for mode in MODES}
     ctx = build_parallel_context(cfgs["static"], device)
-    runs, models = {}, {}
+    builders, models = {}, {}
     for mode in MODES:
+        resolved = resolve_config(cfgs[mode], ctx.world_size, 128)
         # vocab_size None: no token-id check (the rows' ids are arbitrary, the simulated chunks never embed them)
-        runs[mode] = types.SimpleNamespace(cfg=cfgs[mode], ctx=ctx, global_batch_size=M, pad_id=0, vocab_size=None)
-        config = build_transformer_config(cfgs[mode], device)
+        spec = StepDataSpec(M, 1, ctx.dp_rank, ctx.dp_size, resolved.sequence_padding, MULTIPLE,
+                            resolved.max_microbatch_length, pad_id=0, vocab_size=None)
+        builders[mode] = StepDataBuilder(spec, device, ctx.mp_group)
+        config = build_transformer_config(cfgs[mode], resolved, device)
         models[mode] = [_bench_chunk(config, us_per_token * 1e-6, pre_process=ctx.pp_rank == 0)]
     out = {mode: [] for mode in MODES}
     for step in range(steps):
         for mode in MODES:
             dist.barrier()
             t0 = time.perf_counter()
-            mbs, length = build_step_microbatches(runs[mode], data, step * M)
+            mbs, length = builders[mode].build(data, step * M)
             run_forward_backward(models[mode], mbs, length, forward_step_func=sim_forward_step)
             dt = time.perf_counter() - t0
             out[mode].append({
@@ -428,7 +432,7 @@ def main(argv=None) -> int:
     hop = run_ranks(hop_rank, 2, 30)[0]
     fwd_full = args.us_per_token * 1e-6 * SEQ * LAYERS_PER_STAGE
     print(f"padding | PP={PP} x 4 forked gloo ranks, megatron-core 1F1B via megatron_ext.training.loop "
-          f"(build_step_microbatches -> run_forward_backward), m={M}, seq {SEQ}, pad multiple {MULTIPLE}")
+          f"(StepDataBuilder.build -> run_forward_backward), m={M}, seq {SEQ}, pad multiple {MULTIPLE}")
     print(f"simulated device: {LAYERS_PER_STAGE} layers/stage, {args.us_per_token:g} us/token/layer forward, "
           f"backward 2x; a full {SEQ}-token micro-batch = {fwd_full * 1e3:.0f} ms fwd + {2 * fwd_full * 1e3:.0f} ms bwd "
           f"per stage | measured P2P hop [{SEQ},1,{HIDDEN}] fp32: {hop * 1e3:.2f} ms")

@@ -120,6 +120,7 @@ def section_model(args) -> None:
 
     from megatron_ext.config import build_job_config
     from megatron_ext.model.attention import CoreAttentionRotaryEmbedding
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
     from megatron_ext.training.step import unwrap_model
@@ -131,7 +132,9 @@ def section_model(args) -> None:
         position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
         mock_data=True, tokenizer_type="NullTokenizer", vocab_size=1000, train_iters=1, lr=1e-4))
     ctx = build_parallel_context(cfg, torch.device("cpu"))
-    (model,) = apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, 1024, torch.device("cpu")))
+    resolved = resolve_config(cfg, ctx.world_size, 1024)
+    (model,) = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement,
+                                                                      torch.device("cpu")))
     rotary = unwrap_model(model).rotary_pos_emb
     tokens = torch.randint(0, 1000, (b, s), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(s).expand(b, s)

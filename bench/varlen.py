@@ -363,13 +363,14 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_ext.config import build_job_config
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context
 
     init_single_rank_world(timeout_minutes=5)
     cfg = build_job_config(job_values(args))
     ctx = build_parallel_context(cfg, torch.device("cpu"))
-    (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
+    (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement, torch.device("cpu"))
     model.train()
     core = [type(m).__name__ for n, m in model.named_modules() if n.endswith("core_attention")]
 

@@ -1,8 +1,12 @@
 """Command line and config files -> JobConfig.
 
 Flags are generated from the config dataclasses (one flag per field, Megatron-LM's names).
-``--config FILE`` (YAML or TOML) supplies values under the same names; flags given on the
-command line override the file. Nothing here validates layout rules: ``config.validate`` does.
+``--config FILE`` (YAML or TOML) supplies values under the same names, at the top level or in
+sections (any mapping: ``[training]``, ``model:``), each setting once: a key given twice in one
+mapping, in two sections, or with dashes and with underscores is an error naming it (PyYAML would
+keep the last silently; TOML refuses the first case itself). Flags given on the command line
+override the file. Settings Megatron-LM adjusts rather than refuses are adjusted here, each with a
+notice (``adjust_like_megatron``); nothing here checks layout rules: ``validation.validate`` does.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import types
 import typing
 from typing import Any, Sequence
 
-from megatron_ext.config import SECTION_TYPES, ConfigError, JobConfig, adjust_like_megatron, build_job_config
+from megatron_ext.config import (
+    SECTION_TYPES, ConfigError, DataConfig, JobConfig, TrainingConfig, build_job_config,
+)
+from megatron_ext.derived import precision_name
 from megatron_ext.megatron_flags import (
     MEGATRON_FLAG_NAMES, add_megatron_flags, escape_help, judge_megatron_flags, pop_megatron_flags,
 )
@@ -93,16 +100,54 @@ def _read_config_file(path: str) -> Any:
         try:
             return tomllib.loads(raw.decode())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError([f"--config {path}: not valid TOML: {err}"]) from None
+            raise ConfigError([f"--config {path}: not valid TOML: {err}{_quote_toml_line(raw, err)}"]) from None
     if path.endswith((".yaml", ".yml")):
         import yaml
 
         try:
-            return yaml.safe_load(raw) or {}
+            return yaml.load(raw, Loader=_build_unique_key_yaml_loader()) or {}
+        except DuplicateKeyError as err:
+            raise ConfigError([f"--config {path}: {err}"]) from None
         except yaml.YAMLError as err:
             where = " ".join(str(err).split())
             raise ConfigError([f"--config {path}: not valid YAML: {where}"]) from None
     raise ConfigError([f"--config {path}: use a .yaml, .yml or .toml file"])
+
+
+def _quote_toml_line(raw: bytes, err: Exception) -> str:
+    """": `a = 2`", the line tomllib's message points at (its message names no key: "Cannot
+    overwrite a value (at line 2, column 6)"), or nothing."""
+    match = re.search(r"at line (\d+)", str(err))
+    lines = raw.decode(errors="replace").splitlines()
+    if not match or not 0 < int(match.group(1)) <= len(lines):
+        return ""
+    return f": `{lines[int(match.group(1)) - 1].strip()}`"
+
+
+def _build_unique_key_yaml_loader() -> type:
+    """PyYAML's safe loader, refusing a key given twice in one mapping (``safe_load`` keeps the
+    last one silently). Keys merged in with ``<<`` may still be overridden, as YAML intends."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise DuplicateKeyError(f"key '{key}' is given twice (lines {seen[key]} and {line}): give each "
+                                            f"setting once")
+                seen[key] = line
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
+class DuplicateKeyError(ValueError):
+    """A YAML mapping that gives one key twice (raised through PyYAML's loader as it is)."""
 
 
 def get_field_types() -> dict[str, tuple[Any, bool, tuple | None]]:
@@ -151,6 +196,25 @@ def check_value(name: str, value: Any, types: dict) -> tuple[Any, str | None]:
     return value, None
 
 
+def flatten_config_sections(data: dict[str, Any], path: str) -> tuple[dict[str, Any], list[str]]:
+    """``{field_name: value}`` from a config file's top level and its sections (any nested mapping,
+    e.g. TOML ``[training]``), and a problem for each setting given twice: in two sections, at the
+    top level and in a section, or spelled with dashes and with underscores (last one kept)."""
+    flat: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    problems = []
+    for key, value in data.items():
+        section = str(key) if isinstance(value, dict) else None
+        for k, v in (value.items() if section is not None else [(key, value)]):
+            name = str(k).replace("-", "_")
+            where = f"'{k}' in section '{section}'" if section is not None else f"'{k}'"
+            if name in given_as:
+                problems.append(f"--config {path}: key '{name.replace('_', '-')}' is given twice ({given_as[name]} "
+                                f"and {where}): give each setting once")
+            flat[name], given_as[name] = v, where
+    return flat, problems
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     """Flat ``{field_name: value}`` from a YAML or TOML file (dashes or underscores in keys), every
     value checked against its field's type; all problems reported at once, naming file and key."""
@@ -159,15 +223,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     data = _read_config_file(path)
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: expected a mapping of flag names to values"])
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict):  # allow [section] tables / nested sections
-            for k, v in value.items():
-                flat[str(k).replace("-", "_")] = v
-        else:
-            flat[str(key).replace("-", "_")] = value
+    flat, problems = flatten_config_sections(data, path)
     types = get_field_types()
-    problems = []
     for k in sorted(k for k in flat if k not in types):
         close = difflib.get_close_matches(k, list(types), 1, 0.8)
         dashed = "--" + k.replace("_", "-")
@@ -210,3 +267,41 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
     if problems:
         raise ConfigError(problems)
     return cfg, notes + adjust_like_megatron(cfg)
+
+
+def adjust_like_megatron(cfg: JobConfig) -> list[str]:
+    """Settings Megatron-LM adjusts rather than refuses, adjusted the same way in ``cfg``; returns
+    one notice line for each (printed at start-up)."""
+    notes = []
+    p, t = cfg.parallel, cfg.training
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        p.sequence_parallel = False  # Megatron-LM: sequence parallelism is off without TP
+        notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
+                     "and --tensor-model-parallel-size is 1 (Megatron-LM turns it off too)")
+    m = cfg.model
+    if m.num_query_groups is not None and not m.group_query_attention:
+        notes.append(f"--num-query-groups {m.num_query_groups}: ignored without --group-query-attention, every "
+                     f"attention head keeps its own key/value head (as in Megatron-LM); add --group-query-attention "
+                     f"for grouped-query attention")
+    if t.eval_interval and t.eval_iters == 0:
+        t.eval_interval = 0  # Megatron-LM: no validation without validation batches
+        notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
+    c = cfg.checkpoint
+    for flag, value in (("--exit-signal-handler", c.exit_signal_handler), ("--exit-interval", c.exit_interval),
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins)):
+        if value and not c.save:  # Megatron-LM: exits, and saves only with --save
+            notes.append(f"{flag} without --save: the run stops there without saving a checkpoint")
+    d = cfg.data
+    per_split = [flag for flag, given in (("--train-data-path", d.train_data_path),
+                                          ("--per-split-data-args-path", d.per_split_data_args_path)) if given]
+    if per_split and d.split != DataConfig.__dataclass_fields__["split"].default:
+        notes.append(f"--split {d.split}: ignored, {per_split[0]} gives each split its own data "
+                     f"(read whole; Megatron-LM ignores --split there too)")
+    if not t.fp16:
+        given = [f"--{name.replace('_', '-')}" for name in
+                 ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+                 if getattr(t, name) != TrainingConfig.__dataclass_fields__[name].default]
+        if given:
+            notes.append(f"{', '.join(given)}: loss scaling is for --fp16 only; ignored in "
+                         f"{precision_name(t.bf16, t.fp16)}")
+    return notes

@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_ext.config import ConfigError
+
 # (module attribute path, replacement) pairs installed on torch.cuda while active.
 _TENSOR_TYPE = torch.Tensor.type
 _TENSOR_TO = torch.Tensor.to
@@ -274,8 +276,6 @@ def select_device(requested: str = "auto") -> torch.device:
 
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    from megatron_ext.config import ConfigError
-
     if not torch.cuda.is_available():
         raise ConfigError([f"--device {requested}: no CUDA device is visible (torch {torch.__version__}, "
                            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): use --device cpu"])

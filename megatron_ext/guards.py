@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Callable, Iterator, TextIO
 
+from megatron_ext.config import ConfigError
 from megatron_ext.heartbeat import HeartbeatBoard, StepProgress, describe_position
 
 LOCK_NAME = ".megatron_ext.lock"
@@ -60,8 +61,6 @@ def lock_save_dir(path: str | None) -> TextIO | None:
     if not path:
         return None
     import fcntl
-
-    from megatron_ext.config import ConfigError
 
     os.makedirs(path, exist_ok=True)
     handle = open(os.path.join(path, LOCK_NAME), "a+")

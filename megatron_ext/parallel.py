@@ -17,9 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.config import JobConfig, get_stage_placement, get_virtual_pipeline_size
 from megatron_ext.compat import check_versions
+from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import apply_cpu_platform, get_distributed_backend
+from megatron_ext.derived import get_stage_placement, get_virtual_pipeline_size
+from megatron_ext.model.v_placement import get_v_embedding_ranks
 from megatron_ext.pipeline.placement import get_stage_index
 
 
@@ -133,8 +135,6 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
     stage_placement = get_stage_placement(cfg)
     embedding_ranks = {}
     if stage_placement == "v":  # the tied embedding's two copies are both on pipeline rank 0
-        from megatron_ext.model.v_placement import get_v_embedding_ranks
-
         embedding_ranks = dict(get_embedding_ranks=get_v_embedding_ranks)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,

@@ -1,10 +1,12 @@
 """Assembling a training run: the one place where every part is built, in order.
 
 ``build_training_run(cfg)`` is what ``pretrain_gpt.py``, the tests (``megatron_ext.testing``) and
-the benchmarks call: process groups -> tokenizer and padded vocabulary -> model chunks (our
-layout-independent init) -> megatron-core DDP -> optimizer and LR schedule -> megatron-core's
-per-step hooks -> datasets -> the ``TrainingRun`` the loop consumes. Everything after the process
-groups receives them through the ``ParallelContext``; nothing reads megatron-core's globals.
+the benchmarks call: process groups -> run length, tokenizer and the resolved config (padded
+vocabulary, dtype, ...) -> model chunks (our layout-independent init) -> megatron-core DDP ->
+optimizer and LR schedule -> megatron-core's per-step hooks -> datasets -> the step-data builder
+and its prefetcher -> the ``TrainingRun`` the loop consumes. Everything after the process groups
+receives them through the ``ParallelContext``; nothing reads megatron-core's globals; every
+derived value comes from the one ``ResolvedConfig`` (``derived.py``).
 """
 
 from __future__ import annotations
@@ -20,32 +22,29 @@ import torch.distributed as dist
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
-from megatron_ext.checkpoint.state import CheckpointMeta
-from megatron_ext.config import (
-    JobConfig, get_global_batch_size, get_padded_vocab_size, get_params_dtype, get_sequence_padding, precision_name,
-    resolve_train_iters, uses_document_boundaries,
-)
+from megatron_ext.checkpoint.parts import CheckpointMeta
+from megatron_ext.config import DataConfig, JobConfig, ParallelConfig
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
+from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.derived import ResolvedConfig, resolve_config, resolve_train_iters
 from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
+from megatron_ext.optim import record_flag_settings
 from megatron_ext.parallel import ParallelContext, build_parallel_context
 from megatron_ext.pipeline.names import splits_backward
 from megatron_ext.pipeline.runtime import ScheduleRuntime, attach_schedule_runtime
-from megatron_ext.pipeline.validate import get_schedule_name, uses_our_runtime
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
-from megatron_ext.training.optimizer import (
-    build_optimizer, build_scheduler, get_schedule_lr_range, record_flag_settings,
-)
+from megatron_ext.training.optimizer import build_optimizer, build_scheduler, get_schedule_lr_range
 from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, ProfilerWindow, StepTimers
-from megatron_ext.training.step import configure_model_hooks, pad_step_samples
+from megatron_ext.training.step import configure_model_hooks
 from megatron_ext.training.timeline import build_pp_timeline
 
 
@@ -71,16 +70,17 @@ def build_training_run(
     device = device or select_device(cfg.parallel.device)
     log = log or functools.partial(print, flush=True)
     ctx = ctx or build_parallel_context(cfg, device)
-    global_batch_size = get_global_batch_size(cfg, ctx.world_size)
     resolve_train_iters(cfg, ctx.world_size)
     if tokenizer is None:
         d = cfg.data
         tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
-    vocab = get_padded_vocab_size(tokenizer.vocab_size, cfg)
+    resolved = resolve_config(cfg, ctx.world_size, tokenizer.vocab_size)
+    global_batch_size = resolved.global_batch_size
 
-    chunks = apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, vocab, device))
-    runtime = build_schedule_runtime(cfg, ctx, chunks)  # before DDP: deferred W's move DDP's hooks
-    model = wrap_with_ddp(cfg, chunks)
+    chunks = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement, device))
+    # before DDP: deferred W's move DDP's hooks
+    runtime = build_schedule_runtime(cfg.parallel, resolved, ctx, chunks)
+    model = wrap_with_ddp(cfg.parallel, chunks, cfg.training.gradient_accumulation_fusion)
     attach_schedule_runtime(model, runtime)
     if cfg.parallel.use_distributed_optimizer:
         for chunk in model:
@@ -94,51 +94,63 @@ def build_training_run(
     if data is None:
         data = build_train_valid_datasets(cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None)
 
+    step_data = StepDataBuilder(build_step_data_spec(cfg, resolved, ctx, tokenizer), ctx.device, ctx.mp_group)
+
     return TrainingRun(
-        cfg=cfg, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+        cfg=cfg, resolved=resolved, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
         optimizer_flags=record_flag_settings(optimizer),
         train_ds=data[0], valid_ds=data[1], global_batch_size=global_batch_size,
         writer=MetricWriter(cfg, enabled=metrics and ctx.is_logging_rank),
-        checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=vocab),
+        checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=resolved.padded_vocab_size),
         exit_decider=exit_decider or build_exit_decider(cfg),
-        pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size, log=log,
-        timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx, get_schedule_name(cfg)) if cfg.logging.pp_timeline
-        else None,
+        step_data=step_data, log=log,
+        timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx, resolved.pipeline_schedule)
+        if cfg.logging.pp_timeline else None,
         watchdog=build_step_watchdog(cfg, ctx),
         timers=timers if cfg.logging.timing_log_level else None,
         profiler=build_profiler(cfg, ctx),
         manual_gc=ManualGC(cfg.logging.manual_gc_interval) if cfg.logging.manual_gc else None,
         async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,
-        prefetcher=build_prefetcher(cfg, ctx, data[0], tokenizer, global_batch_size),
+        prefetcher=build_prefetcher(cfg.data, ctx, step_data, data[0]),
     )
 
 
-def build_schedule_runtime(cfg: JobConfig, ctx: ParallelContext,
+def build_step_data_spec(cfg: JobConfig, resolved: ResolvedConfig, ctx: ParallelContext,
+                         tokenizer: Any) -> StepDataSpec:
+    """How this rank's micro-batches of a step are made: its DP slice of the global batch, padded
+    as --sequence-padding says with the tokenizer's pad id, token ids checked below its vocabulary."""
+    return StepDataSpec(
+        global_batch_size=resolved.global_batch_size, micro_batch_size=cfg.training.micro_batch_size,
+        dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, sequence_padding=resolved.sequence_padding,
+        pad_to_multiple_of=cfg.data.pad_to_multiple_of, max_microbatch_length=resolved.max_microbatch_length,
+        pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size,
+    )
+
+
+def build_schedule_runtime(p: ParallelConfig, resolved: ResolvedConfig, ctx: ParallelContext,
                            chunks: list[torch.nn.Module]) -> ScheduleRuntime | None:
     """--pipeline-schedule naming one of ours: this rank's W queue, handed to the chunks' linears
     (``model/wgrad_deferral.py``; zero-bubble schedules only) and to the runtime that runs the
     schedule's action lists (``pipeline/runtime.py``). None: megatron-core's schedules run."""
-    if not uses_our_runtime(cfg):
+    if not resolved.uses_our_runtime:
         return None
-    name = get_schedule_name(cfg)
+    name = resolved.pipeline_schedule
     queue = WeightGradQueue()
     if splits_backward(name):
         apply_weight_grad_deferral(chunks, queue)
-    divisor = ctx.tp_size if cfg.parallel.sequence_parallel else 1  # [s/tp, b, h] on the wire
+    divisor = ctx.tp_size if p.sequence_parallel else 1  # [s/tp, b, h] on the wire
     return ScheduleRuntime(name, ctx.pp_group, ctx.pp_rank, ctx.pp_size, ctx.vp_size or 1, queue, divisor)
 
 
-def build_prefetcher(cfg: JobConfig, ctx: ParallelContext, train_ds: Any, tokenizer: Any,
-                     global_batch_size: int) -> StepPrefetcher | None:
-    """The background builder of the next step's data (--no-data-prefetch: none, unless
-    --num-workers asks for worker processes). Collective (its gloo group)."""
-    d = cfg.data
+def build_prefetcher(d: DataConfig, ctx: ParallelContext, step_data: StepDataBuilder,
+                     train_ds: Any) -> StepPrefetcher | None:
+    """The background runner of ``step_data`` for the next training step (--no-data-prefetch: none,
+    unless --num-workers asks for worker processes). Collective (its gloo group)."""
     if not (d.data_prefetch or d.num_workers):
         return None
-    layout = (global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size)
-    group = build_data_group(ctx) if get_sequence_padding(cfg) == "negotiated" else None  # only it negotiates
-    return StepPrefetcher(train_ds, functools.partial(pad_step_samples, cfg, tokenizer.pad), group,
-                          ctx.device, tokenizer.vocab_size, layout, d.num_workers, background=d.data_prefetch)
+    negotiates = step_data.spec.sequence_padding == "negotiated"  # only negotiated padding has a collective
+    group = build_data_group(ctx) if negotiates else None
+    return StepPrefetcher(step_data.with_group(group), train_ds, d.num_workers, background=d.data_prefetch)
 
 
 def build_profiler(cfg: JobConfig, ctx: ParallelContext) -> ProfilerWindow | None:
@@ -197,17 +209,16 @@ def describe_schedule(run: TrainingRun, label: str = "schedule") -> str:
 
 def describe_run(run: TrainingRun) -> str:
     """The start-up summary lines of the logging rank: layout, precision, attention kernels."""
-    ctx, cfg = run.ctx, run.cfg
+    ctx, cfg, resolved = run.ctx, run.cfg, run.resolved
     local = sum(prm.numel() for chunk in run.model for prm in chunk.parameters())
-    precision = precision_name(cfg.training.bf16, cfg.training.fp16)
     return (
         f"> layout: world {ctx.world_size} = TP {ctx.tp_size} x PP {ctx.pp_size} x DP {ctx.dp_size}"
         f" | virtual stages per pipeline rank {ctx.vp_size or 1}"
         f" | distributed optimizer {cfg.parallel.use_distributed_optimizer} | device {ctx.device}"
-        f" | {precision} | padded vocab {run.checkpoint_meta.padded_vocab_size}"
+        f" | {resolved.precision} | padded vocab {resolved.padded_vocab_size}"
         f" | parameters on the logging rank {local:,}\n"
         + describe_schedule(run) + "\n"
         + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
-                                     use_transformer_engine(cfg, ctx.device), uses_document_boundaries(cfg),
-                                     get_params_dtype(cfg), cfg.model.hidden_size // cfg.model.num_attention_heads)
+                                     use_transformer_engine(cfg.model, ctx.device), resolved.uses_document_boundaries,
+                                     resolved.params_dtype, cfg.model.hidden_size // cfg.model.num_attention_heads)
     )

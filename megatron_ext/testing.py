@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config import build_job_config
-from megatron_ext.data.microbatch import collate, fetch_step_samples
+from megatron_ext.data.microbatch import fetch_step_samples
+from megatron_ext.data.packed_dataset import build_packed_sample
+from megatron_ext.data.padding import collate
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.run import build_training_run
@@ -233,6 +235,4 @@ class PackedMarkovDataset:
         return docs
 
     def __getitem__(self, i: int) -> dict:
-        from megatron_ext.data.packed_dataset import build_packed_sample
-
         return build_packed_sample(self.get_documents(i))

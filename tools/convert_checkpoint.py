@@ -128,7 +128,7 @@ def get_rope_scaling_factor(hf: dict[str, Any]) -> float | None:
 
 
 def get_padded_vocab(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
-    """Rounded up to ``divisible_by`` whatever the TP size (megatron_ext.config.get_padded_vocab_size);
+    """Rounded up to ``divisible_by`` whatever the TP size (megatron_ext.derived.get_padded_vocab_size);
     ``tp`` only has to divide it."""
     if divisible_by % tp:
         raise ValueError(f"--make-vocab-size-divisible-by {divisible_by} is not divisible by "
@@ -242,6 +242,7 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
     import torch.distributed as dist
 
     from megatron_ext.config import build_job_config
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
 
@@ -261,7 +262,7 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
     device = torch.device("cpu")
     ctx = build_parallel_context(cfg, device)
     try:
-        (chunk,) = build_model_chunks(cfg, ctx.placement, padded_vocab, device)
+        (chunk,) = build_model_chunks(cfg, resolve_config(cfg, 1, padded_vocab), ctx.placement, device)
         return fn(chunk, cfg)
     finally:
         destroy_parallel_context()
@@ -270,8 +271,6 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
 
 
 def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--hf-dir {hf_dir}: no config.json")
@@ -288,8 +287,22 @@ def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise ValueError(f"--hf-dir {hf_dir}: no *.safetensors files (PyTorch .bin is not supported)")
     state = {}
     for name in files:
-        state.update(load_file(os.path.join(hf_dir, name)))
+        state.update(_read_safetensors(os.path.join(hf_dir, name)))
     return hf, {k: v.float() for k, v in state.items()}
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors; ValueError naming the file when it is not one (garbage,
+    truncated: safetensors raises its own SafetensorError, which says neither which file nor what
+    to do) or cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"--hf-dir: {path} is not a readable safetensors file ({err}); it may be truncated "
+                         f"or damaged: download or export it again") from None
 
 
 def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: int = 128,
@@ -447,7 +460,7 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
     if args.get("use_rope_scaling"):
         rope = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE, "rope_theta": theta}
     qwen = bool(args.get("add_qkv_bias"))
-    from megatron_ext.checkpoint.state import saved_ffn_hidden_size
+    from megatron_ext.checkpoint.compatibility import saved_ffn_hidden_size
 
     return {
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],

@@ -27,7 +27,8 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 
 quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
 
-from megatron_ext.config import ConfigError, build_job_config, validate  # noqa: E402
+from megatron_ext.config import ConfigError, build_job_config  # noqa: E402
+from megatron_ext.validation import validate  # noqa: E402
 from megatron_ext.parallel import (  # noqa: E402
     ParallelContext, build_parallel_context, destroy_parallel_context, init_distributed,
 )

@@ -16,7 +16,10 @@ Ours runs the phases of ``directory.py`` with phase 1's writing moved off the tr
    while a save is in flight otherwise). The first step after which no rank is writing publishes
    the checkpoint on every rank (``publish_checkpoint_write``: marker, rename, pointer,
    retention), or, if a rank's write failed, removes the temporary directory and raises
-   CheckpointWriteFailed everywhere;
+   CheckpointWriteFailed everywhere. A third bit, "my weights were not finite at the save step"
+   (``finite.py``; that rank writes nothing), refuses the save at the first step boundary after
+   it started, without waiting for the agreement that no rank is writing: every rank waits for
+   its own writer, the temporary directory goes and every rank raises NonFiniteCheckpoint;
 3. at most one save is in flight: the next save, the last one of the run (written
    synchronously), an exit and the end of training first wait for it and publish it
    (``finish``). A training error while a save is in flight abandons it (``abandon``): the
@@ -35,9 +38,9 @@ from typing import Any, NamedTuple
 import torch
 
 from megatron_ext.checkpoint.directory import (
-    CheckpointWrite, begin_checkpoint_write, publish_checkpoint_write, write_shards,
+    NOT_FINITE, WRITE_FAILED, CheckpointWrite, begin_checkpoint_write, publish_checkpoint_write, write_shards,
 )
-from megatron_ext.checkpoint.exit_policy import ASYNC_SAVE_FAILED, ASYNC_SAVE_WRITING
+from megatron_ext.checkpoint.exit_policy import ASYNC_SAVE_FAILED, ASYNC_SAVE_NOT_FINITE, ASYNC_SAVE_WRITING
 
 
 class HostSnapshot:
@@ -114,31 +117,41 @@ class AsyncCheckpointSaver:
         return self.write is not None
 
     def local_flags(self) -> int:
-        """This rank's bits for the exit decision: still writing, or the write failed."""
+        """This rank's bits for the exit decision: still writing, the write failed, the weights
+        were not finite at the save step (known from the start)."""
         if self.write is None:
             return 0
+        flags = ASYNC_SAVE_NOT_FINITE if self.write.non_finite is not None else 0
         if not self.write.written:
-            return ASYNC_SAVE_WRITING
-        return ASYNC_SAVE_FAILED if self.write.error is not None else 0
+            return flags | ASYNC_SAVE_WRITING
+        return flags | (ASYNC_SAVE_FAILED if self.write.error is not None else 0)
 
-    def start(self, state: dict[str, Any], root: str, iteration: int, keep_last: int | None) -> float:
+    def start(self, state: dict[str, Any], root: str, iteration: int, keep_last: int | None,
+              non_finite: str | None = None) -> float:
         """Plan and snapshot the save (collective), start writing in the background; returns the
-        seconds training was held. A save still in flight is finished first."""
+        seconds training was held. A save still in flight is finished first. ``non_finite``: this
+        rank's weights are not finite (``finite.py``): it writes nothing and the save is refused."""
         self.finish()
         start = self.started = time.perf_counter()
         self.snapshot.reset()
-        self.write = begin_checkpoint_write(state, root, iteration, keep_last, snapshot=self.snapshot)
+        self.write = begin_checkpoint_write(state, root, iteration, keep_last, snapshot=self.snapshot,
+                                            non_finite=non_finite)
         self.thread = threading.Thread(target=write_shards, args=(self.write,), daemon=True,
                                        name=f"checkpoint-writer-{iteration}")
         self.thread.start()
         return time.perf_counter() - start
 
     def finish_if_agreed(self, agreed_flags: int) -> PublishedSave | None:
-        """Publish the save in flight when the step's agreed flags say no rank is writing
-        (collective then, on every rank alike); None when nothing was published."""
-        if self.write is None or agreed_flags & ASYNC_SAVE_WRITING:
+        """Publish the save in flight when the step's agreed flags say no rank is writing, or
+        refuse it at once when they say some rank's weights were not finite (collective then, on
+        every rank alike); None when nothing was published."""
+        if self.write is None:
             return None
-        return self._publish(bool(agreed_flags & ASYNC_SAVE_FAILED))
+        if agreed_flags & ASYNC_SAVE_WRITING and not agreed_flags & ASYNC_SAVE_NOT_FINITE:
+            return None
+        outcome = ((WRITE_FAILED if agreed_flags & ASYNC_SAVE_FAILED else 0)
+                   | (NOT_FINITE if agreed_flags & ASYNC_SAVE_NOT_FINITE else 0))
+        return self._publish(outcome)
 
     def finish(self) -> PublishedSave | None:
         """Wait for the save in flight and publish it (collective, with one all-reduce for the
@@ -147,11 +160,13 @@ class AsyncCheckpointSaver:
             return None
         return self._publish(None)
 
-    def _publish(self, failed_anywhere: bool | None) -> PublishedSave:
+    def _publish(self, outcome: int | None) -> PublishedSave:
+        """``outcome``: the agreed bits of ``publish_checkpoint_write`` (None: agree on them now)."""
         write, thread = self.write, self.thread
         self.write = self.thread = None  # also when the publication raises
-        thread.join()  # after ``written``, only the thread's last instructions remain
-        path = publish_checkpoint_write(write, failed_anywhere)
+        thread.join()  # after ``written``, only the thread's last instructions remain (or, when the
+        # weights were not finite somewhere, this rank's whole write: the refusal waits for it)
+        path = publish_checkpoint_write(write, outcome)
         return PublishedSave(write.iteration, path, time.perf_counter() - self.started)
 
     def abandon(self) -> int | None:

@@ -8,8 +8,11 @@ same phases with phase 1's writing in a background thread, ``async_save.py``):
    ``common.pt`` and global save plan), then each writes its shards into
    ``DIR/iter_XXXXXXX.tmp-<nonce>/`` (``write_shards``: megatron-core's ``dist_checkpointing`` in
    ``torch_dist`` format, written in-process by ``writer.py``; no collective);
-2. all ranks agree that every write succeeded (else nothing is published and every rank raises
-   CheckpointWriteFailed) and barrier; megatron-core's coordinator writes ``.metadata``;
+2. all ranks agree that every write succeeded and that every rank's weights were finite
+   (``finite.py``: a rank whose weights are not finite writes no shard), in one all-reduce; else
+   nothing is published, retention does not run, and every rank raises the same
+   CheckpointWriteFailed or NonFiniteCheckpoint; then a barrier, and megatron-core's coordinator
+   writes ``.metadata``;
 3. rank 0 fsyncs the files megatron-core's coordinator wrote unsynced (``common.pt``,
    ``metadata.json``) and the directory, writes ``complete.json`` into it, fsyncs that, renames
    the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
@@ -47,6 +50,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.checkpoint.checksum import DEFAULT_ALGORITHM, file_digest
+from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
+from megatron_ext.config import ConfigError
 from megatron_ext.cpu_platform import get_collective_device
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -112,8 +117,6 @@ def probe_save_dir(path: str | None, flag: str = "--save") -> None:
     --save-interval steps of work. Every rank probes (its shards go there)."""
     if not path:
         return
-    from megatron_ext.config import ConfigError
-
     probe = os.path.join(path, f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     try:
         os.makedirs(path, exist_ok=True)
@@ -278,8 +281,22 @@ def _retire_checkpoint(path: str) -> None:
 
 
 class CheckpointWriteFailed(RuntimeError):
-    """A save failed on some rank, raised on every rank: nothing was published and the previous
-    checkpoint stays (or, when only the pointer or --keep-last failed, the message says it was saved)."""
+    """A save failed on some rank, raised on every rank with the same message: nothing was published
+    and the previous checkpoint stays (or, when only the pointer or --keep-last failed, the message
+    says it was saved)."""
+
+
+class NonFiniteCheckpoint(RuntimeError):
+    """A save found non-finite weights on some rank, raised on every rank with the same message:
+    those ranks wrote nothing, nothing was published, retention did not run. ``newest`` is the
+    newest complete checkpoint under ``root`` ((iteration, path), or None): the last good one."""
+
+    def __init__(self, message: str, iteration: int, root: str, newest: tuple[int, str] | None):
+        super().__init__(message)
+        self.iteration, self.root, self.newest = iteration, root, newest
+
+    def __reduce__(self):  # to a test's parent process with its fields
+        return type(self), (str(self), self.iteration, self.root, self.newest)
 
 
 @dataclasses.dataclass
@@ -297,18 +314,18 @@ class CheckpointWrite:
     request: Any  # megatron-core's AsyncRequest: write function, finalize functions
     error: BaseException | None = None
     written: bool = False
+    non_finite: str | None = None  # this rank's weights are not finite (what is): it writes no shard
 
 
 def begin_checkpoint_write(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None,
-                           snapshot: Any = None) -> CheckpointWrite:
+                           snapshot: Any = None, non_finite: str | None = None) -> CheckpointWrite:
     """Phase 1's collective part: the temporary directory, megatron-core's ``common.pt`` and save
     plan (replica de-duplication, the global plan). ``snapshot`` (``async_save.HostSnapshot``)
     copies every tensor to be written into host memory owned by the save, so training may change
     the originals while the shards are written; without it the shards must be written before
-    anything changes them."""
+    anything changes them. ``non_finite``: this rank's weights are not finite (``finite.py``): the
+    plan is made with every rank, this rank writes nothing and the publication refuses the save."""
     from megatron.core import dist_checkpointing
-
-    from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
 
     rank = dist.get_rank()
     final_dir = get_checkpoint_dir(root, iteration)
@@ -322,7 +339,7 @@ def begin_checkpoint_write(state: dict[str, Any], root: str, iteration: int, kee
         raise CheckpointWriteFailed(failure)
     strategy = InProcessTorchDistSaveStrategy(snapshot=snapshot)
     request = dist_checkpointing.save(state, tmp_dir, sharded_strategy=strategy, async_sharded_save=True)
-    return CheckpointWrite(root, iteration, keep_last, tmp_dir, final_dir, strategy, request)
+    return CheckpointWrite(root, iteration, keep_last, tmp_dir, final_dir, strategy, request, non_finite=non_finite)
 
 
 def _make_tmp_dir(tmp_dir: str, root: str, iteration: int) -> str | None:
@@ -340,7 +357,11 @@ def _make_tmp_dir(tmp_dir: str, root: str, iteration: int) -> str | None:
 
 def write_shards(write: CheckpointWrite) -> None:
     """This rank's shard files, each fsync'ed; no collective. Errors are kept in ``write.error``
-    for ``publish_checkpoint_write`` (a background thread must not raise them alone)."""
+    for ``publish_checkpoint_write`` (a background thread must not raise them alone). A rank whose
+    weights are not finite writes nothing: the save will be refused."""
+    if write.non_finite is not None:
+        write.written = True
+        return
     try:
         if write.request.async_fn is not None:
             write.request.async_fn(*write.request.async_fn_args)
@@ -364,32 +385,32 @@ def describe_free_space(path: str) -> str:
     return f" ({path} has {free / 2**20:.1f} MiB free{': the disk is full?' if free < 64 * 2**20 else ''})"
 
 
-def agree_write_failed(write: CheckpointWrite) -> bool:
-    """Whether any rank failed to write its shards (one all-reduce over the world)."""
-    failed = torch.tensor([int(write.error is not None)], dtype=torch.int64, device=get_collective_device(None))
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    return bool(failed.item())
+WRITE_FAILED, NOT_FINITE = 1, 2  # the bits of a save's outcome, agreed by every rank
 
 
-def publish_checkpoint_write(write: CheckpointWrite, failed_anywhere: bool | None = None) -> str:
+def agree_save_outcome(write: CheckpointWrite) -> int:
+    """Every rank's outcome bits OR-ed (one all-reduce MAX of two ints over the world): 0 when every
+    rank wrote its shards and found its weights finite."""
+    bits = torch.tensor([write.error is not None, write.non_finite is not None], dtype=torch.int64,
+                        device=get_collective_device(None))
+    dist.all_reduce(bits, op=dist.ReduceOp.MAX)
+    failed, not_finite = bits.tolist()
+    return (WRITE_FAILED if failed else 0) | (NOT_FINITE if not_finite else 0)
+
+
+def publish_checkpoint_write(write: CheckpointWrite, outcome: int | None = None) -> str:
     """Phases 2-5 once every rank's shards are written: megatron-core's finalisation (``.metadata``,
     ``metadata.json``), the checksums gathered into the marker, rename, pointer, retention;
-    collective over the world. ``failed_anywhere``: whether some rank's write failed, when the
-    ranks agreed on it already (else one all-reduce here). On a failure nothing is published, the
-    temporary directory goes and every rank raises CheckpointWriteFailed."""
+    collective over the world. ``outcome``: the agreed WRITE_FAILED / NOT_FINITE bits, when the
+    ranks agreed on them already (else one all-reduce here). When a bit is set nothing is published
+    and ``refuse_checkpoint_write`` raises on every rank."""
     assert write.written, "publish_checkpoint_write before write_shards finished"
     rank = dist.get_rank()
-    if failed_anywhere is None:
-        failed_anywhere = agree_write_failed(write)
-    if failed_anywhere:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(write.tmp_dir, ignore_errors=True)
-        mine = f"this rank's write failed: {write.error!r}{describe_free_space(write.root)}" \
-            if write.error is not None else "another rank's write failed (see its error)"
-        raise CheckpointWriteFailed(
-            f"checkpoint of iteration {write.iteration} not saved to {write.root}: {mine}; the previous "
-            f"checkpoint is untouched") from write.error
+    if outcome is None:
+        outcome = agree_save_outcome(write)
+    if outcome:
+        refuse_checkpoint_write(write, outcome)
+    assert write.non_finite is None and write.error is None, "agreed outcome lost this rank's failure bit"
     maybe_inject_fault("after_shards", rank, write.iteration)
     dist.barrier()  # as megatron-core's synchronous save: every rank's shards are on disk
     for finalize in write.request.finalize_fns:
@@ -403,6 +424,52 @@ def publish_checkpoint_write(write: CheckpointWrite, failed_anywhere: bool | Non
     if failure[0] is not None:
         raise CheckpointWriteFailed(failure[0])
     return write.final_dir
+
+
+def refuse_checkpoint_write(write: CheckpointWrite, outcome: int) -> None:
+    """A save some rank could not write, or whose weights some rank found non-finite: the temporary
+    directory goes, retention does not run, and every rank raises the same error (printed once by
+    the entry point), naming each rank's problem: NonFiniteCheckpoint when weights were not finite
+    (the run must stop whatever the writes did), else CheckpointWriteFailed. Collective (a gather
+    and a broadcast, on this path only); every rank's writing is over when it calls this."""
+    rank = dist.get_rank()
+    mine = (f"{write.error!r}" if write.error is not None else None, write.non_finite)
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)  # also the barrier before rank 0 removes the directory
+    verdict = [None]
+    if rank == 0:
+        shutil.rmtree(write.tmp_dir, ignore_errors=True)
+        newest = find_latest_checkpoint(write.root)
+        verdict = [(describe_refused_write(write, outcome, gathered, newest), newest)]
+    dist.broadcast_object_list(verdict, src=0)
+    message, newest = verdict[0]
+    if outcome & NOT_FINITE:
+        raise NonFiniteCheckpoint(message, write.iteration, write.root, newest)
+    raise CheckpointWriteFailed(message) from write.error
+
+
+def group_ranks(per_rank: list[str | None]) -> str:
+    """"ranks 0, 1: A; rank 3: B" for the ranks with something to say, identical texts grouped."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in enumerate(per_rank):
+        if text is not None:
+            groups.setdefault(text, []).append(rank)
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
+                     for text, ranks in groups.items())
+
+
+def describe_refused_write(write: CheckpointWrite, outcome: int, gathered: list[tuple[str | None, str | None]],
+                           newest: tuple[int, str] | None) -> str:
+    """The one message of a refused save, from every rank's (write error, non-finite weights)."""
+    head = f"checkpoint of iteration {write.iteration} not saved to {write.root}"
+    kept = (f"the previous checkpoint is untouched: the newest complete one is {newest[1]} (iteration {newest[0]})"
+            if newest else f"{write.root} holds no complete checkpoint yet")
+    if outcome & NOT_FINITE:
+        where = group_ranks([non_finite for _, non_finite in gathered])
+        return (f"{head}: the weights are not finite ({where}); nothing was published, --keep-last deleted "
+                f"nothing; {kept}")
+    where = group_ranks([error for error, _ in gathered])
+    return f"{head}: the write failed on {where}{describe_free_space(write.root)}; {kept}"
 
 
 def _publish_on_rank0(write: CheckpointWrite, gathered: list[dict]) -> str | None:
@@ -428,9 +495,12 @@ def _publish_on_rank0(write: CheckpointWrite, gathered: list[dict]) -> str | Non
             f"--load {write.root} loads it (the newest complete checkpoint)")
 
 
-def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None) -> str:
+def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None,
+                     non_finite: str | None = None) -> str:
     """Write a sharded state dict as ``root/iter_<iteration>`` through the phases of the module
-    docstring, synchronously; collective over the world. Returns the published directory."""
-    write = begin_checkpoint_write(state, root, iteration, keep_last)
+    docstring, synchronously; collective over the world. Returns the published directory.
+    ``non_finite``: this rank's weights are not finite (``finite.py``): the save is refused
+    everywhere (NonFiniteCheckpoint)."""
+    write = begin_checkpoint_write(state, root, iteration, keep_last, non_finite=non_finite)
     write_shards(write)
     return publish_checkpoint_write(write)

@@ -5,8 +5,9 @@ Invariant: every rank of the world takes the same decision after the same step, 
 them save the same iteration and exit together. A signal reaches ranks at different moments (or
 only some of them), and wall clocks differ, so the handler only sets a flag, and at each step
 boundary one ``all_reduce(MAX)`` of a small int tensor over the world combines the ranks' flags: bit 0
-"a signal arrived here", bit 1 "the time limit passed here"; with ``--async-save`` bits 3 and 4
-"my background write is still running" and "my background write failed" (``async_save.py``).
+"a signal arrived here", bit 1 "the time limit passed here"; with ``--async-save`` bits 3, 4 and 5
+"my background write is still running", "my background write failed" and "my weights were not
+finite at the save step" (``async_save.py``).
 That all-reduce is the only per-step collective these features add, and it runs only with
 --exit-signal-handler or --exit-duration-in-mins, or while an asynchronous save is in flight.
 --exit-interval needs none: the iteration number is the same everywhere.
@@ -29,8 +30,9 @@ DURATION_EXCEEDED = 2
 INTERVAL_REACHED = 4
 ASYNC_SAVE_WRITING = 8
 ASYNC_SAVE_FAILED = 16
+ASYNC_SAVE_NOT_FINITE = 32
 EXIT_FLAGS = SIGNAL_RECEIVED | DURATION_EXCEEDED | INTERVAL_REACHED
-_AGREED_BITS = 5
+_AGREED_BITS = 6
 
 
 class ExitSignalHandler:

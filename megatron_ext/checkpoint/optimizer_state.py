@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from megatron_ext.optim import torch_adam_optimizers, use_fused_adam
+
 
 def apply_optimizer_state_offset_fix(ddp_chunk: torch.nn.Module) -> None:
     """Work around megatron-core 0.16.1's distributed-optimizer checkpoint offsets.
@@ -63,8 +65,6 @@ def init_empty_optimizer_state(optimizer) -> None:
     ``torch.optim.AdamW`` would on its first step. megatron-core's distributed optimizer reads the
     step count from that state while building its sharded state dict, also for a load (0.16.1,
     torch optimizers: it asserts one common step)."""
-    from megatron_ext.training.optimizer import torch_adam_optimizers
-
     for inner in torch_adam_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
@@ -126,8 +126,6 @@ def load_optimizer_state(optimizer, state_dict: dict[str, Any]) -> None:
         for state in getattr(inner, "state", {}).values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
-    from megatron_ext.training.optimizer import use_fused_adam
-
     use_fused_adam(optimizer)  # a saved param group's options replace ours in torch's load
 
 

@@ -8,8 +8,11 @@ optimizer (the distributed optimizer in its ``fully_reshardable`` form), the LR 
 the flat run config, the tokenizer identity and the padded vocabulary. The RNG states are per
 rank and are restored only when the layout is unchanged; everything else reshards.
 
-Writing follows ``directory.py`` (atomic publish); loading reads with ``reader.py`` (our direct
-reader, or megatron-core's stock reader with ``--ckpt-reader megatron``).
+It works on a run's typed parts (``parts.CheckpointParts``: model chunks, optimizer, scheduler,
+train state, flags and meta) with this rank's ``ParallelContext`` and a log function, never on the
+``TrainingRun`` (``training/checkpointing.py`` adapts a run). Writing follows ``directory.py`` (atomic
+publish); loading reads with ``reader.py`` (our direct reader, or megatron-core's stock reader with
+``--ckpt-reader megatron``), after ``compatibility.py`` has accepted the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,19 +20,30 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
+from megatron_ext.checkpoint.checksum import file_digest, is_available
+from megatron_ext.checkpoint.compatibility import (
+    check_compatible, check_optimizer_flags, check_scheduler_flags, describe_changed_settings,
+    describe_optimizer_flag_changes, effective_model_shape,
+)
 from megatron_ext.checkpoint.directory import (
     FORMAT_VERSION, list_complete_checkpoints, read_marker, resolve_load_path, write_checkpoint,
 )
-from megatron_ext.checkpoint.checksum import file_digest, is_available
+from megatron_ext.checkpoint.finite import describe_non_finite_weights
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
 )
-from megatron_ext.config import ConfigError, JobConfig, precision_name
-from megatron_ext.training.optimizer import apply_flag_settings, get_scheduler_state, load_scheduler_state
+from megatron_ext.checkpoint.parts import CheckpointParts
+from megatron_ext.checkpoint.reader import DAMAGED, DirectReadTorchDistLoadStrategy
+from megatron_ext.config import ConfigError, JobConfig
+from megatron_ext.optim import apply_flag_settings, get_scheduler_state, load_scheduler_state
+from megatron_ext.parallel import ParallelContext
+
+Log = Callable[[str], None]
 
 # The distributed optimizer's form that can change TP/PP/DP on load (docs/megatron-core-on-cpu.md:
 # the default 'fully_sharded_model_space' fails with "ShardedTensor.flattened_range is not supported").
@@ -39,24 +53,8 @@ SHARDED_STATE_DICT_METADATA = {
 }
 CHECKPOINT_READERS = ("direct", "megatron")
 
-# Settings that fix the shapes and meaning of the saved weights: (config field, flag).
-MODEL_SHAPE_SETTINGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
-    "num_query_groups", "normalization", "swiglu", "disable_bias_linear",
-    "untie_embeddings_and_output_weights", "position_embedding_type", "add_qkv_bias",
-)
 
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointMeta:
-    """What a checkpoint records about the run besides its state (built by the entry point)."""
-
-    tokenizer: dict[str, Any]  # tokenizer.identity()
-    padded_vocab_size: int
-
-
-def get_layout(run) -> dict[str, int]:
-    ctx = run.ctx
+def get_layout(ctx: ParallelContext) -> dict[str, int]:
     return {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
             "dp": ctx.dp_size, "vp": ctx.vp_size or 1}
 
@@ -91,284 +89,76 @@ def build_model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, An
 
 
 def build_sharded_state_dict(
-    run, meta: CheckpointMeta, *, is_loading: bool, include_optimizer: bool, include_rng: bool
+    parts: CheckpointParts, ctx: ParallelContext, *, is_loading: bool, include_optimizer: bool, include_rng: bool
 ) -> dict[str, Any]:
     """The whole checkpoint as megatron-core's sharded state dict."""
     from megatron.core.dist_checkpointing import ShardedObject
 
-    state = build_model_sharded_state_dict(run.model)
+    state = build_model_sharded_state_dict(parts.model)
     if include_optimizer:
         # parameters no step has reached yet (fp16 steps skipped by the loss scaler) get Adam's
         # first-step state, so a save writes, and a load expects, every parameter's state
-        init_empty_optimizer_state(run.optimizer)
+        init_empty_optimizer_state(parts.optimizer)
         # megatron-core finds each parameter's ShardedTensor anywhere in the nested dict
-        state["optimizer"] = run.optimizer.sharded_state_dict(
+        state["optimizer"] = parts.optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata=dict(SHARDED_STATE_DICT_METADATA)
         )
-        state["opt_param_scheduler"] = get_scheduler_state(run.scheduler)
+        state["opt_param_scheduler"] = get_scheduler_state(parts.scheduler)
     if include_rng:
-        ctx = run.ctx
         state["rng_state"] = ShardedObject(
             "rng_state", get_rng_state(ctx.device), (ctx.world_size,), (ctx.rank,), replica_id=0
         )
-    state["train_state"] = dataclasses.asdict(run.state)
-    state["args"] = run.cfg.to_flat_dict()
-    state["tokenizer"] = dict(meta.tokenizer)
-    state["padded_vocab_size"] = meta.padded_vocab_size
+    state["train_state"] = dataclasses.asdict(parts.train_state)
+    state["args"] = parts.cfg.to_flat_dict()
+    state["tokenizer"] = dict(parts.meta.tokenizer)
+    state["padded_vocab_size"] = parts.meta.padded_vocab_size
     state["ffn_hidden_size"] = effective_model_shape(state["args"])["ffn_hidden_size"]  # the width built
-    state["layout"] = get_layout(run)
-    state["device_type"] = run.ctx.device.type
+    state["layout"] = get_layout(ctx)
+    state["device_type"] = ctx.device.type
     state["checkpoint_version"] = FORMAT_VERSION
     return state
 
 
-def build_save_state(run, meta: CheckpointMeta | None = None) -> dict[str, Any]:
+def build_save_state(parts: CheckpointParts, ctx: ParallelContext, log: Log) -> dict[str, Any]:
     """The sharded state dict of a save, warning where megatron-core would write part of it wrong."""
     with catch_megatron_state_corruption() as corrupted:
-        state = build_sharded_state_dict(
-            run, meta or run.checkpoint_meta, is_loading=False, include_optimizer=True, include_rng=True
-        )
+        state = build_sharded_state_dict(parts, ctx, is_loading=False, include_optimizer=True, include_rng=True)
     for message in sorted(set(corrupted)):
         # megatron-core 0.16.1 (its issue #504): part of this parameter's optimizer state is
         # written as zeros; say so on every rank where it happens instead of a buried log line
-        run.log(f"WARNING rank {run.ctx.rank}: the saved optimizer state is incomplete, a resume "
-                f"will not be exact: {message}")
+        log(f"WARNING rank {ctx.rank}: the saved optimizer state is incomplete, a resume "
+            f"will not be exact: {message}")
     return state
 
 
-def start_async_checkpoint(run, root: str, keep_last: int | None = None) -> None:
-    """``--async-save``: snapshot the run at its current iteration and write it in the background
-    (``async_save.py``); collective over the world. It is published at a later step boundary."""
-    held = run.async_saver.start(build_save_state(run), root, run.state.iteration, keep_last)
-    if run.ctx.is_logging_rank:
-        copied = run.async_saver.snapshot.bytes
+def start_async_save(parts: CheckpointParts, ctx: ParallelContext, saver: AsyncCheckpointSaver, root: str,
+                     keep_last: int | None, log: Log) -> None:
+    """``--async-save``: snapshot the parts at their current iteration and write them in the
+    background with ``saver`` (``async_save.py``); collective over the world. It is published at a
+    later step boundary, or refused there (NonFiniteCheckpoint) when some rank's weights are not
+    finite now."""
+    iteration = parts.train_state.iteration
+    held = saver.start(build_save_state(parts, ctx, log), root, iteration, keep_last,
+                       non_finite=describe_non_finite_weights(parts.model))
+    if ctx.is_logging_rank:
+        copied = saver.snapshot.bytes
         copied = f", {copied / 2**20:.1f} MiB copied to host memory on this rank" if copied else ""
-        run.log(f"started asynchronous save of iteration {run.state.iteration:8d} to {root} "
-                f"(training held {held:.2f} s{copied})")
+        log(f"started asynchronous save of iteration {iteration:8d} to {root} "
+            f"(training held {held:.2f} s{copied})")
 
 
-def save_checkpoint(run, root: str, keep_last: int | None = None, meta: CheckpointMeta | None = None) -> str:
-    """Save the run at its current iteration under ``root``; collective over the world.
-    Returns the published directory."""
+def save_parts(parts: CheckpointParts, ctx: ParallelContext, root: str, keep_last: int | None, log: Log) -> str:
+    """Save the parts at their current iteration under ``root``; collective over the world.
+    Returns the published directory; raises NonFiniteCheckpoint on every rank, having written and
+    deleted nothing, when some rank's weights are not finite (``finite.py``)."""
     start = time.perf_counter()
-    state = build_save_state(run, meta)
-    final_dir = write_checkpoint(state, root, run.state.iteration, keep_last)
-    if run.ctx.is_logging_rank:
-        run.log(f"saved checkpoint at iteration {run.state.iteration:8d} to {final_dir} "
-                f"in {time.perf_counter() - start:.2f} s")
+    iteration = parts.train_state.iteration
+    state = build_save_state(parts, ctx, log)
+    final_dir = write_checkpoint(state, root, iteration, keep_last, non_finite=describe_non_finite_weights(parts.model))
+    if ctx.is_logging_rank:
+        log(f"saved checkpoint at iteration {iteration:8d} to {final_dir} in {time.perf_counter() - start:.2f} s")
     return final_dir
 
-
-def check_compatible(
-    saved: dict[str, Any], cfg: JobConfig, meta: CheckpointMeta, load_optimizer: bool = True
-) -> list[str]:
-    """Problems that make a checkpoint unusable for this run, each naming the flag and values."""
-    problems = []
-    args = saved.get("args", {})
-    current = cfg.to_flat_dict()
-    saved_shape, shape = effective_model_shape(args), effective_model_shape(current)
-    saved_shape["ffn_hidden_size"] = saved_ffn_hidden_size(saved)
-    for name in MODEL_SHAPE_SETTINGS:
-        if name in args and saved_shape[name] != shape[name]:
-            if (name == "ffn_hidden_size" and args[name] is None and current[name] is None
-                    and any(args.get(n) != current[n] for n in ("hidden_size", "swiglu"))):
-                continue  # both defaults: the --hidden-size or --swiglu difference is the one named
-            flag = ("--group-query-attention/--num-query-groups (key/value heads)" if name == "num_query_groups"
-                    else f"--{name.replace('_', '-')}")
-            problems.append(
-                f"{flag}: the checkpoint was saved with {saved_shape[name]!r}, this run "
-                f"has {shape[name]!r}; use the checkpoint's value or another --load directory"
-            )
-    if load_optimizer and "use_distributed_optimizer" in args and (
-        args["use_distributed_optimizer"] != current["use_distributed_optimizer"]
-    ):
-        problems.append(
-            f"--use-distributed-optimizer: the checkpoint was saved with "
-            f"{args['use_distributed_optimizer']}, this run has {current['use_distributed_optimizer']}; "
-            f"their optimizer states differ in form: use the checkpoint's setting, or --no-load-optim "
-            f"to load the weights only"
-        )
-    saved_precision = precision_name(bool(args.get("bf16")), bool(args.get("fp16")))
-    precision = precision_name(current["bf16"], current["fp16"])
-    if load_optimizer and "bf16" in args and saved_precision != precision:
-        # megatron-core keeps the fp32 optimizer's state and the mixed-precision one's in different
-        # forms (unless the distributed optimizer holds both), and a switch to fp16 finds no loss
-        # scaler state to load (KeyError 'scale', with either optimizer)
-        distributed = args.get("use_distributed_optimizer") and current["use_distributed_optimizer"]
-        if precision == "fp16" or not distributed:
-            problems.append(
-                f"precision: the checkpoint was saved in {saved_precision}, this run is {precision}; their "
-                f"optimizer states differ in form{'' if distributed else ' without --use-distributed-optimizer'}: "
-                f"train in {saved_precision}, or --no-load-optim to load the weights only"
-            )
-    if saved.get("padded_vocab_size") not in (None, meta.padded_vocab_size):
-        problems.append(
-            f"vocabulary: the checkpoint's padded vocabulary is {saved['padded_vocab_size']}, this run's "
-            f"is {meta.padded_vocab_size} (--vocab-size / --tokenizer-model, "
-            f"--make-vocab-size-divisible-by): use the checkpoint's tokenizer and padding"
-        )
-    saved_tok = saved.get("tokenizer")
-    if saved_tok is not None and saved_tok != meta.tokenizer:
-        problems.append(
-            f"--tokenizer-type/--tokenizer-model: the checkpoint was saved with tokenizer {saved_tok}, "
-            f"this run uses {meta.tokenizer}"
-        )
-    return problems
-
-
-# settings a checkpoint loads under whatever their value, but that change what the model computes
-# or which samples come next: a resume that changes one says so (Megatron-LM is silent)
-WARNED_SETTINGS = ("rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon",
-                   "seed", "seq_length", "hidden_dropout", "attention_dropout", "packed_sequences")
-
-
-def describe_changed_settings(saved: dict[str, Any], cfg: JobConfig) -> str | None:
-    """One warning line naming each WARNED_SETTINGS value that differs from the checkpoint's, or None."""
-    args, current = saved.get("args", {}), cfg.to_flat_dict()
-    changed = [f"--{n.replace('_', '-')} {args[n]!r} -> {current[n]!r}" for n in WARNED_SETTINGS
-               if n in args and n in current and args[n] != current[n]]
-    if not changed:
-        return None
-    return (f"this run changes settings the checkpoint was trained with: {', '.join(changed)} (the weights "
-            f"load; what the model computes or which samples come next differs from an uninterrupted run)")
-
-
-def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
-    """The MODEL_SHAPE_SETTINGS of flat config values with defaults resolved, so that a default and
-    the same value given explicitly compare equal: the MLP width, and the key/value heads (GQA with
-    as many groups as heads is plain multi-head attention)."""
-    from megatron_ext.model.gpt import resolve_ffn_hidden_size
-
-    shape = {name: args.get(name) for name in MODEL_SHAPE_SETTINGS}
-    if args.get("hidden_size") is not None:
-        shape["ffn_hidden_size"] = resolve_ffn_hidden_size(args.get("ffn_hidden_size"), args["hidden_size"],
-                                                           bool(args.get("swiglu")))
-    heads = args.get("num_attention_heads")
-    shape["num_query_groups"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
-    shape["group_query_attention"] = None  # its meaning is in num_query_groups
-    return shape
-
-
-def saved_ffn_hidden_size(saved: dict[str, Any]) -> int | None:
-    """The MLP width a checkpoint's model had: recorded since the --swiglu default became
-    Megatron-LM's (2/3 of 4h rounded down to 64); before, a --swiglu run without --ffn-hidden-size
-    got 2/3 of 4h rounded UP to 64, which the width of its older checkpoints is computed by."""
-    if saved.get("ffn_hidden_size") is not None:
-        return saved["ffn_hidden_size"]
-    args = saved.get("args", {})
-    if args.get("ffn_hidden_size") or not args.get("swiglu") or args.get("hidden_size") is None:
-        return effective_model_shape(args)["ffn_hidden_size"]
-    return int(64 * ((int(8 * args["hidden_size"] / 3) + 63) // 64))  # our default before 2026-11-23
-
-
-# OptimizerParamScheduler state -> (the flags that set it, how to show a value, what it is)
-_SCHEDULE_FLAGS = {
-    "max_lr": ("--lr", None, "peak learning rate"), "min_lr": ("--min-lr", None, "minimum learning rate"),
-    "lr_decay_style": ("--lr-decay-style", None, "decay style"),
-    "lr_warmup_steps": ("--lr-warmup-iters/-samples/-fraction", "samples", "warm-up length"),
-    "lr_decay_steps": ("--lr-decay-iters or --lr-decay-samples (default the run's length)", "samples", "decay length"),
-    "start_wd": ("--weight-decay", None, "weight decay"), "end_wd": ("--weight-decay", None, "final weight decay"),
-    "wd_incr_steps": ("the run's length (--train-iters x --global-batch-size, or --train-samples)", "samples",
-                      "weight-decay schedule length"),
-    "wd_incr_style": ("weight-decay schedule", None, "weight-decay schedule"),
-    "wsd_decay_steps": ("--lr-wsd-decay-iters or --lr-wsd-decay-samples", "samples", "WSD decay phase"),
-    "lr_wsd_decay_style": ("--lr-wsd-decay-style", None, "WSD decay style"),
-}
-_SCHEDULE_CHOICE = ("add --override-opt-param-scheduler to use this run's flags or "
-                    "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
-
-
-def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, global_batch_size: int) -> list[str]:
-    """Schedule values this run's flags give that differ from the checkpoint's, unless
-    --override-opt-param-scheduler or --use-checkpoint-opt-param-scheduler says which wins
-    (megatron-core would assert without naming a flag; silently keeping the checkpoint's schedule
-    ran a longer --train-iters at learning rate 0). A changed run length (the usual resume with a
-    larger --train-iters) is one line, though it moves two of the scheduler's values."""
-    c, t = cfg.checkpoint, cfg.training
-    if c.override_opt_param_scheduler or c.use_checkpoint_opt_param_scheduler:
-        return []
-    changed = [key for key in _SCHEDULE_FLAGS if key in saved and saved[key] != getattr(scheduler, key)]
-
-    def show(key: str, v, iterations: bool) -> str:  # the checkpoint's in samples: its batch size may differ
-        if _SCHEDULE_FLAGS[key][1] and isinstance(v, (int, float)) and not isinstance(v, bool):
-            # a float: a --lr-warmup-fraction's warm-up, unrounded
-            return f"{v:g} samples" + (f" ({v / global_batch_size:g} iterations)" if iterations and global_batch_size else "")
-        return repr(v)
-
-    out = []
-    decay_given = t.lr_decay_iters is not None or t.lr_decay_samples is not None
-    if {"lr_decay_steps", "wd_incr_steps"} <= set(changed) and not decay_given:
-        changed = [key for key in changed if key not in ("lr_decay_steps", "wd_incr_steps")]
-        out.append(
-            f"the run's length (--train-iters x --global-batch-size, or --train-samples): the checkpoint's "
-            f"schedule runs over "
-            f"{show('wd_incr_steps', saved['wd_incr_steps'], False)}, this run's over "
-            f"{show('wd_incr_steps', scheduler.wd_incr_steps, True)} (the decay length follows the run's length "
-            f"without --lr-decay-iters/-samples); add --override-opt-param-scheduler to stretch the schedule to "
-            f"this run's length, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's (past its end the "
-            f"learning rate stays at --min-lr)")
-    for key in changed:
-        flag, _, label = _SCHEDULE_FLAGS[key]
-        out.append(f"{flag}: the checkpoint's {label} is {show(key, saved[key], False)}, this run's flags give "
-                   f"{show(key, getattr(scheduler, key), True)}; {_SCHEDULE_CHOICE}")
-    return out
-
-
-# Adam options of the optimizer's parameter groups -> (config field, flag, what it is)
-_OPTIMIZER_FLAGS = {"beta1": ("adam_beta1", "--adam-beta1", "Adam beta1"),
-                    "beta2": ("adam_beta2", "--adam-beta2", "Adam beta2"),
-                    "eps": ("adam_eps", "--adam-eps", "Adam epsilon")}
-
-
-def get_saved_adam_options(saved: dict[str, Any]) -> dict[str, set]:
-    """{"beta1"/"beta2"/"eps": the values the checkpoint's parameter groups hold} (empty without Adam).
-    These, not the saved flags, are what a load restores (torch keeps the saved groups' options), so a
-    checkpoint that kept older values under --use-checkpoint-opt-param-scheduler is read right."""
-    found: dict[str, set] = {}
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "param_groups" and isinstance(value, list):
-                    for group in value:
-                        if isinstance(group, dict) and "betas" in group and "eps" in group:
-                            for name, v in zip(("beta1", "beta2", "eps"), (*group["betas"], group["eps"])):
-                                found.setdefault(name, set()).add(v)
-                else:
-                    visit(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                visit(value)
-
-    visit(saved.get("optimizer"))
-    return found
-
-
-def describe_optimizer_flag_changes(saved: dict[str, Any], cfg: JobConfig) -> list[str]:
-    """'--adam-beta1: the checkpoint's Adam beta1 is 0.9, this run's flags give 0.95' for each Adam
-    option this run's flags set differently from the checkpoint's optimizer (--lr and --min-lr are
-    the scheduler's, compared by ``check_scheduler_flags``)."""
-    if cfg.training.optimizer != "adam":
-        return []
-    out = []
-    for name, values in get_saved_adam_options(saved).items():
-        field, flag, label = _OPTIMIZER_FLAGS[name]
-        current = getattr(cfg.training, field)
-        if values != {current}:
-            shown = " and ".join(f"{v!r}" for v in sorted(values))
-            out.append(f"{flag}: the checkpoint's {label} is {shown}, this run's flags give {current!r}")
-    return out
-
-
-def check_optimizer_flags(saved: dict[str, Any], cfg: JobConfig) -> list[str]:
-    """Adam options this run's flags change, as ``check_scheduler_flags`` reports a changed schedule:
-    an error unless --override-opt-param-scheduler (this run's flags win: ``apply_flag_settings``
-    after the load) or --use-checkpoint-opt-param-scheduler (the checkpoint's win, as they always do
-    in Megatron-LM) says which wins."""
-    c = cfg.checkpoint
-    if c.override_opt_param_scheduler or c.use_checkpoint_opt_param_scheduler:
-        return []
-    return [f"{change}; {_SCHEDULE_CHOICE}" for change in describe_optimizer_flag_changes(saved, cfg)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,42 +243,42 @@ class CheckpointDamaged(Exception):
     """A checkpoint's bytes differ from what was written, or a file of it cannot be read."""
 
 
-def load_checkpoint(
-    run, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None,
-    *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
+def load_parts(
+    parts: CheckpointParts, ctx: ParallelContext, root: str, log: Log, load_optimizer: bool = True,
+    reader: str | None = None, *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
 ) -> int | None:
-    """Restore ``run`` from the newest complete checkpoint under ``root`` (or from ``root`` itself when
-    it is one checkpoint's ``iter_XXXXXXX`` directory); collective.
+    """Restore ``parts`` in place from the newest complete checkpoint under ``root`` (or from ``root``
+    itself when it is one checkpoint's ``iter_XXXXXXX`` directory); collective.
 
     Returns the loaded iteration, or None when ``root`` holds no complete checkpoint (a fresh
-    start). Raises ConfigError, before anything is written, when the model or tokenizer differ, or
-    the LR schedule flags differ with no flag saying which wins; and when the checkpoint is damaged
-    (a checksum mismatch or an unreadable file, named), unless --ckpt-fallback-on-corruption asks to
-    load the previous complete checkpoint instead. ``meta`` defaults to the run's own, ``reader`` to
-    ``--ckpt-reader``. ``step`` loads that iteration; ``weights_only`` (fine-tuning) restores the
-    model and nothing else (iteration 0, fresh optimizer and schedule); ``load_rng=False`` keeps the
-    run's own random-number states.
+    start). Raises ConfigError, before anything is written, when the model or tokenizer differ
+    (``parts.meta`` is what this run's must match), or the LR schedule flags differ with no flag
+    saying which wins; and when the checkpoint is damaged (a checksum mismatch or an unreadable
+    file, named), unless --ckpt-fallback-on-corruption asks to load the previous complete checkpoint
+    instead. ``reader`` defaults to ``--ckpt-reader``. ``step`` loads that iteration; ``weights_only``
+    (fine-tuning) restores the model and nothing else (iteration 0, fresh optimizer and schedule);
+    ``load_rng=False`` keeps the run's own random-number states.
     """
-    meta = meta or run.checkpoint_meta
     found, warning = resolve_load_path(root, step)
     if found is None:
         return None
-    if warning and run.ctx.is_logging_rank:
-        run.log(f"WARNING: {warning}")
+    if warning and ctx.is_logging_rank:
+        log(f"WARNING: {warning}")
+    fallback = parts.cfg.checkpoint.ckpt_fallback_on_corruption
     candidates = [found]
-    if run.cfg.checkpoint.ckpt_fallback_on_corruption:
+    if fallback:
         candidates += [c for c in reversed(list_complete_checkpoints(os.path.dirname(found[1]))) if c[0] < found[0]]
     for i, (iteration, ckpt_dir) in enumerate(candidates):
         try:
-            return _load_from(run, root, iteration, ckpt_dir, meta, load_optimizer and not weights_only, reader,
-                              weights_only, load_rng and not weights_only)
+            return _load_from(parts, ctx, log, root, iteration, ckpt_dir, load_optimizer and not weights_only,
+                              reader, weights_only, load_rng and not weights_only)
         except CheckpointDamaged as err:
             if i + 1 == len(candidates):
-                hint = ("" if run.cfg.checkpoint.ckpt_fallback_on_corruption else
+                hint = ("" if fallback else
                         "; --ckpt-fallback-on-corruption loads the previous complete checkpoint instead")
                 raise ConfigError([f"--load {root}: {err}{hint}"]) from None
-            if run.ctx.is_logging_rank:
-                run.log(f"WARNING: {err}; --ckpt-fallback-on-corruption: trying {candidates[i + 1][1]}")
+            if ctx.is_logging_rank:
+                log(f"WARNING: {err}; --ckpt-fallback-on-corruption: trying {candidates[i + 1][1]}")
     return None
 
 
@@ -505,59 +295,45 @@ def _check_small_files(ckpt_dir: str, checksums: dict[str, Any]) -> None:
                                     f"the checkpoint recorded {digest:x}): the file was damaged after it was written")
 
 
-def get_checksums_to_verify(run, ckpt_dir: str, marker: dict[str, Any]) -> dict[str, Any] | None:
+def get_checksums_to_verify(ckpt_dir: str, marker: dict[str, Any], warn: Log) -> dict[str, Any] | None:
     """The marker's checksum record when this machine has its algorithm (the coordinator files are
-    always checked; the items only with --ckpt-verify)."""
+    always checked; the items only with --ckpt-verify); ``warn`` is told when it does not."""
     checksums = marker.get("checksums")
     if not checksums:
         return None
     if not is_available(checksums["algorithm"]):
-        if run.ctx.is_logging_rank:
-            run.log(f"WARNING: {ckpt_dir} was checksummed with {checksums['algorithm']}, which this machine "
-                    f"lacks (pip install xxhash): loading it unverified")
+        warn(f"WARNING: {ckpt_dir} was checksummed with {checksums['algorithm']}, which this machine "
+             f"lacks (pip install xxhash): loading it unverified")
         return None
     return checksums
 
 
-def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMeta, load_optimizer: bool,
-               reader: str | None, weights_only: bool = False, load_rng: bool = True) -> int:
+def _load_from(parts: CheckpointParts, ctx: ParallelContext, log: Log, root: str, iteration: int, ckpt_dir: str,
+               load_optimizer: bool, reader: str | None, weights_only: bool = False, load_rng: bool = True) -> int:
+    """``load_parts`` from one checkpoint directory: check it, read it, restore the parts."""
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.checkpoint.reader import DAMAGED
-
-    checksums, common = _read_coordinator_files(run, ckpt_dir)
+    cfg = parts.cfg
+    checksums, common = _read_coordinator_files(ctx, log, ckpt_dir)
     # weights only, e.g. converted by tools/convert_checkpoint.py: no optimizer state whose form
     # (distributed optimizer, precision) must match this run's
     holds_no_optimizer = load_optimizer and "opt_param_scheduler" not in common
     if holds_no_optimizer:
         load_optimizer = False
-    problems = check_compatible(common, run.cfg, meta, load_optimizer)
-    if load_optimizer:
-        problems += check_scheduler_flags(common["opt_param_scheduler"], run.scheduler, run.cfg, run.global_batch_size)
-        problems += check_optimizer_flags(common, run.cfg)
-    if problems:
-        raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
-    kept = describe_optimizer_flag_changes(common, run.cfg) if load_optimizer else []
-    if kept and run.cfg.checkpoint.use_checkpoint_opt_param_scheduler and run.ctx.is_logging_rank:
-        run.log(f"WARNING: --use-checkpoint-opt-param-scheduler keeps the checkpoint's optimizer settings: "
-                f"{'; '.join(kept)}")
-    changed = None if weights_only else describe_changed_settings(common, run.cfg)
-    if changed and run.ctx.is_logging_rank:
-        run.log(f"WARNING: {changed}")
-    if holds_no_optimizer and run.ctx.is_logging_rank:
-        run.log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
-    same_layout = common.get("layout") == get_layout(run)
+    _check_loadable(parts, ctx, log, root, ckpt_dir, common, load_optimizer, weights_only)
+    if holds_no_optimizer and ctx.is_logging_rank:
+        log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
+    same_layout = common.get("layout") == get_layout(ctx)
     saved_device = common.get("device_type", "cpu")
-    restore_rng = load_rng and same_layout and saved_device == run.ctx.device.type
-    if load_rng and same_layout and not restore_rng and run.ctx.is_logging_rank:
-        run.log(f"WARNING: {ckpt_dir} holds random-number states of {saved_device} generators; this run "
-                f"is on {run.ctx.device.type}: weights and optimizer load exactly, dropout and other "
-                f"random streams start afresh from --seed {run.cfg.training.seed}")
-    state = build_sharded_state_dict(
-        run, meta, is_loading=True, include_optimizer=load_optimizer, include_rng=restore_rng
-    )
-    strategy = build_load_strategy(reader or run.cfg.checkpoint.ckpt_reader,
-                                   checksums if run.cfg.checkpoint.ckpt_verify else None)
+    restore_rng = load_rng and same_layout and saved_device == ctx.device.type
+    if load_rng and same_layout and not restore_rng and ctx.is_logging_rank:
+        log(f"WARNING: {ckpt_dir} holds random-number states of {saved_device} generators; this run "
+            f"is on {ctx.device.type}: weights and optimizer load exactly, dropout and other "
+            f"random streams start afresh from --seed {cfg.training.seed}")
+    state = build_sharded_state_dict(parts, ctx, is_loading=True, include_optimizer=load_optimizer,
+                                     include_rng=restore_rng)
+    strategy = build_load_strategy(reader or cfg.checkpoint.ckpt_reader,
+                                   checksums if cfg.checkpoint.ckpt_verify else None)
     try:
         loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=strategy)
     except BaseException as err:  # torch's CheckpointException is a BaseException
@@ -565,33 +341,62 @@ def _load_from(run, root: str, iteration: int, ckpt_dir: str, meta: CheckpointMe
         if DAMAGED in message:
             raise CheckpointDamaged(message[message.find(DAMAGED):].split(" Traceback")[0]) from None
         if "failed on another rank" in message:
-            raise CheckpointDamaged(f"{ckpt_dir}: another rank could not load its part (its output names the file)") from None
+            raise CheckpointDamaged(f"{ckpt_dir}: another rank could not load its part (its output names the "
+                                    f"file)") from None
         raise
+    _restore_parts(parts, ctx, loaded, load_optimizer, weights_only, restore_rng)
+    if ctx.is_logging_rank:
+        log(_describe_load(cfg, ckpt_dir, iteration, common, same_layout, weights_only, load_optimizer,
+                           checksums, strategy, reader))
+    return iteration
+
+
+def _check_loadable(parts: CheckpointParts, ctx: ParallelContext, log: Log, root: str, ckpt_dir: str,
+                    common: dict[str, Any], load_optimizer: bool, weights_only: bool) -> None:
+    """ConfigError naming every reason the checkpoint cannot be loaded into the parts
+    (``compatibility.py``), before anything is read; warnings for what loads but differs."""
+    cfg = parts.cfg
+    problems = check_compatible(common, cfg, parts.meta, load_optimizer)
     if load_optimizer:
-        load_optimizer_state(run.optimizer, loaded["optimizer"])
-        if run.cfg.checkpoint.override_opt_param_scheduler:
+        problems += check_scheduler_flags(common["opt_param_scheduler"], parts.scheduler, cfg,
+                                          parts.global_batch_size)
+        problems += check_optimizer_flags(common, cfg)
+    if problems:
+        raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
+    kept = describe_optimizer_flag_changes(common, cfg) if load_optimizer else []
+    if kept and cfg.checkpoint.use_checkpoint_opt_param_scheduler and ctx.is_logging_rank:
+        log(f"WARNING: --use-checkpoint-opt-param-scheduler keeps the checkpoint's optimizer settings: "
+            f"{'; '.join(kept)}")
+    changed = None if weights_only else describe_changed_settings(common, cfg)
+    if changed and ctx.is_logging_rank:
+        log(f"WARNING: {changed}")
+
+
+def _restore_parts(parts: CheckpointParts, ctx: ParallelContext, loaded: dict[str, Any], load_optimizer: bool,
+                   weights_only: bool, restore_rng: bool) -> None:
+    """Put what a load read into the parts, in place."""
+    if load_optimizer:
+        load_optimizer_state(parts.optimizer, loaded["optimizer"])
+        if parts.cfg.checkpoint.override_opt_param_scheduler:
             # the load gave every parameter group the checkpoint's max_lr/min_lr/betas/eps; this
             # run's flags win, already for the LR the scheduler's load sets for the first step
-            apply_flag_settings(run.optimizer, run.optimizer_flags)
-        load_scheduler_state(run.scheduler, loaded["opt_param_scheduler"])
-    for i, chunk in enumerate(run.model):
+            apply_flag_settings(parts.optimizer, parts.optimizer_flags)
+        load_scheduler_state(parts.scheduler, loaded["opt_param_scheduler"])
+    for i, chunk in enumerate(parts.model):
         chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     if not load_optimizer:
         # the optimizer's fp32 main parameters (--bf16/--fp16) were copied from the initial weights
         # when it was built: without this, its first step writes them back over the loaded weights
         # (Megatron-LM's load_checkpoint calls it for the same reason)
-        run.optimizer.reload_model_params()
+        parts.optimizer.reload_model_params()
     if restore_rng:
-        set_rng_state(loaded["rng_state"], run.ctx.device)
+        set_rng_state(loaded["rng_state"], ctx.device)
     if not weights_only:
-        run.state = type(run.state)(**loaded.get("train_state", {}))
-    if run.ctx.is_logging_rank:
-        run.log(_describe_load(run, ckpt_dir, iteration, common, same_layout, weights_only, load_optimizer,
-                               checksums, strategy, reader))
-    return iteration
+        parts.train_state.restore(loaded.get("train_state", {}))
 
 
-def _read_coordinator_files(run, ckpt_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def _read_coordinator_files(ctx: ParallelContext, log: Log,
+                            ckpt_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The marker's checksums to verify (None: none usable) and ``common.pt``, each checked first;
     CheckpointDamaged names the file that is not what the save wrote."""
     marker = read_marker(ckpt_dir)
@@ -600,7 +405,7 @@ def _read_coordinator_files(run, ckpt_dir: str) -> tuple[dict[str, Any] | None, 
         # checkpoint, whose checksums (and so --ckpt-verify) are lost with it
         raise CheckpointDamaged(f"damaged checkpoint file: {os.path.join(ckpt_dir, 'complete.json')} is not the "
                                 f"marker a save writes (unreadable, or no iteration in it)")
-    checksums = get_checksums_to_verify(run, ckpt_dir, marker)
+    checksums = get_checksums_to_verify(ckpt_dir, marker, log if ctx.is_logging_rank else lambda message: None)
     if checksums is not None:
         _check_small_files(ckpt_dir, checksums)
     try:
@@ -611,7 +416,7 @@ def _read_coordinator_files(run, ckpt_dir: str) -> tuple[dict[str, Any] | None, 
     return checksums, common
 
 
-def _describe_load(run, ckpt_dir: str, iteration: int, common: dict[str, Any], same_layout: bool,
+def _describe_load(cfg: JobConfig, ckpt_dir: str, iteration: int, common: dict[str, Any], same_layout: bool,
                    weights_only: bool, load_optimizer: bool, checksums: dict[str, Any] | None, strategy: Any,
                    reader: str | None) -> str:
     """The "loaded checkpoint" line: layout, what was loaded, what was verified."""
@@ -623,7 +428,7 @@ def _describe_load(run, ckpt_dir: str, iteration: int, common: dict[str, Any], s
     elif not load_optimizer and "opt_param_scheduler" in common:
         how += "; optimizer and LR schedule not loaded (--no-load-optim): they start afresh"
     stats = getattr(strategy, "stats", None)
-    verify = run.cfg.checkpoint.ckpt_verify
+    verify = cfg.checkpoint.ckpt_verify
     if stats is not None and checksums is not None and verify:
         checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.unverified} read in "
                    f"part or by torch's reader)")
@@ -632,7 +437,8 @@ def _describe_load(run, ckpt_dir: str, iteration: int, common: dict[str, Any], s
     elif checksums is None:
         checked = "; items not verified (--ckpt-verify: the checkpoint records no checksums this machine can check)"
     else:
-        checked = f"; items not verified (--ckpt-verify: --ckpt-reader {reader or run.cfg.checkpoint.ckpt_reader} does not verify)"
+        checked = (f"; items not verified (--ckpt-verify: --ckpt-reader {reader or cfg.checkpoint.ckpt_reader} "
+                   f"does not verify)")
     return f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how}{checked})"
 
 
@@ -641,8 +447,6 @@ def build_load_strategy(reader: str, checksums: dict[str, Any] | None = None):
     into their destinations, ``reader.py``) or ``megatron`` (megatron-core's stock torch_dist
     reader). Both read the same files; only ours checks the marker's ``checksums`` as it reads."""
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-
-    from megatron_ext.checkpoint.reader import DirectReadTorchDistLoadStrategy
 
     if reader == "direct":
         if checksums is None:

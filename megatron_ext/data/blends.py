@@ -17,7 +17,7 @@ import dataclasses
 import json
 from typing import Optional, Sequence
 
-from megatron_ext.config import ConfigError
+from megatron_ext.config import ConfigError, DataConfig
 from megatron_ext.data.gpt_datasets import Blend, parse_data_path
 
 SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
@@ -99,6 +99,12 @@ def resolve_data_blends(
     blends = tuple(_parse(items, flag) if items else None for items, flag in zip(per_split_lists, flags))
     source = "--per-split-data-args-path" if per_split_data_args_path is not None else "--train/valid/test-data-path"
     return DataBlends(per_split=blends, source=source)
+
+
+def get_data_blends(d: DataConfig) -> Optional[DataBlends]:
+    """The run's blends from its data flags (``resolve_data_blends``); None for no data flag."""
+    return resolve_data_blends(d.data_path, d.data_args_path, d.train_data_path, d.valid_data_path,
+                               d.test_data_path, d.per_split_data_args_path)
 
 
 def get_blend_weights(blend: Blend) -> Optional[list[float]]:

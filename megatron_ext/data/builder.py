@@ -11,63 +11,86 @@ document-aware index (``packed_dataset.py``); fixed windows from megatron-core's
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from megatron_ext.config import JobConfig, get_data_blends, uses_document_boundaries, uses_variable_lengths
+from megatron_ext.config import DataConfig, JobConfig, TrainingConfig
+from megatron_ext.data.blends import DataBlends, get_data_blends
 from megatron_ext.data.gpt_datasets import EodBoundaryDataset, build_gpt_datasets, parse_split
 from megatron_ext.data.packed_dataset import EodLossMask, build_blended_packed_datasets
+from megatron_ext.derived import uses_document_boundaries, uses_variable_lengths
 
 
-def get_num_samples(cfg: JobConfig, global_batch_size: int) -> list[int]:
+def get_num_samples(t: TrainingConfig, global_batch_size: int) -> list[int]:
     """[train, valid, test] samples the run will read."""
-    t = cfg.training
     num_evals = -(-t.train_iters // t.eval_interval) if t.eval_interval else 0  # and one at the end
     return [t.train_iters * global_batch_size, max(num_evals * t.eval_iters * global_batch_size, 1), 1]
+
+
+def get_unused_splits(t: TrainingConfig) -> tuple[int, ...]:
+    """The test split always (nothing reads it), the validation split without --eval-interval."""
+    return (2,) if t.eval_interval else (1, 2)
 
 
 def build_train_valid_datasets(
     cfg: JobConfig, tokenizer: Any, global_batch_size: int, log: Callable[[str], None] | None = None,
 ) -> tuple[Any, Any]:
-    """(train, valid) datasets; ``log`` (the logging rank's) receives the packing summary."""
-    num_samples = get_num_samples(cfg, global_batch_size)
+    """(train, valid) datasets of the run's flags: how many samples each split gives (the run's
+    length and evaluations) and which builder the data flags choose; ``log`` (the logging rank's)
+    receives a summary line per dataset."""
     d, t = cfg.data, cfg.training
-    blends = None if d.mock_data else get_data_blends(cfg)
-    if uses_variable_lengths(cfg):
-        strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
-        train_ds, valid_ds, _ = build_blended_packed_datasets(
-            blends, parse_split(d.split) if blends.blend else [1.0], cfg.model.seq_length, strategy, t.seed,
-            num_samples, d.data_cache_path, unused_splits=get_unused_splits(cfg), split_flag=d.split,
-        )
-        if d.eod_mask_loss:
-            train_ds, valid_ds = (None if ds is None else EodLossMask(ds, tokenizer.eod) for ds in (train_ds, valid_ds))
-        if log is not None:
-            for part in getattr(train_ds, "datasets", [train_ds]):
-                index = part.index
-                log(
-                    f"> {strategy} samples of {part.indexed.path_prefix}: {index.num_bins} of <= "
-                    f"{cfg.model.seq_length} tokens from {len(index.piece_len)} document pieces | packing "
-                    f"efficiency (real tokens / slots at --seq-length): {index.efficiency(cfg.model.seq_length):.3f}"
-                    f" | this run reads {part.samples_read} of them, {part.samples_read / max(index.num_bins, 1):.2f} epochs"
-                )
-        return train_ds, valid_ds
-    train_ds, valid_ds, _ = build_gpt_datasets(
-        tokenizer, cfg.model.seq_length, num_samples, split=d.split, mock_data=d.mock_data, random_seed=t.seed,
-        path_to_cache=d.data_cache_path, reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss, create_attention_mask=False,
-        unused_splits=get_unused_splits(cfg), blend=blends and blends.blend, blend_per_split=blends and blends.per_split,
+    blends = None if d.mock_data else get_data_blends(d)
+    num_samples, unused = get_num_samples(t, global_batch_size), get_unused_splits(t)
+    if uses_variable_lengths(d):
+        return build_document_datasets(d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, unused, log)
+    return build_window_datasets(d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, unused, log)
+
+
+def build_document_datasets(
+    d: DataConfig, blends: DataBlends, tokenizer: Any, seq_length: int, seed: int, num_samples: Sequence[int],
+    unused_splits: Sequence[int], log: Callable[[str], None] | None = None,
+) -> tuple[Any, Any]:
+    """(train, valid) samples of whole documents (``--packed-sequences``, or
+    ``--one-document-per-row``) from our document-aware index (``packed_dataset.py``)."""
+    strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
+    train_ds, valid_ds, _ = build_blended_packed_datasets(
+        blends, parse_split(d.split) if blends.blend else [1.0], seq_length, strategy, seed,
+        num_samples, d.data_cache_path, unused_splits=unused_splits, split_flag=d.split,
     )
-    if log is not None and train_ds is not None:
+    if d.eod_mask_loss:
+        train_ds, valid_ds = (None if ds is None else EodLossMask(ds, tokenizer.eod) for ds in (train_ds, valid_ds))
+    if log is not None:
         for part in getattr(train_ds, "datasets", [train_ds]):
-            log(describe_windows(part, cfg.model.seq_length))
-    if uses_document_boundaries(cfg):
-        train_ds, valid_ds = (EodBoundaryDataset(ds, tokenizer.eod, d.reset_attention_mask) if ds is not None else None
-                              for ds in (train_ds, valid_ds))
+            index = part.index
+            log(
+                f"> {strategy} samples of {part.indexed.path_prefix}: {index.num_bins} of <= "
+                f"{seq_length} tokens from {len(index.piece_len)} document pieces | packing "
+                f"efficiency (real tokens / slots at --seq-length): {index.efficiency(seq_length):.3f}"
+                f" | this run reads {part.samples_read} of them, "
+                f"{part.samples_read / max(index.num_bins, 1):.2f} epochs"
+            )
     return train_ds, valid_ds
 
 
-def get_unused_splits(cfg: JobConfig) -> tuple[int, ...]:
-    """The test split always (nothing reads it), the validation split without --eval-interval."""
-    return (2,) if cfg.training.eval_interval else (1, 2)
+def build_window_datasets(
+    d: DataConfig, blends: DataBlends | None, tokenizer: Any, seq_length: int, seed: int,
+    num_samples: Sequence[int], unused_splits: Sequence[int], log: Callable[[str], None] | None = None,
+) -> tuple[Any, Any]:
+    """(train, valid) windows of ``seq_length`` + 1 tokens from megatron-core's ``GPTDataset``
+    (``gpt_datasets.py``; None blends: ``--mock-data``), split at EOD into documents with
+    ``--reset-attention-mask`` / ``--reset-position-ids``."""
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        tokenizer, seq_length, num_samples, split=d.split, mock_data=d.mock_data, random_seed=seed,
+        path_to_cache=d.data_cache_path, reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss, create_attention_mask=False,
+        unused_splits=unused_splits, blend=blends and blends.blend, blend_per_split=blends and blends.per_split,
+    )
+    if log is not None and train_ds is not None:
+        for part in getattr(train_ds, "datasets", [train_ds]):
+            log(describe_windows(part, seq_length))
+    if uses_document_boundaries(d):
+        train_ds, valid_ds = (EodBoundaryDataset(ds, tokenizer.eod, d.reset_attention_mask) if ds is not None else None
+                              for ds in (train_ds, valid_ds))
+    return train_ds, valid_ds
 
 
 def describe_windows(ds: Any, seq_length: int) -> str:

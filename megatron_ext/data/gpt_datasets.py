@@ -16,6 +16,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 from megatron_ext.config import ConfigError
+from megatron_ext.data import microbatch
 
 Blend = tuple[list[str], Optional[list[float]]]
 
@@ -327,9 +328,7 @@ class EodBoundaryDataset:
         return sample
 
     def describe_sample(self, index: int) -> str:
-        from megatron_ext.data.microbatch import describe_sample
-
-        return describe_sample(self.dataset, index)
+        return microbatch.describe_sample(self.dataset, index)
 
     def __getattr__(self, name: str):  # the builders read GPTDataset's attributes
         if name == "dataset":  # not set yet (copy, unpickling): no recursion

@@ -18,10 +18,12 @@ Token validity has one encoding: a label equal to IGNORE_INDEX predicts nothing 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 import torch
+
+from megatron_ext.config import ConfigError
 
 # Labels at this value predict nothing (megatron-core's and torch's cross-entropy convention).
 IGNORE_INDEX = -100
@@ -136,8 +138,6 @@ def check_token_ids(sample: Sample, vocab_size: int, dataset: Any, index: int) -
     top = int(sample["tokens"].max()) if sample["tokens"].numel() else 0
     low = int(sample["tokens"].min()) if sample["tokens"].numel() else 0
     if top >= vocab_size or low < 0:
-        from megatron_ext.config import ConfigError
-
         bad = top if top >= vocab_size else low
         raise ConfigError([
             f"token id {bad} is outside the tokenizer's vocabulary [0, {vocab_size}) in "
@@ -165,14 +165,6 @@ def describe_sample(dataset: Any, index: int) -> str:
             pass
         return where
     return f"sample {index} of {type(dataset).__name__}"
-
-
-def collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> Microbatch:
-    """One micro-batch padded to its own length: the longest row, or the joined packs."""
-    from megatron_ext.data.padding import collate_padded, get_microbatch_length
-
-    normalized = [normalize_sample(s) for s in samples]
-    return collate_padded(normalized, get_microbatch_length(normalized), pad_id)
 
 
 def build_chunk_iterators(microbatches: list[Microbatch], num_chunks: int) -> list[Iterator[Microbatch]]:

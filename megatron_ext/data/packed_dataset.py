@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from megatron_ext.config import ConfigError
+from megatron_ext.data.blends import get_blend_weights
 from megatron_ext.data.microbatch import IGNORE_INDEX
 from megatron_ext.data.packing import PackingIndex, build_packing_index, split_documents
 
@@ -395,8 +396,6 @@ def build_blended_packed_datasets(
     each prefix divided by --split and the splits blended; with a blend per split, each prefix read
     whole. None for a split not read or without data."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    from megatron_ext.data.blends import get_blend_weights
 
     out: list = [None, None, None]
     if blends.blend is not None:

@@ -23,11 +23,13 @@ NaN); ``max_seqlen`` is recomputed from the grown boundaries.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 import torch.distributed as dist
 
 from megatron_ext.cpu_platform import get_collective_device
-from megatron_ext.data.microbatch import IGNORE_INDEX, Microbatch, Sample
+from megatron_ext.data.microbatch import IGNORE_INDEX, Microbatch, Sample, normalize_sample
 
 MODES = ("static", "negotiated", "variable")
 
@@ -113,6 +115,12 @@ def collate_padded(samples: list[Sample], length: int, pad_id: int) -> Microbatc
         position_ids=torch.stack([p["position_ids"] for p in padded]),
         num_real_tokens=sum(lengths), attention_pairs=sum(n * n for n in lengths),
     )
+
+
+def collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> Microbatch:
+    """One micro-batch padded to its own length: the longest row, or the joined packs."""
+    normalized = [normalize_sample(s) for s in samples]
+    return collate_padded(normalized, get_microbatch_length(normalized), pad_id)
 
 
 def get_local_max(raw_microbatches: list[list[Sample]]) -> int:

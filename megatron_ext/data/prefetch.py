@@ -1,11 +1,11 @@
 """The next step's micro-batches, built in the background while the current step runs.
 
-A step's data is: its samples read (``dataset[i]``, normalised, token ids checked; in the training
-process, or with ``--num-workers N`` in N worker processes of a torch ``DataLoader``), padded as
-``--sequence-padding`` says, and moved to the device (pinned host memory, copied on a side CUDA
-stream). ``StepPrefetcher.request(first_sample)`` starts that for a step in one background thread;
-``take(first_sample)`` returns it, waiting only if it is not ready (the wait is what
-``bench/data.py`` reports and the ``data`` timer shows).
+A step's data is what ``step_data.StepDataBuilder`` makes: its samples read (``dataset[i]``,
+normalised, token ids checked; in the training process, or with ``--num-workers N`` in N worker
+processes of a torch ``DataLoader``), padded as ``--sequence-padding`` says, and moved to the
+device (pinned host memory, copied on a side CUDA stream). ``StepPrefetcher.request(first_sample)``
+runs that builder for a step in one background thread; ``take(first_sample)`` returns it, waiting
+only if it is not ready (the wait is what ``bench/data.py`` reports and the ``data`` timer shows).
 
 Collectives: negotiated padding needs one all-reduce MAX over the pipeline replica (TP x PP). The
 background thread issues it on a gloo group of its own (``build_data_group``), so it never shares a
@@ -14,7 +14,7 @@ same steps in the same order (the loop does), so those all-reduces match across 
 of a step that was not requested first waits for the pending one, then builds synchronously.
 
 Order and resume are those of ``microbatch.get_microbatch_indices``: step k's samples are a pure
-function of ``first_sample``, wherever and whenever they are read.
+function of ``first_sample``, wherever and whenever they are read, in this thread or a worker.
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ext.data.microbatch import (
-    Microbatch, Sample, check_token_ids, fetch_step_samples, get_microbatch_indices, normalize_sample,
-)
-
-BuildStep = Callable[[list[list[Sample]], Any], tuple[list[Microbatch], int]]
+from megatron_ext.data.microbatch import Microbatch, Sample, check_token_ids, get_microbatch_indices, normalize_sample
+from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 
 
 def build_data_group(ctx) -> Any:
@@ -91,12 +88,11 @@ class WorkerSampleReader:
     step's micro-batch index lists, in order, running ahead by ``prefetch_factor`` micro-batches per
     worker). Restarted when a step other than the next one is asked for."""
 
-    def __init__(self, dataset: Any, vocab_size: int | None, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, num_workers: int):
-        self.samples = _CheckedSamples(dataset, vocab_size)
-        self.layout = (global_batch_size, micro_batch_size, dp_rank, dp_size)
+    def __init__(self, dataset: Any, spec: StepDataSpec, num_workers: int):
+        self.samples = _CheckedSamples(dataset, spec.vocab_size)
+        self.layout = (spec.global_batch_size, spec.micro_batch_size, spec.dp_rank, spec.dp_size)
         self.num_workers = num_workers
-        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.num_microbatches = spec.num_microbatches
         self._next: int | None = None
         self._loader: Any = None
         self._iter: Any = None
@@ -138,17 +134,15 @@ class WorkerSampleReader:
 
 
 class StepPrefetcher:
-    """Builds step k+1's micro-batches in one background thread while step k runs (see the module
-    docstring). ``build(raw, group)`` pads the raw samples (negotiating over ``group``); samples come
-    from ``dataset`` directly, or from ``WorkerSampleReader`` with ``num_workers`` > 0."""
+    """Runs ``builder`` (negotiating over its own group) for step k+1 in one background thread while
+    step k runs (see the module docstring); samples come from ``dataset`` directly, or from
+    ``WorkerSampleReader`` with ``num_workers`` > 0."""
 
-    def __init__(self, dataset: Any, build: BuildStep, group: Any, device: torch.device, vocab_size: int | None,
-                 layout: tuple[int, int, int, int], num_workers: int = 0, background: bool = True):
-        self.dataset, self.build, self.group, self.device = dataset, build, group, device
+    def __init__(self, builder: StepDataBuilder, dataset: Any, num_workers: int = 0, background: bool = True):
+        self.builder, self.dataset, self.device = builder, dataset, builder.device
         self.background = background  # False (--no-data-prefetch with --num-workers): steps are built in take()
-        self.vocab_size, self.layout = vocab_size, layout
-        self.reader = WorkerSampleReader(dataset, vocab_size, *layout, num_workers) if num_workers else None
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.reader = WorkerSampleReader(dataset, builder.spec, num_workers) if num_workers else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pending: tuple[int, _Background] | None = None
         self.wait_seconds = 0.0  # time the training thread waited in take()
         self.steps = 0
@@ -156,17 +150,11 @@ class StepPrefetcher:
     def _read(self, first_sample: int) -> list[list[Sample]]:
         if self.reader is not None:
             return self.reader.fetch(first_sample)
-        g, b, r, d = self.layout
-        return fetch_step_samples(self.dataset, get_microbatch_indices(first_sample, g, b, r, d), self.vocab_size)
+        return self.builder.read(self.dataset, first_sample)
 
     def _build(self, first_sample: int) -> tuple[list[Microbatch], int, Any]:
-        microbatches, length = self.build(self._read(first_sample), self.group)
-        if self.stream is None:
-            return microbatches, length, None
-        with torch.cuda.stream(self.stream):
-            moved = [mb.to(self.device) for mb in microbatches]
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        microbatches, length = self.builder.collate(self._read(first_sample))
+        moved, event = self.builder.to_device(microbatches, self.stream)
         return moved, length, event
 
     def request(self, first_sample: int) -> None:

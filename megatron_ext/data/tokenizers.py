@@ -277,6 +277,17 @@ class GPT2BPETokenizer(_TokenizerFiles):
         return self._impl.decode([int(i) for i in ids])
 
 
+def describe_model_files(directory: str) -> str:
+    """Which sentencepiece ``.model`` files a directory given as --tokenizer-model holds, as a hint."""
+    try:
+        found = sorted(n for n in os.listdir(directory) if n.endswith(".model"))
+    except OSError:
+        found = []
+    if not found:
+        return f"{directory} holds none; tools/train_tokenizer.py writes one"
+    return "e.g. " + ", ".join(os.path.join(directory, n) for n in found[:3])
+
+
 def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: Optional[str] = None,
                           vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
                           merge_file: Optional[str] = None) -> list[str]:
@@ -294,6 +305,9 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: Optional[str] = 
         if not tokenizer_model:
             return [f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a sentencepiece .model (e.g. "
                     f"data/default/tokenizer.model, or train one with tools/train_tokenizer.py)"]
+        if os.path.isdir(tokenizer_model):
+            return [f"--tokenizer-model {tokenizer_model} is a directory: {tokenizer_type} takes the sentencepiece "
+                    f".model file itself ({describe_model_files(tokenizer_model)})"]
         if not os.path.isfile(tokenizer_model):
             return [f"--tokenizer-model {tokenizer_model} does not exist; pass the path of a sentencepiece .model "
                     f"(e.g. data/default/tokenizer.model)"]

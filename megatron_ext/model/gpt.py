@@ -15,43 +15,34 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.config import (
-    JobConfig, get_num_query_groups, get_params_dtype, get_recompute, get_sequence_padding, get_stage_placement,
-    get_virtual_pipeline_size, uses_document_boundaries,
-)
+from megatron_ext.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_ext.derived import ResolvedConfig
+# attention and wgrad are called through their modules: bench/gpu_ablation.py patches them there
+from megatron_ext.model import attention, wgrad
+from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.model.init_weights import apply_layout_independent_init
+from megatron_ext.model.norm import TorchNorm
+from megatron_ext.model.v_placement import (
+    build_placed_float16_module, get_config_placement, mark_config_placement,
+)
+from megatron_ext.model.wgrad_deferral import uses_weight_grad_deferral
 from megatron_ext.parallel import StagePlacement
 
 
-def get_ffn_hidden_size(cfg: JobConfig) -> int:
-    m = cfg.model
-    return resolve_ffn_hidden_size(m.ffn_hidden_size, m.hidden_size, m.swiglu)
-
-
-def resolve_ffn_hidden_size(ffn_hidden_size: int | None, hidden_size: int, swiglu: bool) -> int:
-    """--ffn-hidden-size, or Megatron-LM's default (``validate_args``): 4h, or with --swiglu 2/3 of
-    4h rounded DOWN to a multiple of 64 (h 4096 -> 10880), so that a Megatron-LM script without
-    --ffn-hidden-size builds the same model here."""
-    if ffn_hidden_size:
-        return ffn_hidden_size
-    if swiglu:
-        return int((4 * hidden_size * 2 / 3) / 64) * 64
-    return 4 * hidden_size
-
-
-def build_transformer_config(cfg: JobConfig, device: torch.device):
-    """megatron-core TransformerConfig for this job."""
+def build_transformer_config(cfg: JobConfig, resolved: ResolvedConfig, device: torch.device):
+    """megatron-core TransformerConfig for this job: the flags of ``cfg`` and the values
+    ``resolved`` derived from them (virtual stages, MLP width, key/value heads, dtype, recompute)."""
     from megatron.core.transformer import TransformerConfig
 
     m, p = cfg.model, cfg.parallel
-    interleaved = (get_virtual_pipeline_size(cfg) or 1) > 1
-    dtype = get_params_dtype(cfg)
+    interleaved = (resolved.virtual_pipeline_size or 1) > 1
+    dtype = resolved.params_dtype
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=get_ffn_hidden_size(cfg),
+        ffn_hidden_size=resolved.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
-        num_query_groups=get_num_query_groups(cfg),
+        num_query_groups=resolved.num_query_groups,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         normalization=m.normalization,
@@ -63,7 +54,7 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=get_virtual_pipeline_size(cfg),
+        virtual_pipeline_model_parallel_size=resolved.virtual_pipeline_size,
         microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
         num_layers_in_first_pipeline_stage=p.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=p.decoder_last_pipeline_num_layers,
@@ -75,9 +66,9 @@ def build_transformer_config(cfg: JobConfig, device: torch.device):
         bf16=cfg.training.bf16,
         fp16=cfg.training.fp16,
         calculate_per_token_loss=cfg.training.calculate_per_token_loss,
-        **get_recompute(cfg),
+        **resolved.recompute,
         # megatron-core's shape handshake before every P2P message (--sequence-padding variable)
-        variable_seq_lengths=get_sequence_padding(cfg) == "variable",
+        variable_seq_lengths=resolved.sequence_padding == "variable",
         # (megatron-core rejects variable_seq_lengths with its default MoE dispatcher even
         # without experts; the dispatcher is unused in a dense model)
         moe_token_dispatcher_type="alltoall",
@@ -122,8 +113,10 @@ def apply_checkpoint_without_output_fix() -> None:
     cls._megatron_ext_fp8_fix = True
 
 
-def use_transformer_engine(cfg: JobConfig, device: torch.device) -> bool:
-    impl = cfg.model.transformer_impl
+def use_transformer_engine(m: ModelConfig, device: torch.device) -> bool:
+    """Transformer Engine's layer spec: --transformer-impl transformer_engine, or auto where TE is
+    importable and CUDA is used."""
+    impl = m.transformer_impl
     if impl == "local" or device.type != "cuda":
         return False
     try:
@@ -135,23 +128,21 @@ def use_transformer_engine(cfg: JobConfig, device: torch.device) -> bool:
     return True
 
 
-def build_layer_spec(cfg: JobConfig, device: torch.device):
+def build_layer_spec(m: ModelConfig, device: torch.device):
+    """One transformer layer's spec: Transformer Engine's, or megatron-core's local one with our
+    core attention and norms."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_ext.model.attention import VarlenDotProductAttention
-    from megatron_ext.model.norm import TorchNorm
-
-    if use_transformer_engine(cfg, device):
+    if use_transformer_engine(m, device):
         return get_gpt_layer_with_transformer_engine_spec()
     # (our core attention below also applies RoPE: see model/attention.py)
-    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    spec = get_gpt_layer_local_spec(normalization=m.normalization)
     # megatron-core's local DotProductAttention rejects packed (THD) inputs; ours honours them.
-    spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+    spec.submodules.self_attention.submodules.core_attention = attention.VarlenDotProductAttention
     # its torch norms refuse --sequence-parallel; ours support it (model/norm.py)
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(spec.submodules, name) is WrappedTorchNorm:
@@ -164,8 +155,6 @@ def build_block_spec(layer_spec, tf_config, vp_stage: int | None, pp_rank: int):
     this stage), with our ``TorchNorm`` as the final norm where upstream would take its torch norm."""
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from megatron_ext.model.norm import TorchNorm
 
     if transformer_block.LayerNormImpl is not WrappedTorchNorm:  # TE's or Apex's norm: upstream's path
         return layer_spec
@@ -192,8 +181,6 @@ def gpt_model_class():
     loss in half the memory passes); everything else is upstream's."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy
-
     class GPTModelWithLeanCrossEntropy(GPTModel):
         def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
             # as upstream: labels [b, s] -> [s, b] like the logits; the loss back to [b, s]
@@ -204,22 +191,19 @@ def gpt_model_class():
 
 
 def build_model_chunks(
-    cfg: JobConfig, placement: StagePlacement, padded_vocab_size: int, device: torch.device
+    cfg: JobConfig, resolved: ResolvedConfig, placement: StagePlacement, device: torch.device
 ) -> list[torch.nn.Module]:
-    """Unwrapped GPTModel chunks of this rank, initialised layout-independently."""
-    from megatron_ext.model.attention import apply_core_attention_rotary
-
-    from megatron_ext.model.v_placement import mark_config_placement
-
-    tf_config = build_transformer_config(cfg, device)
-    if placement.placement != get_stage_placement(cfg):
+    """Unwrapped GPTModel chunks of this rank (over ``resolved.padded_vocab_size`` ids),
+    initialised layout-independently."""
+    tf_config = build_transformer_config(cfg, resolved, device)
+    if placement.placement != resolved.stage_placement:
         raise AssertionError(f"stage placement {placement.placement!r} is not the schedule's "
-                             f"{get_stage_placement(cfg)!r}")
+                             f"{resolved.stage_placement!r}")
     # under V, megatron-core's layer numbering is asked for the same stage's loop-placement chunk
     mark_config_placement(tf_config, placement.placement)
     if tf_config.recompute_granularity == "selective":
         apply_checkpoint_without_output_fix()
-    spec = build_layer_spec(cfg, device)
+    spec = build_layer_spec(cfg.model, device)
     m = cfg.model
     num_chunks = placement.vp_size or 1
     chunks = []
@@ -228,7 +212,7 @@ def build_model_chunks(
             config=tf_config,
             transformer_layer_spec=build_block_spec(spec, tf_config, vp_stage if placement.vp_size else None,
                                                     placement.pp_rank),
-            vocab_size=padded_vocab_size,
+            vocab_size=resolved.padded_vocab_size,
             max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=placement.is_first(vp_stage),
             post_process=placement.is_last(vp_stage),
@@ -240,10 +224,10 @@ def build_model_chunks(
             rope_scaling_factor=m.rope_scaling_factor,
             vp_stage=vp_stage if placement.vp_size else None,
         )
-        if not use_transformer_engine(cfg, device):
-            apply_core_attention_rotary(chunk)
+        if not use_transformer_engine(m, device):
+            attention.apply_core_attention_rotary(chunk)
         chunks.append(chunk.to(device))
-    if uses_document_boundaries(cfg):
+    if resolved.uses_document_boundaries:
         check_packed_sequence_support(chunks)
     apply_layout_independent_init(
         chunks,
@@ -257,41 +241,39 @@ def build_model_chunks(
     return chunks
 
 
-def apply_mixed_precision(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def apply_mixed_precision(t: TrainingConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """With --bf16 or --fp16, megatron-core's Float16Module around each chunk (as Megatron-LM
     wraps its model before DDP); unchanged in fp32. Under the V placement its first and last stage
     are the chunk's own pre/post_process (``model/v_placement.py``)."""
-    if not (cfg.training.bf16 or cfg.training.fp16):
+    if not (t.bf16 or t.fp16):
         return chunks
     from megatron.core.transformer.module import Float16Module
-
-    from megatron_ext.model.v_placement import build_placed_float16_module, get_config_placement
 
     if any(get_config_placement(chunk.config) == "v" for chunk in chunks):
         return [build_placed_float16_module(chunk.config, chunk) for chunk in chunks]
     return [Float16Module(chunk.config, chunk) for chunk in chunks]
 
 
-def wrap_with_ddp(cfg: JobConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def wrap_with_ddp(
+    p: ParallelConfig, chunks: list[torch.nn.Module], gradient_accumulation_fusion: bool
+) -> list[torch.nn.Module]:
     """megatron-core DDP around each chunk (fp32 grad buffers; DP reduce in finalize), with weight
-    gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``). Where the
-    chunks defer their weight gradients (``model/wgrad_deferral.py``), DDP's ``delay_wgrad_compute``
-    hands each deferred weight's grad-ready hook to its layer, which runs it in W."""
+    gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``) when
+    ``gradient_accumulation_fusion`` (--gradient-accumulation-fusion). Where the chunks defer their
+    weight gradients (``model/wgrad_deferral.py``), DDP's ``delay_wgrad_compute`` hands each deferred
+    weight's grad-ready hook to its layer, which runs it in W."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_ext.model import wgrad
-    from megatron_ext.model.wgrad_deferral import uses_weight_grad_deferral
-
-    if cfg.training.gradient_accumulation_fusion:
+    if gradient_accumulation_fusion:
         wgrad.enable_gradient_accumulation_fusion(chunks)
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        overlap_param_gather=cfg.parallel.overlap_param_gather,
-        align_param_gather=cfg.parallel.overlap_param_gather and cfg.parallel.align_param_gather,
-        bucket_size=cfg.parallel.ddp_bucket_size,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        align_param_gather=p.overlap_param_gather and p.align_param_gather,
+        bucket_size=p.ddp_bucket_size,
+        use_distributed_optimizer=p.use_distributed_optimizer,
         delay_wgrad_compute=uses_weight_grad_deferral(chunks),
     )
     return [

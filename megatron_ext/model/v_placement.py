@@ -9,7 +9,9 @@ p-1) wherever it needs to know a stage. Each such place, and what replaces it un
   layer and the block's ``sharded_state_dict``): under V they are asked for the (chunk, rank) that
   holds the *same stage* under the loop placement (``get_loop_equivalent``), so stage s carries the
   same layers, the same checkpoint keys and, through our init by global name, the same initial
-  weights under every schedule. Uneven splits are refused under V (``config._check_v_split``).
+  weights under every schedule. So ``--account-for-embedding/loss-in-pipeline-split`` lighten stages 0
+  and 2p-1, both on rank 0 under V; ``--decoder-first/last-pipeline-num-layers`` (layers of the
+  loop placement's first/last *rank*) are refused under V (``layout_rules.check_v_split``).
 - where the embedding and the output layer with the loss are built: ``StagePlacement.is_first`` /
   ``is_last`` from the placement (``parallel.py``), passed to GPTModel as pre/post_process.
 - the embedding group (first and last pipeline rank; the tied output weight's initial copy and

@@ -209,6 +209,9 @@ def _deferrable_linears(chunk: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
+TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine")
+
+
 def check_weight_grad_deferral(chunks: list[torch.nn.Module]) -> None:
     """Refuse what the split cannot serve, before anything is changed."""
     from megatron.core.distributed import DistributedDataParallel
@@ -222,6 +225,11 @@ def check_weight_grad_deferral(chunks: list[torch.nn.Module]) -> None:
             raise ValueError("megatron-core's defer_embedding_wgrad_compute (the output layer's W buffered to "
                              "the pipeline flush) and a zero-bubble schedule's W queue both defer the output "
                              "layer's weight gradient: turn defer_embedding_wgrad_compute off")
+        te = sorted({type(m).__name__ for m in chunk.modules() if type(m).__module__.startswith(TE_MODULES)})
+        if te:
+            raise ValueError(f"chunk {i} has Transformer Engine layers ({', '.join(te)}), whose weight gradients "
+                             f"the B/W split does not defer (their W would run in B): use --transformer-impl local "
+                             f"with a zero-bubble --pipeline-schedule")
         model = chunk
         while hasattr(model, "module"):  # Float16Module
             model = model.module

@@ -1,15 +1,17 @@
 """``--pipeline-schedule``: every impossible combination is one problem naming the flags and the fix,
-found before anything is built (``config.validate`` collects them with the others).
+found before anything is built (``validation.validate`` collects them with the others, through
+``layout_rules.check_pipeline_schedule_layout``).
 
 How a user asks for chunks per rank: ``--num-virtual-stages-per-pipeline-rank`` (or
 ``--num-layers-per-virtual-pipeline-stage``) as for megatron-core's interleaved schedule; the V
-schedules imply 2 when neither is given (``get_schedule_chunks``), and refuse any other number.
+schedules imply 2 when neither is given (``derived.get_schedule_chunks``), and refuse any other number.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from megatron_ext.derived import get_schedule_name, get_sequence_padding
 from megatron_ext.pipeline.names import (
     MEGATRON_CORE_SCHEDULES, SCHEDULES, V_PLACEMENT_SCHEDULES, canonical_schedule_name,
 )
@@ -17,26 +19,6 @@ from megatron_ext.pipeline.schedules import GENERATORS
 
 FLAG = "--pipeline-schedule"
 VPP_FLAG = "--num-virtual-stages-per-pipeline-rank"
-
-
-def get_schedule_name(cfg: Any) -> str | None:
-    """The canonical name of ``--pipeline-schedule`` (None: not given, or not a schedule)."""
-    name = cfg.parallel.pipeline_schedule
-    return canonical_schedule_name(name) if name else None
-
-
-def uses_our_runtime(cfg: Any) -> bool:
-    """The schedule runs on ``pipeline/runtime.py`` rather than megatron-core's schedules."""
-    name = get_schedule_name(cfg)
-    return name is not None and name not in MEGATRON_CORE_SCHEDULES
-
-
-def get_schedule_chunks(cfg: Any) -> int | None:
-    """Chunks per rank the schedule implies when no virtual-stage flag is given: 2 for the V
-    schedules, else None (the flags decide)."""
-    p = cfg.parallel
-    given = p.num_virtual_stages_per_pipeline_rank or p.num_layers_per_virtual_pipeline_stage
-    return 2 if get_schedule_name(cfg) in V_PLACEMENT_SCHEDULES and not given else None
 
 
 def check_schedule_name(cfg: Any) -> list[str]:
@@ -95,7 +77,10 @@ def _check_chunks(name: str, pp: int, v: int) -> list[str]:
 def _check_layers(cfg: Any, name: str, pp: int, v: int) -> list[str]:
     layers = cfg.model.num_layers
     p = cfg.parallel
-    uneven = p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
+    # uneven splits are checked with the layout (layout_rules.check_uneven_split: the layers plus the embedding
+    # and loss counted as layers split into the stages; layout_rules.check_v_split: which of them V takes)
+    uneven = (p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
+              or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split)
     if name in V_PLACEMENT_SCHEDULES and not uneven and layers % (2 * pp):
         return [f"{FLAG} {name}: --num-layers {layers} does not split into 2 x --pipeline-model-parallel-size "
                 f"{pp} = {2 * pp} equal model chunks (the V placement's stages): use a multiple of {2 * pp} layers"]
@@ -104,10 +89,8 @@ def _check_layers(cfg: Any, name: str, pp: int, v: int) -> list[str]:
 
 def _check_features(cfg: Any, name: str) -> list[str]:
     """Features megatron-core's schedules have and ours refuse, by flag."""
-    from megatron_ext.config import get_sequence_padding
-
     out = []
-    if get_sequence_padding(cfg) == "variable":
+    if get_sequence_padding(cfg.data) == "variable":
         out.append(f"{FLAG} {name} with --sequence-padding variable: megatron-core's shape handshake is a blocking "
                    f"exchange per message, which deadlocks when messages run out of 1F1B's order; use "
                    f"--sequence-padding negotiated (one MAX over the pipeline per step, the same data)")

@@ -6,8 +6,9 @@ steps) -> evaluate (every ``--eval-interval``) -> agree on an exit (signal, time
 ``--exit-interval``; every rank gets the same answer; with ``--async-save`` the same agreement
 says whether every rank finished writing the save in flight, which is then published) -> save (on
 ``--save-interval``, at ``--train-iters`` and before an exit; never in a run of non-finite steps;
-``--async-save`` starts a background save, except for the last one and before an exit) -> stop
-if exiting. At ``--train-iters`` (not at an earlier exit) a run whose length is not a multiple of
+``--async-save`` starts a background save, except for the last one and before an exit; a save
+whose weights are not finite on some rank is refused and stops the run, ``WeightsNotFinite``) ->
+stop if exiting. At ``--train-iters`` (not at an earlier exit) a run whose length is not a multiple of
 ``--eval-interval`` is evaluated once more, as Megatron-LM evaluates at the end of training. An
 iteration's loss is its global sum / global count (every micro-batch and DP rank); a log line
 reports the mean of those over its iterations whose update was applied, and counts the skipped and
@@ -26,13 +27,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
+from megatron_ext.checkpoint.directory import NonFiniteCheckpoint
 from megatron_ext.checkpoint.exit_policy import EXIT_FLAGS, ExitDecider, describe_exit
-from megatron_ext.checkpoint.state import CheckpointMeta, save_checkpoint, start_async_checkpoint
+from megatron_ext.checkpoint.parts import CheckpointMeta, TrainState
 from megatron_ext.config import JobConfig
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.prefetch import StepPrefetcher
+from megatron_ext.data.step_data import StepDataBuilder
+from megatron_ext.derived import ResolvedConfig
 from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
+from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss, reduce_reported_loss
 from megatron_ext.training.metrics import (
     IterationStats, MetricWriter, format_iteration_line, format_validation_line, get_memory_report, get_memory_stats,
@@ -47,18 +52,13 @@ from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers
 from megatron_ext.training.timeline import PipelineTimeline
 
 
-@dataclasses.dataclass
-class TrainState:
-    """What a resume needs besides weights and optimizer state."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
-
-
 class TrainingDiverged(RuntimeError):
     """Too many consecutive non-finite iterations: the run stops without saving."""
+
+
+class WeightsNotFinite(TrainingDiverged):
+    """A save found non-finite weights (an update from finite gradients overflowed them): it was
+    refused on every rank, nothing was written or deleted, and the run stops."""
 
 
 @dataclasses.dataclass
@@ -66,6 +66,7 @@ class TrainingRun:
     """Everything the loop needs, built by ``megatron_ext.run.build_training_run``."""
 
     cfg: JobConfig
+    resolved: ResolvedConfig  # what the flags of cfg mean for this run (derived.resolve_config)
     ctx: ParallelContext
     model: list[torch.nn.Module]
     optimizer: Any
@@ -76,10 +77,10 @@ class TrainingRun:
     writer: MetricWriter
     checkpoint_meta: CheckpointMeta
     exit_decider: ExitDecider
-    pad_id: int = 0
-    vocab_size: int | None = None  # the tokenizer's: every token id of the data must lie below it
+    # builds a step's micro-batches now, in this thread (evaluation; training without a prefetcher)
+    step_data: StepDataBuilder
     state: TrainState = dataclasses.field(default_factory=TrainState)
-    # each optimizer parameter group's flag-given settings as built (optimizer.record_flag_settings),
+    # each optimizer parameter group's flag-given settings as built (optim.record_flag_settings),
     # restored after a load under --override-opt-param-scheduler
     optimizer_flags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     log: Callable[[str], None] = functools.partial(print, flush=True)
@@ -102,6 +103,8 @@ class TrainingRun:
     memory_reported: bool = False
     # --async-save: the save in flight (None without the flag)
     async_saver: AsyncCheckpointSaver | None = None
+    # the iteration of this process's last published save, whose weights every rank found finite
+    weights_finite_at: int | None = None
     # builds the next step's data in the background (None with --no-data-prefetch)
     prefetcher: StepPrefetcher | None = None
 
@@ -183,7 +186,7 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     window.seconds += time.perf_counter() - start
     window.iterations += 1
     real = sum(mb.num_real_tokens for mb in microbatches)
-    flops = sum(num_floating_point_operations(run.cfg, run.checkpoint_meta.padded_vocab_size,
+    flops = sum(num_floating_point_operations(run.cfg.model, run.checkpoint_meta.padded_vocab_size,
                                               mb.num_real_tokens, mb.attention_pairs) for mb in microbatches)
     window.real_tokens += real
     window.slots += sum(mb.num_slots for mb in microbatches)
@@ -343,7 +346,34 @@ def should_save(cfg: JobConfig, iteration: int, exiting: bool) -> bool:
 
 def train(run: TrainingRun) -> list[float]:
     """Train to ``--train-iters`` (or an agreed exit); returns the logged losses (global token
-    means) on every rank of the last stage (empty elsewhere)."""
+    means) on every rank of the last stage (empty elsewhere). A save refused for non-finite
+    weights raises WeightsNotFinite on every rank."""
+    try:
+        return _train_to_the_end(run)
+    except NonFiniteCheckpoint as err:
+        raise WeightsNotFinite(describe_non_finite_save(run, err)) from None
+
+
+def describe_non_finite_save(run: TrainingRun, err: NonFiniteCheckpoint) -> str:
+    """Which updates made the weights non-finite, the refused save, and the last good checkpoint.
+    Weights are checked at saves only, so the update is named as a range: after the last save this
+    process published (every rank found its weights finite) or, before any, after this run's start,
+    up to the refused save's iteration; with a save at every step, exactly."""
+    started = run.state.iteration - run.steps_this_run
+    first = (run.weights_finite_at if run.weights_finite_at is not None else started) + 1
+    checked = (f"finite at the save of iteration {run.weights_finite_at}" if run.weights_finite_at is not None
+               else f"not checked since this run started at iteration {started}")
+    updates = (f"the update of iteration {err.iteration}" if first == err.iteration
+               else f"one of the updates of iterations {first} to {err.iteration}")
+    fix = "with a lower --lr, or check --init-method-std and the data"
+    then = (f"Resume from that last good checkpoint (--load {err.root} loads it) {fix}" if err.newest
+            else f"No checkpoint holds this run's weights: start again {fix}")
+    return (f"training diverged: {updates} made the weights non-finite (they were {checked}; weights are "
+            f"checked at saves only). {err}. {then}")
+
+
+def _train_to_the_end(run: TrainingRun) -> list[float]:
+    """``train`` without the translation of a refused save."""
     cfg, state = run.cfg, run.state
     t = cfg.training
     history: list[float] = []
@@ -372,7 +402,7 @@ def train(run: TrainingRun) -> list[float]:
             pass  # --overlap-param-gather: the model leaves with the last update's parameters
         if run.prefetcher is not None:
             run.prefetcher.close()  # an agreed exit: every rank requested the same next step
-    except TrainingDiverged:
+    except (TrainingDiverged, NonFiniteCheckpoint):
         finish_async_save(run)  # every rank raised it after the same step: the earlier save is good
         if run.prefetcher is not None:
             run.prefetcher.close()
@@ -396,8 +426,10 @@ def train(run: TrainingRun) -> list[float]:
 def finish_async_save(run: TrainingRun) -> None:
     """Wait for the asynchronous save in flight, if any, and publish it (collective)."""
     published = run.async_saver.finish() if run.async_saver is not None else None
-    if published is not None and run.ctx.is_logging_rank:
-        run.log(published.describe())
+    if published is not None:
+        run.weights_finite_at = published.iteration
+        if run.ctx.is_logging_rank:
+            run.log(published.describe())
 
 
 def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool:
@@ -423,8 +455,10 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
     if saver is not None:
         with watched(run, "save"):  # publishing the save in flight, when every rank finished writing
             published = saver.finish_if_agreed(agreed)
-        if published is not None and run.ctx.is_logging_rank:
-            run.log(published.describe(after_iteration=state.iteration))
+        if published is not None:
+            run.weights_finite_at = published.iteration
+            if run.ctx.is_logging_rank:
+                run.log(published.describe(after_iteration=state.iteration))
     if should_save(cfg, state.iteration, bool(exit_flags)) and run.nan_streak == 0:
         with watched(run, "save"), params_synced(run.model):
             if saver is not None and not exit_flags and state.iteration < t.train_iters:
@@ -433,6 +467,7 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
             else:
                 finish_async_save(run)
                 save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
+                run.weights_finite_at = state.iteration
     if exit_flags and run.ctx.is_logging_rank:
         run.log(f"exiting after iteration {state.iteration}: {describe_exit(exit_flags)}")
     return not exit_flags

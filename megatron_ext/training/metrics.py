@@ -18,7 +18,8 @@ import math
 import os
 from typing import Any
 
-from megatron_ext.config import JobConfig
+from megatron_ext.config import JobConfig, ModelConfig
+from megatron_ext.derived import get_ffn_hidden_size, get_num_query_groups
 
 
 # Dense bf16 peak TFLOP/s by device name, most specific first (vendor data sheets).
@@ -39,21 +40,17 @@ def get_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def num_floating_point_operations(cfg: JobConfig, padded_vocab_size: int, num_tokens: float,
+def num_floating_point_operations(m: ModelConfig, padded_vocab_size: int, num_tokens: float,
                                   attention_pairs: float) -> float:
     """Training FLOPs (forward + backward) of ``num_tokens`` real tokens whose attention covers
     ``attention_pairs`` = sum of (document or row length)^2, in Megatron-LM's accounting:
     12 L h^2 [T ((1 + g/a) r + (f/h) k + V/(2Lh)) + r P/h] with r = a d_head / h, k = 3/2 with
     SwiGLU (else 1). For T = B s and P = B s^2 this is Megatron-LM's formula exactly."""
-    from megatron_ext.config import get_num_query_groups
-    from megatron_ext.model.gpt import get_ffn_hidden_size
-
-    m = cfg.model
     h, layers, heads = m.hidden_size, m.num_layers, m.num_attention_heads
     query_ratio = 1.0  # kv_channels x heads / hidden: hidden / heads per head here
-    groups = get_num_query_groups(cfg)
+    groups = get_num_query_groups(m)
     gated = 1.5 if m.swiglu else 1.0
-    per_token = ((1 + groups / heads) * query_ratio + get_ffn_hidden_size(cfg) / h * gated
+    per_token = ((1 + groups / heads) * query_ratio + get_ffn_hidden_size(m) / h * gated
                  + padded_vocab_size / (2 * layers * h))
     return 12.0 * layers * h * h * (num_tokens * per_token + query_ratio * attention_pairs / h)
 

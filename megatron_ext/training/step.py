@@ -19,13 +19,13 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_ext.config import get_max_microbatch_length, get_sequence_padding
 from megatron_ext.cpu_platform import get_collective_device
-from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators, fetch_step_samples, get_microbatch_indices
-from megatron_ext.data.padding import collate_step
+from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators
 from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
+from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
 from megatron_ext.parallel import ParallelContext
+from megatron_ext.pipeline.runtime import get_schedule_runtime
 from megatron_ext.training.loss import compute_token_loss, find_non_finite_microbatch, reduce_reported_loss
 from megatron_ext.training.optimizer import step_optimizer
 from megatron_ext.training.profiling import StepTimers
@@ -97,8 +97,6 @@ def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
     placement, the finalize that knows the loss and the tied embedding are on pipeline rank 0)."""
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
-
     config = model[0].config
     v = get_config_placement(config) == "v"
     config.finalize_model_grads_func = finalize_model_grads_v if v else finalize_model_grads
@@ -162,8 +160,6 @@ def run_forward_backward(
     --pipeline-schedule, else megatron-core's ``get_forward_backward_func()`` (unchanged)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_ext.pipeline.runtime import get_schedule_runtime
-
     if not forward_only:
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -226,20 +222,9 @@ def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:
     return bool(flag.item())
 
 
-def pad_step_samples(cfg: Any, pad_id: int, raw: list, group: Any) -> tuple[list[Microbatch], int]:
-    """A step's raw samples padded as ``--sequence-padding`` says (negotiating over ``group``)."""
-    return collate_step(raw, get_sequence_padding(cfg), group, cfg.data.pad_to_multiple_of,
-                        get_max_microbatch_length(cfg), pad_id)
-
-
 def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
-    """This rank's micro-batches of the step starting at ``first_sample``: fetched, padded as
-    ``--sequence-padding`` says and moved to the device, now, in this thread; returns them and the
-    schedule's seq_length. (Training steps come from ``run.prefetcher`` when there is one.)"""
-    cfg, ctx = run.cfg, run.ctx
-    indices = get_microbatch_indices(
-        first_sample, run.global_batch_size, cfg.training.micro_batch_size, ctx.dp_rank, ctx.dp_size
-    )
-    microbatches, length = pad_step_samples(cfg, run.pad_id, fetch_step_samples(dataset, indices, run.vocab_size),
-                                            ctx.mp_group)
-    return [mb.to(ctx.device) for mb in microbatches], length
+    """This rank's micro-batches of the step starting at ``first_sample`` from ``dataset``, built
+    now, in this thread, by the run's step-data builder (``data/step_data.py``: read, pad as
+    ``--sequence-padding`` says over the model-parallel group, move to the device); returns them and
+    the schedule's seq_length. (Training steps come from ``run.prefetcher`` when there is one.)"""
+    return run.step_data.build(dataset, first_sample)

@@ -13,9 +13,9 @@ parameters and optimizer state while the write is pending. Then:
 - the per-step agreement stays one all-reduce per step (the save's bits ride in the exit
   decision's);
 - resuming from the asynchronous checkpoint of iteration 4 reproduces the losses exactly;
-- a write that fails on one rank is reported on every rank (CheckpointWriteFailed at a step
-  boundary after it ended), nothing is published, the temporary directory is removed and the checkpoint of
-  iteration 2 stays the newest.
+- a write that fails on one rank is reported on every rank with the same message naming that rank
+  and its error (CheckpointWriteFailed at a step boundary after it ended), nothing is published, the
+  temporary directory is removed and the checkpoint of iteration 2 stays the newest.
 
 Crashes of a rank in the background writer and at the publish of an asynchronous save are in
 test_checkpoint_crash.py.
@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint.directory import get_checkpoint_dir, list_complete_checkpoints, read_tracker
-from megatron_ext.checkpoint.state import load_checkpoint, load_full_tensors
+from megatron_ext.checkpoint.state import load_full_tensors
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.loop import train
@@ -171,8 +172,9 @@ def test_a_failed_background_write_stops_every_rank_and_publishes_nothing(world)
         # raised where the ranks learn it: a step boundary after the write ended, or the final save
         assert name == "CheckpointWriteFailed" and iteration in (5, 6), rank["failure"]
         assert "checkpoint of iteration 4 not saved" in message and "previous checkpoint is untouched" in message
-    assert "No space left on device (injected)" in results[1]["failure"][1]
-    assert "another rank's write failed" in results[0]["failure"][1]
+    # one message, printed once by the entry point (not one per rank)
+    assert results[0]["failure"][1] == results[1]["failure"][1]
+    assert "the write failed on rank 1: OSError(28, 'No space left on device (injected)')" in results[0]["failure"][1]
     failing = f"{root}/failing"
     assert [it for it, _ in list_complete_checkpoints(failing)] == [2]
     assert read_tracker(failing) == 2

@@ -69,8 +69,9 @@ def _rope_model_runs(packed: bool, bf16: bool) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.data.microbatch import collate
+    from megatron_ext.data.padding import collate
     from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
     from megatron_ext.training.step import get_packed_seq_params, unwrap_model
@@ -78,7 +79,9 @@ def _rope_model_runs(packed: bool, bf16: bool) -> dict:
     cfg = build_job_config(tiny_values(seq_length=64, packed_sequences=packed, micro_batch_size=1 if packed else 2,
                                        bf16=bf16, **LLAMA))
     ctx = build_parallel_context(cfg, torch.device("cpu"))
-    (model,) = apply_mixed_precision(cfg, build_model_chunks(cfg, ctx.placement, 128, torch.device("cpu")))
+    resolved = resolve_config(cfg, ctx.world_size, 128)
+    (model,) = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement,
+                                                                      torch.device("cpu")))
     if packed:
         mb = collate([build_packed_sample([np.arange(n) % 100 for n in (5, 17, 9, 33)])])
         tokens, positions = mb.tokens, mb.position_ids
@@ -196,15 +199,16 @@ def _syncs_in_packed_forward(controlled: bool) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.data.microbatch import collate
+    from megatron_ext.data.padding import collate
     from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
     from megatron_ext.training.step import get_packed_seq_params
 
     cfg = build_job_config(tiny_values(seq_length=64, packed_sequences=True, micro_batch_size=1, **LLAMA))
     ctx = build_parallel_context(cfg, torch.device("cpu"))
-    (model,) = build_model_chunks(cfg, ctx.placement, 128, torch.device("cpu"))
+    (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, 128), ctx.placement, torch.device("cpu"))
     mb = collate([build_packed_sample([np.arange(n) % 100 for n in (5, 17, 9)])])
     if controlled:  # megatron-core's own THD rotary path and PackedSeqParams
         model.rotary_pos_emb.__class__ = RotaryEmbedding
@@ -292,14 +296,15 @@ def _packed_rope_without_frequencies() -> str:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.data.microbatch import collate
+    from megatron_ext.data.padding import collate
     from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
 
     cfg = build_job_config(tiny_values(seq_length=64, packed_sequences=True, micro_batch_size=1, **LLAMA))
     ctx = build_parallel_context(cfg, torch.device("cpu"))
-    (model,) = build_model_chunks(cfg, ctx.placement, 128, torch.device("cpu"))
+    (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, 128), ctx.placement, torch.device("cpu"))
     mb = collate([build_packed_sample([np.arange(n) % 100 for n in (5, 17, 9)])])
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                              max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.checkpoint.state import load_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.config import build_job_config
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.parallel import destroy_parallel_context

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint.directory import find_latest_checkpoint, read_tracker
-from megatron_ext.checkpoint.state import CHECKPOINT_READERS, load_checkpoint, load_full_tensors, save_checkpoint
+from megatron_ext.checkpoint.state import CHECKPOINT_READERS, load_full_tensors
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.config import ConfigError
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.training.loop import train
@@ -66,7 +67,7 @@ def _eight_rank_world(rank: int, world_size: int, root: str) -> dict:
 
 def _fused_adam_state(optimizer) -> list[tuple[bool, bool, str]]:
     """(fused, foreach, step device and dtype) of every torch Adam param group and state."""
-    from megatron_ext.training.optimizer import torch_adam_optimizers
+    from megatron_ext.optim import torch_adam_optimizers
 
     return [(g["fused"], g["foreach"], f"{o.state[p]['step'].device.type}/{o.state[p]['step'].dtype}")
             for o in torch_adam_optimizers(optimizer) for g in o.param_groups for p in g["params"]]

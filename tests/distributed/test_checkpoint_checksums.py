@@ -19,7 +19,7 @@ import shutil
 import pytest
 
 from megatron_ext.checkpoint.directory import COMPLETE_MARKER
-from megatron_ext.checkpoint.state import load_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.config import ConfigError
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values

@@ -23,7 +23,8 @@ import time
 import pytest
 
 from megatron_ext.checkpoint.directory import FAULT_ENV, list_complete_checkpoints, read_tracker
-from megatron_ext.checkpoint.state import CHECKPOINT_READERS, load_checkpoint
+from megatron_ext.checkpoint.state import CHECKPOINT_READERS
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.training.loop import train
 from megatron_ext.testing import _worker, build_tiny_run, get_free_port, MarkovDataset, run_ranks, tiny_values

@@ -67,7 +67,8 @@ def _convert(rank: int, world_size: int, hf_dir: str, save: str) -> str:
 
 
 def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torch.Tensor):
-    from megatron_ext.checkpoint.state import CheckpointMeta, load_checkpoint
+    from megatron_ext.checkpoint.parts import CheckpointMeta
+    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.data.microbatch import Microbatch
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.testing import build_tiny_run
@@ -248,8 +249,27 @@ def test_a_missing_safetensors_is_one_error_line_before_any_work(tmp_path, monke
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path, capsys, damage):
+    # safetensors' own SafetensorError escaped as a traceback naming no file
+    from tools.convert_checkpoint import main
+
+    hf_dir = tmp_path / "hf"
+    _make_hf(str(hf_dir), "llama untied")
+    weights = hf_dir / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(os.urandom(4096) if damage == "garbage" else data[: len(data) // 2])
+    capsys.readouterr()  # transformers' progress bar
+    assert main(["hf-to-megatron", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --hf-dir: {weights} is not a readable safetensors file (") and \
+        err.count("\n") == 1, err
+    assert "Traceback" not in err and not (tmp_path / "ours").exists(), err  # before any work
+
+
 def _load_converted(rank: int, world_size: int, save: str, hf: dict, extra: dict) -> int:
-    from megatron_ext.checkpoint.state import CheckpointMeta, load_checkpoint
+    from megatron_ext.checkpoint.parts import CheckpointMeta
+    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.testing import build_tiny_run
 
@@ -278,7 +298,7 @@ LLAMA_HERE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type=
 
 
 def _save_with_distributed_optimizer(rank: int, world_size: int, save: str, tokens: torch.Tensor) -> torch.Tensor:
-    from megatron_ext.checkpoint.state import save_checkpoint
+    from megatron_ext.training.checkpointing import save_checkpoint
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.testing import MarkovDataset, build_tiny_run, tiny_values
     from megatron_ext.training.loop import train
@@ -321,7 +341,7 @@ def test_export_reads_the_weights_not_the_optimizer_state(tmp_path, monkeypatch)
 
 
 def _load_log(rank: int, world_size: int, save: str, hf: dict, extra: dict) -> list[str]:
-    from megatron_ext.checkpoint.state import load_checkpoint
+    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.config import build_job_config
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.run import build_training_run

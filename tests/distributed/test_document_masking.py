@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.config import build_job_config, get_max_microbatch_length
+from megatron_ext.config import build_job_config
+from megatron_ext.derived import get_max_microbatch_length, resolve_config
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.microbatch import IGNORE_INDEX, fetch_step_samples
 from megatron_ext.data.padding import collate_step
@@ -86,7 +87,8 @@ def _forward_check(rank: int, world_size: int, corpus: str) -> dict:
             cfg = build_job_config(_values(corpus, micro_batch_size=2, **overrides, **flags))
             ctx = build_parallel_context(cfg, torch.device("cpu"))
             torch.manual_seed(0)
-            (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
+            (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
+                                          torch.device("cpu"))
             params = dict(model.named_parameters())
             tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
             train_ds, _ = build_train_valid_datasets(cfg, tok, 8)

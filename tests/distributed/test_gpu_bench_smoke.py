@@ -58,7 +58,7 @@ def _ablation_smoke(rank: int, world_size: int) -> dict:
     import torch
 
     from bench import gpu_ablation, gpu_throughput
-    from megatron_ext.training.optimizer import torch_adam_optimizers
+    from megatron_ext.optim import torch_adam_optimizers
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -137,8 +137,8 @@ def test_packed_host_bench_takes_the_varlen_branch_on_the_cpu():
 
 
 def test_padding_bench_steps_every_mode():
-    """bench/padding.py (README: 'Measured in bench/padding.py') builds a stand-in run for
-    build_step_microbatches: one step of each padding mode on its 4 pipeline ranks, tiny compute."""
+    """bench/padding.py (README: 'Measured in bench/padding.py') builds the step-data builder
+    (data/step_data.StepDataBuilder) itself: one step of each padding mode on its 4 pipeline ranks, tiny compute."""
     from bench import padding
 
     rows = padding.LognormalRows(300.0, 1.0, padding.SEQ)

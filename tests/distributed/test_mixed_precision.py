@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megatron_ext.checkpoint.state import load_checkpoint, save_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.loop import train

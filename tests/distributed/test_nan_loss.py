@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint.directory import list_complete_checkpoints
-from megatron_ext.checkpoint.state import load_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.loop import TrainingDiverged, train

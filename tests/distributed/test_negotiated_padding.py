@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
-from megatron_ext.data.microbatch import IGNORE_INDEX, collate
+from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.data.padding import collate
+from megatron_ext.derived import resolve_config
 from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.data.packed_dataset import build_packed_sample
 from megatron_ext.data.padding import negotiate_step_length
@@ -84,7 +86,8 @@ def _reference(rank: int, world_size: int) -> dict:
     for name, make in DATASETS.items():
         cfg = build_job_config(_values())
         ctx = build_parallel_context(cfg, torch.device("cpu"))
-        (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
+        (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
+                                      torch.device("cpu"))
         ds, total, count = make(), 0.0, 0
         for i in range(GBS):
             s = ds[i]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.checkpoint.state import load_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.loop import train
@@ -191,7 +191,7 @@ def _final_evaluation(rank: int, world_size: int) -> dict:
     train(run)
     destroy_parallel_context()
     return {"validated at": [int(x.split("iteration")[1].split()[0]) for x in lines if "validation" in x],
-            "valid samples": get_num_samples(run.cfg, 4)[1]}
+            "valid samples": get_num_samples(run.cfg.training, 4)[1]}
 
 
 def test_training_ends_with_a_validation_when_its_length_is_not_a_multiple_of_the_interval():

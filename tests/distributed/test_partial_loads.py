@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.checkpoint.state import load_checkpoint, plan_load
+from megatron_ext.checkpoint.state import plan_load
+
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.loop import train

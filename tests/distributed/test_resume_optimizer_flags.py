@@ -23,12 +23,13 @@ import types
 
 import pytest
 
-from megatron_ext.checkpoint.state import load_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.loop import train
-from megatron_ext.training.optimizer import build_scheduler, torch_adam_optimizers
+from megatron_ext.optim import torch_adam_optimizers
+from megatron_ext.training.optimizer import build_scheduler
 
 pytestmark = pytest.mark.distributed
 

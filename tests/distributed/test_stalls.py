@@ -244,7 +244,7 @@ def _with_and_without(rank: int, world_size: int, root: str):
 
 
 def test_a_normal_run_with_the_watchdog_on_trains_exactly_as_without_it(tmp_path):
-    for rank, (plain, watched) in enumerate(run_ranks(_with_and_without, 2, str(tmp_path), timeout=180)):
+    for plain, watched in run_ranks(_with_and_without, 2, str(tmp_path), timeout=180):
         history, records, validation, _, _ = plain
         history_w, records_w, validation_w, (publishes, failures), reports = watched
         assert (history_w, records_w, validation_w) == (history, records, validation)

@@ -16,9 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.data.microbatch import collate, get_microbatch_indices
+from megatron_ext.data.microbatch import get_microbatch_indices
+from megatron_ext.data.padding import collate
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.derived import resolve_config
 from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
 from megatron_ext.config import build_job_config
@@ -51,7 +53,8 @@ def _reference(rank: int, world_size: int) -> dict:
     for name, kw in DATASETS.items():
         cfg = build_job_config(tiny_values(**VALUES))
         ctx = build_parallel_context(cfg, torch.device("cpu"))
-        (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
+        (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
+                                      torch.device("cpu"))
         batch = collate([MarkovDataset(SEQ, **kw)[i] for i in range(GBS)])
         logits = model(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None)
         labels = batch.labels  # [b, s], IGNORE_INDEX where masked

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.checkpoint.state import load_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import (

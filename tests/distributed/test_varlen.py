@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
 from megatron_ext.data.microbatch import IGNORE_INDEX
+from megatron_ext.derived import resolve_config
 from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.data.packed_dataset import build_packed_sample
 from megatron_ext.data.padding import collate_padded
@@ -38,7 +39,8 @@ def _per_document_check(rank: int, world_size: int) -> dict:
     for style, overrides in STYLES.items():
         cfg = build_job_config(tiny_values(seq_length=SEQ, micro_batch_size=1, packed_sequences=True, **overrides))
         ctx = build_parallel_context(cfg, torch.device("cpu"))
-        (model,) = build_model_chunks(cfg, ctx.placement, VOCAB, torch.device("cpu"))
+        (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
+                                      torch.device("cpu"))
         params = dict(model.named_parameters())
 
         def packed(docs):

@@ -25,7 +25,8 @@ import contextlib
 import pytest
 import torch
 
-from megatron_ext.config import build_job_config, get_padded_vocab_size
+from megatron_ext.config import build_job_config
+from megatron_ext.derived import get_padded_vocab_size, resolve_config
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, wrap_with_ddp
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral, check_weight_grad_deferral
@@ -45,17 +46,17 @@ class HandPipeline:
 
     def __init__(self, values: dict, defer: bool, ddp: bool):
         self.cfg = cfg = build_job_config(tiny_values(**BASE, **values))
-        vocab = get_padded_vocab_size(VOCAB - 1, cfg)
+        resolved = resolve_config(cfg, torch.distributed.get_world_size(), VOCAB - 1)
         tp = cfg.parallel.tensor_model_parallel_size
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()
-        chunks = [build_model_chunks(cfg, StagePlacement(r, 2, tp_rank, tp, None), vocab, torch.device("cpu"))[0]
+        chunks = [build_model_chunks(cfg, resolved, StagePlacement(r, 2, tp_rank, tp, None), torch.device("cpu"))[0]
                   for r in range(2)]
         self.queue = WeightGradQueue()
         self.num_deferred = apply_weight_grad_deferral(chunks, self.queue) if defer else 0
-        chunks = apply_mixed_precision(cfg, chunks)
-        self.chunks = wrap_with_ddp(cfg, chunks) if ddp else chunks
+        chunks = apply_mixed_precision(cfg.training, chunks)
+        self.chunks = wrap_with_ddp(cfg.parallel, chunks, cfg.training.gradient_accumulation_fusion) if ddp else chunks
         self.ddp = ddp
         for chunk in self.chunks:
             if ddp:
@@ -191,8 +192,8 @@ def _one_rank_world(rank: int, world_size: int) -> dict:
 
 
 def _refusal_message(cfg) -> str:
-    chunks = build_model_chunks(cfg, StagePlacement(0, 1, 0, 1, None), get_padded_vocab_size(VOCAB - 1, cfg),
-                                torch.device("cpu"))
+    chunks = build_model_chunks(cfg, resolve_config(cfg, torch.distributed.get_world_size(), VOCAB - 1),
+                                StagePlacement(0, 1, 0, 1, None), torch.device("cpu"))
     try:
         check_weight_grad_deferral(chunks)
     except ValueError as e:

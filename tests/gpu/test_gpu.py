@@ -118,7 +118,8 @@ for groups in (1, 4):
 
 # a packed Llama-style forward makes no host synchronisation
 from megatron_ext.config import build_job_config
-from megatron_ext.data.microbatch import collate
+from megatron_ext.data.padding import collate
+from megatron_ext.derived import resolve_config
 from megatron_ext.data.packed_dataset import build_packed_sample
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks
 from megatron_ext.parallel import StagePlacement
@@ -129,7 +130,9 @@ cfg = build_job_config(dict(num_layers=2, hidden_size=256, num_attention_heads=8
     normalization="RMSNorm", swiglu=True, position_embedding_type="rope", group_query_attention=True,
     num_query_groups=2, disable_bias_linear=True, packed_sequences=True, mock_data=True,
     tokenizer_type="NullTokenizer", vocab_size=1000))
-(model,) = apply_mixed_precision(cfg, build_model_chunks(cfg, StagePlacement(0, 1, 0, 1, None), 1024, torch.device("cuda")))
+resolved = resolve_config(cfg, 1, 1024)
+(model,) = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, StagePlacement(0, 1, 0, 1, None),
+                                                                  torch.device("cuda")))
 mb = collate([build_packed_sample([np.arange(n) % 900 for n in (100, 3, 250, 159)])]).to(torch.device("cuda"))
 params = get_packed_seq_params(mb, model)
 torch.cuda.synchronize()
@@ -220,7 +223,8 @@ import json, os, sys
 from megatron_ext.cpu_platform import quiet_known_warnings; quiet_known_warnings()
 import torch
 from megatron_ext.arguments import parse_args
-from megatron_ext.checkpoint.state import load_checkpoint, load_full_tensors, save_checkpoint
+from megatron_ext.checkpoint.state import load_full_tensors
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.parallel import init_distributed
 from megatron_ext.run import build_training_run
@@ -266,7 +270,8 @@ from megatron_ext.cpu_platform import quiet_known_warnings; quiet_known_warnings
 import torch
 import megatron_ext.checkpoint.async_save as async_save
 from megatron_ext.arguments import parse_args
-from megatron_ext.checkpoint.state import load_full_tensors, save_checkpoint, start_async_checkpoint
+from megatron_ext.checkpoint.state import load_full_tensors
+from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.parallel import init_distributed
 from megatron_ext.run import build_training_run

@@ -12,7 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from megatron_ext.config import ConfigError, build_job_config, validate
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.validation import validate
 from megatron_ext.data.blends import resolve_data_blends
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.microbatch import fetch_step_samples

@@ -14,7 +14,8 @@ from megatron_ext.checkpoint.directory import (
     list_complete_checkpoints, publish_checkpoint, read_tracker, select_checkpoints_to_delete,
     should_inject_fault,
 )
-from megatron_ext.checkpoint.state import CheckpointMeta, check_compatible
+from megatron_ext.checkpoint.compatibility import check_compatible
+from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import build_job_config
 from megatron_ext.checkpoint.exit_policy import (
     DURATION_EXCEEDED, INTERVAL_REACHED, SIGNAL_RECEIVED, describe_exit, get_interval_flag,
@@ -139,7 +140,7 @@ def test_precision_switch_is_refused_where_the_optimizer_states_differ():
 
 
 def test_a_resume_that_changes_what_the_model_computes_says_so():
-    from megatron_ext.checkpoint.state import describe_changed_settings
+    from megatron_ext.checkpoint.compatibility import describe_changed_settings
 
     saved = {"args": _cfg(position_embedding_type="rope", seed=1).to_flat_dict()}
     assert describe_changed_settings(saved, _cfg(position_embedding_type="rope", seed=1)) is None
@@ -229,7 +230,8 @@ def test_host_snapshot_copies_and_reuses_its_buffers():
 
 
 def test_async_save_needs_save_dir():
-    from megatron_ext.config import ConfigError, build_job_config, validate
+    from megatron_ext.config import ConfigError, build_job_config
+    from megatron_ext.validation import validate
 
     cfg = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, async_save=True))
     with pytest.raises(ConfigError) as err:
@@ -239,9 +241,12 @@ def test_async_save_needs_save_dir():
 
 
 def test_async_save_bits_stay_out_of_the_exit_reasons():
-    from megatron_ext.checkpoint.exit_policy import ASYNC_SAVE_FAILED, ASYNC_SAVE_WRITING, EXIT_FLAGS
+    from megatron_ext.checkpoint.exit_policy import (
+        _AGREED_BITS, ASYNC_SAVE_FAILED, ASYNC_SAVE_NOT_FINITE, ASYNC_SAVE_WRITING, EXIT_FLAGS,
+    )
 
-    assert not (ASYNC_SAVE_WRITING | ASYNC_SAVE_FAILED) & EXIT_FLAGS
+    assert not (ASYNC_SAVE_WRITING | ASYNC_SAVE_FAILED | ASYNC_SAVE_NOT_FINITE) & EXIT_FLAGS
+    assert ASYNC_SAVE_NOT_FINITE < 1 << _AGREED_BITS  # a bit the all-reduce does not carry would be lost
     assert describe_exit((ASYNC_SAVE_WRITING | SIGNAL_RECEIVED) & EXIT_FLAGS) == "exit signal received"
 
 
@@ -321,3 +326,43 @@ def test_a_failed_republish_keeps_the_checkpoint_it_was_to_replace(tmp_path, mon
     with pytest.raises(PermissionError):
         publish_checkpoint(tmp, old, root, 4, rank=0)
     assert list_complete_checkpoints(root) == [(4, old)]
+
+
+def test_the_finite_check_finds_every_nan_and_inf_and_nothing_else():
+    from megatron_ext.checkpoint.finite import find_non_finite
+
+    def one_bad(value, dtype, n, position):
+        t = torch.randn(n).to(dtype) * 100
+        t[position] = value
+        return t
+
+    named = [(f"{dtype}-{n}-{pos}-{value}", one_bad(value, dtype, n, pos))
+             for dtype in (torch.float32, torch.bfloat16, torch.float16)
+             for n in (1, 7, 33, 4099) for pos in {0, n // 2, n - 1}
+             for value in (float("nan"), float("inf"), -float("inf"))]
+    big = torch.full((5,), 3.0e38)  # finite, near fp32's largest: a sum would overflow, the check must not
+    fine = [("big", big), ("empty", torch.empty(0)), ("fp16 max", torch.full((3,), 65504.0, dtype=torch.float16))]
+    bad, checked = find_non_finite(named + fine)
+    assert bad == [name for name, _ in named] and checked == len(named) + 2  # the empty tensor holds nothing
+
+
+def test_a_refused_save_names_the_updates_since_the_last_finite_save():
+    import types
+
+    from megatron_ext.checkpoint.directory import NonFiniteCheckpoint
+    from megatron_ext.training.loop import describe_non_finite_save
+
+    def describe(weights_finite_at, iteration, steps, newest=(4, "/ck/iter_0000004")):
+        run = types.SimpleNamespace(weights_finite_at=weights_finite_at, steps_this_run=steps,
+                                    state=types.SimpleNamespace(iteration=iteration))
+        return describe_non_finite_save(run, NonFiniteCheckpoint("refused", 8, "/ck", newest))
+
+    text = describe(4, 8, 8)
+    assert text.startswith("training diverged: one of the updates of iterations 5 to 8 made the weights non-finite "
+                           "(they were finite at the save of iteration 4; weights are checked at saves only)"), text
+    assert "Resume from that last good checkpoint (--load /ck loads it)" in text
+    # --async-save refuses it a step later; a resumed run that has not saved yet names its start
+    assert "the update of iteration 8 made" in describe(7, 9, 9)
+    text = describe(None, 9, 4, newest=None)
+    assert "iterations 6 to 8" in text and "not checked since this run started at iteration 5" in text, text
+    assert "No checkpoint holds this run's weights" in text

@@ -9,10 +9,9 @@ import os
 import pytest
 
 from megatron_ext.arguments import load_config_file, parse_args
-from megatron_ext.config import (
-    ConfigError, build_job_config, get_num_microbatches, get_padded_vocab_size,
-    get_virtual_pipeline_size, validate,
-)
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import get_num_microbatches, get_padded_vocab_size, get_virtual_pipeline_size
+from megatron_ext.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128)
@@ -90,6 +89,17 @@ def test_data_rules():
     cfg = build_job_config({"mock_data": True, "tokenizer_type": "NullTokenizer"})
     with pytest.raises(ConfigError, match="NullTokenizer needs a positive --vocab-size"):
         validate(cfg, 1)
+
+
+def test_split_has_one_grammar_and_validation_applies_it():
+    """--split is parsed by data/gpt_datasets.parse_split wherever it is read: a value the dataset
+    builders would refuse (four parts, an empty part, words) is refused at validation, naming the flag
+    (validation used to accept any number of parts, so --split 1,2,3,4 failed only when the data was built)."""
+    for bad in ("1,2,3,4", "969,30,", "a,b", "0,0,0"):
+        problems = _problems(1, split=bad)
+        assert any(p.startswith(f"--split {bad!r}") for p in problems), problems
+    for good in ("969,30,1", "98,2", "1", "3/1/0"):
+        assert _accepted_or_problems(1, split=good) == []
 
 
 def test_validation_creates_nothing(tmp_path, monkeypatch):
@@ -227,7 +237,7 @@ def test_sizes_and_rates_are_checked_with_the_other_problems(values, needle):
 
 
 def test_zero_learning_rate_is_legitimate():
-    from megatron_ext.config import _check_positive
+    from megatron_ext.validation import _check_positive
 
     cfg = build_job_config({**MOCK, "lr": 0.0, "min_lr": 0.0})
     assert _check_positive(cfg) == []
@@ -333,7 +343,7 @@ def test_uniform_recompute_groups_that_divide_each_chunk_pass(world, values):
 
 
 def test_recompute_activations_is_selective_core_attention():
-    from megatron_ext.config import get_recompute
+    from megatron_ext.derived import get_recompute
 
     assert get_recompute(build_job_config({**MOCK, "recompute_activations": True})) == {
         "recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
@@ -556,7 +566,7 @@ def test_chunk_layer_counts_equal_megatron_cores_split():
 
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    from megatron_ext.config import get_chunk_layer_counts
+    from megatron_ext.derived import get_chunk_layer_counts
 
     compared = 0
     for layers, pp, vps, first, last, emb, loss in itertools.product(
@@ -581,3 +591,52 @@ def test_chunk_layer_counts_equal_megatron_cores_split():
         assert get_chunk_layer_counts(cfg) == theirs, values
         compared += 1
     assert compared > 80
+
+
+# ----------------------------------------------------------------------------- --keep-last
+
+def test_a_negative_keep_last_is_one_error_naming_the_flag():
+    # -1 silently kept every checkpoint (--step-timeout-minutes' limits: test_heartbeat.py)
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--keep-last", "-1"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert err.value.problems == ["--keep-last must be a number of checkpoints > 0, or 0 to keep every checkpoint; "
+                                  "got -1"], err.value.problems
+
+
+def test_keep_last_zero_keeps_every_checkpoint():
+    from megatron_ext.checkpoint.directory import select_checkpoints_to_delete
+
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--keep-last", "0"])
+    validate(cfg, 1)
+    assert select_checkpoints_to_delete([2, 4, 6], cfg.checkpoint.keep_last) == []
+
+
+# ----------------------------------------------------------------------------- each setting once
+
+@pytest.mark.parametrize("suffix, text, needle", [
+    # PyYAML's safe_load kept the last value silently
+    (".yaml", "lr: 0.1\nhidden-size: 64\nlr: 0.2\n", "key 'lr' is given twice (lines 1 and 3)"),
+    (".yaml", "training:\n  lr: 0.1\nmodel:\n  lr: 0.2\n",
+     "key 'lr' is given twice ('lr' in section 'training' and 'lr' in section 'model')"),
+    (".yaml", "keep-last: 1\ncheckpoint:\n  keep_last: 2\n",
+     "key 'keep-last' is given twice ('keep-last' and 'keep_last' in section 'checkpoint')"),
+    (".yaml", "keep-last: 1\nkeep_last: 2\n", "key 'keep-last' is given twice ('keep-last' and 'keep_last')"),
+    (".toml", "[training]\nlr = 0.1\n[model]\nlr = 0.2\n",
+     "key 'lr' is given twice ('lr' in section 'training' and 'lr' in section 'model')"),
+    # TOML refuses a key twice in one table itself; its message names the line only: it is quoted
+    (".toml", "lr = 0.1\nlr = 0.2\n", "not valid TOML: Cannot overwrite a value (at line 2, column 9): `lr = 0.2`"),
+])
+def test_a_setting_given_twice_in_a_config_file_is_an_error_naming_key_and_file(tmp_path, suffix, text, needle):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config_file(str(path))
+    (problem,) = err.value.problems
+    assert problem.startswith(f"--config {path}: ") and needle in problem, problem
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  <<: {lr: 0.1, hidden-size: 64}\n  lr: 0.2\n")
+    assert load_config_file(str(path))["lr"] == 0.2

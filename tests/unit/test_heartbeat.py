@@ -13,7 +13,8 @@ import types
 import pytest
 import torch.distributed as dist
 
-from megatron_ext.config import ConfigError, build_job_config, validate
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.validation import validate
 from megatron_ext.heartbeat import (
     Heartbeat, HeartbeatBoard, HeartbeatPublisher, StepProgress, classify, format_ranks, format_verdicts, get_wait,
     open_store_connection, read_heartbeats, sample_thread,

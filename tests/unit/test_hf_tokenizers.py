@@ -13,7 +13,9 @@ import os
 import numpy
 import pytest
 
-from megatron_ext.checkpoint.state import CheckpointMeta, check_compatible
+from megatron_ext.checkpoint.compatibility import check_compatible
+
+from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.data.tokenizers import build_tokenizer
 from tools.preprocess_data import preprocess_data

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.config import ConfigError, build_job_config, validate
-from megatron_ext.model.gpt import resolve_ffn_hidden_size
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import resolve_ffn_hidden_size
+from megatron_ext.validation import validate
 
 MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, global_batch_size=8, micro_batch_size=1)
 
@@ -47,7 +48,8 @@ def test_hf_export_of_a_default_width_checkpoint_names_the_width_it_trained():
 
 
 def test_a_checkpoint_of_the_earlier_swiglu_default_names_its_width_on_load():
-    from megatron_ext.checkpoint.state import CheckpointMeta, check_compatible
+    from megatron_ext.checkpoint.compatibility import check_compatible
+    from megatron_ext.checkpoint.parts import CheckpointMeta
 
     run = build_job_config({**MOCK, "hidden_size": 256, "num_attention_heads": 4, "swiglu": True})
     meta = CheckpointMeta(tokenizer={}, padded_vocab_size=128)
@@ -74,7 +76,7 @@ def megatron_lm_cosine_lr(num_samples: float, warmup: float, decay: float, lr: f
 def test_warmup_fraction_is_not_rounded_and_the_lr_of_each_step_is_megatron_lms(by):
     """Megatron-LM's get_optimizer_param_scheduler passes lr_warmup_fraction * lr_decay_steps as it
     is: 0.07 x 80 samples = 5.6, not 5 (which moved every step's learning rate of the run)."""
-    from megatron_ext.config import get_schedule_steps
+    from megatron_ext.derived import get_schedule_steps
     from megatron_ext.training.optimizer import build_scheduler
     import types
 

@@ -9,7 +9,8 @@ import shlex
 import pytest
 
 from megatron_ext.arguments import build_parser, parse_args_with_notes
-from megatron_ext.config import ConfigError, validate
+from megatron_ext.config import ConfigError
+from megatron_ext.validation import validate
 
 # The argument arrays of a Megatron-LM-style Llama-3 8B pretraining script (mock data branch),
 # as its torchrun line passes them to pretrain_gpt.py.

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.training.optimizer import (
-    apply_multi_tensor_fallback_fix, foreach_l2_norm, foreach_scale, torch_adam_optimizers, use_fused_adam,
-)
+from megatron_ext.optim import torch_adam_optimizers, use_fused_adam
+from megatron_ext.training.optimizer import apply_multi_tensor_fallback_fix, foreach_l2_norm, foreach_scale
 
 
 def _tensors(dtype=torch.float32):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.config import ConfigError, build_job_config, get_virtual_pipeline_size, validate
-from megatron_ext.pipeline.validate import get_schedule_name, uses_our_runtime
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import get_schedule_name, get_virtual_pipeline_size, uses_our_runtime
 from megatron_ext.testing import tiny_values
+from megatron_ext.validation import validate
 
 BASE = dict(num_layers=8, global_batch_size=8, micro_batch_size=1)
 

@@ -9,12 +9,12 @@ import types
 
 import pytest
 
-from megatron_ext.checkpoint.state import check_optimizer_flags, check_scheduler_flags
-from megatron_ext.config import ConfigError, build_job_config, get_schedule_steps, get_train_iters, validate
-from megatron_ext.training.optimizer import (
-    apply_flag_settings, build_scheduler, get_schedule_lr_range, get_scheduler_state, load_scheduler_state,
-    record_flag_settings,
-)
+from megatron_ext.checkpoint.compatibility import check_optimizer_flags, check_scheduler_flags
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import get_schedule_steps, get_train_iters
+from megatron_ext.validation import validate
+from megatron_ext.optim import apply_flag_settings, get_scheduler_state, load_scheduler_state, record_flag_settings
+from megatron_ext.training.optimizer import build_scheduler, get_schedule_lr_range
 
 MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, global_batch_size=8, micro_batch_size=1)
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from megatron_ext.checkpoint.directory import COMPLETE_MARKER, TRACKER_FILE, probe_save_dir, resolve_load_path
-from megatron_ext.checkpoint.state import check_load_flags, check_scheduler_flags
+from megatron_ext.checkpoint.compatibility import check_scheduler_flags
+from megatron_ext.checkpoint.state import check_load_flags
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.data.indexed_check import check_indexed_dataset
 
@@ -206,7 +207,7 @@ def test_truncated_bin_idx_and_garbage_are_named(copy):
 
 
 def test_validation_reports_a_truncated_pair_with_the_flag(copy):
-    from megatron_ext.config import validate
+    from megatron_ext.validation import validate
 
     prefix = copy(bin_bytes=open(SHIPPED + ".bin", "rb").read()[:1000])
     cfg = build_job_config({"data_path": [prefix], "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": MODEL})

@@ -84,3 +84,15 @@ def test_sentencepiece_identity_and_alias():
 def test_build_tokenizer_errors_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         build_tokenizer(**kwargs)
+
+
+def test_a_directory_given_as_sentencepiece_model_says_so_and_names_the_file_inside(tmp_path):
+    # it said "does not exist" of a directory that plainly exists
+    with pytest.raises(ValueError) as err:
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path))
+    (problem,) = err.value.problems
+    assert problem == (f"--tokenizer-model {tmp_path} is a directory: SentencePieceTokenizer takes the sentencepiece "
+                       f".model file itself ({tmp_path} holds none; tools/train_tokenizer.py writes one)"), problem
+    (tmp_path / "tokenizer.model").write_bytes(b"x")
+    with pytest.raises(ValueError, match=f"is a directory: .* \\(e.g. {tmp_path}/tokenizer.model\\)"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path))

@@ -8,7 +8,9 @@ import types
 import pytest
 import torch
 
-from megatron_ext.config import ConfigError, build_job_config, get_stage_placement, validate
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.derived import get_stage_placement
+from megatron_ext.validation import validate
 from megatron_ext.model.v_placement import build_placed_float16_module, get_loop_equivalent
 from megatron_ext.parallel import ParallelContext, StagePlacement
 from megatron_ext.testing import tiny_values
@@ -57,15 +59,21 @@ def test_the_schedule_names_the_placement():
     assert get_stage_placement(build_job_config(tiny_values(pipeline_schedule="ZBH1"))) == "loop"
 
 
-@pytest.mark.parametrize("flags", [dict(decoder_first_pipeline_num_layers=2),
-                                   dict(account_for_embedding_in_pipeline_split=True,
-                                        account_for_loss_in_pipeline_split=True, num_layers=6)])
-def test_uneven_splits_are_refused_under_v(flags):
-    values = tiny_values(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2, num_layers=8)
-    values.update(flags)
+@pytest.mark.parametrize("flags", [dict(decoder_first_pipeline_num_layers=2), dict(decoder_last_pipeline_num_layers=2)])
+def test_first_and_last_rank_layer_counts_are_refused_under_v(flags):
+    values = {**tiny_values(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2, num_layers=8),
+              **flags}
     validate(build_job_config(values), 2)  # the loop placement takes them
     with pytest.raises(ConfigError, match="ZBVZeroBubble places the first and the last pipeline stage on rank 0"):
         validate(build_job_config({**values, "pipeline_schedule": "ZBVZeroBubble"}), 2)
+
+
+def test_the_embedding_and_loss_counted_as_layers_are_taken_under_v():
+    values = tiny_values(pipeline_model_parallel_size=2, num_layers=6, account_for_embedding_in_pipeline_split=True,
+                         account_for_loss_in_pipeline_split=True, pipeline_schedule="ZBVZeroBubble")
+    validate(build_job_config(values), 2)  # 6 layers + 2 = 8 units, 2 per stage (2 implied chunks per rank)
+    with pytest.raises(ConfigError, match="virtual stages 2 = 4"):  # 4 + 2 units do not fill 4 stages evenly
+        validate(build_job_config({**values, "num_layers": 4}), 2)
 
 
 class _Stage(torch.nn.Module):

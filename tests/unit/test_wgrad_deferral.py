@@ -23,6 +23,15 @@ def test_megatron_cores_embedding_wgrad_deferral_is_refused_with_it():
     check_weight_grad_deferral([_chunk(defer_embedding_wgrad_compute=False)])
 
 
+def test_transformer_engine_layers_are_refused():
+    te_linear = type("TELayerNormColumnParallelLinear", (torch.nn.Linear,), {})
+    te_linear.__module__ = "megatron.core.extensions.transformer_engine"
+    chunk = _chunk(defer_embedding_wgrad_compute=False)
+    chunk.qkv = te_linear(2, 2)
+    with pytest.raises(ValueError, match="--transformer-impl local"):
+        check_weight_grad_deferral([chunk])
+
+
 def test_a_ddp_wrapped_chunk_is_refused():
     from megatron.core.distributed import DistributedDataParallel
 

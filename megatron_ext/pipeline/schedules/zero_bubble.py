@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from megatron_ext.pipeline.actions import B, F, W, Action, PipelineOrder
 from megatron_ext.pipeline.greedy import build_greedy_candidates, select_best_order
+from megatron_ext.pipeline.schedules.one_f_one_b import get_megatron_core_rank_order
 from megatron_ext.pipeline.simulate import StageCosts
 
 
@@ -58,8 +59,6 @@ def build_lagged_w_order(name: str, pp: int, vp: int, num_microbatches: int) -> 
     fewer than interleaved 1F1B's two), then (F, B) pairs, each followed from the r-th on by the W
     of the backward r places earlier, then the remaining B's and W's. In flight: w + r + 1 chunk-
     micro-batches = p stage-micro-batches on every rank (1F1B's rank 0)."""
-    from megatron_ext.pipeline.schedules.one_f_one_b import get_megatron_core_rank_order
-
     ranks = []
     for r in range(pp):
         table = [(c, mb) for kind, c, mb in get_megatron_core_rank_order(r, pp, vp, num_microbatches) if kind == "F"]

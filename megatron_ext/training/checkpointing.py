@@ -1,0 +1,45 @@
+"""A training run's checkpoints: the ``TrainingRun`` taken apart into ``checkpoint/``'s typed parts.
+
+``checkpoint/`` saves and loads ``CheckpointParts`` (model chunks, optimizer, scheduler, train state,
+flags, meta) and imports nothing from ``training/``; these three functions are the run's side of
+that boundary, for the loop, the entry point, the tests and the benchmarks. The parts are the run's
+own objects, so a load restores the run in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_ext.checkpoint.parts import CheckpointMeta, CheckpointParts
+from megatron_ext.checkpoint.state import load_parts, save_parts, start_async_save
+
+
+def get_checkpoint_parts(run: Any, meta: CheckpointMeta | None = None) -> CheckpointParts:
+    """The parts of ``run`` (a ``loop.TrainingRun``) a checkpoint holds; ``meta`` replaces the
+    run's own (a test saving or loading as another tokenizer would)."""
+    return CheckpointParts(
+        model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, train_state=run.state, cfg=run.cfg,
+        meta=meta or run.checkpoint_meta, optimizer_flags=run.optimizer_flags,
+        global_batch_size=run.global_batch_size,
+    )
+
+
+def save_checkpoint(run: Any, root: str, keep_last: int | None = None, meta: CheckpointMeta | None = None) -> str:
+    """Save the run at its current iteration under ``root`` (``state.save_parts``); collective."""
+    return save_parts(get_checkpoint_parts(run, meta), run.ctx, root, keep_last, run.log)
+
+
+def start_async_checkpoint(run: Any, root: str, keep_last: int | None = None) -> None:
+    """--async-save: snapshot the run and write it in the background with its saver
+    (``state.start_async_save``); collective."""
+    start_async_save(get_checkpoint_parts(run), run.ctx, run.async_saver, root, keep_last, run.log)
+
+
+def load_checkpoint(
+    run: Any, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True, reader: str | None = None,
+    *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
+) -> int | None:
+    """Restore the run in place from ``root`` (``state.load_parts``, which says what is loaded and
+    refused); returns the loaded iteration, or None when ``root`` holds no complete checkpoint."""
+    return load_parts(get_checkpoint_parts(run, meta), run.ctx, root, run.log, load_optimizer, reader, step=step,
+                      weights_only=weights_only, load_rng=load_rng)
