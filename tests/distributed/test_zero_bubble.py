@@ -2,10 +2,13 @@
 
 1. Through ``pretrain_gpt.main`` (the entry point, on an indexed dataset of Markov documents made by
    ``tools/preprocess_data.py``), per-iteration training losses and the validation loss (forward-only
-   through our runtime) equal one process's: ZBH1 at PP 4 (tolerance 1e-6) and at PP 2 x DP 2,
-   InterleavedZeroBubble at PP 2 x VPP 2 x DP 2 and ZBVZeroBubble at PP 2 x DP 2 (1e-5), packed and
-   unpacked. The runtime raises when a step ends with a W left in the queue, so a finished run also
-   says the queue was empty at every step's end.
+   through our runtime) equal one process's: ZBH1 and ZBVZeroBubble at PP 4 (tolerance 1e-6) and at
+   PP 2 x DP 2, InterleavedZeroBubble at PP 2 x VPP 2 x DP 2 (1e-5), packed and unpacked; and each of
+   the three at TP 2 x PP 2 x DP 2 with sequence parallelism, full recompute, the distributed
+   optimizer, --overlap-grad-reduce and --overlap-param-gather (1e-5; six iterations, so every
+   step after the first runs on parameters the overlapped gather brought). The runtime raises when a
+   step ends with a W left in the queue, so a finished run also says the queue was empty at every
+   step's end.
 2. After one step, every parameter's gradient under ZBH1 at PP 4 and InterleavedZeroBubble at PP 2 x
    VPP 2 x DP 2 equals megatron-core's 1F1B / interleaved 1F1B on the same layout, packed and unpacked.
 3. The deferral-on matrix, TP 2 x PP 2 x DP 2 with sequence parallelism, full recompute, the
@@ -37,15 +40,29 @@ BASE = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--devi
         "--global-batch-size", "8", "--train-iters", "6", "--lr", "3e-3", "--min-lr", "3e-3",
         "--lr-decay-style", "constant", "--clip-grad", "1.0", "--split", "90,10,0", "--log-interval", "1",
         "--eval-interval", "6", "--eval-iters", "1", "--seed", "1234", "--make-vocab-size-divisible-by", "32"]
-PACKINGS = {"unpacked": [], "packed": ["--packed-sequences"]}
-FOUR_RANK = {  # name: (flags, tolerance)
+PACKINGS = {"unpacked": [], "packed": ["--packed-sequences"],
+            "unpacked, 8 layers": ["--num-layers", "8"]}  # the V at PP 4 needs 2 x 4 chunks
+FOUR_RANK = {  # name: (flags, tolerance[, packings: both unless given])
     "ZBH1 PP4": (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "ZBH1"], 1e-6),
+    "ZBVZeroBubble PP4": (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "ZBVZeroBubble"], 1e-6,
+                          ("unpacked, 8 layers",)),
     "ZBH1 PP2xDP2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbh1"], 1e-5),
     "InterleavedZeroBubble PP2xVPP2xDP2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                                            "InterleavedZeroBubble", "--num-virtual-stages-per-pipeline-rank",
                                            "2"], 1e-5),
     "ZBVZeroBubble PP2xDP2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble"],
                               1e-5),
+}
+FOUR_RANK_CASES = [(name, packing) for name, case in FOUR_RANK.items()
+                   for packing in (case[2] if len(case) > 2 else ("unpacked", "packed"))]
+MATRIX_FLAGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+EIGHT_RANK = {  # name: (flags, packing), each on top of MATRIX_FLAGS; tolerance 1e-5
+    "ZBH1": (["--pipeline-schedule", "ZBH1"], "unpacked"),
+    "InterleavedZeroBubble": (["--pipeline-schedule", "InterleavedZeroBubble",
+                               "--num-virtual-stages-per-pipeline-rank", "2"], "packed"),
+    "ZBVZeroBubble": (["--pipeline-schedule", "ZBVZeroBubble"], "packed"),
 }
 
 
@@ -129,15 +146,21 @@ GRAD_CASES = {  # name: (ours, megatron-core's schedule on the same layout); eac
 
 
 @pytest.fixture(scope="module")
-def main_results(data_prefix):
+def one_process(data_prefix) -> dict:
+    """{packing: (losses, validation losses)} of one process."""
     base = BASE + ["--data-path", data_prefix]
     (reference,) = run_ranks(_main_runs, 1, [base + flags for flags in PACKINGS.values()], timeout=600)
-    cases = [(name, packing) for name in FOUR_RANK for packing in PACKINGS]
+    assert all(r["schedule"] is None for r in reference)
+    return {packing: (reference[i]["losses"], reference[i]["evals"]) for i, packing in enumerate(PACKINGS)}
+
+
+@pytest.fixture(scope="module")
+def main_results(data_prefix, one_process):
+    base = BASE + ["--data-path", data_prefix]
+    cases = FOUR_RANK_CASES
     runs = [base + FOUR_RANK[name][0] + PACKINGS[packing] for name, packing in cases]
     grad_cases = [(name, packed) for name in GRAD_CASES for packed in (False, True)]
     per_rank = run_ranks(_main_runs, 4, runs, tuple((*GRAD_CASES[n], p) for n, p in grad_cases), timeout=900)
-    ref = {packing: (reference[i]["losses"], reference[i]["evals"]) for i, packing in enumerate(PACKINGS)}
-    assert all(r["schedule"] is None for r in reference)
     grads = {}
     for i, case in enumerate(grad_cases, start=len(cases)):
         merged = ({}, {})
@@ -145,11 +168,10 @@ def main_results(data_prefix):
             for mine, theirs in zip(merged, rank_out[i]["grads"]):
                 mine.update(theirs)
         grads[case] = merged
-    return ref, {case: _logged(per_rank, i) for i, case in enumerate(cases)}, grads
+    return one_process, {case: _logged(per_rank, i) for i, case in enumerate(cases)}, grads
 
 
-@pytest.mark.parametrize("packing", list(PACKINGS))
-@pytest.mark.parametrize("name", list(FOUR_RANK))
+@pytest.mark.parametrize("name,packing", FOUR_RANK_CASES)
 def test_losses_through_pretrain_gpt_equal_one_process(main_results, name, packing):
     ref, results, _ = main_results
     (ref_losses, ref_evals), (losses, evals, schedule) = ref[packing], results[(name, packing)]
@@ -236,10 +258,10 @@ def _one_step_grads(values: dict, record: bool, packed: bool = False) -> tuple[d
     return (grads if run.ctx.tp_rank == 0 and run.ctx.dp_rank == 0 else {}), events
 
 
-def _matrix(rank: int, world_size: int) -> dict:
+def _matrix(rank: int, world_size: int, runs: list[list[str]]) -> dict:
     from megatron_ext.parallel import destroy_parallel_context
 
-    out = {}
+    out = {"main": _main_runs(rank, world_size, runs)}
     for name, (ours, theirs) in MATRIX_CASES.items():
         for label, flags in (("ours", ours), ("megatron-core", theirs)):
             out[(name, label)] = _one_step_grads({**MATRIX, **flags}, record=label == "ours")
@@ -248,8 +270,23 @@ def _matrix(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def matrix_results():
-    return run_ranks(_matrix, 8, timeout=900)
+def matrix_results(data_prefix):
+    base = BASE + ["--data-path", data_prefix] + MATRIX_FLAGS
+    runs = [base + flags + PACKINGS[packing] for flags, packing in EIGHT_RANK.values()]
+    return run_ranks(_matrix, 8, runs, timeout=900)
+
+
+@pytest.mark.parametrize("name", list(EIGHT_RANK))
+def test_losses_at_tp2_pp2_dp2_sp_recompute_overlapped_equal_one_process(one_process, matrix_results, name):
+    """TP 2 x PP 2 x DP 2, sequence parallel, full recompute, distributed optimizer with both overlap
+    flags, through pretrain_gpt.main: the losses (every step from the second on runs on parameters
+    --overlap-param-gather gathered inside the step) and the validation loss equal one process's."""
+    packing = EIGHT_RANK[name][1]
+    ref_losses, ref_evals = one_process[packing]
+    losses, evals, schedule = _logged([r["main"] for r in matrix_results], list(EIGHT_RANK).index(name))
+    assert schedule == name
+    assert len(losses) == 6 and losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-5), (name, losses, ref_losses)
+    assert len(evals) == 1 and evals == pytest.approx(ref_evals, rel=1e-5, abs=1e-5), name
 
 
 @pytest.mark.parametrize("name", list(MATRIX_CASES))
