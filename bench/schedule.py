@@ -2,6 +2,7 @@
 (megatron-core's schedules) vs torch.distributed.pipelining, bubble vs theory, activation memory.
 
     python -m bench.schedule [--steps 8] [--warmup 1] [--chunk-ms 100] [--trace-dir DIR]
+    python -m bench.schedule --zero-bubble [...]   (ours vs torch's zero-bubble schedules: bench/zero_bubble.py)
 
 Pinned: PP=4 (4 forked gloo ranks), m=8 micro-batches of [s=64, b=1, h=128] fp32, 8 simulated
 layers (``bench/simdevice.py``: forward sleeps t per token, backward 2t); a VPP chunk (1 layer)
@@ -281,6 +282,12 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--zero-bubble" in argv:
+        from bench import zero_bubble
+
+        zero_bubble.main([a for a in argv if a != "--zero-bubble"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="measured rounds (one step of each variant per round)")
     parser.add_argument("--warmup", type=int, default=1, help="rounds dropped first")

@@ -75,31 +75,55 @@ class _InputPath(torch.autograd.Function):
         return grad * ctx.weight, None, None, None
 
 
+class _FreeEmbedding(torch.autograd.Function):
+    """y = x * w at no cost, saving nothing (a real embedding saves token ids, not activations); its
+    weight's gradient is 0. It only makes the first layer's input require grad."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight.detach()
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.weight, torch.zeros_like(ctx.weight)
+
+
+def embed(x: torch.Tensor, weight: torch.nn.Parameter | None) -> torch.Tensor:
+    return x if weight is None else _FreeEmbedding.apply(x, weight)
+
+
 class _WeightPath(torch.autograd.Function):
     """0 in forward (free); backward: dw = sum(g * x) after ``t_weight``, deferred to the layer's
-    queue while one captures. Saves x: the activation lives until W."""
+    queue while one captures. Keeps x, the activation, until its W ran (counted by the active
+    ``SavedTensorMeter`` all that time, whether autograd or our W queue holds it)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, t_weight: float,
                 layer: "SplitSimLayer") -> torch.Tensor:
-        ctx.save_for_backward(x)
+        # kept on the context (not save_for_backward) so that the count follows x wherever it goes
+        ctx.x, ctx.held = x, SavedTensorMeter.hold(x)
         ctx.t_weight, ctx.layer = t_weight, layer
         return torch.zeros_like(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
+        x, held = ctx.x, [ctx.held]
+        ctx.x = ctx.held = None  # moved: into the deferred W, or dropped below
         t_weight, weight = ctx.t_weight, ctx.layer.weight
 
+        @torch.no_grad()  # as inside autograd's backward (a received output gradient requires grad)
         def run_w() -> None:
             busy_wait(t_weight)
             dw = (grad * x).sum().reshape(weight.shape)
             weight.grad = dw if weight.grad is None else weight.grad + dw
+            held.clear()
 
         queue = ctx.layer.wgrad_queue
         if queue is not None and queue.defer(run_w):
             return None, None, None, None
         busy_wait(t_weight)
+        held.clear()
         return None, (grad * x).sum().reshape(weight.shape), None, None
 
 
@@ -145,8 +169,10 @@ class SimChunk(torch.nn.Module):
     ``set_input_tensor`` (what the schedule received from the previous stage)."""
 
     def __init__(self, config, num_layers: int, seconds_per_token: float, pre_process: bool,
-                 split: tuple[float, float] | None = None):
-        """``split`` = (input, weight) seconds per token: SplitSimLayers (else SimLayers, backward 2x)."""
+                 split: tuple[float, float] | None = None, embed: bool = False):
+        """``split`` = (input, weight) seconds per token: SplitSimLayers (else SimLayers, backward 2x);
+        ``embed``: the first stage scales its batch by a free parameter (a zero-cost embedding), so
+        that its first layer's input requires grad and that layer's input path runs, as elsewhere."""
         from megatron.core.enums import ModelType
 
         super().__init__()
@@ -156,13 +182,14 @@ class SimChunk(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             SplitSimLayer(seconds_per_token, *split) if split else SimLayer(seconds_per_token)
             for _ in range(num_layers))
+        self.embedding = torch.nn.Parameter(torch.ones(())) if embed and pre_process else None
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
         self.input_tensor = input_tensor[0]
 
     def forward(self, batch: torch.Tensor | None) -> torch.Tensor:
-        x = batch if self.pre_process else self.input_tensor  # [s, b, h]
+        x = embed(batch, self.embedding) if self.pre_process else self.input_tensor  # [s, b, h]
         for layer in self.layers:
             x = layer(x, seq_dim=0)
         return x
@@ -171,23 +198,45 @@ class SimChunk(torch.nn.Module):
 class SimStage(torch.nn.Module):
     """The same layers for ``torch.distributed.pipelining`` (batch-first [b, s, h])."""
 
-    def __init__(self, num_layers: int, seconds_per_token: float, split: tuple[float, float] | None = None):
+    def __init__(self, num_layers: int, seconds_per_token: float, split: tuple[float, float] | None = None,
+                 embed: bool = False):
         super().__init__()
         self.layers = torch.nn.ModuleList(
             SplitSimLayer(seconds_per_token, *split) if split else SimLayer(seconds_per_token)
             for _ in range(num_layers))
+        self.embedding = torch.nn.Parameter(torch.ones(())) if embed else None  # SimChunk's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = embed(x, self.embedding)
         for layer in self.layers:
             x = layer(x, seq_dim=1)
         return x
+
+
+class _Held:
+    """One tensor counted by ``meter`` while this object lives."""
+
+    __slots__ = ("meter", "tensor", "nbytes")
+
+    def __init__(self, meter: "SavedTensorMeter", tensor: torch.Tensor):
+        self.meter, self.tensor = meter, tensor
+        self.nbytes = 0 if isinstance(tensor, torch.nn.Parameter) else tensor.numel() * tensor.element_size()
+        meter.live += self.nbytes
+        meter.peak = max(meter.peak, meter.live)
+
+    def __del__(self):
+        self.meter.live -= self.nbytes
 
 
 class SavedTensorMeter:
     """Exact bytes of tensors saved for backward (parameters excluded), live and peak.
 
     A saved tensor counts from the moment autograd saves it until autograd frees it (after its
-    backward, or when the graph is dropped)."""
+    backward, or when the graph is dropped). A weight gradient deferred to a W queue keeps its
+    layer's input alive after autograd let it go: ``hold`` counts it until the W ran (torch's
+    zero-bubble schedules keep the same tensor as a saved tensor of their retained graph)."""
+
+    active: "SavedTensorMeter | None" = None  # the meter tracking now (one per process)
 
     def __init__(self):
         self.live = 0
@@ -196,21 +245,16 @@ class SavedTensorMeter:
     def reset(self) -> None:
         self.live = self.peak = 0
 
+    @classmethod
+    def hold(cls, tensor: torch.Tensor) -> "_Held | None":
+        """Count ``tensor`` while the returned token lives (None when no meter tracks)."""
+        return _Held(cls.active, tensor) if cls.active is not None else None
+
     @contextlib.contextmanager
     def track(self) -> Iterator["SavedTensorMeter"]:
-        meter = self
-
-        class _Held:
-            __slots__ = ("tensor", "nbytes")
-
-            def __init__(self, tensor: torch.Tensor):
-                self.tensor = tensor
-                self.nbytes = 0 if isinstance(tensor, torch.nn.Parameter) else tensor.numel() * tensor.element_size()
-                meter.live += self.nbytes
-                meter.peak = max(meter.peak, meter.live)
-
-            def __del__(self):
-                meter.live -= self.nbytes
-
-        with torch.autograd.graph.saved_tensors_hooks(_Held, lambda held: held.tensor):
-            yield self
+        previous, SavedTensorMeter.active = SavedTensorMeter.active, self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(self, t), lambda held: held.tensor):
+                yield self
+        finally:
+            SavedTensorMeter.active = previous

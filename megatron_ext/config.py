@@ -38,7 +38,7 @@ class ParallelConfig:
     account_for_embedding_in_pipeline_split: bool = _f(False, "Count the input embedding as one layer when splitting layers over pipeline stages.")
     account_for_loss_in_pipeline_split: bool = _f(False, "Count the output layer and loss as one layer when splitting layers over pipeline stages.")
     pipeline_model_parallel_layout: str | None = _f(None, "Megatron-LM's explicit layer layout: not supported (refused); use the flags above.")
-    pipeline_schedule: str | None = _f(None, "Pipeline schedule (ours; torch.distributed.pipelining's names, case-insensitive): 1F1B or Interleaved1F1B (megatron-core's), ZBH1, InterleavedZeroBubble, ZBVZeroBubble. Default: Interleaved1F1B with virtual stages, else 1F1B.")
+    pipeline_schedule: str | None = _f(None, "Pipeline schedule (ours; torch.distributed.pipelining's names, case-insensitive): 1F1B or Interleaved1F1B (megatron-core's), or a zero-bubble one on our runtime: ZBH1 (one chunk per rank, 1F1B's memory), InterleavedZeroBubble (with --num-virtual-stages-per-pipeline-rank), ZBVZeroBubble (2 chunks per rank in a V, implied; 1F1B's memory). Default: Interleaved1F1B with virtual stages, else 1F1B. docs/pipeline.md says which to pick.")
     microbatch_group_size_per_vp_stage: int | None = _f(None, "Contiguous micro-batches per virtual stage in the interleaved schedule (default: PP).")
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms, dropout and residuals on a 1/TP slice of the sequence (needs TP > 1).")

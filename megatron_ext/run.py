@@ -106,7 +106,8 @@ def build_training_run(
         checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=resolved.padded_vocab_size),
         exit_decider=exit_decider or build_exit_decider(cfg),
         step_data=step_data, log=log,
-        timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx) if cfg.logging.pp_timeline else None,
+        timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx, resolved.pipeline_schedule)
+        if cfg.logging.pp_timeline else None,
         watchdog=build_step_watchdog(cfg, ctx),
         timers=timers if cfg.logging.timing_log_level else None,
         profiler=build_profiler(cfg, ctx),

@@ -2,13 +2,16 @@
 
     python tools/pp_timeline.py DIR --output timeline.png [--step N]
 
-One row per rank (one sub-row per virtual stage when VPP > 1); forwards light and backwards dark
-in one colour per micro-batch, labelled with the micro-batch id; the optimizer tail (grad
-finalize + optimizer step) hatched grey; idle time (the bubble, and P2P waits) white. Default
+One row per rank (one sub-row per virtual stage when VPP > 1); forwards light, backwards (input
+gradients under a zero-bubble schedule) dark and weight gradients greyed and dotted, in one colour
+per micro-batch, labelled with the micro-batch id; the optimizer tail (grad finalize + optimizer
+step) hatched grey; idle time (the bubble, and P2P waits) white. Default
 step: the last one every rank recorded (warm-up excluded).
 
 Printed per rank: ``bubble`` = idle / busy inside its pipeline's compute span (first forward ->
-last backward over the pipeline's ranks), comparable to ``theory`` = (p-1)/(m v); also idle/span,
+last backward over the pipeline's ranks), beside ``model`` (the same ratio in the hop-0 model of
+the step's own order, with the recorded spans' median costs: what the schedule implies) and
+``theory`` = (p-1)/(m v) (1F1B's and interleaved 1F1B's, for reference); also idle/span,
 comparable to (p-1)/(m v + p - 1). Measured exceeds theory by the P2P hops on the critical path
 and by uneven stages (e.g. the embedding / loss on the first / last stage).
 """
@@ -22,20 +25,24 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from tools.timeline_analysis import get_bubble_stats, parse_rank_step, read_timeline  # noqa: E402
+from tools.timeline_analysis import (  # noqa: E402
+    get_bubble_stats, get_model_bubbles, parse_rank_step, read_timeline,
+)
 
 
 def format_bubble_table(step_records: dict[int, list[dict]]) -> str:
-    """One line per rank: measured bubble beside (p-1)/(m v)."""
+    """One line per rank: measured bubble beside its schedule's hop-0 model (the step's own order
+    with the recorded F/B/W costs) and beside (p-1)/(m v) (1F1B's theory, for reference)."""
     metas = {rank: parse_rank_step(recs) for rank, recs in step_records.items()}
+    model = get_model_bubbles(step_records)
     lines = []
     for b in get_bubble_stats(step_records):
         rs = metas[b.rank]
         p, v, m = rs.pp_size, rs.vp_size, rs.num_microbatches
         lines.append(
             f"rank {b.rank:3d}  pp {b.pp_rank:2d}  v {v}  m {m:3d}  bubble {b.idle_over_busy:.4f}  "
-            f"theory {b.theory:.4f}  |  idle/span {b.idle_over_span:.4f}  theory {(p - 1) / (m * v + p - 1):.4f}  "
-            f"|  span {b.span * 1e3:.1f} ms  busy {b.busy * 1e3:.1f} ms"
+            f"model {model[b.rank]:.4f}  theory {b.theory:.4f}  |  idle/span {b.idle_over_span:.4f}  "
+            f"theory {(p - 1) / (m * v + p - 1):.4f}  |  span {b.span * 1e3:.1f} ms  busy {b.busy * 1e3:.1f} ms"
         )
     return "\n".join(lines)
 
@@ -59,6 +66,8 @@ def render_timeline(step_records: dict[int, list[dict]], output: str, title: str
         base = to_rgb(cmap(mb % cmap.N))
         if kind == "F":  # lighter
             return tuple(0.45 * c + 0.55 for c in base)
+        if kind == "W":  # the micro-batch's colour, greyed: a weight gradient
+            return tuple(0.35 * c + 0.35 for c in base)
         return tuple(0.8 * c for c in base)  # darker
 
     row_h = 1.0 / v
@@ -73,7 +82,7 @@ def render_timeline(step_records: dict[int, list[dict]], output: str, title: str
             y = y0 + (v - 1 - op.chunk) * row_h  # chunk 0 on top within the rank's row
             x, w = (op.start - t0) * 1e3, (op.end - op.start) * 1e3
             ax.broken_barh([(x, w)], (y + 0.06 * row_h, 0.88 * row_h), facecolors=colour(op.mb, op.kind),
-                           edgecolor="black", linewidth=0.3)
+                           edgecolor="black", linewidth=0.3, hatch="..." if op.kind == "W" else None)
             if w > span_ms / 140:
                 ax.text(x + w / 2, y + 0.5 * row_h, f"{op.kind}{op.mb}", ha="center", va="center",
                         fontsize=6 if v > 1 else 7, color="black" if op.kind == "F" else "white")
@@ -89,11 +98,12 @@ def render_timeline(step_records: dict[int, list[dict]], output: str, title: str
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_xlabel("ms since the first forward of the step")
     legend = [Patch(facecolor=colour(0, "F"), edgecolor="black", label="forward (light)"),
-              Patch(facecolor=colour(0, "B"), edgecolor="black", label="backward (dark)"),
+              Patch(facecolor=colour(0, "B"), edgecolor="black", label="backward / input gradient B (dark)"),
+              Patch(facecolor=colour(0, "W"), edgecolor="black", hatch="...", label="weight gradient W (grey, dotted)"),
               Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="grad finalize + optimizer"),
               Patch(facecolor="white", edgecolor="black", label="idle (bubble, P2P wait)")]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 if v == 1 else -0.09),
-              ncol=4, fontsize=8, frameon=False)
+              ncol=5, fontsize=8, frameon=False)
     if v > 1:
         title += f"  (sub-rows per rank: virtual stages 0..{v - 1}, top to bottom)"
     ax.set_title(title, fontsize=10)

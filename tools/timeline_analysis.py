@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 
 def read_timeline(trace_dir: str) -> dict[int, dict[int, list[dict]]]:
     """{step: {rank: [records]}} from every ``rank<N>.jsonl`` under ``trace_dir``."""
@@ -31,7 +32,8 @@ def read_timeline(trace_dir: str) -> dict[int, dict[int, list[dict]]]:
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One forward ("F") or backward ("B") of micro-batch ``mb`` on model chunk ``chunk``."""
+    """One forward ("F"), backward ("B": whole under megatron-core's schedules, the input gradient
+    under ours) or weight gradient ("W") of micro-batch ``mb`` on model chunk ``chunk``."""
 
     kind: str
     chunk: int
@@ -54,15 +56,54 @@ class RankStep:
     end: float
     ops: list[Op]  # by start time
     optimizer: tuple[float, float] | None
+    schedule: str | None = None  # --pipeline-schedule (None: megatron-core's default choice)
+    placement: str = "loop"
+
+    @property
+    def ours(self) -> bool:
+        """Run by our runtime (``megatron_ext/pipeline``), not by megatron-core's schedules."""
+        return self.schedule not in (None, "1F1B", "Interleaved1F1B")
+
+    def stage_of(self, chunk: int) -> int:
+        from megatron_ext.pipeline.placement import get_stage_index
+
+        return get_stage_index(self.pp_rank, chunk, self.pp_size, self.vp_size, self.placement)
 
 
 def parse_rank_step(records: list[dict]) -> RankStep:
     (meta,) = [r for r in records if r["kind"] == "step"]
     ops = sorted((Op(r["kind"], r["chunk"], r["mb"], r["start"], r["end"])
-                  for r in records if r["kind"] in ("F", "B")), key=lambda op: op.start)
+                  for r in records if r["kind"] in ("F", "B", "W")), key=lambda op: op.start)
     opt = [(r["start"], r["end"]) for r in records if r["kind"] == "optimizer"]
     return RankStep(meta["rank"], meta["pp_rank"], meta["pp_size"], meta["vp_size"], meta.get("pipeline", 0),
-                    meta["num_microbatches"], meta["start"], meta["end"], ops, opt[0] if opt else None)
+                    meta["num_microbatches"], meta["start"], meta["end"], ops, opt[0] if opt else None,
+                    meta.get("schedule"), meta.get("placement", "loop"))
+
+
+def get_order(rs: RankStep):
+    """The ``PipelineOrder`` the rank's step ran (megatron-core's own for its schedules)."""
+    from megatron_ext.pipeline.schedules import get_order as get_schedule_order_of
+
+    name = rs.schedule if rs.ours else ("Interleaved1F1B" if rs.vp_size > 1 else "1F1B")
+    return get_schedule_order_of(name, rs.pp_size, rs.vp_size, rs.num_microbatches)
+
+
+def get_recorded_order(order, pp_rank: int) -> list[tuple[str, int, int]]:
+    """(kind, chunk, mb) in the order the timeline records ``order``'s actions on ``pp_rank``: a
+    whole backward (BW) as "B"; stage 0's B nothing and its W a B then a W (the runtime runs that
+    stage's whole backward in its W slot)."""
+    out = []
+    for a in order.ranks[pp_rank]:
+        c = order.chunk_of(a.stage)
+        if a.kind == "BW":
+            out.append(("B", c, a.mb))
+        elif a.stage == 0 and a.kind == "B":
+            continue
+        elif a.stage == 0 and a.kind == "W":
+            out += [("B", c, a.mb), ("W", c, a.mb)]
+        else:
+            out.append((a.kind, c, a.mb))
+    return out
 
 
 def get_bubble_theory(pp_size: int, num_microbatches: int, vp_size: int = 1) -> float:
@@ -80,13 +121,20 @@ def get_schedule_order(pp_rank: int, pp_size: int, vp_size: int, num_microbatche
 
 
 def get_max_in_flight(ops: list[Op]) -> int:
-    """Most (micro-batch, chunk) pairs forwarded but not yet backwarded at once: the number of
-    activation sets a rank holds, which bounds its activation memory."""
+    """Most (micro-batch, chunk) pairs forwarded but not yet backwarded (split backward: whose W has
+    not run) at once: the number of activation sets a rank holds, which bounds its activation memory."""
+    release = "W" if any(op.kind == "W" for op in ops) else "B"
     live = peak = 0
     for op in ops:
-        live += 1 if op.kind == "F" else -1
+        live += 1 if op.kind == "F" else -1 if op.kind == release else 0
         peak = max(peak, live)
     return peak
+
+
+def get_in_flight_peak(order, pp_rank: int) -> float:
+    from megatron_ext.pipeline.simulate import get_in_flight_peak as peak
+
+    return peak(order, pp_rank)
 
 
 def get_in_flight_bound(pp_rank: int, pp_size: int, vp_size: int, num_microbatches: int,
@@ -101,11 +149,12 @@ def get_in_flight_bound(pp_rank: int, pp_size: int, vp_size: int, num_microbatch
 
 def check_rank_step(rs: RankStep, group_size: int | None = None) -> list[str]:
     """Problems with one rank's recorded step: counts, per-chunk order, dependencies, overlap,
-    the exact megatron-core order, and the in-flight (activation memory) bound."""
+    the exact order of its schedule (megatron-core's, or ours: ``get_recorded_order``), and the
+    in-flight (activation memory) bound."""
     where = f"rank {rs.rank} (pp {rs.pp_rank})"
     m, v = rs.num_microbatches, rs.vp_size
     problems = []
-    for kind in "FB":
+    for kind in "FBW" if rs.ours else "FB":
         for c in range(v):
             mbs = [op.mb for op in rs.ops if op.kind == kind and op.chunk == c]
             if sorted(mbs) != list(range(m)):
@@ -114,32 +163,41 @@ def check_rank_step(rs: RankStep, group_size: int | None = None) -> list[str]:
                 problems.append(f"{where}: chunk {c} {kind} out of micro-batch order: {mbs}")
     ends = {(op.kind, op.chunk, op.mb): op.end for op in rs.ops}
     for op in rs.ops:
-        if op.kind == "B" and op.start < ends.get(("F", op.chunk, op.mb), float("inf")):
-            problems.append(f"{where}: B chunk {op.chunk} mb {op.mb} starts before its forward ended")
+        before = {"B": "F", "W": "B"}.get(op.kind)
+        if before and op.start < ends.get((before, op.chunk, op.mb), float("inf")):
+            what = "forward" if before == "F" else "input gradient (B)"
+            problems.append(f"{where}: {op.kind} chunk {op.chunk} mb {op.mb} starts before its {what} ended")
     for a, b in zip(rs.ops, rs.ops[1:]):
         if b.start < a.end:
             problems.append(f"{where}: {b.kind}{b.chunk}.{b.mb} starts before {a.kind}{a.chunk}.{a.mb} ended")
     order = [(op.kind, op.chunk, op.mb) for op in rs.ops]
-    expected = get_schedule_order(rs.pp_rank, rs.pp_size, v, m, group_size)
+    if rs.ours:
+        scheduled = get_order(rs)
+        expected, who = get_recorded_order(scheduled, rs.pp_rank), f"{rs.schedule}'s order"
+        bound = round(get_in_flight_peak(scheduled, rs.pp_rank) * v)
+    else:
+        expected, who = get_schedule_order(rs.pp_rank, rs.pp_size, v, m, group_size), "megatron-core's schedule"
+        bound = get_in_flight_bound(rs.pp_rank, rs.pp_size, v, m, group_size)
     if order != expected:
         i = next((i for i, (a, b) in enumerate(zip(order, expected)) if a != b), min(len(order), len(expected)))
-        problems.append(f"{where}: op {i} is {order[i:i + 3]}, megatron-core's schedule runs {expected[i:i + 3]}")
-    bound = get_in_flight_bound(rs.pp_rank, rs.pp_size, v, m, group_size)
+        problems.append(f"{where}: op {i} is {order[i:i + 3]}, {who} runs {expected[i:i + 3]}")
     if get_max_in_flight(rs.ops) > bound:
         problems.append(f"{where}: {get_max_in_flight(rs.ops)} micro-batch chunks in flight, bound {bound}")
     return problems
 
 
 def check_pipeline_dependencies(steps: list[RankStep], tolerance: float = 0.0) -> list[str]:
-    """Across the ranks of one pipeline (one clock): F of micro-batch i on virtual stage s starts
-    after F of i ended on s-1; B on s starts after B ended on s+1 (virtual stage s = c p + r)."""
-    p = steps[0].pp_size
-    num_stages = p * steps[0].vp_size
-    ends = {(op.kind, op.chunk * p + rs.pp_rank, op.mb): op.end for rs in steps for op in rs.ops}
+    """Across the ranks of one pipeline (one clock): F of micro-batch i on stage s starts after F of i
+    ended on s-1; B on s starts after B ended on s+1 (stage s of a chunk by the step's placement:
+    loop s = c p + r, or V). A W follows its own B on its rank (``check_rank_step``)."""
+    num_stages = steps[0].pp_size * steps[0].vp_size
+    ends = {(op.kind, rs.stage_of(op.chunk), op.mb): op.end for rs in steps for op in rs.ops}
     problems = []
     for rs in steps:
         for op in rs.ops:
-            s = op.chunk * p + rs.pp_rank
+            if op.kind == "W":
+                continue
+            s = rs.stage_of(op.chunk)
             dep = ("F", s - 1, op.mb) if op.kind == "F" else ("B", s + 1, op.mb)
             if not 0 <= dep[1] < num_stages:
                 continue
@@ -245,12 +303,43 @@ def get_p2p_waits(step_records: dict[int, list[dict]]) -> list[float]:
     steps = [parse_rank_step(recs) for _, recs in sorted(step_records.items())]
     waits = []
     for pipeline in get_pipelines(steps).values():
-        p = pipeline[0].pp_size
-        ends = {(op.kind, op.chunk * p + rs.pp_rank, op.mb): op.end for rs in pipeline for op in rs.ops}
+        ends = {(op.kind, rs.stage_of(op.chunk), op.mb): (op.end, rs.pp_rank) for rs in pipeline for op in rs.ops}
         for rs in pipeline:
             for prev, op in zip(rs.ops, rs.ops[1:]):
-                s = op.chunk * p + rs.pp_rank
+                if op.kind == "W":
+                    continue
+                s = rs.stage_of(op.chunk)
                 dep = ("F", s - 1, op.mb) if op.kind == "F" else ("B", s + 1, op.mb)
-                if dep in ends and dep[1] % p != rs.pp_rank and ends[dep] > prev.end:
-                    waits.append(op.start - ends[dep])
+                if dep in ends and ends[dep][1] != rs.pp_rank and ends[dep][0] > prev.end:
+                    waits.append(op.start - ends[dep][0])
     return waits
+
+
+def get_model_bubbles(step_records: dict[int, list[dict]]) -> dict[int, float]:
+    """{rank: idle / busy} in the hop-0 model of the step's own order, with each stage's F, B and W
+    costs the medians of the recorded spans (stage 0's B + W as recorded in its W slot): the bubble
+    the order itself implies, to print beside the measured one (``BubbleStats.idle_over_busy``)."""
+    from megatron_ext.pipeline.simulate import StageCosts, simulate_order
+
+    steps = [parse_rank_step(recs) for _, recs in sorted(step_records.items())]
+    out = {}
+    for pipeline in get_pipelines(steps).values():
+        first = pipeline[0]
+        order = get_order(first)
+        num_stages = first.pp_size * first.vp_size
+        spans: dict[tuple[str, int], list[float]] = {}
+        for rs in pipeline:
+            for op in rs.ops:
+                spans.setdefault((op.kind, rs.stage_of(op.chunk)), []).append(op.end - op.start)
+        cost = {k: statistics.median(v) for k, v in spans.items()}
+        split = order.splits_backward
+        costs = StageCosts(tuple(cost.get(("F", s), 0.0) for s in range(num_stages)),
+                           tuple(cost.get(("B", s), 0.0) for s in range(num_stages)),
+                           tuple(cost.get(("W", s), 0.0) if split else 0.0 for s in range(num_stages)),
+                           first_stage_backward_in_w=split)
+        sim = simulate_order(order, costs)
+        for rs in pipeline:
+            busy = sum(t.end - t.start for t in sim.ranks[rs.pp_rank])
+            out[rs.rank] = (sim.makespan - busy) / busy
+    return out
+

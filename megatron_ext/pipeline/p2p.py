@@ -67,13 +67,17 @@ class P2PPlan:
     pp_rank: int
     incoming: dict[int, tuple[Message, ...]]
     local: frozenset
+    position: dict[Message, tuple[int, int]] = dataclasses.field(default_factory=dict)  # msg -> (src, index)
+
+    def __post_init__(self) -> None:
+        for src, msgs in self.incoming.items():
+            self.position.update({msg: (src, i) for i, msg in enumerate(msgs)})
 
     def channel_of(self, msg: Message) -> tuple[int, int]:
         """(source rank, position on that channel)."""
-        for src, msgs in self.incoming.items():
-            if msg in msgs:
-                return src, msgs.index(msg)
-        raise KeyError(f"rank {self.pp_rank} receives no {msg}")
+        if msg not in self.position:
+            raise KeyError(f"rank {self.pp_rank} receives no {msg}")
+        return self.position[msg]
 
 
 def build_p2p_plan(order: PipelineOrder, pp_rank: int) -> P2PPlan:

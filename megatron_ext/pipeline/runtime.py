@@ -6,8 +6,8 @@ Per action, on local chunk c of stage s, micro-batch mb:
   the output goes to stage s+1 (P2P send or local hand-over) and is deallocated as megatron-core does.
 - B: ``schedules.backward_step`` inside ``queue.capture((c, mb))``: layers that defer their weight
   gradient queue it; the input gradient goes to stage s-1. On stage 0 nothing waits for the input
-  gradient, so its B does nothing and its W runs the whole backward (torch.distributed.pipelining's
-  choice, which the orders are generated for).
+  gradient, so its B does nothing and its W runs the whole backward, B part (captured) then W
+  (torch.distributed.pipelining's choice, which the orders are generated for).
 - W: ``queue.run((c, mb))`` (through ``weight_step``, which ``--pp-timeline`` wraps).
 - BW: the whole backward (orders that do not split it).
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron_ext.pipeline.actions import B, BW, F, W, Action, PipelineOrder
-from megatron_ext.pipeline.p2p import P2PChannels, build_p2p_plan, get_input_message, get_output_message
+from megatron_ext.pipeline.p2p import P2PChannels, P2PPlan, build_p2p_plan, get_input_message, get_output_message
 from megatron_ext.pipeline.schedules import get_order
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 
@@ -58,9 +58,12 @@ def get_schedule_runtime(model: list[torch.nn.Module]) -> "ScheduleRuntime | Non
 
 
 def weight_step(queue: WeightGradQueue, key: tuple[int, int]) -> int:
-    """Run the W deferred under ``key`` = (chunk, micro-batch); a module function so that the
-    timeline can wrap it (``training/timeline.py``)."""
-    return queue.run(key)
+    """Run the W deferred under ``key`` = (chunk, micro-batch), with grad mode off as inside autograd's
+    backward (the output gradients it holds may require grad: a received P2P buffer does, and a W
+    computed under grad mode would build a graph that keeps its inputs alive). A module function so
+    that the timeline can wrap it (``training/timeline.py``)."""
+    with torch.no_grad():
+        return queue.run(key)
 
 
 @dataclasses.dataclass
@@ -92,6 +95,7 @@ class ScheduleRuntime:
         self.queue = queue
         self.shape_divisor, self.cp_size = tensor_shape_divisor, cp_size
         self._communicator = None
+        self._plans: dict[tuple[str, int], P2PPlan] = {}  # (order's name, micro-batches) -> this rank's
 
     def get_order(self, num_microbatches: int, forward_only: bool = False) -> PipelineOrder:
         order = get_order(self.name, self.pp_size, self.vp_size, num_microbatches)
@@ -169,10 +173,11 @@ class ScheduleRuntime:
         self._give_output(step, action, grad)
 
     def _weight(self, step: _Step, config: Any, action: Action) -> None:
-        if action.stage == 0:
-            self._backward_step(step, config, action)
-        else:
-            weight_step(self.queue, (step.order.chunk_of(action.stage), action.mb))
+        key = (step.order.chunk_of(action.stage), action.mb)
+        if action.stage == 0:  # its B did nothing: the input-gradient part first, captured as any B's
+            with self.queue.capture(key):
+                self._backward_step(step, config, action)
+        weight_step(self.queue, key)
 
     def _backward_step(self, step: _Step, config: Any, action: Action) -> Any:
         from megatron.core.pipeline_parallel import schedules
@@ -216,9 +221,11 @@ class ScheduleRuntime:
             p2p_config = copy.copy(config)
             p2p_config.batch_p2p_comm = False
             self._communicator = P2PCommunicator(pp_group=self.pp_group, config=p2p_config)
+        key = (order.name, order.num_microbatches)  # forward_only() renames the order
+        if key not in self._plans:
+            self._plans[key] = build_p2p_plan(order, self.pp_rank)
         p = self.pp_size
-        return P2PChannels(self._communicator, build_p2p_plan(order, self.pp_rank), shape,
-                           (self.pp_rank + 1) % p, (self.pp_rank - 1) % p)
+        return P2PChannels(self._communicator, self._plans[key], shape, (self.pp_rank + 1) % p, (self.pp_rank - 1) % p)
 
     @staticmethod
     def _dispatch_param_sync(config: Any, model: list[torch.nn.Module]) -> None:

@@ -8,8 +8,9 @@ micro-batch, so the trace can be left on.
 
 How it hooks: inside :meth:`PipelineTimeline.trace_step` (a context manager around one training
 step) megatron-core's ``schedules.forward_step`` and ``schedules.backward_step`` are replaced by
-timing wrappers and restored on exit. Every schedule (no pipelining, 1F1B, interleaved) resolves
-these module globals at call time. ``forward_step`` is given ``current_microbatch`` and
+timing wrappers and restored on exit, and so is our runtime's ``weight_step`` (the W of a
+zero-bubble schedule, ``pipeline/runtime.py``). Every schedule (no pipelining, 1F1B, interleaved,
+ours) resolves these module globals at call time. ``forward_step`` is given ``current_microbatch`` and
 ``vp_stage`` (None without VPP: chunk 0); ``backward_step`` is not told its micro-batch, so the
 forward's output tensor (the object the schedule hands back to ``backward_step``) is mapped to
 its (chunk, micro-batch).
@@ -21,14 +22,18 @@ a picture, not for cross-node dependency checks.
 
 Records (one JSON object per line), per step:
   {"kind": "step", "step", "rank", "pp_rank", "pp_size", "vp_size", "pipeline" (one id per
-   pipeline replica: dp_rank * tp_size + tp_rank), "num_microbatches", "start", "end"}  -- the whole step (the context manager's enter -> exit)
-  {"kind": "F" | "B", "step", "chunk", "mb", "start", "end"}  -- one forward / backward compute
+   pipeline replica: dp_rank * tp_size + tp_rank), "num_microbatches", "start", "end",
+   "schedule" (--pipeline-schedule, null: megatron-core's default), "placement" ("loop" | "v")}
+   -- the whole step (the context manager's enter -> exit)
+  {"kind": "F" | "B" | "W", "step", "chunk", "mb", "start", "end"}  -- one forward / backward (the
+   whole backward under megatron-core's schedules, the input gradient under ours) / weight gradient
   {"kind": "optimizer", "step", "start", "end"}  -- last backward's end -> step end: megatron-core's
    finalize_model_grads (DP grad reduce, tied-embedding sync), the optimizer step (clipping
    inside) and the LR schedule. It cannot be separated further without editing ``train_step``.
 Forward spans cover megatron-core's ``forward_step`` (set_input_tensor, our forward_step_func,
-the loss on the last stage); backward spans cover ``backward_step``. P2P communication happens
-between them and shows as idle time.
+the loss on the last stage); backward spans cover ``backward_step``; W spans our runtime's
+``weight_step`` (stage 0's W slot holds its whole backward: a B span, then the W span). P2P
+communication happens between them and shows as idle time.
 """
 
 from __future__ import annotations
@@ -40,16 +45,17 @@ import time
 from typing import Any, Iterator
 
 SCHEDULE_MODULE = "megatron.core.pipeline_parallel.schedules"
+RUNTIME_MODULE = "megatron_ext.pipeline.runtime"
 
 
 class PipelineTimeline:
     """Records one rank's forward/backward spans per training step (see the module docstring)."""
 
     def __init__(self, out_dir: str, rank: int, pp_rank: int, pp_size: int, vp_size: int | None,
-                 pipeline_id: int = 0):
+                 pipeline_id: int = 0, schedule: str | None = None, placement: str = "loop"):
         self.path = os.path.join(out_dir, f"rank{rank}.jsonl")
         self.meta = {"rank": rank, "pp_rank": pp_rank, "pp_size": pp_size, "vp_size": vp_size or 1,
-                     "pipeline": pipeline_id}
+                     "pipeline": pipeline_id, "schedule": schedule, "placement": placement}
         os.makedirs(out_dir, exist_ok=True)
         open(self.path, "w").close()  # a new run starts a new trace
         self._events: list[tuple[str, int, int, float, float]] = []
@@ -65,9 +71,11 @@ class PipelineTimeline:
         if self._active:
             raise RuntimeError("PipelineTimeline.trace_step is not re-entrant")
         schedules = importlib.import_module(SCHEDULE_MODULE)
-        orig_forward, orig_backward = schedules.forward_step, schedules.backward_step
+        runtime = importlib.import_module(RUNTIME_MODULE)
+        orig_forward, orig_backward, orig_weight = schedules.forward_step, schedules.backward_step, runtime.weight_step
         schedules.forward_step = self._wrap_forward(orig_forward)
         schedules.backward_step = self._wrap_backward(orig_backward)
+        runtime.weight_step = self._wrap_weight(orig_weight)
         self._active = True
         start = time.time()
         try:
@@ -75,6 +83,7 @@ class PipelineTimeline:
         finally:
             end = time.time()
             schedules.forward_step, schedules.backward_step = orig_forward, orig_backward
+            runtime.weight_step = orig_weight
             self._active = False
             self._flush(iteration, start, end)
 
@@ -111,13 +120,24 @@ class PipelineTimeline:
 
         return backward_step
 
+    def _wrap_weight(self, orig):
+        events = self._events
+
+        def weight_step(queue, key):
+            t0 = time.time()
+            out = orig(queue, key)
+            events.append(("W", key[0], key[1], t0, time.time()))
+            return out
+
+        return weight_step
+
     def _flush(self, iteration: int, start: float, end: float) -> None:
         step = {"kind": "step", "step": iteration, **self.meta,
                 "num_microbatches": self._num_microbatches, "start": start, "end": end}
         lines = [step]
         lines += [{"kind": k, "step": iteration, "chunk": c, "mb": mb, "start": t0, "end": t1}
                   for k, c, mb, t0, t1 in self._events]
-        backwards = [e[4] for e in self._events if e[0] == "B"]
+        backwards = [e[4] for e in self._events if e[0] in ("B", "W")]
         if backwards:
             lines.append({"kind": "optimizer", "step": iteration, "start": max(backwards), "end": end})
         with open(self.path, "a") as f:
@@ -126,9 +146,9 @@ class PipelineTimeline:
         self._pending.clear()
 
 
-def build_pp_timeline(out_dir: str, ctx: Any) -> PipelineTimeline:
-    """The tracer for this rank of a ``ParallelContext``; set
-    ``run.schedule_context = build_pp_timeline(dir, ctx).trace_step``."""
+def build_pp_timeline(out_dir: str, ctx: Any, schedule: str | None = None) -> PipelineTimeline:
+    """The tracer for this rank of a ``ParallelContext``; ``schedule``: --pipeline-schedule."""
     # ranks of one pipeline replica share (dp_rank, tp_rank)
     pipeline_id = ctx.dp_rank * ctx.tp_size + ctx.tp_rank
-    return PipelineTimeline(out_dir, ctx.rank, ctx.pp_rank, ctx.pp_size, ctx.vp_size, pipeline_id)
+    return PipelineTimeline(out_dir, ctx.rank, ctx.pp_rank, ctx.pp_size, ctx.vp_size, pipeline_id, schedule,
+                            ctx.stage_placement)

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.pipeline.validate import get_schedule_name
 from megatron_ext.training.timeline import build_pp_timeline
 from tools.timeline_analysis import check_schedule, get_bubble_theory, read_timeline
 from megatron_ext.training.loop import train
@@ -31,6 +32,10 @@ LAYOUTS = {
                       global_batch_size=16), 8, 4, 2),
     "PP2xVPP2xDP2": (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
                           global_batch_size=16), 4, 2, 2),
+    # ours: F, B and W spans (stage 0's whole backward in its W slot: a B span, then the W span)
+    "ZBH1 PP4": (dict(pipeline_model_parallel_size=4, global_batch_size=16, pipeline_schedule="ZBH1"), 8, 4, 1),
+    "ZBV PP4": (dict(pipeline_model_parallel_size=4, num_layers=8, global_batch_size=16,
+                     pipeline_schedule="ZBVZeroBubble"), 8, 4, 2),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _traced_runs(rank: int, world_size: int, root: str) -> None:
     for name, (overrides, *_) in LAYOUTS.items():
         run = build_tiny_run(tiny_values(train_iters=STEPS, **overrides), MarkovDataset(32))
-        run.timeline = build_pp_timeline(os.path.join(root, name), run.ctx)
+        run.timeline = build_pp_timeline(os.path.join(root, name), run.ctx, get_schedule_name(run.cfg))
         train(run)
         destroy_parallel_context()
 
@@ -60,8 +65,8 @@ def test_trace_is_valid_schedule(name, traces):
         for recs in by_rank.values():
             (meta,) = [r for r in recs if r["kind"] == "step"]
             assert (meta["num_microbatches"], meta["pp_size"], meta["vp_size"]) == (m, p, v)
-            # exactly m forwards and m backwards per virtual stage, one optimizer span after them
-            for kind in "FB":
+            # exactly m forwards and m backwards (and, ours, m W's) per virtual stage, one optimizer span
+            for kind in "FBW" if meta["schedule"] else "FB":
                 assert len([r for r in recs if r["kind"] == kind]) == m * v
             (opt,) = [r for r in recs if r["kind"] == "optimizer"]
             assert meta["start"] <= opt["start"] <= opt["end"] == meta["end"]
@@ -78,8 +83,8 @@ def test_checker_catches_a_swapped_pair(traces):
     assert any("out of micro-batch order" in msg for msg in problems), problems
 
 
-def test_render_png(traces, tmp_path):
-    name = "PP4xVPP2"
+@pytest.mark.parametrize("name", ["PP4xVPP2", "ZBV PP4"])
+def test_render_png(traces, tmp_path, name):
     _, m, p, v = LAYOUTS[name]
     out = tmp_path / "timeline.png"
     proc = subprocess.run(
@@ -90,11 +95,11 @@ def test_render_png(traces, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
-    # one row per rank: "rank R pp R  idle/busy X  theory Y ..."
-    rows = re.findall(r"^rank\s+(\d+)\s+pp\s+(\d+)\s+v\s+(\d+)\s+m\s+(\d+)\s+bubble\s+([\d.]+)\s+theory\s+([\d.]+)",
-                      proc.stdout, re.M)
+    # one row per rank: "rank R pp R  v V  m M  bubble X  model Y  theory Z ..."
+    rows = re.findall(r"^rank\s+(\d+)\s+pp\s+(\d+)\s+v\s+(\d+)\s+m\s+(\d+)\s+bubble\s+([\d.]+)\s+"
+                      r"model\s+([\d.]+)\s+theory\s+([\d.]+)", proc.stdout, re.M)
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3], proc.stdout
-    for _, _pp, vv, mm, measured, theory in rows:
+    for _, _pp, vv, mm, measured, model, theory in rows:
         assert (int(vv), int(mm)) == (v, m)
         assert float(theory) == pytest.approx(get_bubble_theory(p, m, v), abs=5e-4)
-        assert float(measured) >= 0.0
+        assert float(measured) >= 0.0 and float(model) >= 0.0

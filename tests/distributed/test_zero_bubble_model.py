@@ -11,7 +11,9 @@ linear deferring its W. Compared: every parameter's final gradient (after the DP
 tied-embedding sum and the per-token scaling), each micro-batch's loss on the loss rank, and the W
 queue, empty at the step's end. Then, across schedules: after the optimizer's step the checkpoint
 saved under ZBV holds exactly 1F1B's tensors, and each loads into the other schedule's run. And
-through the training loop: under ZBV pipeline rank 0 records and logs the losses, which are 1F1B's.
+through the training loop: under ZBV pipeline rank 0 records and logs the losses, which are 1F1B's;
+in fp16 from a loss scale that overflows at first, ZBV skips the same steps as 1F1B (the found-inf
+all-reduce over a V placement) and then gives 1F1B's losses.
 """
 
 from __future__ import annotations
@@ -111,14 +113,16 @@ def _full_params(run) -> dict[str, torch.Tensor]:
 
 
 def _train(values: dict) -> dict:
-    """Three iterations of the training loop: the losses it records and the lines it logs here."""
-    run = build_tiny_run(tiny_values(**values, train_iters=3), MarkovDataset(32, mask_every=1))
+    """Three iterations (unless given) of the training loop: the losses it records, the lines it logs
+    here, the skipped (fp16-overflow) iterations and the final loss scale."""
+    run = build_tiny_run(tiny_values(**{"train_iters": 3, **values}), MarkovDataset(32, mask_every=1))
     lines: list[str] = []
     run.log = lines.append
     train(run)
     destroy_parallel_context()
     return {"records": [(r["iteration"], r["loss"]) for r in run.records],
-            "logged": [line for line in lines if "iteration" in line and "lm loss" in line]}
+            "logged": [line for line in lines if "iteration" in line and "lm loss" in line],
+            "skipped": run.state.skipped_iterations, "scale": float(run.optimizer.get_loss_scale())}
 
 
 def _load_into(values: dict, checkpoint: str) -> dict:
@@ -138,6 +142,7 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     flags = LAYOUTS[CHECKPOINT_LAYOUT][0]
     for case, case_flags in (("1F1B", {}), ("ZBVZeroBubble", ZBV_TIED)):
         out[("trained", case)] = _train(dict(flags, clip_grad=0.3, **case_flags))
+        out[("fp16", case)] = _train(dict(flags, **FP16, **case_flags))
     # each checkpoint into the other schedule's run
     out["1F1B loads ZBV"] = _load_into(flags, os.path.join(root, "ZBVZeroBubble tied"))
     out["ZBV loads 1F1B"] = _load_into(dict(flags, **ZBV_TIED), os.path.join(root, "1F1B"))
@@ -145,6 +150,9 @@ def _world(rank: int, world_size: int, root: str) -> dict:
 
 
 CHECKPOINTED = ("1F1B", "ZBVZeroBubble tied")
+# a loss scale that overflows in the first steps (skipped), then steps that apply; no clipping (as the
+# checkpoint layout: its global norm's last bits follow the placement)
+FP16 = dict(fp16=True, initial_loss_scale=2.0 ** 16, hysteresis=1, train_iters=5)
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +233,18 @@ def test_the_training_loop_logs_zbvs_losses_on_pipeline_rank_0(results):
     assert [i for i, _ in zbv] == [i for i, _ in reference] == [1, 2, 3]
     for (_, a), (_, b) in zip(reference, zbv):
         assert abs(a - b) <= 1e-6 * abs(a), (a, b)
+
+
+def test_fp16_under_zbv_skips_the_same_steps_and_gives_1f1bs_losses(results):
+    """--fp16 (fp32 main gradients, dynamic loss scale from 2^16, which overflows at first): under ZBV
+    the same iterations are skipped as under 1F1B, the loss scale ends the same, and the recorded
+    losses are 1F1B's bitwise (megatron-core's grad scaler inside our runtime's backward_step, the
+    found-inf all-reduce over the model-parallel group whatever the placement)."""
+    ranks = results[1:]
+    reference, zbv = ranks[3][("fp16", "1F1B")], ranks[1][("fp16", "ZBVZeroBubble")]
+    assert 1 <= reference["skipped"] < 5, reference  # some steps skipped, some applied
+    for r in range(4):
+        assert ranks[r][("fp16", "ZBVZeroBubble")]["skipped"] == ranks[r][("fp16", "1F1B")]["skipped"]
+        assert ranks[r][("fp16", "ZBVZeroBubble")]["scale"] == ranks[r][("fp16", "1F1B")]["scale"]
+    assert [i for i, _ in zbv["records"]] == [i for i, _ in reference["records"]] == [1, 2, 3, 4, 5]
+    assert zbv["records"] == reference["records"]

@@ -136,6 +136,9 @@ def test_tracer_hooks_schedule_and_restores(tmp_path, monkeypatch):
 
     monkeypatch.setattr(schedules, "forward_step", _FakeSchedules.forward_step)
     monkeypatch.setattr(schedules, "backward_step", _FakeSchedules.backward_step)
+    from megatron_ext.pipeline import runtime
+
+    original_weight_step = runtime.weight_step
     tracer = PipelineTimeline(str(tmp_path), rank=3, pp_rank=1, pp_size=2, vp_size=2)
     for step in (1, 2):
         with tracer.trace_step(step):
@@ -147,12 +150,13 @@ def test_tracer_hooks_schedule_and_restores(tmp_path, monkeypatch):
                 schedules.backward_step(None, outs[c, mb][0], None, None, None)
         assert schedules.forward_step is _FakeSchedules.forward_step  # restored
         assert schedules.backward_step is _FakeSchedules.backward_step
+        assert runtime.weight_step is original_weight_step
     lines = [json.loads(x) for x in (tmp_path / "rank3.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines].count(2) == 1 + 8 + 1  # meta, 4 F + 4 B, optimizer
     step2 = [x for x in lines if x["step"] == 2]
     assert step2[0] | {"start": 0, "end": 0} == {
         "kind": "step", "step": 2, "rank": 3, "pp_rank": 1, "pp_size": 2, "vp_size": 2, "pipeline": 0,
-        "num_microbatches": 2, "start": 0, "end": 0}
+        "num_microbatches": 2, "start": 0, "end": 0, "schedule": None, "placement": "loop"}
     assert [(x["kind"], x["chunk"], x["mb"]) for x in step2[1:9]] == [
         ("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("B", 0, 0), ("B", 1, 1), ("B", 0, 1)]
     assert step2[-1]["kind"] == "optimizer" and step2[-1]["start"] == step2[8]["end"]
