@@ -47,8 +47,12 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if gpu_items and get_gpu_count() == 0:
         if os.environ.get("MEGATRON_EXT_REQUIRE_GPU"):  # scripts/gpu_checks.sh: a skip would read as a pass
-            raise pytest.UsageError("MEGATRON_EXT_REQUIRE_GPU is set but no GPU is visible to the gpu tests "
-                                    "(nvidia-smi is missing or lists none, or CUDA_VISIBLE_DEVICES hides them)")
-        skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible: nvidia-smi lists none or CUDA_VISIBLE_DEVICES hides them)")
+            raise pytest.UsageError(
+                "MEGATRON_EXT_REQUIRE_GPU is set but no GPU is visible to the gpu tests "
+                "(nvidia-smi is missing or lists none, or CUDA_VISIBLE_DEVICES hides them)"
+            )
+        skip = pytest.mark.skip(
+            reason="needs a CUDA GPU (none visible: nvidia-smi lists none or CUDA_VISIBLE_DEVICES hides them)"
+        )
         for item in gpu_items:
             item.add_marker(skip)

@@ -18,8 +18,8 @@ quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Ap
 import torch  # noqa: E402
 
 from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
-from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.directory import CheckpointWriteFailed, probe_save_dir  # noqa: E402
+from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.state import plan_load  # noqa: E402
 from megatron_ext.config import ConfigError, JobConfig, report_error_once  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
@@ -27,7 +27,10 @@ from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.rehearse import rehearse_job  # noqa: E402
 from megatron_ext.restart import (  # noqa: E402
-    apply_restart, check_restart_settings, open_iteration_record, write_no_retry_marker,
+    apply_restart,
+    check_restart_settings,
+    open_iteration_record,
+    write_no_retry_marker,
 )
 from megatron_ext.run import build_training_run, describe_run, describe_schedule  # noqa: E402
 from megatron_ext.training.checkpointing import load_checkpoint  # noqa: E402
@@ -54,8 +57,13 @@ def main(argv: list[str] | None = None) -> list[float]:
         exit_decider.close()  # returned or raised: SIGTERM and Ctrl-C act as before main again
 
 
-def _train(cfg: JobConfig, flag_notes: list[str], device: torch.device, exit_decider: ExitDecider,
-           restart_note: str | None = None) -> list[float]:
+def _train(
+    cfg: JobConfig,
+    flag_notes: list[str],
+    device: torch.device,
+    exit_decider: ExitDecider,
+    restart_note: str | None = None,
+) -> list[float]:
     """``main`` from the start-up checks to the end of training, with the exit decider's
     signal handlers installed; ``restart_note``: what a restart by launch/torchrun.sh resumes from."""
     load_plan, load_message = plan_load(cfg)
@@ -81,8 +89,14 @@ def _train(cfg: JobConfig, flag_notes: list[str], device: torch.device, exit_dec
             if line:
                 run.log(line)
     if load_plan is not None:
-        load_checkpoint(run, load_plan.path, load_optimizer=not cfg.checkpoint.no_load_optim, step=load_plan.step,
-                        weights_only=load_plan.weights_only, load_rng=load_plan.load_rng)
+        load_checkpoint(
+            run,
+            load_plan.path,
+            load_optimizer=not cfg.checkpoint.no_load_optim,
+            step=load_plan.step,
+            weights_only=load_plan.weights_only,
+            load_rng=load_plan.load_rng,
+        )
         if cfg.checkpoint.use_checkpoint_opt_param_scheduler and run.ctx.is_logging_rank:
             run.log(describe_schedule(run, "schedule taken from the checkpoint (--use-checkpoint-opt-param-scheduler)"))
     run.iteration_record = open_iteration_record()

@@ -28,8 +28,16 @@ setup(
         # --tokenizer-type HuggingFaceTokenizer / GPT2BPETokenizer
         "hf": ["transformers", "tokenizers"],
         # ruff pinned: a new release adds rules and changes formatting (ruff.toml, scripts/test.sh).
-        "test": ["pytest", "ruff==0.17.5", "tensorboard", "wandb", "matplotlib", "safetensors", "transformers",
-                 "tokenizers"],
+        "test": [
+            "pytest",
+            "ruff==0.17.5",
+            "tensorboard",
+            "wandb",
+            "matplotlib",
+            "safetensors",
+            "transformers",
+            "tokenizers",
+        ],
         # GPU clusters: Transformer Engine layer spec and kernels (needs CUDA to build).
         "gpu": ["transformer-engine[pytorch]"],
     },

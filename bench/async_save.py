@@ -85,8 +85,12 @@ def run_async(step, steps: int, tensors, root: str, iteration: int, saver) -> di
     t0 = time.perf_counter()
     waited = saver.finish() is not None
     end_wait = time.perf_counter() - t0
-    return {"seconds": time.perf_counter() - start, "held": held, "end_wait": end_wait,
-            "published_after": published_after if not waited else None}
+    return {
+        "seconds": time.perf_counter() - start,
+        "held": held,
+        "end_wait": end_wait,
+        "published_after": published_after if not waited else None,
+    }
 
 
 def bench_size(size_mib: int, rounds: int, steps: int, base: str) -> dict:
@@ -101,10 +105,11 @@ def bench_size(size_mib: int, rounds: int, steps: int, base: str) -> dict:
     iteration = 0
     try:
         for r in range(rounds + 1):
-            for name in order[r % 3:] + order[:r % 3]:
+            for name in order[r % 3 :] + order[: r % 3]:
                 iteration += 1
                 out = {"none": run_none, "sync": run_sync, "async": run_async}[name](
-                    step, steps, tensors=tensors, root=root, iteration=iteration, saver=saver)
+                    step, steps, tensors=tensors, root=root, iteration=iteration, saver=saver
+                )
                 if r > 0:
                     results[name].append(out)
     finally:
@@ -122,8 +127,10 @@ def main() -> None:
     init_single_process_world()
     torch.set_num_threads(1)
     print(f"{args.steps} steps per run, {args.rounds} rounds (after one warm-up), medians; 1 rank")
-    print(f"{'MiB':>6} {'step ms':>8} {'sync lost s':>12} {'async lost s':>13} {'async/sync':>11} "
-          f"{'held s':>7} {'end wait s':>11} {'published after step':>21}")
+    print(
+        f"{'MiB':>6} {'step ms':>8} {'sync lost s':>12} {'async lost s':>13} {'async/sync':>11} "
+        f"{'held s':>7} {'end wait s':>11} {'published after step':>21}"
+    )
     for size in args.sizes_mib:
         res = bench_size(size, args.rounds, args.steps, args.dir or tempfile.gettempdir())
         med = {k: statistics.median(x["seconds"] for x in v) for k, v in res.items()}
@@ -131,9 +138,11 @@ def main() -> None:
         held = statistics.median(x["held"] for x in res["async"])
         end_wait = statistics.median(x["end_wait"] for x in res["async"])
         after = [x["published_after"] for x in res["async"]]
-        print(f"{size:>6} {1000 * med['none'] / args.steps:>8.1f} {sync_lost:>12.2f} {async_lost:>13.2f} "
-              f"{async_lost / sync_lost if sync_lost > 0 else float('nan'):>11.2f} {held:>7.2f} {end_wait:>11.2f} "
-              f"{str(after):>21}")
+        print(
+            f"{size:>6} {1000 * med['none'] / args.steps:>8.1f} {sync_lost:>12.2f} {async_lost:>13.2f} "
+            f"{async_lost / sync_lost if sync_lost > 0 else float('nan'):>11.2f} {held:>7.2f} {end_wait:>11.2f} "
+            f"{str(after):>21}"
+        )
 
 
 if __name__ == "__main__":

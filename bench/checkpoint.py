@@ -51,9 +51,20 @@ TENSOR_MIB = 4
 
 
 MODEL_HIDDEN = 512
-MODEL_LAYER = {"qkv.weight": (3, 1), "qkv.bias": (3,), "proj.weight": (1, 1), "proj.bias": (1,),
-               "fc1.weight": (4, 1), "fc1.bias": (4,), "fc2.weight": (1, 4), "fc2.bias": (1,),
-               "ln1.weight": (1,), "ln1.bias": (1,), "ln2.weight": (1,), "ln2.bias": (1,)}
+MODEL_LAYER = {
+    "qkv.weight": (3, 1),
+    "qkv.bias": (3,),
+    "proj.weight": (1, 1),
+    "proj.bias": (1,),
+    "fc1.weight": (4, 1),
+    "fc1.bias": (4,),
+    "fc2.weight": (1, 4),
+    "fc2.bias": (1,),
+    "ln1.weight": (1,),
+    "ln1.bias": (1,),
+    "ln2.weight": (1,),
+    "ln2.bias": (1,),
+}
 
 
 def build_tensors(size_mib: int, model_like: bool = False) -> dict[str, torch.Tensor]:
@@ -64,8 +75,11 @@ def build_tensors(size_mib: int, model_like: bool = False) -> dict[str, torch.Te
         n = max(size_mib // TENSOR_MIB, 1)
         return {f"layer{i}.weight": torch.randn(TENSOR_MIB * 2**20 // 4, generator=g) for i in range(n)}
     layers = max(1, round(size_mib / 12))
-    return {f"layer{i}.{name}": torch.randn(*(m * MODEL_HIDDEN for m in mult), generator=g)
-            for i in range(layers) for name, mult in MODEL_LAYER.items()}
+    return {
+        f"layer{i}.{name}": torch.randn(*(m * MODEL_HIDDEN for m in mult), generator=g)
+        for i in range(layers)
+        for name, mult in MODEL_LAYER.items()
+    }
 
 
 def as_sharded(tensors: dict[str, torch.Tensor]) -> dict:
@@ -133,13 +147,20 @@ def time_torch_load(tensors, path: str) -> float:
     return elapsed
 
 
-def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
-               fresh_targets: bool = False, model_like: bool = False) -> dict[str, float]:
+def bench_size(
+    size_mib: int, rounds: int, warmup: int, base: str, fresh_targets: bool = False, model_like: bool = False
+) -> dict[str, float]:
     tensors = build_tensors(size_mib, model_like)
     mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     work = tempfile.mkdtemp(prefix="bench_ckpt_", dir=base)
-    times = {"ours_save": [], "ours_save_nocrc": [], "torch_save": [], "ours_load": [], "ours_load_nocheck": [],
-             "torch_load": []}
+    times = {
+        "ours_save": [],
+        "ours_save_nocrc": [],
+        "torch_save": [],
+        "ours_load": [],
+        "ours_load_nocheck": [],
+        "torch_load": [],
+    }
     try:
         for r in range(rounds + warmup):
             root, path = os.path.join(work, "ours"), os.path.join(work, f"torch_{r}.pt")
@@ -155,8 +176,11 @@ def bench_size(size_mib: int, rounds: int, warmup: int, base: str,
             # saves: torch first every other round, so writeback left by the previous step
             # favours neither side; loads: torch.load always last, so its fresh storages reuse
             # the pages our just-freed destinations had (first-touch faults would triple its time)
-            saves = (["ours_save", "ours_save_nocrc", "torch_save"] if r % 2 == 0
-                     else ["torch_save", "ours_save_nocrc", "ours_save"])
+            saves = (
+                ["ours_save", "ours_save_nocrc", "torch_save"]
+                if r % 2 == 0
+                else ["torch_save", "ours_save_nocrc", "ours_save"]
+            )
             loads = ["ours_load", "ours_load_nocheck"] if r % 2 == 0 else ["ours_load_nocheck", "ours_load"]
             order = saves + loads + ["torch_load"]
             sample = {k: steps[k]() for k in order}
@@ -202,8 +226,12 @@ def _resident_mib(paths: list[str]) -> str:
     import subprocess
 
     try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *paths],
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", *paths],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         return "?"
     return f"{sum(int(x) for x in out) / 2**20:.0f}"
@@ -223,7 +251,8 @@ def _layout(size_mib: int, rank: int, world_size: int, reshard: bool, fill: str)
     for i in range(max(size_mib // TENSOR_MIB, 1)):
         data = torch.randn(*shape, generator=g) if fill == "random" else torch.zeros(*shape)
         out[f"layer{i}.weight"] = ShardedTensor.from_rank_offsets(
-            f"layer{i}.weight", data, (1, rank, world_size) if reshard else (0, rank, world_size), replica_id=0)
+            f"layer{i}.weight", data, (1, rank, world_size) if reshard else (0, rank, world_size), replica_id=0
+        )
     return out
 
 
@@ -256,8 +285,9 @@ def _timed_load(targets: dict, ckpt_dir: str, label: str, record: dict | None) -
     return elapsed, cpu.item(), ((stats.verified, stats.unverified) if stats is not None else (0, 0))
 
 
-def _reader_rounds(size_mib: int, rounds: int, warmup: int, work: str, rank: int, world_size: int,
-                   layouts: list[str]) -> dict:
+def _reader_rounds(
+    size_mib: int, rounds: int, warmup: int, work: str, rank: int, world_size: int, layouts: list[str]
+) -> dict:
     """Save one checkpoint of ``size_mib`` per rank, then load it every way, alternated: per round,
     cache state and layout, the READER_CASES in one order, the next round reversed."""
     from megatron_ext.checkpoint.directory import get_checkpoint_dir, read_marker, write_checkpoint
@@ -275,7 +305,7 @@ def _reader_rounds(size_mib: int, rounds: int, warmup: int, work: str, rank: int
     for r in range(rounds + warmup):
         for where in ("cache", "disk"):
             for layout in layouts:
-                for label, verify in (READER_CASES if r % 2 == 0 else READER_CASES[::-1]):
+                for label, verify in READER_CASES if r % 2 == 0 else READER_CASES[::-1]:
                     if rank == 0:
                         if where == "disk":
                             _evict(files)
@@ -299,12 +329,13 @@ def _check_loaded(targets: dict, size_mib: int, rank: int, world_size: int) -> N
     cols = full.shape[1] // world_size
     for layout, state in targets.items():
         got = next(iter(state.values())).data
-        want = full[:, rank * cols:(rank + 1) * cols] if layout == "reshard" else full[rank:rank + 1]
+        want = full[:, rank * cols : (rank + 1) * cols] if layout == "reshard" else full[rank : rank + 1]
         assert torch.equal(got, want), layout
 
 
-def _readers_world(rank: int, world_size: int, sizes: list[int], rounds: int, warmup: int, work: str,
-                   layouts: list[str]) -> list:
+def _readers_world(
+    rank: int, world_size: int, sizes: list[int], rounds: int, warmup: int, work: str, layouts: list[str]
+) -> list:
     from megatron.core import parallel_state
 
     from megatron_ext.cpu_platform import apply_cpu_platform, quiet_known_warnings
@@ -322,41 +353,54 @@ def main_readers(args) -> None:
     from megatron_ext.testing import run_ranks
 
     work = tempfile.mkdtemp(prefix="bench_readers_", dir=args.dir)
-    print(f"readers bench: {args.ranks} ranks, fp32 tensors of {TENSOR_MIB} MiB per rank, sizes per rank "
-          f"{args.sizes_mib} MiB, medians of {args.rounds} rounds ({args.warmup} warm-up dropped), cases alternated "
-          f"(order reversed every round), wall time barrier to barrier, dir {args.dir}; disk = pages evicted before "
-          f"each load (fsync + posix_fadvise DONTNEED); load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"readers bench: {args.ranks} ranks, fp32 tensors of {TENSOR_MIB} MiB per rank, sizes per rank "
+        f"{args.sizes_mib} MiB, medians of {args.rounds} rounds ({args.warmup} warm-up dropped), cases alternated "
+        f"(order reversed every round), wall time barrier to barrier, dir {args.dir}; disk = pages evicted before "
+        f"each load (fsync + posix_fadvise DONTNEED); load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     try:
-        results = run_ranks(_readers_world, args.ranks, args.sizes_mib, args.rounds, args.warmup, work,
-                            args.layouts, timeout=3600)[0]
+        results = run_ranks(
+            _readers_world, args.ranks, args.sizes_mib, args.rounds, args.warmup, work, args.layouts, timeout=3600
+        )[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'MiB/rank':>8} {'layout':>7} {'from':>5} | wall: {'stock':>6} {'ours':>6} {'/stock':>6} {'verified':>8} "
-          f"{'cost':>6} | CPU s: {'stock':>6} {'ours':>6} {'/stock':>6} {'verified':>8} {'cost':>6}")
+    print(
+        f"{'MiB/rank':>8} {'layout':>7} {'from':>5} | wall: {'stock':>6} {'ours':>6} {'/stock':>6} {'verified':>8} "
+        f"{'cost':>6} | CPU s: {'stock':>6} {'ours':>6} {'/stock':>6} {'verified':>8} {'cost':>6}"
+    )
     for size, res in results:
         t = {k: statistics.median(v) for k, v in res["times"].items()}
         for layout in args.layouts:
             for where in ("cache", "disk"):
                 wall = [t[(where, layout, label, v)] for label, v in READER_CASES]
                 cpu = [t[("cpu", where, layout, label, v)] for label, v in READER_CASES]
-                cells = [f"{a:5.3f}s {b:5.3f}s {b / a:6.2f} {c:7.3f}s {100 * (c / b - 1):+5.0f}%"
-                         for a, b, c in (wall, cpu)]
+                cells = [
+                    f"{a:5.3f}s {b:5.3f}s {b / a:6.2f} {c:7.3f}s {100 * (c / b - 1):+5.0f}%" for a, b, c in (wall, cpu)
+                ]
                 print(f"{size:8d} {layout:>7} {where:>5} | wall: {cells[0]} | CPU s: {cells[1]}", flush=True)
-        counts = ", ".join(f"{layout}: {c[0]} items verified, {c[1]} without a checksum"
-                           for (layout, label, v), c in sorted(res["counts"].items()) if v)
-        print(f"{'':8} rank 0 with --ckpt-verify: {counts}; after an eviction {res['evicted_mib']} MiB of the "
-              f"files were in the page cache")
-    print(f"stock = megatron-core's TorchDistLoadShardedStrategy; ours = load_checkpoint's (the same reader with "
-          f"shard sizes and byte items checked); verified = ours with --ckpt-verify, cost = verified / ours - 1 "
-          f"(default on only if <= 5% of load time); CPU s = CPU seconds of all ranks and their threads; load "
-          f"average at the end {os.getloadavg()[0]:.2f}")
+        counts = ", ".join(
+            f"{layout}: {c[0]} items verified, {c[1]} without a checksum"
+            for (layout, label, v), c in sorted(res["counts"].items())
+            if v
+        )
+        print(
+            f"{'':8} rank 0 with --ckpt-verify: {counts}; after an eviction {res['evicted_mib']} MiB of the "
+            f"files were in the page cache"
+        )
+    print(
+        f"stock = megatron-core's TorchDistLoadShardedStrategy; ours = load_checkpoint's (the same reader with "
+        f"shard sizes and byte items checked); verified = ours with --ckpt-verify, cost = verified / ours - 1 "
+        f"(default on only if <= 5% of load time); CPU s = CPU seconds of all ranks and their threads; load "
+        f"average at the end {os.getloadavg()[0]:.2f}"
+    )
 
 
 def init_single_process_world() -> None:
-    from bench.common import init_single_rank_world
-
     from megatron.core import parallel_state
 
+    from bench.common import init_single_rank_world
     from megatron_ext.cpu_platform import apply_cpu_platform, quiet_known_warnings
 
     quiet_known_warnings()
@@ -371,50 +415,74 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--model-like", action="store_true",
-                        help="GPT layers at hidden 512 (12 tensors per layer, 2 KiB to 4 MiB) "
-                             "instead of uniform 4 MiB tensors")
-    parser.add_argument("--fresh-targets", action="store_true",
-                        help="load into torch.empty_like tensors never touched before the clock")
-    parser.add_argument("--readers", action="store_true",
-                        help="instead: load_checkpoint's reading vs megatron-core's stock reader, --ranks ranks, "
-                             "from the page cache and from disk, with and without --ckpt-verify")
+    parser.add_argument(
+        "--model-like",
+        action="store_true",
+        help="GPT layers at hidden 512 (12 tensors per layer, 2 KiB to 4 MiB) instead of uniform 4 MiB tensors",
+    )
+    parser.add_argument(
+        "--fresh-targets", action="store_true", help="load into torch.empty_like tensors never touched before the clock"
+    )
+    parser.add_argument(
+        "--readers",
+        action="store_true",
+        help="instead: load_checkpoint's reading vs megatron-core's stock reader, --ranks ranks, "
+        "from the page cache and from disk, with and without --ckpt-verify",
+    )
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layouts", nargs="+", default=["same", "reshard"], choices=["same", "reshard"],
-                        help="--readers: load in the saved layout, and/or resharded (every rank reads part of "
-                             "every rank's items)")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["same", "reshard"],
+        choices=["same", "reshard"],
+        help="--readers: load in the saved layout, and/or resharded (every rank reads part of every rank's items)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.readers:
         return main_readers(args)
     init_single_process_world()
-    shapes = (f"GPT layers at hidden {MODEL_HIDDEN} ({len(MODEL_LAYER)} tensors per layer)"
-              if args.model_like else f"fp32 tensors of {TENSOR_MIB} MiB")
-    print(f"checkpoint bench: 1 process, {shapes}, medians of {args.rounds} "
-          f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}, "
-          f"load targets {'fresh (empty_like)' if args.fresh_targets else 'materialised (zeros_like)'}")
-    print(f"{'MiB':>6} | {'ours save':>10} {'torch.save':>10} {'ratio':>6} | "
-          f"{'ours load':>10} {'torch.load':>10} {'ratio':>6} | "
-          f"{'save s':>7} {'load s':>7}")
+    shapes = (
+        f"GPT layers at hidden {MODEL_HIDDEN} ({len(MODEL_LAYER)} tensors per layer)"
+        if args.model_like
+        else f"fp32 tensors of {TENSOR_MIB} MiB"
+    )
+    print(
+        f"checkpoint bench: 1 process, {shapes}, medians of {args.rounds} "
+        f"rounds (A B alternated, {args.warmup} warm-up dropped), wall time, dir {args.dir}, "
+        f"load targets {'fresh (empty_like)' if args.fresh_targets else 'materialised (zeros_like)'}"
+    )
+    print(
+        f"{'MiB':>6} | {'ours save':>10} {'torch.save':>10} {'ratio':>6} | "
+        f"{'ours load':>10} {'torch.load':>10} {'ratio':>6} | "
+        f"{'save s':>7} {'load s':>7}"
+    )
     rows = []
     for size in args.sizes_mib:
         r = bench_size(size, args.rounds, args.warmup, args.dir, args.fresh_targets, args.model_like)
         rows.append(r)
         speed = {k: r["mib"] / r[k] for k in ("ours_save", "torch_save", "ours_load", "torch_load")}
-        print(f"{r['mib']:6.0f} | {speed['ours_save']:7.0f}/s {speed['torch_save']:7.0f}/s "
-              f"{speed['ours_save'] / speed['torch_save']:6.2f} | {speed['ours_load']:7.0f}/s "
-              f"{speed['torch_load']:7.0f}/s {speed['ours_load'] / speed['torch_load']:6.2f} | "
-              f"{r['ours_save']:7.3f} {r['ours_load']:7.3f}", flush=True)
+        print(
+            f"{r['mib']:6.0f} | {speed['ours_save']:7.0f}/s {speed['torch_save']:7.0f}/s "
+            f"{speed['ours_save'] / speed['torch_save']:6.2f} | {speed['ours_load']:7.0f}/s "
+            f"{speed['torch_load']:7.0f}/s {speed['ours_load'] / speed['torch_load']:6.2f} | "
+            f"{r['ours_save']:7.3f} {r['ours_load']:7.3f}",
+            flush=True,
+        )
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         scale = last["mib"] / first["mib"]
-        print(f"time vs size: {scale:.0f}x the bytes took {last['ours_save'] / first['ours_save']:.1f}x "
-              f"(save) and {last['ours_load'] / first['ours_load']:.1f}x (load); linear would be {scale:.0f}x")
+        print(
+            f"time vs size: {scale:.0f}x the bytes took {last['ours_save'] / first['ours_save']:.1f}x "
+            f"(save) and {last['ours_load'] / first['ours_load']:.1f}x (load); linear would be {scale:.0f}x"
+        )
     for r in rows:
         load_cost = r["ours_load"] / r["ours_load_nocheck"] - 1
         save_cost = r["ours_save"] / r["ours_save_nocrc"] - 1
-        print(f"checksums at {r['mib']:.0f} MiB: verification +{100 * load_cost:.1f}% of load time (target < 5%: "
-              f"{'PASS' if load_cost < 0.05 else 'FAIL'}), hashing while writing +{100 * save_cost:.1f}% of save time")
+        print(
+            f"checksums at {r['mib']:.0f} MiB: verification +{100 * load_cost:.1f}% of load time (target < 5%: "
+            f"{'PASS' if load_cost < 0.05 else 'FAIL'}), hashing while writing +{100 * save_cost:.1f}% of save time"
+        )
     print("target: ratio >= 0.7 (MiB/s, ours / torch) for save and load")
     dist.destroy_process_group()
 

@@ -75,8 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # The vectorised prototype measured here was adopted as packed_dataset.build_packed_sample.
-from megatron_ext.data.packed_dataset import build_packed_sample as build_packed_sample_fast  # noqa: E402
 from megatron_ext.data.microbatch import IGNORE_INDEX  # noqa: E402
+from megatron_ext.data.packed_dataset import build_packed_sample as build_packed_sample_fast  # noqa: E402
 
 
 class FastPacked:
@@ -102,9 +102,11 @@ class FastPacked:
         ptr = self.pointers[self.doc[lo:hi]] + self.start[lo:hi] * self.itemsize
         # a piece cut from a longer document: one more token, its last label
         cut = (self.start[lo:hi] + self.len[lo:hi] < self.ds.doc_lengths[self.doc[lo:hi]]).tolist()
-        reads = [np.frombuffer(self.buffer, dtype=self.dtype, count=int(n) + c, offset=int(p))
-                 for p, n, c in zip(ptr.tolist(), self.len[lo:hi].tolist(), cut)]
-        pieces = [r[:len(r) - c] for r, c in zip(reads, cut)]
+        reads = [
+            np.frombuffer(self.buffer, dtype=self.dtype, count=int(n) + c, offset=int(p))
+            for p, n, c in zip(ptr.tolist(), self.len[lo:hi].tolist(), cut)
+        ]
+        pieces = [r[: len(r) - c] for r, c in zip(reads, cut)]
         return build_packed_sample_fast(pieces, [int(r[-1]) if c else IGNORE_INDEX for r, c in zip(reads, cut)])
 
 
@@ -133,9 +135,16 @@ def build_sides(args, cache: str):
     t_ours = time.perf_counter() - t0
     tok = build_tokenizer("SentencePieceTokenizer", args.tokenizer_model)
     t0 = time.perf_counter()
-    gpt, _, _ = build_gpt_datasets(tok, s, [num_samples, 0, 0], data_path=[args.data_path],
-                                   split="100,0,0", random_seed=1234, path_to_cache=cache,
-                                   create_attention_mask=False)
+    gpt, _, _ = build_gpt_datasets(
+        tok,
+        s,
+        [num_samples, 0, 0],
+        data_path=[args.data_path],
+        split="100,0,0",
+        random_seed=1234,
+        path_to_cache=cache,
+        create_attention_mask=False,
+    )
     return ours, gpt, FastPacked(ours), t_ours, time.perf_counter() - t0
 
 
@@ -176,8 +185,12 @@ def per_sample_breakdown(ours, gpt, samples: int = 300) -> dict[str, float]:
     for i in range(samples):
         b = ours._bin(i)
         lo, hi = ix.bin_offsets[b], ix.bin_offsets[b + 1]
-        pieces.append([ours.indexed.get(int(d), offset=int(st), length=int(ln)) for d, st, ln in
-                       zip(ix.piece_doc[lo:hi], ix.piece_start[lo:hi], ix.piece_len[lo:hi])])
+        pieces.append(
+            [
+                ours.indexed.get(int(d), offset=int(st), length=int(ln))
+                for d, st, ln in zip(ix.piece_doc[lo:hi], ix.piece_start[lo:hi], ix.piece_len[lo:hi])
+            ]
+        )
     t["read"] = time.process_time() - t0
     t0 = time.process_time()
     built = [build_packed_sample(p) for p in pieces]
@@ -213,8 +226,13 @@ def _step_wait_world(rank: int, world_size: int, steps: int) -> dict:
     base.update(save=None, save_interval=None, eval_interval=0, train_iters=steps + 1, timing_log_level=1)
     runs, ctx = {}, None
     for name, extra in (("P", {}), ("S", {"data_prefetch": False})):
-        run = build_training_run(build_job_config(dict(base, **extra)), device=torch.device("cpu"),
-                                 log=lambda s: None, metrics=False, ctx=ctx)
+        run = build_training_run(
+            build_job_config(dict(base, **extra)),
+            device=torch.device("cpu"),
+            log=lambda s: None,
+            metrics=False,
+            ctx=ctx,
+        )
         ctx = run.ctx
         runs[name] = run
     out = {name: [] for name in runs}
@@ -235,8 +253,10 @@ def report_step_wait(args) -> None:
     from megatron_ext.testing import run_ranks
 
     per_rank = run_ranks(_step_wait_world, 8, args.wait_steps, timeout=1800)
-    print(f"step wait | default job (configs/default.yaml), 8 gloo ranks, {args.wait_steps} steps of each run "
-          f"alternated, first 2 dropped, medians over steps")
+    print(
+        f"step wait | default job (configs/default.yaml), 8 gloo ranks, {args.wait_steps} steps of each run "
+        f"alternated, first 2 dropped, medians over steps"
+    )
     worst = {}
     for name, label in (("P", "prefetch thread (default)"), ("S", "--no-data-prefetch")):
         fractions, waits, steps = [], [], []
@@ -246,10 +266,14 @@ def report_step_wait(args) -> None:
             waits.append(statistics.median(w for w, _ in rows))
             steps.append(statistics.median(s for _, s in rows))
         worst[name] = max(fractions)
-        print(f"{name}  {label:28s} waited {1000 * max(waits):8.2f} ms of a {1000 * statistics.median(steps):8.1f} ms "
-              f"step -> {100 * worst[name]:.3f}% (worst rank; best {100 * min(fractions):.3f}%)")
-    print(f"P under {100 * WAIT_TARGET:.0f}% of the step -> {'PASS' if worst['P'] < WAIT_TARGET else 'MISS'}   "
-          f"(S/P wait ratio {worst['S'] / max(worst['P'], 1e-12):.1f}x)")
+        print(
+            f"{name}  {label:28s} waited {1000 * max(waits):8.2f} ms of a {1000 * statistics.median(steps):8.1f} ms "
+            f"step -> {100 * worst[name]:.3f}% (worst rank; best {100 * min(fractions):.3f}%)"
+        )
+    print(
+        f"P under {100 * WAIT_TARGET:.0f}% of the step -> {'PASS' if worst['P'] < WAIT_TARGET else 'MISS'}   "
+        f"(S/P wait ratio {worst['S'] / max(worst['P'], 1e-12):.1f}x)"
+    )
 
 
 def main(argv=None) -> int:
@@ -259,11 +283,11 @@ def main(argv=None) -> int:
     if args.part == "wait":
         return 0
     torch.set_num_threads(1)
-    from megatron_ext.data.microbatch import normalize_sample
-
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: F401
     from megatron.core.datasets.gpt_dataset import GPTDataset  # noqa: F401
     from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: F401  (imports not timed)
+
+    from megatron_ext.data.microbatch import normalize_sample
 
     s = args.seq_length
     with tempfile.TemporaryDirectory(prefix="bench_data_") as cache:
@@ -274,12 +298,16 @@ def main(argv=None) -> int:
         a, b = normalize_sample(ours[i]), normalize_sample(fast[i])
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"prototype differs at {i}"
 
-    print(f"data | {args.data_path}, seq {s}, {torch.get_num_threads()} thread, CPU time | ours: best_fit "
-          f"{ours.index.num_bins} bins, {len(ours.index.piece_len) / ours.index.num_bins:.2f} pieces/bin, "
-          f"efficiency {ours.index.efficiency(s):.4f} (index build {t_ours:.2f} s) | GPTDataset: "
-          f"{len(gpt)} samples (index build {t_gpt:.2f} s), create_attention_mask=False")
-    print(f"{args.rounds} rounds of A B A' blocks of ~{args.tokens_per_block} tokens each, first "
-          f"{args.warmup} dropped; prototype A' output == ours on 64 samples: yes")
+    print(
+        f"data | {args.data_path}, seq {s}, {torch.get_num_threads()} thread, CPU time | ours: best_fit "
+        f"{ours.index.num_bins} bins, {len(ours.index.piece_len) / ours.index.num_bins:.2f} pieces/bin, "
+        f"efficiency {ours.index.efficiency(s):.4f} (index build {t_ours:.2f} s) | GPTDataset: "
+        f"{len(gpt)} samples (index build {t_gpt:.2f} s), create_attention_mask=False"
+    )
+    print(
+        f"{args.rounds} rounds of A B A' blocks of ~{args.tokens_per_block} tokens each, first "
+        f"{args.warmup} dropped; prototype A' output == ours on 64 samples: yes"
+    )
 
     med = median_rates({"A": ours, "B": gpt, "A'": fast}, args.rounds, args.warmup, args.tokens_per_block)
     limit = memmap_copy_rate(ours, args.tokens_per_block)
@@ -294,10 +322,14 @@ def main(argv=None) -> int:
     print(f"A' ours with direct piece reads (prototype)             {a2 / 1e6:7.2f} M tokens/CPU-s")
     print(f"memmap copy of the same tokens (limit)                  {limit / 1e6:7.1f} M tokens/CPU-s")
     ratio = med["A"] / med["B"]
-    print(f"ratio A/B = {ratio:.2f}   target >= {TARGET}  -> {'PASS' if ratio >= TARGET else 'MISS'}   "
-          f"(A'/B = {a2 / med['B']:.2f}, A'/A = {a2 / med['A']:.2f})")
-    print(f"per sample, ours: indexed reads {m('read')} + build_packed_sample {m('build')} + normalize_sample "
-          f"{m('normalize')} (build again, as A' calls it: {m('build_fast')}) | GPTDataset.__getitem__ {m('gpt_get')}")
+    print(
+        f"ratio A/B = {ratio:.2f}   target >= {TARGET}  -> {'PASS' if ratio >= TARGET else 'MISS'}   "
+        f"(A'/B = {a2 / med['B']:.2f}, A'/A = {a2 / med['A']:.2f})"
+    )
+    print(
+        f"per sample, ours: indexed reads {m('read')} + build_packed_sample {m('build')} + normalize_sample "
+        f"{m('normalize')} (build again, as A' calls it: {m('build_fast')}) | GPTDataset.__getitem__ {m('gpt_get')}"
+    )
     return 0
 
 

@@ -71,7 +71,7 @@ def run_rounds(params, state, bf16, root: str, rounds: int) -> dict[str, list[fl
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order each round
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order each round
             times[name].append(time_call(lambda: cases[name](r + 1)))
     return times
 
@@ -93,20 +93,24 @@ def main() -> None:
         times = run_rounds(params, state, bf16, root, args.warmup + args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    median = {name: statistics.median(t[args.warmup:]) for name, t in times.items()}
+    median = {name: statistics.median(t[args.warmup :]) for name, t in times.items()}
 
     def gib(tensors):
         return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30
 
-    print(f"finite check bench: 1 process, 1 thread, state {gib(state):.2f} GiB per rank ({len(state)} tensors: fp32 "
-          f"parameters {gib(params):.2f} GiB and Adam's two moments), medians of {args.rounds} rounds "
-          f"(+{args.warmup} warm-up)")
+    print(
+        f"finite check bench: 1 process, 1 thread, state {gib(state):.2f} GiB per rank ({len(state)} tensors: fp32 "
+        f"parameters {gib(params):.2f} GiB and Adam's two moments), medians of {args.rounds} rounds "
+        f"(+{args.warmup} warm-up)"
+    )
     save = median["save"]
     print(f"  {'save (write_checkpoint)':<44} {save:8.3f} s")
-    for name, what in (("check", f"check: fp32 parameters, {gib(params):.2f} GiB"),
-                       ("check bf16", f"check: bf16 parameters, {gib(bf16):.2f} GiB"),
-                       ("check whole state", f"check: whole state, {gib(state):.2f} GiB"),
-                       ("isfinite().all()", "isfinite().all(): fp32 parameters")):
+    for name, what in (
+        ("check", f"check: fp32 parameters, {gib(params):.2f} GiB"),
+        ("check bf16", f"check: bf16 parameters, {gib(bf16):.2f} GiB"),
+        ("check whole state", f"check: whole state, {gib(state):.2f} GiB"),
+        ("isfinite().all()", "isfinite().all(): fp32 parameters"),
+    ):
         print(f"  {what:<44} {median[name]:8.3f} s  = {median[name] / save:6.2%} of the save")
 
 

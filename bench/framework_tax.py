@@ -37,9 +37,9 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from bench.common import init_single_rank_world  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 TARGET = 1.05
 NUM_LAYERS = 4
@@ -59,8 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of each side")
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--platform-steps", type=int, default=None,
-                   help="steps per side of the platform-cost comparison (default: --steps; 0 skips it)")
+    p.add_argument(
+        "--platform-steps",
+        type=int,
+        default=None,
+        help="steps per side of the platform-cost comparison (default: --steps; 0 skips it)",
+    )
     args = p.parse_args(argv)
     if args.steps - args.warmup < 5:
         p.error("need at least 5 measured steps per side (--steps - --warmup >= 5)")
@@ -71,12 +75,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def job_values(args: argparse.Namespace) -> dict:
     return dict(
-        num_layers=NUM_LAYERS, hidden_size=args.hidden_size, num_attention_heads=NUM_HEADS,
-        seq_length=args.seq_length, micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH,
-        train_iters=10_000, lr=LR, min_lr=LR, lr_decay_style="constant", lr_warmup_iters=0,
-        weight_decay=WEIGHT_DECAY, clip_grad=CLIP, optimizer="adam", seed=SEED,
-        hidden_dropout=0.0, attention_dropout=0.0, mock_data=True, tokenizer_type="NullTokenizer",
-        vocab_size=VOCAB - 1, make_vocab_size_divisible_by=128, log_interval=1,
+        num_layers=NUM_LAYERS,
+        hidden_size=args.hidden_size,
+        num_attention_heads=NUM_HEADS,
+        seq_length=args.seq_length,
+        micro_batch_size=MICRO_BATCH,
+        global_batch_size=MICRO_BATCH,
+        train_iters=10_000,
+        lr=LR,
+        min_lr=LR,
+        lr_decay_style="constant",
+        lr_warmup_iters=0,
+        weight_decay=WEIGHT_DECAY,
+        clip_grad=CLIP,
+        optimizer="adam",
+        seed=SEED,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        mock_data=True,
+        tokenizer_type="NullTokenizer",
+        vocab_size=VOCAB - 1,
+        make_vocab_size_divisible_by=128,
+        log_interval=1,
     )
 
 
@@ -92,11 +112,15 @@ def make_microbatches(seq_length: int, n: int = POOL) -> list:
         loss_mask = torch.ones(MICRO_BATCH, seq_length)
         loss_mask[0, : 7 * (i + 1)] = 0.0  # uneven valid counts
         labels[loss_mask == 0] = IGNORE_INDEX
-        out.append(Microbatch(
-            tokens=seq[:, :-1].contiguous(), labels=labels,
-            position_ids=torch.arange(seq_length).expand(MICRO_BATCH, seq_length).contiguous(),
-            num_real_tokens=MICRO_BATCH * seq_length, attention_pairs=MICRO_BATCH * seq_length ** 2,
-        ))
+        out.append(
+            Microbatch(
+                tokens=seq[:, :-1].contiguous(),
+                labels=labels,
+                position_ids=torch.arange(seq_length).expand(MICRO_BATCH, seq_length).contiguous(),
+                num_real_tokens=MICRO_BATCH * seq_length,
+                attention_pairs=MICRO_BATCH * seq_length**2,
+            )
+        )
     return out
 
 
@@ -107,8 +131,7 @@ class Ours:
     def __init__(self, cfg):
         from megatron_ext.run import build_training_run
 
-        run = build_training_run(cfg, device=torch.device("cpu"), data=(None, None), log=lambda s: None,
-                                 metrics=False)
+        run = build_training_run(cfg, device=torch.device("cpu"), data=(None, None), log=lambda s: None, metrics=False)
         self.cfg, self.ctx = cfg, run.ctx
         self.model, self.optimizer, self.scheduler = run.model, run.optimizer, run.scheduler
 
@@ -116,8 +139,9 @@ class Ours:
         from megatron_ext.training.loss import get_mean_loss
         from megatron_ext.training.step import train_step
 
-        result = train_step(self.model, self.optimizer, self.scheduler, [mb], self.cfg.model.seq_length,
-                            MICRO_BATCH, self.ctx)
+        result = train_step(
+            self.model, self.optimizer, self.scheduler, [mb], self.cfg.model.seq_length, MICRO_BATCH, self.ctx
+        )
         return get_mean_loss(result.loss_sum_count)
 
 
@@ -134,14 +158,17 @@ class Plain:
             (no_decay if (p.ndim == 1 or name.endswith(".bias")) else decay).append(p)
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=LR, betas=(cfg.training.adam_beta1, cfg.training.adam_beta2), eps=cfg.training.adam_eps,
+            lr=LR,
+            betas=(cfg.training.adam_beta1, cfg.training.adam_beta2),
+            eps=cfg.training.adam_eps,
         )
         self.params = [p for p in self.model.parameters()]
 
     def step(self, mb, attention_mask: torch.Tensor | None = None) -> float:
         labels = mb.labels
-        per_token = self.model(input_ids=mb.tokens, position_ids=mb.position_ids,
-                               attention_mask=attention_mask, labels=labels.clamp(min=0))  # [b, s] CE
+        per_token = self.model(
+            input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=attention_mask, labels=labels.clamp(min=0)
+        )  # [b, s] CE
         valid = mb.valid
         loss = torch.where(valid, per_token, torch.zeros_like(per_token)).sum() / valid.sum()
         loss.backward()
@@ -200,14 +227,18 @@ def main(argv=None) -> int:
     mbs = make_microbatches(args.seq_length)
     nparams = sum(p.numel() for p in plain.params)
 
-    print(f"framework tax | hidden {args.hidden_size}, {NUM_LAYERS} layers, {NUM_HEADS} heads, "
-          f"seq {args.seq_length}, micro-batch {MICRO_BATCH} x 1 per step, vocab {VOCAB}, fp32, "
-          f"{torch.get_num_threads()} thread | {nparams:,} parameters | TP=PP=DP=1 (1-rank gloo)")
-    print(f"steps {args.steps} per side, first {args.warmup} dropped, A B A B, CPU time "
-          f"(time.process_time) | initial weights max |ours - plain| = {w0:.1e}")
+    print(
+        f"framework tax | hidden {args.hidden_size}, {NUM_LAYERS} layers, {NUM_HEADS} heads, "
+        f"seq {args.seq_length}, micro-batch {MICRO_BATCH} x 1 per step, vocab {VOCAB}, fp32, "
+        f"{torch.get_num_threads()} thread | {nparams:,} parameters | TP=PP=DP=1 (1-rank gloo)"
+    )
+    print(
+        f"steps {args.steps} per side, first {args.warmup} dropped, A B A B, CPU time "
+        f"(time.process_time) | initial weights max |ours - plain| = {w0:.1e}"
+    )
 
     ta, tb, la, lb = alternate(ours.step, plain.step, mbs, args.steps)
-    ma, mb_ = statistics.median(ta[args.warmup:]), statistics.median(tb[args.warmup:])
+    ma, mb_ = statistics.median(ta[args.warmup :]), statistics.median(tb[args.warmup :])
     ratio = ma / mb_
     verdict = "PASS" if ratio <= TARGET else "MISS"
     print(f"ours  (train_step: schedule+DDP+finalize+mcore optimizer+scheduler): median {ma * 1e3:8.1f} ms/step")
@@ -217,8 +248,10 @@ def main(argv=None) -> int:
     rel = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(la[:n], lb[:n])]
     print("loss first steps  ours: " + "  ".join(f"{x:.6f}" for x in la[:n]))
     print("                 plain: " + "  ".join(f"{y:.6f}" for y in lb[:n]))
-    print(f"max relative loss difference over the first {n} steps: {max(rel):.2e} "
-          f"({'same work' if max(rel) < 1e-4 else 'CHECK: the two sides may not do the same work'})")
+    print(
+        f"max relative loss difference over the first {n} steps: {max(rel):.2e} "
+        f"({'same work' if max(rel) < 1e-4 else 'CHECK: the two sides may not do the same work'})"
+    )
 
     if args.platform_steps:
         # Keep megatron-core's (CPU) RNG tracker across remove/apply: its attention forks it.
@@ -244,12 +277,15 @@ def main(argv=None) -> int:
         def plain_masked(mb):
             return plain.step(mb, causal)
 
-        ton, toff, _, _ = alternate(plain_masked, plain_masked, mbs, args.platform_steps,
-                                    before_a=platform_on, before_b=platform_off)
+        ton, toff, _, _ = alternate(
+            plain_masked, plain_masked, mbs, args.platform_steps, before_a=platform_on, before_b=platform_off
+        )
         platform_on()
-        mon, moff = statistics.median(ton[args.warmup:]), statistics.median(toff[args.warmup:])
-        print(f"platform layer cost (plain loop, active vs removed): {mon * 1e3:.1f} vs {moff * 1e3:.1f} "
-              f"ms/step = {mon / moff:.3f}x ({(mon - moff) * 1e3:+.1f} ms/step)")
+        mon, moff = statistics.median(ton[args.warmup :]), statistics.median(toff[args.warmup :])
+        print(
+            f"platform layer cost (plain loop, active vs removed): {mon * 1e3:.1f} vs {moff * 1e3:.1f} "
+            f"ms/step = {mon / moff:.3f}x ({(mon - moff) * 1e3:+.1f} ms/step)"
+        )
 
     ps.destroy_model_parallel()
     dist.destroy_process_group()

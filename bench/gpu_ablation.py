@@ -76,6 +76,7 @@ def undo(name: str):
 
         def restore():
             gpt.gpt_model_class = original
+
     return restore
 
 
@@ -100,8 +101,10 @@ def ablate(name: str, shape: dict, micro_batch: int, steps: int, warmup: int) ->
         restore()
     second = step_ms(shape, micro_batch, steps, warmup)
     on = (first + second) / 2
-    print(f"  {name:<14} on {first:7.1f} / {second:7.1f} ms/step | off {off:7.1f} ms/step | "
-          f"off/on = {off / on:.3f}", flush=True)
+    print(
+        f"  {name:<14} on {first:7.1f} / {second:7.1f} ms/step | off {off:7.1f} ms/step | off/on = {off / on:.3f}",
+        flush=True,
+    )
 
 
 def forward_backward_ms(fns: dict, steps: int, warmup: int = 2) -> list[float]:
@@ -132,8 +135,11 @@ def ce_kernel(tokens: int, vocab: int, steps: int) -> None:
         target = torch.randint(0, vocab, (tokens, 1), device=device)
         fns = {"ours": lambda: ours(logits, target), "megatron-core": lambda: theirs(logits.float(), target)}
         a, b = forward_backward_ms(fns, steps)
-        print(f"  ce-kernel      [{tokens} x {vocab}] bf16, forward + backward: ours {a:.2f} ms | "
-              f"megatron-core {b:.2f} ms | megatron-core/ours = {b / a:.2f}", flush=True)
+        print(
+            f"  ce-kernel      [{tokens} x {vocab}] bf16, forward + backward: ours {a:.2f} ms | "
+            f"megatron-core {b:.2f} ms | megatron-core/ours = {b / a:.2f}",
+            flush=True,
+        )
     finally:
         side.close()
 
@@ -149,18 +155,23 @@ def gqa_kernel(shape: dict, micro_batch: int, steps: int) -> None:
         return
     device, s, hn = throughput.DEVICE, shape["seq_length"], shape["hidden_size"] // heads
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(micro_batch, n, s, hn, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
-               for n in (heads, groups, groups))
+    q, k, v = (
+        torch.randn(micro_batch, n, s, hn, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+        for n in (heads, groups, groups)
+    )
     repeat = heads // groups
     fns = {
         "repeated k/v": lambda: F.scaled_dot_product_attention(
-            q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), is_causal=True),
+            q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), is_causal=True
+        ),
         "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
     }
     a, b = forward_backward_ms(fns, steps)
-    print(f"  gqa-kernel     [{micro_batch} x {heads} heads / {groups} groups x {s} x {hn}] bf16 causal SDPA, "
-          f"forward + backward: repeated k/v {a:.2f} ms | enable_gqa {b:.2f} ms | repeated/enable_gqa = {a / b:.2f}",
-          flush=True)
+    print(
+        f"  gqa-kernel     [{micro_batch} x {heads} heads / {groups} groups x {s} x {hn}] bf16 causal SDPA, "
+        f"forward + backward: repeated k/v {a:.2f} ms | enable_gqa {b:.2f} ms | repeated/enable_gqa = {a / b:.2f}",
+        flush=True,
+    )
 
 
 def main(argv=None) -> int:
@@ -178,8 +189,11 @@ def main(argv=None) -> int:
         return 2
     throughput.PREFETCH = False
     shape = throughput.shape_for(args.shape, args.tiny)
-    print(f"gpu_ablation | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''}, "
-          f"micro-batch {args.micro_batch}, {args.steps} steps after {args.warmup}, medians", flush=True)
+    print(
+        f"gpu_ablation | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''}, "
+        f"micro-batch {args.micro_batch}, {args.steps} steps after {args.warmup}, medians",
+        flush=True,
+    )
     for section in args.only:
         if section == "ce-kernel":
             tokens = 256 if args.tiny else shape["seq_length"] * args.micro_batch

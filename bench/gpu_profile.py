@@ -60,24 +60,33 @@ RUNTIME_PREFIXES = ("cuda", "cu")  # CUDA runtime/driver API calls, as the profi
 def runtime_rows(events, steps: int) -> list[tuple[str, float, float]]:
     """(name, calls per step, host ms per step) of the CUDA runtime/driver calls, heaviest first:
     the host time spent in allocations, copies and synchronisations (pure)."""
-    rows = [(e.key, e.count / steps, e.cpu_time_total / (1000.0 * steps)) for e in events
-            if e.key.startswith(RUNTIME_PREFIXES) and e.device_type == DeviceType.CPU]
+    rows = [
+        (e.key, e.count / steps, e.cpu_time_total / (1000.0 * steps))
+        for e in events
+        if e.key.startswith(RUNTIME_PREFIXES) and e.device_type == DeviceType.CPU
+    ]
     return sorted(rows, key=lambda r: -r[2])
 
 
 def host_ms_by_key(events, steps: int) -> dict[str, tuple[float, float]]:
     """Operator key -> (calls per step, self host ms per step) (pure). Self time, so a parent and
     its children are not counted twice when two sides are compared."""
-    return {e.key: (e.count / steps, e.self_cpu_time_total / (1000.0 * steps)) for e in events
-            if e.device_type == DeviceType.CPU}
+    return {
+        e.key: (e.count / steps, e.self_cpu_time_total / (1000.0 * steps))
+        for e in events
+        if e.device_type == DeviceType.CPU
+    }
 
 
-def largest_differences(a: dict[str, tuple[float, float]], b: dict[str, tuple[float, float]],
-                        rows: int) -> list[tuple[str, float, float, float]]:
+def largest_differences(
+    a: dict[str, tuple[float, float]], b: dict[str, tuple[float, float]], rows: int
+) -> list[tuple[str, float, float, float]]:
     """(key, count in a, count in b, ms of b - ms of a) for the keys whose ms differ most (pure)."""
     keys = set(a) | set(b)
-    diffs = [(k, a.get(k, (0.0, 0.0))[0], b.get(k, (0.0, 0.0))[0], b.get(k, (0.0, 0.0))[1] - a.get(k, (0.0, 0.0))[1])
-             for k in keys]
+    diffs = [
+        (k, a.get(k, (0.0, 0.0))[0], b.get(k, (0.0, 0.0))[0], b.get(k, (0.0, 0.0))[1] - a.get(k, (0.0, 0.0))[1])
+        for k in keys
+    ]
     return sorted(diffs, key=lambda d: -abs(d[3]))[:rows]
 
 
@@ -104,8 +113,12 @@ def python_group(filename: str, function: str) -> str:
     return "/".join(relative.split("/")[:2])
 
 
-PACKAGE_MARKERS = (("/megatron_ext/", "megatron_ext"), ("/megatron/core/", "megatron.core"), ("/torch/", "torch"),
-                   ("/bench/", "bench"))
+PACKAGE_MARKERS = (
+    ("/megatron_ext/", "megatron_ext"),
+    ("/megatron/core/", "megatron.core"),
+    ("/torch/", "torch"),
+    ("/bench/", "bench"),
+)
 
 
 def relative_path(filename: str) -> str:
@@ -152,22 +165,37 @@ def summarize(name: str, events, steps: int, wall: float, rows: int) -> dict:
     per = 1000.0 * steps  # profiler times are microseconds
     # device-side events only (as the profiler's own "Self CUDA time total"): operators carry their
     # kernels' time too, so summing every row counts it twice
-    kernels = sum(e.self_device_time_total for e in events
-                  if e.device_type != DeviceType.CPU and not e.is_user_annotation) / per
+    kernels = (
+        sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation)
+        / per
+    )
     # the step's own syncs (.item(), .tolist(), ...); the profiler window's closing
     # torch.cuda.synchronize() is a cudaDeviceSynchronize and is not counted
     syncs = sum(e.count for e in events if e.key == "cudaStreamSynchronize") / steps
-    launches = sum(e.count for e in events
-                   if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")) / steps
+    launches = (
+        sum(
+            e.count
+            for e in events
+            if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+        )
+        / steps
+    )
     bound = "" if throughput.DEVICE.type != "cuda" else f" ({'host' if kernels < 0.9 * wall else 'device'}-bound)"
-    print(f"== {name}: wall {wall:.1f} ms/step | device kernels {kernels:.1f} ms/step{bound} | host syncs {syncs:.0f}/step"
-          f" | kernel launches {launches:.0f}/step", flush=True)
-    for title, key in (("by device time (self)", lambda e: -e.self_device_time_total),
-                       ("by host time (total)", lambda e: -e.cpu_time_total)):
+    print(
+        f"== {name}: wall {wall:.1f} ms/step | device kernels {kernels:.1f} ms/step{bound} | host syncs {syncs:.0f}/step"
+        f" | kernel launches {launches:.0f}/step",
+        flush=True,
+    )
+    for title, key in (
+        ("by device time (self)", lambda e: -e.self_device_time_total),
+        ("by host time (total)", lambda e: -e.cpu_time_total),
+    ):
         print(f"  {title}:")
         for e in sorted(events, key=key)[:rows]:
-            print(f"    {e.key[:72]:<72} {e.count / steps:7.0f}/step  device {e.self_device_time_total / per:7.2f} ms"
-                  f"  host {e.cpu_time_total / per:7.2f} ms")
+            print(
+                f"    {e.key[:72]:<72} {e.count / steps:7.0f}/step  device {e.self_device_time_total / per:7.2f} ms"
+                f"  host {e.cpu_time_total / per:7.2f} ms"
+            )
     runtime = runtime_rows(events, steps)
     if runtime:
         print(f"  CUDA runtime calls (host time; {sum(r[2] for r in runtime):.2f} ms/step in all):")
@@ -185,10 +213,18 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--rows", type=int, default=15, help="operators listed per table")
     p.add_argument("--no-packed", action="store_true", help="profile the unpacked step only")
-    p.add_argument("--accumulate", type=int, default=1, metavar="N",
-                   help="micro-batches per optimizer step (as bench.gpu_throughput --accumulate)")
-    p.add_argument("--python", action="store_true",
-                   help="also attribute one step's host time to Python packages and functions (cProfile)")
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step (as bench.gpu_throughput --accumulate)",
+    )
+    p.add_argument(
+        "--python",
+        action="store_true",
+        help="also attribute one step's host time to Python packages and functions (cProfile)",
+    )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (2 x 64, seq 128) for a smoke run")
     args = p.parse_args(argv)
@@ -200,8 +236,11 @@ def main(argv=None) -> int:
     throughput.PREFETCH = False
     throughput.ACCUMULATE = args.accumulate
     shape = throughput.shape_for(args.shape, args.tiny)
-    print(f"gpu_profile | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''},"
-          f" micro-batch {args.micro_batch}, {args.accumulate} per optimizer step", flush=True)
+    print(
+        f"gpu_profile | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''},"
+        f" micro-batch {args.micro_batch}, {args.accumulate} per optimizer step",
+        flush=True,
+    )
     unpacked = throughput.Ours(shape, args.micro_batch)
     sides = {"unpacked": unpacked}
     if not args.no_packed:
@@ -217,15 +256,23 @@ def main(argv=None) -> int:
         side.close()
     if "packed" in found:
         u, k = found["unpacked"], found["packed"]
-        print(f"packed/unpacked: wall {k['wall'] / u['wall']:.3f}x, device kernels "
-              f"{k['kernels'] / max(u['kernels'], 1e-9):.3f}x")
-        print_differences("  operators whose self host time differs most (unpacked vs packed calls, packed - unpacked):",
-                          largest_differences(u["host"], k["host"], args.rows))
+        print(
+            f"packed/unpacked: wall {k['wall'] / u['wall']:.3f}x, device kernels "
+            f"{k['kernels'] / max(u['kernels'], 1e-9):.3f}x"
+        )
+        print_differences(
+            "  operators whose self host time differs most (unpacked vs packed calls, packed - unpacked):",
+            largest_differences(u["host"], k["host"], args.rows),
+        )
         if python:
-            pu, pk = ({function_label(key): (calls, 1000 * sec) for key, (calls, sec) in python[n].items()}
-                      for n in ("unpacked", "packed"))
-            print_differences("  Python functions whose own time differs most (packed - unpacked):",
-                              largest_differences(pu, pk, args.rows))
+            pu, pk = (
+                {function_label(key): (calls, 1000 * sec) for key, (calls, sec) in python[n].items()}
+                for n in ("unpacked", "packed")
+            )
+            print_differences(
+                "  Python functions whose own time differs most (packed - unpacked):",
+                largest_differences(pu, pk, args.rows),
+            )
     return 0
 
 

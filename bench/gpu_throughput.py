@@ -48,13 +48,22 @@ import torch  # noqa: E402
 SECTIONS = ("gpt2", "1.3b", "packed-gpt2", "packed-llama")
 GPT2_124M = dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024)
 GPT_1_3B = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048)
-LLAMA_24x2048 = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
-                     normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                     group_query_attention=True, num_query_groups=4, disable_bias_linear=True,
-                     untie_embeddings_and_output_weights=True,
-                     # pinned: the width the figures of earlier sessions were measured at (the
-                     # --swiglu default was then 8h/3 rounded up to 64; it is now Megatron-LM's, 5440)
-                     ffn_hidden_size=5504)
+LLAMA_24x2048 = dict(
+    num_layers=24,
+    hidden_size=2048,
+    num_attention_heads=16,
+    seq_length=2048,
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    group_query_attention=True,
+    num_query_groups=4,
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    # pinned: the width the figures of earlier sessions were measured at (the
+    # --swiglu default was then 8h/3 rounded up to 64; it is now Megatron-LM's, 5440)
+    ffn_hidden_size=5504,
+)
 VOCAB = 50257
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, ffn_hidden_size=None)
 DEVICE = torch.device("cuda", 0)  # --device cpu: a smoke run of the code paths on a CPU (tiny shapes)
@@ -95,28 +104,48 @@ ACCUMULATE = 1  # --accumulate N: micro-batches per optimizer step, on every sid
 
 
 def job_values(shape: dict, micro_batch: int, packed: bool, **extra) -> dict:
-    return dict(data_prefetch=PREFETCH, **extra,
-        **shape, max_position_embeddings=shape["seq_length"], micro_batch_size=micro_batch,
-        global_batch_size=micro_batch * ACCUMULATE, train_iters=10_000, bf16=True, lr=1e-4, min_lr=1e-4,
-        lr_decay_style="constant", weight_decay=0.1, clip_grad=1.0, mock_data=not packed,
-        data_path=["unused"] if packed else [], tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1,
-        packed_sequences=packed, pad_to_multiple_of=64, log_interval=1_000_000,
+    return dict(
+        data_prefetch=PREFETCH,
+        **extra,
+        **shape,
+        max_position_embeddings=shape["seq_length"],
+        micro_batch_size=micro_batch,
+        global_batch_size=micro_batch * ACCUMULATE,
+        train_iters=10_000,
+        bf16=True,
+        lr=1e-4,
+        min_lr=1e-4,
+        lr_decay_style="constant",
+        weight_decay=0.1,
+        clip_grad=1.0,
+        mock_data=not packed,
+        data_path=["unused"] if packed else [],
+        tokenizer_type="NullTokenizer",
+        vocab_size=VOCAB - 1,
+        packed_sequences=packed,
+        pad_to_multiple_of=64,
+        log_interval=1_000_000,
     )
 
 
 class Ours:
     """What pretrain_gpt.py builds on one GPU, stepped by the training loop's own iteration."""
 
-    def __init__(self, shape: dict, micro_batch: int, packed: bool = False, beside: "Ours | None" = None,
-                 **extra):
+    def __init__(self, shape: dict, micro_batch: int, packed: bool = False, beside: Ours | None = None, **extra):
         from megatron_ext.config import build_job_config
         from megatron_ext.run import build_training_run
         from megatron_ext.training.loop import LogWindow
 
         self.cfg = build_job_config(job_values(shape, micro_batch, packed, **extra))
         data = RandomPacks(shape["seq_length"]) if packed else RandomRows(shape["seq_length"])
-        self.run = build_training_run(self.cfg, device=DEVICE, data=(data, None),
-                                      log=lambda s: None, metrics=False, ctx=beside.run.ctx if beside else None)
+        self.run = build_training_run(
+            self.cfg,
+            device=DEVICE,
+            data=(data, None),
+            log=lambda s: None,
+            metrics=False,
+            ctx=beside.run.ctx if beside else None,
+        )
         self.window, self.owns_groups = LogWindow(), beside is None
 
     def step(self) -> tuple[int, float]:
@@ -144,9 +173,17 @@ class Reference:
         import transformers
 
         s = shape["seq_length"]
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=s, n_embd=shape["hidden_size"],
-                                         n_layer=shape["num_layers"], n_head=shape["num_attention_heads"],
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=s,
+            n_embd=shape["hidden_size"],
+            n_layer=shape["num_layers"],
+            n_head=shape["num_attention_heads"],
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="sdpa",
+        )
         model = transformers.GPT2LMHeadModel(config).to(DEVICE).train()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         self.model = torch.compile(model) if compiled and DEVICE.type == "cuda" else model
@@ -203,8 +240,11 @@ def measure(sides: dict, steps: int, warmup: int) -> dict:
     out = {}
     for name, rows in raw.items():
         seconds = statistics.median(r[0] for r in rows)
-        out[name] = {"seconds": seconds, "tokens/s": statistics.median(r[1] / r[0] for r in rows),
-                     "tflops": statistics.median(r[2] / r[0] for r in rows) / 1e12}
+        out[name] = {
+            "seconds": seconds,
+            "tokens/s": statistics.median(r[1] / r[0] for r in rows),
+            "tflops": statistics.median(r[2] / r[0] for r in rows) / 1e12,
+        }
     return out
 
 
@@ -212,15 +252,19 @@ def print_rows(title: str, results: dict, peak: float | None) -> None:
     print(title)
     for name, r in results.items():
         mfu = f" | MFU {r['tflops'] / peak:.3f}" if peak else ""
-        print(f"  {name:<34} {r['tokens/s']:>10.0f} tokens/s | {r['tflops']:7.1f} TFLOP/s | "
-              f"{1000 * r['seconds']:8.1f} ms/step{mfu}")
+        print(
+            f"  {name:<34} {r['tokens/s']:>10.0f} tokens/s | {r['tflops']:7.1f} TFLOP/s | "
+            f"{1000 * r['seconds']:8.1f} ms/step{mfu}"
+        )
 
 
 def section_gpt2(args, peak) -> None:
     ours = Ours(GPT2_124M, 8)
-    sides = {"A ours (megatron-core, bf16, SDPA)": ours,
-             "B transformers GPT-2 eager": Reference(GPT2_124M, 8, compiled=False),
-             "C transformers GPT-2 compiled": Reference(GPT2_124M, 8, compiled=True)}
+    sides = {
+        "A ours (megatron-core, bf16, SDPA)": ours,
+        "B transformers GPT-2 eager": Reference(GPT2_124M, 8, compiled=False),
+        "C transformers GPT-2 compiled": Reference(GPT2_124M, 8, compiled=True),
+    }
     for title, extra in VARIANT_ROWS:  # --torch-compile, --cuda-graph-impl local: rows beside A
         sides[f"A' ours {title}"] = Ours(GPT2_124M, 8, beside=ours, **extra)
     res = measure(sides, args.steps, args.warmup)
@@ -237,9 +281,11 @@ def section_gpt2(args, peak) -> None:
 
 def section_1_3b(args, peak) -> None:
     res = {}
-    for name, build in (("A ours (megatron-core, bf16, SDPA)", lambda: Ours(GPT_1_3B, 4)),
-                        ("B transformers GPT-2 eager", lambda: Reference(GPT_1_3B, 4, compiled=False)),
-                        ("C transformers GPT-2 compiled", lambda: Reference(GPT_1_3B, 4, compiled=True))):
+    for name, build in (
+        ("A ours (megatron-core, bf16, SDPA)", lambda: Ours(GPT_1_3B, 4)),
+        ("B transformers GPT-2 eager", lambda: Reference(GPT_1_3B, 4, compiled=False)),
+        ("C transformers GPT-2 compiled", lambda: Reference(GPT_1_3B, 4, compiled=True)),
+    ):
         side = build()
         res.update(measure({name: side}, args.steps, args.warmup))
         side.close()
@@ -249,8 +295,10 @@ def section_1_3b(args, peak) -> None:
     a, _, c = (r["tokens/s"] for r in res.values())
     mfu = next(iter(res.values()))["tflops"] / peak if peak else None
     ok = (mfu is None or mfu >= 0.50) and a >= 1.2 * c
-    print(f"  ours MFU {mfu if mfu is None else round(mfu, 3)} (target >= 0.50) | A/C = {a / c:.2f} "
-          f"(target >= 1.2) -> {'PASS' if ok else 'FAIL'}")
+    print(
+        f"  ours MFU {mfu if mfu is None else round(mfu, 3)} (target >= 0.50) | A/C = {a / c:.2f} "
+        f"(target >= 1.2) -> {'PASS' if ok else 'FAIL'}"
+    )
 
 
 def section_packed(args, peak, name: str, shape: dict, micro_batches: tuple[int, ...], side_by_side: bool) -> None:
@@ -258,8 +306,10 @@ def section_packed(args, peak, name: str, shape: dict, micro_batches: tuple[int,
     models with Adam states and b = 4 activations exceed 80 GB) one after the other."""
     for b in micro_batches:
         variant = "".join(f" {title}" for title, _ in VARIANT_ROWS)
-        titles = (f"unpacked, micro-batch {b} x {shape['seq_length']}{variant}",
-                  f"packed, {b} packs joined (THD){variant}")
+        titles = (
+            f"unpacked, micro-batch {b} x {shape['seq_length']}{variant}",
+            f"packed, {b} packs joined (THD){variant}",
+        )
         if side_by_side:
             unpacked = Ours(shape, b, packed=False, **VARIANT)
             sides = {titles[0]: unpacked, titles[1]: Ours(shape, b, packed=True, beside=unpacked, **VARIANT)}
@@ -276,11 +326,18 @@ def section_packed(args, peak, name: str, shape: dict, micro_batches: tuple[int,
                 del side
                 free_memory()
         free_memory()
-        print_rows(f"{name} | packed vs unpacked, equal real tokens per micro-batch, b = {b}"
-                   + ("" if side_by_side else " (one after the other)"), res, peak)
+        print_rows(
+            f"{name} | packed vs unpacked, equal real tokens per micro-batch, b = {b}"
+            + ("" if side_by_side else " (one after the other)"),
+            res,
+            peak,
+        )
         rows, packs = (r["tokens/s"] for r in res.values())
-        print(f"  packed/unpacked real tokens/s = {packs / rows:.3f}   target >= 0.95  -> "
-              f"{'PASS' if packs >= 0.95 * rows else 'FAIL'}", flush=True)
+        print(
+            f"  packed/unpacked real tokens/s = {packs / rows:.3f}   target >= 0.95  -> "
+            f"{'PASS' if packs >= 0.95 * rows else 'FAIL'}",
+            flush=True,
+        )
 
 
 VARIANT: dict = {}  # flags every one of our sides gets in the packed sections (--torch-compile, CUDA graphs)
@@ -344,18 +401,37 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cpu: exercise the code paths on a CPU (with --tiny); its figures mean nothing")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: exercise the code paths on a CPU (with --tiny); its figures mean nothing",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny shapes (2 x 64, seq 128) for a smoke run")
-    p.add_argument("--accumulate", type=int, default=1, metavar="N",
-                   help="micro-batches per optimizer step on every side (Megatron-LM runs use many: "
-                        "global batch > micro-batch); 1 = an optimizer step per micro-batch")
-    p.add_argument("--no-data-prefetch", action="store_true",
-                   help="our sides build each step's data in the step, not in the background thread")
-    p.add_argument("--torch-compile", action="store_true",
-                   help="gpt2: a row of ours with --torch-compile beside A; packed sections: every side with it")
-    p.add_argument("--cuda-graph-impl", choices=["local"], default=None,
-                   help="gpt2: a row of ours with --cuda-graph-impl local beside A; packed sections: every side")
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step on every side (Megatron-LM runs use many: "
+        "global batch > micro-batch); 1 = an optimizer step per micro-batch",
+    )
+    p.add_argument(
+        "--no-data-prefetch",
+        action="store_true",
+        help="our sides build each step's data in the step, not in the background thread",
+    )
+    p.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="gpt2: a row of ours with --torch-compile beside A; packed sections: every side with it",
+    )
+    p.add_argument(
+        "--cuda-graph-impl",
+        choices=["local"],
+        default=None,
+        help="gpt2: a row of ours with --cuda-graph-impl local beside A; packed sections: every side",
+    )
     args = p.parse_args(argv)
     set_variants(args)
     PREFETCH = not args.no_data_prefetch
@@ -371,12 +447,14 @@ def main(argv=None) -> int:
     if name is None:
         return 2
     peak = get_peak_tflops(name)
-    print(f"gpu_throughput | {name} (bf16 peak {peak} TFLOP/s) | torch {torch.__version__} | "
-          f"steps {args.steps}, first {args.warmup} dropped, medians"
-          + ("" if PREFETCH else " | --no-data-prefetch")
-          + (f" | {ACCUMULATE} micro-batches per optimizer step" if ACCUMULATE > 1 else "")
-          + (" | --tiny: every section runs 2 x 64 at seq 128, whatever its title says" if args.tiny else ""),
-          flush=True)
+    print(
+        f"gpu_throughput | {name} (bf16 peak {peak} TFLOP/s) | torch {torch.__version__} | "
+        f"steps {args.steps}, first {args.warmup} dropped, medians"
+        + ("" if PREFETCH else " | --no-data-prefetch")
+        + (f" | {ACCUMULATE} micro-batches per optimizer step" if ACCUMULATE > 1 else "")
+        + (" | --tiny: every section runs 2 x 64 at seq 128, whatever its title says" if args.tiny else ""),
+        flush=True,
+    )
     for section in args.only:
         t0 = time.perf_counter()
         if section == "gpt2":
@@ -386,8 +464,14 @@ def main(argv=None) -> int:
         elif section == "packed-gpt2":
             section_packed(args, peak, "packed-gpt2 (124M, seq 1024)", GPT2_124M, (8,), side_by_side=True)
         else:
-            section_packed(args, peak, "packed-llama (24 x 2048, RoPE, SwiGLU, GQA 4, seq 2048)", LLAMA_24x2048, (1, 4),
-                           side_by_side=False)
+            section_packed(
+                args,
+                peak,
+                "packed-llama (24 x 2048, RoPE, SwiGLU, GQA 4, seq 2048)",
+                LLAMA_24x2048,
+                (1, 4),
+                side_by_side=False,
+            )
         print(f"  ({section}: {time.perf_counter() - t0:.0f} s)", flush=True)
     return 0
 

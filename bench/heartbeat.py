@@ -70,8 +70,7 @@ def build_runs():
     ctx = build_parallel_context(cfg, torch.device("cpu"))
     data = (MarkovDataset(128), None)
     plain = build_training_run(cfg, device=torch.device("cpu"), data=data, log=lambda s: None, metrics=False, ctx=ctx)
-    watched = build_training_run(cfg, device=torch.device("cpu"), data=data, log=lambda s: None, metrics=False,
-                                 ctx=ctx)
+    watched = build_training_run(cfg, device=torch.device("cpu"), data=data, log=lambda s: None, metrics=False, ctx=ctx)
     cfg.parallel.step_timeout_minutes = 1.0
     watched.watchdog = build_step_watchdog(cfg, ctx, heartbeat_interval_s=0.01)
     return plain, watched
@@ -109,18 +108,23 @@ def main() -> None:
 
     print(f"training thread: StepProgress.record_microbatch {measure_record_ns():.0f} ns of CPU per call")
     wall_us, cpu_us = measure_publish_us(args.publishes)
-    print(f"one publication (heartbeat thread): {wall_us:.1f} us wall, {cpu_us:.1f} us CPU "
-          f"(mean over {args.publishes})")
+    print(
+        f"one publication (heartbeat thread): {wall_us:.1f} us wall, {cpu_us:.1f} us CPU (mean over {args.publishes})"
+    )
     plain, watched, published = measure_steps(args.steps)
     step_s = statistics.median(plain)
     for minutes in (1, 10):
         interval = get_heartbeat_interval([minutes * 60.0])
-        print(f"--step-timeout-minutes {minutes}: a publication every {interval:g} s = "
-              f"{step_s / interval:.4f} per step of {step_s * 1000:.0f} ms (CPU) here")
+        print(
+            f"--step-timeout-minutes {minutes}: a publication every {interval:g} s = "
+            f"{step_s / interval:.4f} per step of {step_s * 1000:.0f} ms (CPU) here"
+        )
     ratio = statistics.median(watched) / step_s
-    print(f"CPU time per step, median of {len(plain)}: without {step_s * 1000:.1f} ms, with a publication every "
-          f"10 ms {statistics.median(watched) * 1000:.1f} ms ({published / len(watched):.1f} publications per "
-          f"step): ratio {ratio:.3f}")
+    print(
+        f"CPU time per step, median of {len(plain)}: without {step_s * 1000:.1f} ms, with a publication every "
+        f"10 ms {statistics.median(watched) * 1000:.1f} ms ({published / len(watched):.1f} publications per "
+        f"step): ratio {ratio:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -65,15 +65,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def our_values(args, style: str, num_layers: int, **extra) -> dict:
     values = dict(
-        num_layers=num_layers, hidden_size=args.hidden_size, num_attention_heads=HEADS,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.micro_batch_size * args.microbatches, train_iters=10_000, lr=1e-4, min_lr=1e-4,
-        lr_decay_style="constant", weight_decay=0.01, clip_grad=1.0, seed=1234, mock_data=True,
-        tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1, make_vocab_size_divisible_by=128, log_interval=10_000,
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=HEADS,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.micro_batch_size * args.microbatches,
+        train_iters=10_000,
+        lr=1e-4,
+        min_lr=1e-4,
+        lr_decay_style="constant",
+        weight_decay=0.01,
+        clip_grad=1.0,
+        seed=1234,
+        mock_data=True,
+        tokenizer_type="NullTokenizer",
+        vocab_size=VOCAB - 1,
+        make_vocab_size_divisible_by=128,
+        log_interval=10_000,
     )
     if style == "llama":
-        values.update(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
-                      untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=GROUPS)
+        values.update(
+            normalization="RMSNorm",
+            swiglu=True,
+            position_embedding_type="rope",
+            disable_bias_linear=True,
+            untie_embeddings_and_output_weights=True,
+            group_query_attention=True,
+            num_query_groups=GROUPS,
+        )
     values.update(extra)
     return values
 
@@ -83,8 +103,9 @@ def build_ours(args, style: str, num_layers: int, ctx=None, **extra):
     from megatron_ext.run import build_training_run
 
     cfg = build_job_config(our_values(args, style, num_layers, **extra))
-    return build_training_run(cfg, device=torch.device("cpu"), data=(None, None), log=lambda s: None, metrics=False,
-                              ctx=ctx)
+    return build_training_run(
+        cfg, device=torch.device("cpu"), data=(None, None), log=lambda s: None, metrics=False, ctx=ctx
+    )
 
 
 def build_hf(args, style: str, num_layers: int):
@@ -95,13 +116,29 @@ def build_hf(args, style: str, num_layers: int):
     torch.manual_seed(0)
     h = args.hidden_size
     if style == "gpt2":
-        config = GPT2Config(n_embd=h, n_layer=num_layers, n_head=HEADS, n_positions=args.seq_length, vocab_size=VOCAB,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+        config = GPT2Config(
+            n_embd=h,
+            n_layer=num_layers,
+            n_head=HEADS,
+            n_positions=args.seq_length,
+            vocab_size=VOCAB,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="sdpa",
+        )
         return GPT2LMHeadModel(config)
-    config = LlamaConfig(hidden_size=h, intermediate_size=resolve_ffn_hidden_size(None, h, True),
-                         num_hidden_layers=num_layers, num_attention_heads=HEADS, num_key_value_heads=GROUPS,
-                         vocab_size=VOCAB, max_position_embeddings=args.seq_length, tie_word_embeddings=False,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        hidden_size=h,
+        intermediate_size=resolve_ffn_hidden_size(None, h, True),
+        num_hidden_layers=num_layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=GROUPS,
+        vocab_size=VOCAB,
+        max_position_embeddings=args.seq_length,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config)
 
 
@@ -115,9 +152,15 @@ def make_microbatches(args, n: int) -> list:
         seq = torch.randint(0, VOCAB - 1, (b, s + 1), generator=g)
         labels = seq[:, 1:].clone()
         labels[0, :5] = IGNORE_INDEX
-        out.append(Microbatch(tokens=seq[:, :-1].contiguous(), labels=labels,
-                              position_ids=torch.arange(s).expand(b, s).contiguous(),
-                              num_real_tokens=b * s, attention_pairs=b * s * s))
+        out.append(
+            Microbatch(
+                tokens=seq[:, :-1].contiguous(),
+                labels=labels,
+                position_ids=torch.arange(s).expand(b, s).contiguous(),
+                num_real_tokens=b * s,
+                attention_pairs=b * s * s,
+            )
+        )
     return out
 
 
@@ -205,8 +248,15 @@ def count_syncs(fn, *args) -> int:
 def ours_train_step(run, microbatches):
     from megatron_ext.training.step import train_step
 
-    return train_step(run.model, run.optimizer, run.scheduler, microbatches, microbatches[0].tokens.shape[1],
-                      run.global_batch_size, run.ctx)
+    return train_step(
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        microbatches,
+        microbatches[0].tokens.shape[1],
+        run.global_batch_size,
+        run.ctx,
+    )
 
 
 def hf_train_step(model, optimizer, microbatches):
@@ -232,9 +282,19 @@ def count_packed_recompiles(args, style: str, ctx) -> tuple[int, int, int]:
     compiles = []
     saved, compile_module.BACKEND = compile_module.BACKEND, lambda gm, ex: compiles.append(1) or gm.forward
     try:
-        run = build_ours(args, style, 2, ctx=ctx, torch_compile=True, packed_sequences=True, micro_batch_size=1,
-                         global_batch_size=1, sequence_padding="negotiated", pad_to_multiple_of=16,
-                         pad_length_bucket="power-of-two")
+        run = build_ours(
+            args,
+            style,
+            2,
+            ctx=ctx,
+            torch_compile=True,
+            packed_sequences=True,
+            micro_batch_size=1,
+            global_batch_size=1,
+            sequence_padding="negotiated",
+            pad_to_multiple_of=16,
+            pad_length_bucket="power-of-two",
+        )
     finally:
         compile_module.BACKEND = saved
     dataset, seen, late, n = PackedMarkovDataset(args.seq_length, median=6.0), set(), 0, 40
@@ -275,8 +335,9 @@ def explain_tp2(rank: int, world_size: int, args, styles) -> dict:
     for style in styles:
         out[style] = {}
         for side in ("upstream", "compiled"):
-            run = build_ours(args, style, args.num_layers, ctx=ctx, tensor_model_parallel_size=2,
-                             sequence_parallel=True)
+            run = build_ours(
+                args, style, args.num_layers, ctx=ctx, tensor_model_parallel_size=2, sequence_parallel=True
+            )
             ctx = run.ctx
             layer = unwrap_model(run.model[0]).decoder.layers[0]
             if side == "compiled":
@@ -320,8 +381,10 @@ def measure_style(args, style: str, ctx) -> tuple[dict, object]:
         out[name].update(calls=calls / m, platform=platform / m)
     for name, ms in alternate(sides, args.steps).items():
         out[name]["ms"] = ms / m
-    deep = {f"ours {style} eager": build_ours(args, style, 2 * L, ctx=ctx), f"transformers {style} eager":
-            build_hf(args, style, 2 * L)}
+    deep = {
+        f"ours {style} eager": build_ours(args, style, 2 * L, ctx=ctx),
+        f"transformers {style} eager": build_hf(args, style, 2 * L),
+    }
     for name, model in deep.items():
         shallow, fn = sides[name][1][0], sides[name][0]
         out[name]["ops"] = (count_ops(fn, model, mbs) - count_ops(fn, shallow, mbs)) / L / m
@@ -347,34 +410,46 @@ def measure_style(args, style: str, ctx) -> tuple[dict, object]:
 
 def print_style(style: str, out: dict, args, tp2: dict | None = None) -> None:
     hf_eager = out[f"transformers {style} eager"]["calls"]
-    print(f"\n== {style} style: hidden {args.hidden_size}, {args.num_layers} layers, seq {args.seq_length}, "
-          f"micro-batch {args.micro_batch_size}, {args.microbatches} micro-batches a step, fp32, 1 thread")
-    print(f"{'side':32} {'py calls/mb':>12} {'(platform)':>11} {'x hf eager':>10} {'aten ops/layer':>15} "
-          f"{'syncs/step':>10} {'host ms/mb':>10} {'graphs/breaks':>14}")
+    print(
+        f"\n== {style} style: hidden {args.hidden_size}, {args.num_layers} layers, seq {args.seq_length}, "
+        f"micro-batch {args.micro_batch_size}, {args.microbatches} micro-batches a step, fp32, 1 thread"
+    )
+    print(
+        f"{'side':32} {'py calls/mb':>12} {'(platform)':>11} {'x hf eager':>10} {'aten ops/layer':>15} "
+        f"{'syncs/step':>10} {'host ms/mb':>10} {'graphs/breaks':>14}"
+    )
     for name, row in out.items():
         graphs = f"{row['explain'][0]}/{row['explain'][1]}" if "explain" in row else "-"
         ops = f"{row['ops']:.0f}" if "ops" in row else "-"
         syncs = f"{row['syncs']}" if "syncs" in row else "-"
-        print(f"{name:32} {row['calls']:12.0f} {row['platform']:11.0f} {row['calls'] / hf_eager:10.2f} {ops:>15} "
-              f"{syncs:>10} {row['ms']:10.2f} {graphs:>14}")
+        print(
+            f"{name:32} {row['calls']:12.0f} {row['platform']:11.0f} {row['calls'] / hf_eager:10.2f} {ops:>15} "
+            f"{syncs:>10} {row['ms']:10.2f} {graphs:>14}"
+        )
     ours_eager = out[f"ours {style} eager"]
-    print(f"targets: eager Python calls <= 2x transformers eager: {ours_eager['calls'] / hf_eager:.2f}x; "
-          f"syncs per step <= 1 (ours, TP=PP=DP=1, fp32, NaN guard on, no exit flags): {ours_eager['syncs']}")
+    print(
+        f"targets: eager Python calls <= 2x transformers eager: {ours_eager['calls'] / hf_eager:.2f}x; "
+        f"syncs per step <= 1 (ours, TP=PP=DP=1, fp32, NaN guard on, no exit flags): {ours_eager['syncs']}"
+    )
     compiled = out.get(f"ours {style} compiled")
     if compiled:
         late, buckets, n = compiled["recompiles"]
-        print(f"targets: compiled Python calls <= transformers eager: {compiled['calls'] / hf_eager:.2f}x; "
-              f"graph breaks per layer 0 (TP 1): {compiled['explain'][1]}; recompiles after each bucket's first "
-              f"micro-batch 0: "
-              f"{late} ({buckets} buckets over {n} packed micro-batches); compiled vs eager <= 1e-5 relative "
-              f"(fp32): loss {compiled['loss_rel']:.1e}, worst parameter gradient {compiled['grad_rel'][0]:.1e} "
-              f"({compiled['grad_rel'][1]})")
+        print(
+            f"targets: compiled Python calls <= transformers eager: {compiled['calls'] / hf_eager:.2f}x; "
+            f"graph breaks per layer 0 (TP 1): {compiled['explain'][1]}; recompiles after each bucket's first "
+            f"micro-batch 0: "
+            f"{late} ({buckets} buckets over {n} packed micro-batches); compiled vs eager <= 1e-5 relative "
+            f"(fp32): loss {compiled['loss_rel']:.1e}, worst parameter gradient {compiled['grad_rel'][0]:.1e} "
+            f"({compiled['grad_rel'][1]})"
+        )
     if tp2:
         compiled_tp2, upstream_tp2 = tp2["compiled"], tp2["upstream"]
-        print(f"targets: graph breaks per layer at TP 2 with sequence parallelism: only at named collective "
-              f"boundaries, capped (0 is the cap here): compiled {compiled_tp2[1]} ({compiled_tp2[0]} graph(s)); "
-              f"megatron-core's own linears (eager at TP 2) {upstream_tp2[1]}"
-              + (f", first at: {upstream_tp2[2][0]}" if upstream_tp2[2] else ""))
+        print(
+            f"targets: graph breaks per layer at TP 2 with sequence parallelism: only at named collective "
+            f"boundaries, capped (0 is the cap here): compiled {compiled_tp2[1]} ({compiled_tp2[0]} graph(s)); "
+            f"megatron-core's own linears (eager at TP 2) {upstream_tp2[1]}"
+            + (f", first at: {upstream_tp2[2][0]}" if upstream_tp2[2] else "")
+        )
         if compiled_tp2[2]:
             print(f"  compiled TP 2 breaks at: {'; '.join(compiled_tp2[2][:3])}")
     reasons = ours_eager["explain"][2]
@@ -389,8 +464,10 @@ def main(argv=None) -> int:
 
     from megatron_ext.testing import run_ranks
 
-    print(f"host overhead | torch {torch.__version__} | load average {os.getloadavg()[0]:.1f} | "
-          f"backend {args.backend if not args.skip_compiled else '-'}")
+    print(
+        f"host overhead | torch {torch.__version__} | load average {os.getloadavg()[0]:.1f} | "
+        f"backend {args.backend if not args.skip_compiled else '-'}"
+    )
     # TP 2 first, in forked ranks of their own world (before this process joins its one-rank world)
     tp2 = None if args.skip_compiled else run_ranks(explain_tp2, 2, args, STYLES, timeout=900)[0]
     init_single_rank_world(timeout_minutes=30)

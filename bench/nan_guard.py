@@ -46,8 +46,9 @@ def time_steps(args: argparse.Namespace) -> tuple[float, float]:
     from megatron_ext.training import loss as loss_module
     from megatron_ext.training.step import build_step_microbatches, train_step
 
-    values = testing.tiny_values(num_layers=2, seq_length=64, micro_batch_size=1,
-                                 global_batch_size=args.microbatches, train_iters=10_000)
+    values = testing.tiny_values(
+        num_layers=2, seq_length=64, micro_batch_size=1, global_batch_size=args.microbatches, train_iters=10_000
+    )
     run = testing.build_tiny_run(values, testing.MarkovDataset(64))
     microbatches, length = build_step_microbatches(run, run.train_ds, 0)
     guarded, identity = loss_module.poison_non_finite, (lambda loss: loss)
@@ -100,12 +101,18 @@ def main(argv=None) -> None:
     init_single_rank_world()
     a, b = time_steps(args)
     with_us, without_us = time_factor()
-    print(f"per step ({args.microbatches} micro-batches, hidden 64, 2 layers, seq 64): guard {a * 1e3:.2f} ms, "
-          f"without {b * 1e3:.2f} ms CPU, ratio {a / b:.3f}")
-    print(f"per micro-batch: scalar loss forward+backward {with_us:.1f} us with the factor, {without_us:.1f} us "
-          f"without (+{with_us - without_us:.1f} us)")
-    print(f"per skipped --fp16 step: one-element all-reduce MAX over 4 gloo ranks {all_reduce_us:.0f} us (median); "
-          f"steps whose update is applied and every step without --fp16: none")
+    print(
+        f"per step ({args.microbatches} micro-batches, hidden 64, 2 layers, seq 64): guard {a * 1e3:.2f} ms, "
+        f"without {b * 1e3:.2f} ms CPU, ratio {a / b:.3f}"
+    )
+    print(
+        f"per micro-batch: scalar loss forward+backward {with_us:.1f} us with the factor, {without_us:.1f} us "
+        f"without (+{with_us - without_us:.1f} us)"
+    )
+    print(
+        f"per skipped --fp16 step: one-element all-reduce MAX over 4 gloo ranks {all_reduce_us:.0f} us (median); "
+        f"steps whose update is applied and every step without --fp16: none"
+    )
 
 
 if __name__ == "__main__":

@@ -85,8 +85,15 @@ def main(argv=None) -> int:
     stand_in_kernels()
     throughput.VOCAB, throughput.RandomRows, throughput.RandomPacks = VOCAB, _Rows, _Packs
     throughput.PREFETCH = False  # the step's own thread only
-    shape = dict(throughput.LLAMA_24x2048, num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=None,
-                 num_attention_heads=4, num_query_groups=2, seq_length=args.seq)
+    shape = dict(
+        throughput.LLAMA_24x2048,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=None,
+        num_attention_heads=4,
+        num_query_groups=2,
+        seq_length=args.seq,
+    )
     unpacked = throughput.Ours(shape, 1)
     sides = {"unpacked": unpacked, "packed": throughput.Ours(shape, 1, packed=True, beside=unpacked)}
     times: dict[str, list[float]] = {name: [] for name in sides}
@@ -100,12 +107,16 @@ def main(argv=None) -> int:
     calls = {name: python_calls(side, 2) for name, side in sides.items()}
     for side in reversed(sides.values()):
         side.close()
-    print(f"packed_host | CPU, 1 thread | Llama style {args.layers} x {args.hidden}, seq {args.seq}, micro-batch 1, "
-          f"vocab {VOCAB}; attention stood in for on both sides (the packed side through the varlen branch)")
+    print(
+        f"packed_host | CPU, 1 thread | Llama style {args.layers} x {args.hidden}, seq {args.seq}, micro-batch 1, "
+        f"vocab {VOCAB}; attention stood in for on both sides (the packed side through the varlen branch)"
+    )
     for name in sides:
         print(f"  {name:<9} {ms[name]:8.1f} ms/step (median of {args.steps})   {calls[name]:9.0f} Python calls/step")
-    print(f"  packed/unpacked: wall {ms['packed'] / ms['unpacked']:.3f}x, Python calls "
-          f"{calls['packed'] / calls['unpacked']:.3f}x | varlen-branch forwards: {VARLEN_CALLS[0]}")
+    print(
+        f"  packed/unpacked: wall {ms['packed'] / ms['unpacked']:.3f}x, Python calls "
+        f"{calls['packed'] / calls['unpacked']:.3f}x | varlen-branch forwards: {VARLEN_CALLS[0]}"
+    )
     return 0
 
 

@@ -150,11 +150,24 @@ def sim_forward_step(data_iterator, model):
 
 def _values(mode: str, kind: str, pp: int = PP) -> dict:
     v = dict(
-        num_layers=LAYERS_PER_STAGE * pp, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ,
-        micro_batch_size=1, global_batch_size=M, train_iters=1000, lr=1e-4, min_lr=1e-4,
-        lr_decay_style="constant", seed=1234, mock_data=True, tokenizer_type="NullTokenizer",
-        vocab_size=127, make_vocab_size_divisible_by=32, pipeline_model_parallel_size=pp,
-        sequence_padding=mode, pad_to_multiple_of=MULTIPLE,
+        num_layers=LAYERS_PER_STAGE * pp,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        global_batch_size=M,
+        train_iters=1000,
+        lr=1e-4,
+        min_lr=1e-4,
+        lr_decay_style="constant",
+        seed=1234,
+        mock_data=True,
+        tokenizer_type="NullTokenizer",
+        vocab_size=127,
+        make_vocab_size_divisible_by=32,
+        pipeline_model_parallel_size=pp,
+        sequence_padding=mode,
+        pad_to_multiple_of=MULTIPLE,
     )
     v["packed_sequences" if kind == "packed" else "one_document_per_row"] = True
     return v
@@ -175,8 +188,17 @@ def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_to
     for mode in MODES:
         resolved = resolve_config(cfgs[mode], ctx.world_size, 128)
         # vocab_size None: no token-id check (the rows' ids are arbitrary, the simulated chunks never embed them)
-        spec = StepDataSpec(M, 1, ctx.dp_rank, ctx.dp_size, resolved.sequence_padding, MULTIPLE,
-                            resolved.max_microbatch_length, pad_id=0, vocab_size=None)
+        spec = StepDataSpec(
+            M,
+            1,
+            ctx.dp_rank,
+            ctx.dp_size,
+            resolved.sequence_padding,
+            MULTIPLE,
+            resolved.max_microbatch_length,
+            pad_id=0,
+            vocab_size=None,
+        )
         builders[mode] = StepDataBuilder(spec, device, ctx.mp_group)
         config = build_transformer_config(cfgs[mode], resolved, device)
         models[mode] = [_bench_chunk(config, us_per_token * 1e-6, pre_process=ctx.pp_rank == 0)]
@@ -188,12 +210,15 @@ def throughput_rank(rank: int, world_size: int, kind: str, steps: int, us_per_to
             mbs, length = builders[mode].build(data, step * M)
             run_forward_backward(models[mode], mbs, length, forward_step_func=sim_forward_step)
             dt = time.perf_counter() - t0
-            out[mode].append({
-                "seconds": dt, "length": length,
-                "useful": sum(mb.num_real_tokens for mb in mbs),
-                "slots": sum(mb.num_slots for mb in mbs),
-                "lengths": [int(mb.tokens.shape[1]) for mb in mbs],
-            })
+            out[mode].append(
+                {
+                    "seconds": dt,
+                    "length": length,
+                    "useful": sum(mb.num_real_tokens for mb in mbs),
+                    "slots": sum(mb.num_slots for mb in mbs),
+                    "lengths": [int(mb.tokens.shape[1]) for mb in mbs],
+                }
+            )
     destroy_parallel_context()
     return out
 
@@ -223,8 +248,10 @@ def summarize(results: list[dict], warmup: int) -> dict:
         recs = results[0][mode][warmup:]
         out[mode] = {
             "secs": [max(r[mode][i]["seconds"] for r in results) for i in range(steps)][warmup:],
-            "useful": [r["useful"] for r in recs], "slots": [r["slots"] for r in recs],
-            "lengths": [r["length"] for r in recs], "mb_lengths": [r["lengths"] for r in recs],
+            "useful": [r["useful"] for r in recs],
+            "slots": [r["slots"] for r in recs],
+            "lengths": [r["length"] for r in recs],
+            "mb_lengths": [r["lengths"] for r in recs],
         }
     return out
 
@@ -242,30 +269,40 @@ def print_throughput(kind: str, s: dict) -> bool:
     st, ng, vr = s["static"], s["negotiated"], s["variable"]
     if st["useful"] != ng["useful"] or st["useful"] != vr["useful"]:
         print(f"  CHECK: useful tokens differ between modes: {st['useful']} {ng['useful']} {vr['useful']}")
-    print(f"  measured steps: useful tokens {sum(st['useful'])}; slots static {sum(st['slots'])}, "
-          f"negotiated {sum(ng['slots'])}, variable {sum(vr['slots'])}")
+    print(
+        f"  measured steps: useful tokens {sum(st['useful'])}; slots static {sum(st['slots'])}, "
+        f"negotiated {sum(ng['slots'])}, variable {sum(vr['slots'])}"
+    )
     print(f"  negotiated step lengths: {ng['lengths']}")
     if kind == "unpacked":
         print(f"  variable micro-batch lengths, first measured step: {vr['mb_lengths'][0]}")
     for mode in MODES:
         m = s[mode]
-        print(f"  {mode:<11s} median step {statistics.median(m['secs']) * 1e3:8.1f} ms   "
-              f"{sum(m['useful']) / sum(m['secs']):9.0f} useful tokens/s (total/total)")
+        print(
+            f"  {mode:<11s} median step {statistics.median(m['secs']) * 1e3:8.1f} ms   "
+            f"{sum(m['useful']) / sum(m['secs']):9.0f} useful tokens/s (total/total)"
+        )
     r, a, f = paired(s, "negotiated", "static")
     if kind == "unpacked":
         ok = f >= TARGET_A
-        print(f"  negotiated/static = {r:5.2f}   analytic computed-token ratio {a:5.2f}   measured/analytic "
-              f"{f:.2f}   target >= {TARGET_A}  -> {'PASS' if ok else 'MISS'}")
+        print(
+            f"  negotiated/static = {r:5.2f}   analytic computed-token ratio {a:5.2f}   measured/analytic "
+            f"{f:.2f}   target >= {TARGET_A}  -> {'PASS' if ok else 'MISS'}"
+        )
     else:
         t = statistics.median(n / m for n, m in zip(ng["secs"], st["secs"]))
         ok = t <= TARGET_B
-        print(f"  negotiated/static step time = {t:.3f}   target <= {TARGET_B}  -> {'PASS' if ok else 'MISS'}   "
-              f"(useful tokens/s ratio {r:.3f}, analytic {a:.3f})")
+        print(
+            f"  negotiated/static step time = {t:.3f}   target <= {TARGET_B}  -> {'PASS' if ok else 'MISS'}   "
+            f"(useful tokens/s ratio {r:.3f}, analytic {a:.3f})"
+        )
     r, a, f = paired(s, "variable", "static")
     print(f"  variable/static   = {r:5.2f}   analytic {a:5.2f}   measured/analytic {f:.2f}")
     r, a, f = paired(s, "negotiated", "variable")
-    print(f"  negotiated/variable = {r:5.3f}   analytic (variable slots / negotiated slots) {a:5.3f}   "
-          f"measured/analytic {f:.2f}   (no target: see bench/README.md)")
+    print(
+        f"  negotiated/variable = {r:5.3f}   analytic (variable slots / negotiated slots) {a:5.3f}   "
+        f"measured/analytic {f:.2f}   (no target: see bench/README.md)"
+    )
     return ok
 
 
@@ -273,10 +310,26 @@ def print_throughput(kind: str, s: dict) -> bool:
 
 
 COLLECTIVES = (
-    "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_object_list", "all_gather",
-    "all_gather_into_tensor", "_all_gather_base", "all_gather_object", "all_gather_coalesced",
-    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "barrier", "reduce", "gather",
-    "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather_object",
+    "all_gather_coalesced",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "barrier",
+    "reduce",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
 )
 
 
@@ -346,15 +399,21 @@ class CollectiveCounter:
 
 def collectives_rank(rank: int, world_size: int) -> dict:
     from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.testing import PackedMarkovDataset, build_tiny_run, tiny_values
     from megatron_ext.training.loop import train
-    from megatron_ext.testing import build_tiny_run, PackedMarkovDataset, tiny_values
 
     out = {}
     for mode in MODES:
         values = tiny_values(
-            seq_length=64, micro_batch_size=1, global_batch_size=8, packed_sequences=True,
-            pad_to_multiple_of=16, sequence_padding=mode, pipeline_model_parallel_size=2,
-            train_iters=2, log_interval=2,
+            seq_length=64,
+            micro_batch_size=1,
+            global_batch_size=8,
+            packed_sequences=True,
+            pad_to_multiple_of=16,
+            sequence_padding=mode,
+            pipeline_model_parallel_size=2,
+            train_iters=2,
+            log_interval=2,
         )
         run = build_tiny_run(values, PackedMarkovDataset(64))
         counter = CollectiveCounter()
@@ -391,22 +450,28 @@ def print_collectives(results: list[dict]) -> bool:
                 ours = [f"{op}({d}) group={n} <- {w}" for pkg, w, op, n, d in ev if pkg == "megatron_ext"]
                 mcore = collections.Counter(f"{op}[{n}] <- {w}" for pkg, w, op, n, d in ev if pkg == "megatron.core")
                 other = [f"{op} <- {w}" for pkg, w, op, n, d in ev if pkg == "other"]
-                print(f"    step {step + 1} ({tag}) rank {rank} (pp {res[mode]['pp_rank']}, dp {res[mode]['dp_rank']}): "
-                      f"megatron_ext {len(ours)}: {ours or '[]'}")
+                print(
+                    f"    step {step + 1} ({tag}) rank {rank} (pp {res[mode]['pp_rank']}, dp {res[mode]['dp_rank']}): "
+                    f"megatron_ext {len(ours)}: {ours or '[]'}"
+                )
                 key = tuple(sorted(mcore.items()))
                 detail = "same as listed above" if key in shown else dict(key)
                 shown.add(key)
                 print(f"        megatron.core {sum(mcore.values())}: {detail}" + (f"  other: {other}" if other else ""))
                 # expectation: negotiation (MAX) once per step iff negotiated; DP loss reduce only
                 # on a log step, only on the last stage.
-                n_max = sum(1 for pkg, w, op, n, d in ev if pkg == "megatron_ext" and op == "all_reduce" and d.startswith("MAX"))
+                n_max = sum(
+                    1 for pkg, w, op, n, d in ev if pkg == "megatron_ext" and op == "all_reduce" and d.startswith("MAX")
+                )
                 n_loss = sum(1 for pkg, w, op, n, d in ev if pkg == "megatron_ext" and "reduce_loss_over_dp" in w)
                 n_rest = sum(1 for pkg, *_ in ev if pkg == "megatron_ext") - n_max - n_loss
                 want_max = 1 if mode == "negotiated" else 0
                 want_loss = 1 if (step == 1 and res[mode]["pp_rank"] == 1) else 0
                 if (n_max, n_loss, n_rest) != (want_max, want_loss, 0):
                     ok = False
-                    print(f"        UNEXPECTED: MAX {n_max} (want {want_max}), DP loss {n_loss} (want {want_loss}), other {n_rest}")
+                    print(
+                        f"        UNEXPECTED: MAX {n_max} (want {want_max}), DP loss {n_loss} (want {want_loss}), other {n_rest}"
+                    )
     return ok
 
 
@@ -425,19 +490,25 @@ def main(argv=None) -> int:
 
     import bench.simdevice  # noqa: F401
     import megatron_ext.model.gpt  # noqa: F401
-    import megatron_ext.training.loop  # noqa: F401
     import megatron_ext.testing  # noqa: F401
+    import megatron_ext.training.loop  # noqa: F401
     from megatron_ext.testing import run_ranks
 
     hop = run_ranks(hop_rank, 2, 30)[0]
     fwd_full = args.us_per_token * 1e-6 * SEQ * LAYERS_PER_STAGE
-    print(f"padding | PP={PP} x 4 forked gloo ranks, megatron-core 1F1B via megatron_ext.training.loop "
-          f"(StepDataBuilder.build -> run_forward_backward), m={M}, seq {SEQ}, pad multiple {MULTIPLE}")
-    print(f"simulated device: {LAYERS_PER_STAGE} layers/stage, {args.us_per_token:g} us/token/layer forward, "
-          f"backward 2x; a full {SEQ}-token micro-batch = {fwd_full * 1e3:.0f} ms fwd + {2 * fwd_full * 1e3:.0f} ms bwd "
-          f"per stage | measured P2P hop [{SEQ},1,{HIDDEN}] fp32: {hop * 1e3:.2f} ms")
-    print(f"{args.steps} steps per mode, modes alternated per step (static, negotiated, variable), "
-          f"first {args.warmup} dropped, medians; step time = slowest rank's wall time")
+    print(
+        f"padding | PP={PP} x 4 forked gloo ranks, megatron-core 1F1B via megatron_ext.training.loop "
+        f"(StepDataBuilder.build -> run_forward_backward), m={M}, seq {SEQ}, pad multiple {MULTIPLE}"
+    )
+    print(
+        f"simulated device: {LAYERS_PER_STAGE} layers/stage, {args.us_per_token:g} us/token/layer forward, "
+        f"backward 2x; a full {SEQ}-token micro-batch = {fwd_full * 1e3:.0f} ms fwd + {2 * fwd_full * 1e3:.0f} ms bwd "
+        f"per stage | measured P2P hop [{SEQ},1,{HIDDEN}] fp32: {hop * 1e3:.2f} ms"
+    )
+    print(
+        f"{args.steps} steps per mode, modes alternated per step (static, negotiated, variable), "
+        f"first {args.warmup} dropped, medians; step time = slowest rank's wall time"
+    )
     ok = True
     t0 = time.time()
     rows = LognormalRows(args.median, args.sigma, SEQ)
@@ -447,18 +518,24 @@ def main(argv=None) -> int:
     print(f"  ({time.time() - t0:.0f} s)")
     t0 = time.time()
     bins = corpus_bins(args.data_path, SEQ)
-    print(f"(b) full packed bins: corpus best_fit, {bins.index.num_bins} bins, efficiency "
-          f"{bins.index.efficiency(SEQ):.4f}, micro-batch size 1 (THD):")
+    print(
+        f"(b) full packed bins: corpus best_fit, {bins.index.num_bins} bins, efficiency "
+        f"{bins.index.efficiency(SEQ):.4f}, micro-batch size 1 (THD):"
+    )
     res = run_ranks(throughput_rank, PP, "packed", args.steps, args.us_per_token, bins, timeout=900)
     ok &= print_throughput("packed", summarize(res, args.warmup))
     print(f"  ({time.time() - t0:.0f} s)")
     if not args.skip_collectives:
-        print("collectives per training step (PP=2 x DP=2, tiny GPTModel, packed, log interval 2), "
-              "counted by a wrapper, attributed by innermost calling frame:")
+        print(
+            "collectives per training step (PP=2 x DP=2, tiny GPTModel, packed, log interval 2), "
+            "counted by a wrapper, attributed by innermost calling frame:"
+        )
         cres = run_ranks(collectives_rank, 4, timeout=600)
         cok = print_collectives(cres)
-        print(f"  megatron_ext adds exactly: 1 all_reduce MAX per step (negotiated only) + the DP loss all_reduce "
-              f"on the last stage at log steps -> {'AS EXPECTED' if cok else 'UNEXPECTED (see above)'}")
+        print(
+            f"  megatron_ext adds exactly: 1 all_reduce MAX per step (negotiated only) + the DP loss all_reduce "
+            f"on the last stage at log steps -> {'AS EXPECTED' if cok else 'UNEXPECTED (see above)'}"
+        )
     return 0
 
 

@@ -32,8 +32,9 @@ def _cycles(rank: int, world_size: int, cycles: int, ours: bool) -> list[tuple[f
     out = []
     for _ in range(cycles):
         start = time.perf_counter()
-        ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
-                                     create_gloo_process_groups=False)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=2, pipeline_model_parallel_size=4, create_gloo_process_groups=False
+        )
         dist.all_reduce(torch.ones(1), group=ps.get_model_parallel_group())
         destroy_parallel_context() if ours else ps.destroy_model_parallel()
         out.append((time.perf_counter() - start, len(os.listdir(f"/proc/{os.getpid()}/task"))))
@@ -52,8 +53,11 @@ def main(argv=None) -> int:
     for name, ours in (("megatron-core destroy_model_parallel", False), ("ours destroy_parallel_context", True)):
         rows = run_ranks(_cycles, 8, args.cycles, ours, timeout=900)[0]
         times = [t for t, _ in rows]
-        print(f"  {name:<38} threads after cycle 1: {rows[0][1]:5d}, after cycle {args.cycles}: {rows[-1][1]:5d} | "
-              f"s/cycle median {statistics.median(times):.2f}, last {times[-1]:.2f}", flush=True)
+        print(
+            f"  {name:<38} threads after cycle 1: {rows[0][1]:5d}, after cycle {args.cycles}: {rows[-1][1]:5d} | "
+            f"s/cycle median {statistics.median(times):.2f}, last {times[-1]:.2f}",
+            flush=True,
+        )
     return 0
 
 

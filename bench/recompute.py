@@ -45,8 +45,9 @@ def saved_bytes(model: torch.nn.Module, mb) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
-                    labels=mb.labels.clamp(min=0))
+        out = model(
+            input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels.clamp(min=0)
+        )
     del out
     return sum(seen.values())
 
@@ -71,12 +72,32 @@ def main(argv=None) -> int:
     init_single_rank_world()
     runs, ctx = {}, None
     for name, flags in SETTINGS.items():
-        cfg = build_job_config(dict(
-            num_layers=4, hidden_size=args.hidden_size, num_attention_heads=4, seq_length=args.seq_length,
-            micro_batch_size=4, global_batch_size=4, train_iters=1000, hidden_dropout=0.1, attention_dropout=0.1,
-            mock_data=True, tokenizer_type="NullTokenizer", vocab_size=127, make_vocab_size_divisible_by=128, **flags))
-        runs[name] = build_training_run(cfg, device=torch.device("cpu"), data=(MarkovDataset(args.seq_length), None),
-                                        log=lambda s: None, metrics=False, ctx=ctx)
+        cfg = build_job_config(
+            dict(
+                num_layers=4,
+                hidden_size=args.hidden_size,
+                num_attention_heads=4,
+                seq_length=args.seq_length,
+                micro_batch_size=4,
+                global_batch_size=4,
+                train_iters=1000,
+                hidden_dropout=0.1,
+                attention_dropout=0.1,
+                mock_data=True,
+                tokenizer_type="NullTokenizer",
+                vocab_size=127,
+                make_vocab_size_divisible_by=128,
+                **flags,
+            )
+        )
+        runs[name] = build_training_run(
+            cfg,
+            device=torch.device("cpu"),
+            data=(MarkovDataset(args.seq_length), None),
+            log=lambda s: None,
+            metrics=False,
+            ctx=ctx,
+        )
         ctx = ctx or runs[name].ctx
     mbs, length = build_step_microbatches(runs["none"], runs["none"].train_ds, 0)
     nbytes = {name: saved_bytes(run.model[0], mbs[0]) for name, run in runs.items()}
@@ -87,13 +108,17 @@ def main(argv=None) -> int:
             train_step(run.model, run.optimizer, run.scheduler, mbs, length, 4, run.ctx)
             if step >= args.warmup:
                 times[name].append(time.process_time() - t0)
-    print(f"recompute | hidden {args.hidden_size}, 4 layers, seq {args.seq_length}, micro-batch 4, fp32, dropout 0.1, "
-          f"1 thread | medians of {args.steps - args.warmup} steps, settings alternated")
+    print(
+        f"recompute | hidden {args.hidden_size}, 4 layers, seq {args.seq_length}, micro-batch 4, fp32, dropout 0.1, "
+        f"1 thread | medians of {args.steps - args.warmup} steps, settings alternated"
+    )
     base_b, base_t = nbytes["none"], statistics.median(times["none"])
     for name in runs:
         t = statistics.median(times[name])
-        print(f"  {name:<22} saved {nbytes[name] / 2**20:8.1f} MiB per micro-batch ({nbytes[name] / base_b:5.2f}x) | "
-              f"step {1000 * t:7.1f} ms CPU ({t / base_t:5.2f}x)")
+        print(
+            f"  {name:<22} saved {nbytes[name] / 2**20:8.1f} MiB per micro-batch ({nbytes[name] / base_b:5.2f}x) | "
+            f"step {1000 * t:7.1f} ms CPU ({t / base_t:5.2f}x)"
+        )
     destroy_parallel_context()
     return 0
 

@@ -38,9 +38,28 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-VIEWS = {"view", "_unsafe_view", "t", "permute", "transpose", "unsqueeze", "squeeze", "slice", "select",
-         "expand", "split", "split_with_sizes", "chunk", "detach", "alias", "as_strided", "reshape", "lift_fresh",
-         "unbind", "narrow"}
+VIEWS = {
+    "view",
+    "_unsafe_view",
+    "t",
+    "permute",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "expand",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "detach",
+    "alias",
+    "as_strided",
+    "reshape",
+    "lift_fresh",
+    "unbind",
+    "narrow",
+}
 
 
 class LaunchCounter(TorchDispatchMode):
@@ -107,34 +126,57 @@ def section_rotation(args) -> None:
     ours()  # the table's first use
     launches = {"ours": counted(ours), "megatron-core": counted(theirs)}
     seconds = alternate({"ours": ours, "megatron-core": theirs}, args.steps, args.warmup)
-    print(f"rotation | one layer's q [{s}, {b}, 32, 64] and k [{s}, {b}, 8, 64], bf16, forward + backward "
-          f"(each side includes a .sum() and its backward per tensor)")
+    print(
+        f"rotation | one layer's q [{s}, {b}, 32, 64] and k [{s}, {b}, 8, 64], bf16, forward + backward "
+        f"(each side includes a .sum() and its backward per tensor)"
+    )
     for name in launches:
         print(f"  {name:<14} {launches[name].total:4d} kernels | {1000 * seconds[name]:8.2f} ms CPU")
-    print(f"  ours/megatron-core: kernels {launches['ours'].total / launches['megatron-core'].total:.2f}x, "
-          f"CPU time {seconds['ours'] / seconds['megatron-core']:.2f}x")
+    print(
+        f"  ours/megatron-core: kernels {launches['ours'].total / launches['megatron-core'].total:.2f}x, "
+        f"CPU time {seconds['ours'] / seconds['megatron-core']:.2f}x"
+    )
 
 
 def section_model(args) -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.model.attention import CoreAttentionRotaryEmbedding
     from megatron_ext.derived import resolve_config
+    from megatron_ext.model.attention import CoreAttentionRotaryEmbedding
     from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
     from megatron_ext.training.step import unwrap_model
 
     s, b = args.seq_length, args.micro_batch
-    cfg = build_job_config(dict(
-        num_layers=args.num_layers, hidden_size=256, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
-        seq_length=s, max_position_embeddings=s, micro_batch_size=b, global_batch_size=b, bf16=True,
-        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
-        mock_data=True, tokenizer_type="NullTokenizer", vocab_size=1000, train_iters=1, lr=1e-4))
+    cfg = build_job_config(
+        dict(
+            num_layers=args.num_layers,
+            hidden_size=256,
+            num_attention_heads=4,
+            group_query_attention=True,
+            num_query_groups=2,
+            seq_length=s,
+            max_position_embeddings=s,
+            micro_batch_size=b,
+            global_batch_size=b,
+            bf16=True,
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            swiglu=True,
+            disable_bias_linear=True,
+            mock_data=True,
+            tokenizer_type="NullTokenizer",
+            vocab_size=1000,
+            train_iters=1,
+            lr=1e-4,
+        )
+    )
     ctx = build_parallel_context(cfg, torch.device("cpu"))
     resolved = resolve_config(cfg, ctx.world_size, 1024)
-    (model,) = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement,
-                                                                      torch.device("cpu")))
+    (model,) = apply_mixed_precision(
+        cfg.training, build_model_chunks(cfg, resolved, ctx.placement, torch.device("cpu"))
+    )
     rotary = unwrap_model(model).rotary_pos_emb
     tokens = torch.randint(0, 1000, (b, s), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(s).expand(b, s)
@@ -147,6 +189,7 @@ def section_model(args) -> None:
             out = model(input_ids=tokens, position_ids=positions, attention_mask=None)
             out.float().square().mean().backward()
             logits[cls] = out.detach()
+
         return run
 
     sides = {"ours": step(CoreAttentionRotaryEmbedding), "megatron-core": step(RotaryEmbedding)}
@@ -157,13 +200,17 @@ def section_model(args) -> None:
     seconds = alternate(sides, args.steps, args.warmup)
     rotary.__class__ = CoreAttentionRotaryEmbedding
     destroy_parallel_context()
-    print(f"model | Llama-style {args.num_layers} x 256, GQA 2, seq {s}, micro-batch {b}, bf16, forward + backward "
-          f"(logits equal: {same})")
+    print(
+        f"model | Llama-style {args.num_layers} x 256, GQA 2, seq {s}, micro-batch {b}, bf16, forward + backward "
+        f"(logits equal: {same})"
+    )
     for name in sides:
         cos = launches[name].counts["cos"]
         print(f"  {name:<14} {launches[name].total:5d} kernels ({cos} cos) | {1000 * seconds[name]:8.1f} ms CPU")
-    print(f"  ours/megatron-core: kernels {launches['ours'].total / launches['megatron-core'].total:.3f}x, "
-          f"CPU time {seconds['ours'] / seconds['megatron-core']:.3f}x")
+    print(
+        f"  ours/megatron-core: kernels {launches['ours'].total / launches['megatron-core'].total:.3f}x, "
+        f"CPU time {seconds['ours'] / seconds['megatron-core']:.3f}x"
+    )
 
 
 def main(argv=None) -> int:
@@ -182,8 +229,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if not torch.distributed.is_initialized():  # (a test's forked rank already has its world)
         init_single_rank_world()
-    print(f"rope | torch {torch.__version__} | CPU, one thread | steps {args.steps}, first {args.warmup} "
-          f"dropped, medians", flush=True)
+    print(
+        f"rope | torch {torch.__version__} | CPU, one thread | steps {args.steps}, first {args.warmup} "
+        f"dropped, medians",
+        flush=True,
+    )
     if "rotation" in args.only:
         section_rotation(args)
     if "model" in args.only:

@@ -50,11 +50,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.simdevice import SavedTensorMeter, SimChunk, SimStage  # noqa: E402
+from megatron_ext.testing import run_ranks  # noqa: E402
 from megatron_ext.training.timeline import PipelineTimeline  # noqa: E402
 from tools.timeline_analysis import (  # noqa: E402
-    get_bubble_theory, get_in_flight_bound, get_p2p_waits, read_timeline, simulate_schedule,
+    get_bubble_theory,
+    get_in_flight_bound,
+    get_p2p_waits,
+    read_timeline,
+    simulate_schedule,
 )
-from megatron_ext.testing import run_ranks  # noqa: E402
 
 P, M, V = 4, 8, 2
 NUM_LAYERS = 8
@@ -86,10 +90,16 @@ def build_megatron_variant(rank: int, vp: int | None, seconds_per_token: float) 
 
     interleaved = vp is not None
     config = TransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=1,
-        pipeline_model_parallel_size=P, virtual_pipeline_model_parallel_size=vp,
-        microbatch_group_size_per_vp_stage=P, pipeline_dtype=torch.float32,
-        deallocate_pipeline_outputs=False, overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=P,
+        virtual_pipeline_model_parallel_size=vp,
+        microbatch_group_size_per_vp_stage=P,
+        pipeline_dtype=torch.float32,
+        deallocate_pipeline_outputs=False,
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
     )
     num_chunks = vp or 1
     layers = NUM_LAYERS // (P * num_chunks)
@@ -106,7 +116,10 @@ def run_megatron_step(model: list[SimChunk], vp: int | None, num_microbatches: i
     get_forward_backward_func()(
         forward_step_func=_forward_step,
         data_iterator=iterators if len(model) > 1 else iterators[0],
-        model=model, num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
         forward_only=False,
     )
 
@@ -119,8 +132,10 @@ def build_torch_variant(rank: int, vp: int | None, seconds_per_token: float):
 
     num_chunks = vp or 1
     layers = NUM_LAYERS // (P * num_chunks)
-    stages = [PipelineStage(SimStage(layers, seconds_per_token), c * P + rank, P * num_chunks, torch.device("cpu"))
-              for c in range(num_chunks)]
+    stages = [
+        PipelineStage(SimStage(layers, seconds_per_token), c * P + rank, P * num_chunks, torch.device("cpu"))
+        for c in range(num_chunks)
+    ]
     loss_fn = lambda output, target: output.float().mean()  # noqa: E731  same loss as ours
     if vp is None:
         return Schedule1F1B(stages[0], n_microbatches=M, loss_fn=loss_fn)
@@ -174,10 +189,14 @@ def bench_worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(rank)
     hop = measure_hop(rank)
     spt = args.chunk_ms / 1e3 / (SEQ * MICRO_BATCH)  # one layer = one VPP chunk = chunk_ms per micro-batch
-    ours = {"ours 1F1B": (None, build_megatron_variant(rank, None, spt)),
-            "ours VPP2": (V, build_megatron_variant(rank, V, spt))}
-    tracers = {name: PipelineTimeline(os.path.join(args.trace_dir, name.split()[1]), rank, rank, P, vp)
-               for name, (vp, _) in ours.items()}
+    ours = {
+        "ours 1F1B": (None, build_megatron_variant(rank, None, spt)),
+        "ours VPP2": (V, build_megatron_variant(rank, V, spt)),
+    }
+    tracers = {
+        name: PipelineTimeline(os.path.join(args.trace_dir, name.split()[1]), rank, rank, P, vp)
+        for name, (vp, _) in ours.items()
+    }
     torch_scheds = {"torch 1F1B": build_torch_variant(rank, None, spt), "torch VPP2": build_torch_variant(rank, V, spt)}
     spans: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
     for it in range(args.warmup + args.steps):
@@ -227,18 +246,31 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     for name, v in (("1F1B", 1), ("VPP2", V)):
         ops = simulate_schedule(P, v, M, t_chunk * V / v, 2 * t_chunk * V / v, hop=hop)
         pred[name] = max(op.end for rank_ops in ops.values() for op in rank_ops)
-    waits = {name: [w for step, by_rank in read_timeline(os.path.join(args.trace_dir, name)).items()
-                    if step > args.warmup for w in get_p2p_waits(by_rank)] for name in ("1F1B", "VPP2")}
+    waits = {
+        name: [
+            w
+            for step, by_rank in read_timeline(os.path.join(args.trace_dir, name)).items()
+            if step > args.warmup
+            for w in get_p2p_waits(by_rank)
+        ]
+        for name in ("1F1B", "VPP2")
+    }
     ok = lambda cond: "PASS" if cond else "FAIL"  # noqa: E731
 
-    print(f"\nPP={P}, m={M}, {NUM_LAYERS} simulated layers, micro-batch [{SEQ}, {MICRO_BATCH}, {HIDDEN}] fp32; "
-          f"VPP chunk forward {args.chunk_ms:.0f} ms, backward {2 * args.chunk_ms:.0f} ms; "
-          f"{args.steps} steps per variant after {args.warmup} warm-up round(s), A B C D order")
-    print(f"measured P2P hop (ping-pong, one way, median): {hop * 1e3:.3f} ms;  ideal step m*3*t_stage = {ideal * 1e3:.0f} ms")
+    print(
+        f"\nPP={P}, m={M}, {NUM_LAYERS} simulated layers, micro-batch [{SEQ}, {MICRO_BATCH}, {HIDDEN}] fp32; "
+        f"VPP chunk forward {args.chunk_ms:.0f} ms, backward {2 * args.chunk_ms:.0f} ms; "
+        f"{args.steps} steps per variant after {args.warmup} warm-up round(s), A B C D order"
+    )
+    print(
+        f"measured P2P hop (ping-pong, one way, median): {hop * 1e3:.3f} ms;  ideal step m*3*t_stage = {ideal * 1e3:.0f} ms"
+    )
     for name, w in waits.items():
         w = sorted(w)
-        print(f"P2P wait seen in our {name} traces (producer end -> waiting consumer start): median "
-              f"{statistics.median(w) * 1e3:.2f} ms, p90 {w[int(0.9 * len(w))] * 1e3:.2f} ms over {len(w)} waits")
+        print(
+            f"P2P wait seen in our {name} traces (producer end -> waiting consumer start): median "
+            f"{statistics.median(w) * 1e3:.2f} ms, p90 {w[int(0.9 * len(w))] * 1e3:.2f} ms over {len(w)} waits"
+        )
     print(f"load average while running: {os.getloadavg()[0]:.1f} (2 cores)\n")
     print(f"{'variant':<12} {'median step ms':>15} {'hop-adjusted pred ms':>21} {'all steps ms':>s}")
     for name in VARIANTS:
@@ -250,20 +282,26 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     ideal_ratio = (1 + get_bubble_theory(P, M)) / (1 + get_bubble_theory(P, M, V))
     hop_ratio = pred["1F1B"] / pred["VPP2"]
     print(f"\n{'quantity':<34} {'measured':>9} {'ideal':>7} {'hop-adj':>8} {'target':>16}  result")
-    print(f"{'T(1F1B)/T(VPP2), ours':<34} {ratio:>9.3f} {ideal_ratio:>7.3f} {hop_ratio:>8.3f} "
-          f"{'>= ' + format(TARGET_VPP * hop_ratio, '.3f'):>16}  {ok(ratio >= TARGET_VPP * hop_ratio)}")
+    print(
+        f"{'T(1F1B)/T(VPP2), ours':<34} {ratio:>9.3f} {ideal_ratio:>7.3f} {hop_ratio:>8.3f} "
+        f"{'>= ' + format(TARGET_VPP * hop_ratio, '.3f'):>16}  {ok(ratio >= TARGET_VPP * hop_ratio)}"
+    )
     for name, v in (("1F1B", 1), ("VPP2", V)):
         over = T[f"ours {name}"] / ideal - 1
         theory = get_bubble_theory(P, M, v)
         p = pred[name] / ideal - 1
-        print(f"{'overhead step/ideal-1, ours ' + name:<34} {over:>9.4f} {theory:>7.4f} {p:>8.4f} "
-              f"{'<= ' + format(p + TARGET_BUBBLE, '.4f'):>16}  {ok(over <= p + TARGET_BUBBLE)}")
+        print(
+            f"{'overhead step/ideal-1, ours ' + name:<34} {over:>9.4f} {theory:>7.4f} {p:>8.4f} "
+            f"{'<= ' + format(p + TARGET_BUBBLE, '.4f'):>16}  {ok(over <= p + TARGET_BUBBLE)}"
+        )
     for name in ("1F1B", "VPP2"):
         peer = T[f"ours {name}"] / T[f"torch {name}"]
         print(f"{'T_ours/T_torch ' + name:<34} {peer:>9.3f} {'':>7} {'':>8} {'<= 1.00':>16}  {ok(peer <= TARGET_PEER)}")
     torch_over = {name: T[f"torch {name}"] / ideal - 1 for name in ("1F1B", "VPP2")}
-    print(f"(torch.distributed.pipelining overheads: 1F1B {torch_over['1F1B']:.4f}, VPP2 {torch_over['VPP2']:.4f}; "
-          f"its T(1F1B)/T(VPP2) = {T['torch 1F1B'] / T['torch VPP2']:.3f})")
+    print(
+        f"(torch.distributed.pipelining overheads: 1F1B {torch_over['1F1B']:.4f}, VPP2 {torch_over['VPP2']:.4f}; "
+        f"its T(1F1B)/T(VPP2) = {T['torch 1F1B'] / T['torch VPP2']:.3f})"
+    )
 
     mem = per_rank[0]["memory"]
     act = SEQ * MICRO_BATCH * HIDDEN * 4  # bytes one layer saves per micro-batch
@@ -272,8 +310,10 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     for m in MEMORY_MS:
         b1 = get_in_flight_bound(0, P, 1, m) * (NUM_LAYERS // P) * act
         b2 = get_in_flight_bound(0, P, V, m) * (NUM_LAYERS // (P * V)) * act
-        print(f"{m:>4} {mem[('1F1B', m)]:>10} {b1:>10} {mem[('VPP2', m)]:>10} {b2:>10} "
-              f"{mem[('VPP2', m)] / mem[('1F1B', m)]:>10.3f}")
+        print(
+            f"{m:>4} {mem[('1F1B', m)]:>10} {b1:>10} {mem[('VPP2', m)]:>10} {b2:>10} "
+            f"{mem[('VPP2', m)] / mem[('1F1B', m)]:>10.3f}"
+        )
     flat = [mem[("1F1B", m)] for m in MEMORY_MS]
     spread = max(flat) / min(flat) - 1
     worst = max(mem[("VPP2", m)] / mem[("1F1B", m)] for m in MEMORY_MS)
@@ -292,8 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8, help="measured rounds (one step of each variant per round)")
     parser.add_argument("--warmup", type=int, default=1, help="rounds dropped first")
     parser.add_argument("--chunk-ms", type=float, default=100.0, help="forward ms of one VPP chunk (keep >= 50)")
-    parser.add_argument("--trace-dir", default=None,
-                        help="write our runs' timelines here (DIR/1F1B, DIR/VPP2; default: a temporary directory)")
+    parser.add_argument(
+        "--trace-dir",
+        default=None,
+        help="write our runs' timelines here (DIR/1F1B, DIR/VPP2; default: a temporary directory)",
+    )
     args = parser.parse_args(argv)
     args.trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="pp_timeline_")
     torch.set_num_threads(1)

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
-
 
 SPIN_S = 0.0005  # time.sleep wakes ~0.1-0.3 ms late here: sleep to 0.5 ms before, then spin
 
@@ -99,8 +98,7 @@ class _WeightPath(torch.autograd.Function):
     ``SavedTensorMeter`` all that time, whether autograd or our W queue holds it)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, t_weight: float,
-                layer: "SplitSimLayer") -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, t_weight: float, layer: SplitSimLayer) -> torch.Tensor:
         # kept on the context (not save_for_backward) so that the count follows x wherever it goes
         ctx.x, ctx.held = x, SavedTensorMeter.hold(x)
         ctx.t_weight, ctx.layer = t_weight, layer
@@ -168,8 +166,15 @@ class SimChunk(torch.nn.Module):
     The first virtual stage takes its input from the batch (no embedding), the others from
     ``set_input_tensor`` (what the schedule received from the previous stage)."""
 
-    def __init__(self, config, num_layers: int, seconds_per_token: float, pre_process: bool,
-                 split: tuple[float, float] | None = None, embed: bool = False):
+    def __init__(
+        self,
+        config,
+        num_layers: int,
+        seconds_per_token: float,
+        pre_process: bool,
+        split: tuple[float, float] | None = None,
+        embed: bool = False,
+    ):
         """``split`` = (input, weight) seconds per token: SplitSimLayers (else SimLayers, backward 2x);
         ``embed``: the first stage scales its batch by a free parameter (a zero-cost embedding), so
         that its first layer's input requires grad and that layer's input path runs, as elsewhere."""
@@ -181,7 +186,8 @@ class SimChunk(torch.nn.Module):
         self.pre_process = pre_process
         self.layers = torch.nn.ModuleList(
             SplitSimLayer(seconds_per_token, *split) if split else SimLayer(seconds_per_token)
-            for _ in range(num_layers))
+            for _ in range(num_layers)
+        )
         self.embedding = torch.nn.Parameter(torch.ones(())) if embed and pre_process else None
         self.input_tensor: torch.Tensor | None = None
 
@@ -198,12 +204,14 @@ class SimChunk(torch.nn.Module):
 class SimStage(torch.nn.Module):
     """The same layers for ``torch.distributed.pipelining`` (batch-first [b, s, h])."""
 
-    def __init__(self, num_layers: int, seconds_per_token: float, split: tuple[float, float] | None = None,
-                 embed: bool = False):
+    def __init__(
+        self, num_layers: int, seconds_per_token: float, split: tuple[float, float] | None = None, embed: bool = False
+    ):
         super().__init__()
         self.layers = torch.nn.ModuleList(
             SplitSimLayer(seconds_per_token, *split) if split else SimLayer(seconds_per_token)
-            for _ in range(num_layers))
+            for _ in range(num_layers)
+        )
         self.embedding = torch.nn.Parameter(torch.ones(())) if embed else None  # SimChunk's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +226,7 @@ class _Held:
 
     __slots__ = ("meter", "tensor", "nbytes")
 
-    def __init__(self, meter: "SavedTensorMeter", tensor: torch.Tensor):
+    def __init__(self, meter: SavedTensorMeter, tensor: torch.Tensor):
         self.meter, self.tensor = meter, tensor
         self.nbytes = 0 if isinstance(tensor, torch.nn.Parameter) else tensor.numel() * tensor.element_size()
         meter.live += self.nbytes
@@ -236,7 +244,7 @@ class SavedTensorMeter:
     layer's input alive after autograd let it go: ``hold`` counts it until the W ran (torch's
     zero-bubble schedules keep the same tensor as a saved tensor of their retained graph)."""
 
-    active: "SavedTensorMeter | None" = None  # the meter tracking now (one per process)
+    active: SavedTensorMeter | None = None  # the meter tracking now (one per process)
 
     def __init__(self):
         self.live = 0
@@ -246,12 +254,12 @@ class SavedTensorMeter:
         self.live = self.peak = 0
 
     @classmethod
-    def hold(cls, tensor: torch.Tensor) -> "_Held | None":
+    def hold(cls, tensor: torch.Tensor) -> _Held | None:
         """Count ``tensor`` while the returned token lives (None when no meter tracks)."""
         return _Held(cls.active, tensor) if cls.active is not None else None
 
     @contextlib.contextmanager
-    def track(self) -> Iterator["SavedTensorMeter"]:
+    def track(self) -> Iterator[SavedTensorMeter]:
         previous, SavedTensorMeter.active = SavedTensorMeter.active, self
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(self, t), lambda held: held.tensor):

@@ -69,10 +69,10 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-from bench.common import init_single_rank_world  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from bench.common import init_single_rank_world  # noqa: E402
 
 PREFIX = "data/default/corpus_text_document"
 NUM_LAYERS = 4
@@ -102,12 +102,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def job_values(args) -> dict:
     return dict(
-        num_layers=NUM_LAYERS, hidden_size=args.hidden_size, num_attention_heads=NUM_HEADS,
-        seq_length=args.seq_length, micro_batch_size=1, global_batch_size=1, train_iters=10,
-        lr=1e-4, min_lr=1e-4, lr_decay_style="constant", seed=SEED, hidden_dropout=0.0,
-        attention_dropout=0.0, data_path=[args.data_path], tokenizer_type="NullTokenizer",
-        vocab_size=VOCAB - 1, make_vocab_size_divisible_by=128, packed_sequences=True,
-        packing_strategy="best_fit", pad_to_multiple_of=PAD_MULTIPLE,
+        num_layers=NUM_LAYERS,
+        hidden_size=args.hidden_size,
+        num_attention_heads=NUM_HEADS,
+        seq_length=args.seq_length,
+        micro_batch_size=1,
+        global_batch_size=1,
+        train_iters=10,
+        lr=1e-4,
+        min_lr=1e-4,
+        lr_decay_style="constant",
+        seed=SEED,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        data_path=[args.data_path],
+        tokenizer_type="NullTokenizer",
+        vocab_size=VOCAB - 1,
+        make_vocab_size_divisible_by=128,
+        packed_sequences=True,
+        packing_strategy="best_fit",
+        pad_to_multiple_of=PAD_MULTIPLE,
     )
 
 
@@ -128,8 +142,10 @@ def load_bins(prefix: str, seq_length: int):
 
 def bin_pieces(indexed, index, b: int) -> list[np.ndarray]:
     lo, hi = index.bin_offsets[b], index.bin_offsets[b + 1]
-    return [indexed.get(int(d), offset=int(s), length=int(n))
-            for d, s, n in zip(index.piece_doc[lo:hi], index.piece_start[lo:hi], index.piece_len[lo:hi])]
+    return [
+        indexed.get(int(d), offset=int(s), length=int(n))
+        for d, s, n in zip(index.piece_doc[lo:hi], index.piece_start[lo:hi], index.piece_len[lo:hi])
+    ]
 
 
 def make_step(pieces_per_bin: list[list[np.ndarray]], seq_length: int, rows_per_mb: int) -> dict:
@@ -151,7 +167,7 @@ def make_step(pieces_per_bin: list[list[np.ndarray]], seq_length: int, rows_per_
             s = build_packed_sample([p])
             s.pop("cu_seqlens")
             rows.append(s)
-    b = [collate_padded(rows[i:i + rows_per_mb], seq_length, 0) for i in range(0, len(rows), rows_per_mb)]
+    b = [collate_padded(rows[i : i + rows_per_mb], seq_length, 0) for i in range(0, len(rows), rows_per_mb)]
     useful = sum(len(p) for pieces in pieces_per_bin for p in pieces)
 
     def docs_sq(mb) -> int:
@@ -160,8 +176,8 @@ def make_step(pieces_per_bin: list[list[np.ndarray]], seq_length: int, rows_per_
 
     shapes = {
         "a": (sum(m.num_slots for m in a), sum(docs_sq(m) for m in a)),
-        "b": (len(rows) * seq_length, len(rows) * seq_length ** 2),
-        "c": (len(c) * seq_length, len(c) * seq_length ** 2),
+        "b": (len(rows) * seq_length, len(rows) * seq_length**2),
+        "c": (len(c) * seq_length, len(c) * seq_length**2),
     }
     return {"a": a, "b": b, "c": c, "useful": useful, "shapes": shapes, "rows": len(rows)}
 
@@ -236,7 +252,9 @@ def forward_backward(model, mbs: list, packed: bool, dense_mask: bool = False, b
         mask = mask if dense_mask else None
         labels = mb.labels
         per_token = model(
-            input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=mask,
+            input_ids=mb.tokens,
+            position_ids=mb.position_ids,
+            attention_mask=mask,
             labels=labels.clamp(min=0),
             packed_seq_params=get_packed_seq_params(mb, model) if packed else None,
         )
@@ -330,9 +348,12 @@ def probe_alternatives() -> list[str]:
         flex_attention(q, k, v, block_mask=bm).sum().backward()
         out.append("flex_attention (document mask): forward+backward OK on CPU -> worth a variant")
     except Exception as exc:  # noqa: BLE001
-        out.append(f"flex_attention (document mask): unusable for training here: {type(exc).__name__}: {str(exc)[:110]}")
+        out.append(
+            f"flex_attention (document mask): unusable for training here: {type(exc).__name__}: {str(exc)[:110]}"
+        )
     logging.getLogger("torch.nested").setLevel(logging.ERROR)
     try:
+
         def njt(x):
             return torch.nested.nested_tensor_from_jagged(x[0].transpose(0, 1), offsets=cu).transpose(1, 2)
 
@@ -382,24 +403,32 @@ def main(argv=None) -> int:
     small = int(np.flatnonzero(counts == 3)[0]) if np.any(counts == 3) else int(np.argmin(counts))
     check = make_step([bin_pieces(indexed, index, small)], s, args.rows_per_microbatch)
 
-    print(f"varlen | hidden {h}, {NUM_LAYERS} layers, {NUM_HEADS} heads, seq {s}, vocab {VOCAB}, fp32, "
-          f"{torch.get_num_threads()} thread | core attention: {core[0]} | TP=PP=1 (1-rank gloo)")
-    print(f"corpus {args.data_path}: {len(lengths)} documents, median {np.median(lengths):.0f}, "
-          f"mean {lengths.mean():.0f}, p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()} tokens "
-          f"({int((lengths > s).sum())} longer than {s}, split) | best_fit: {index.num_bins} bins, "
-          f"efficiency {index.efficiency(s):.4f}, pieces/bin mean {counts.mean():.2f} "
-          f"(median {np.median(counts):.0f}, p90 {np.percentile(counts, 90):.0f}, max {counts.max()})")
-    print(f"step = {args.bins} bins stratified by pieces/bin: {counts[chosen].tolist()} pieces "
-          f"(mean {counts[chosen].mean():.2f}), {step['useful']} useful tokens, {step['rows']} (b) rows; "
-          f"{args.steps} rounds, first {args.warmup} dropped; (b) timed on {args.b_timed_microbatches} "
-          f"micro-batch(es) of {args.rows_per_microbatch} x {s} per round, scaled to {step['rows']} rows")
+    print(
+        f"varlen | hidden {h}, {NUM_LAYERS} layers, {NUM_HEADS} heads, seq {s}, vocab {VOCAB}, fp32, "
+        f"{torch.get_num_threads()} thread | core attention: {core[0]} | TP=PP=1 (1-rank gloo)"
+    )
+    print(
+        f"corpus {args.data_path}: {len(lengths)} documents, median {np.median(lengths):.0f}, "
+        f"mean {lengths.mean():.0f}, p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()} tokens "
+        f"({int((lengths > s).sum())} longer than {s}, split) | best_fit: {index.num_bins} bins, "
+        f"efficiency {index.efficiency(s):.4f}, pieces/bin mean {counts.mean():.2f} "
+        f"(median {np.median(counts):.0f}, p90 {np.percentile(counts, 90):.0f}, max {counts.max()})"
+    )
+    print(
+        f"step = {args.bins} bins stratified by pieces/bin: {counts[chosen].tolist()} pieces "
+        f"(mean {counts[chosen].mean():.2f}), {step['useful']} useful tokens, {step['rows']} (b) rows; "
+        f"{args.steps} rounds, first {args.warmup} dropped; (b) timed on {args.b_timed_microbatches} "
+        f"micro-batch(es) of {args.rows_per_microbatch} x {s} per round, scaled to {step['rows']} rows"
+    )
     for line in probe_alternatives():
         print("probe: " + line)
     same = check_same_work(model, check)
     rel = max(abs(v - same["a"]) / abs(same["a"]) for v in same.values())
-    print(f"same-work check (bin of {counts[small]} pieces, forward, all variants in full): loss sums "
-          + "  ".join(f"{k} {v:.4f}" for k, v in same.items())
-          + f"  max rel diff {rel:.1e} -> {'same work' if rel < 1e-4 else 'CHECK: variants differ'}")
+    print(
+        f"same-work check (bin of {counts[small]} pieces, forward, all variants in full): loss sums "
+        + "  ".join(f"{k} {v:.4f}" for k, v in same.items())
+        + f"  max rel diff {rel:.1e} -> {'same work' if rel < 1e-4 else 'CHECK: variants differ'}"
+    )
 
     variants = make_variants(model, args.rows_per_microbatch, args.b_timed_microbatches)
     med = median_step_times(model, variants, step, args.steps, args.warmup)
@@ -439,22 +468,30 @@ def print_results(step: dict, med: dict[str, float], h: int) -> None:
     for k in med:
         print(f"{labels[k]:<74s} median {med[k]:7.3f} s/step  {tps[k]:7.0f} useful tokens/CPU-s")
     sh = step["shapes"]
-    print(f"per step: useful tokens {step['useful']}; slots a {sh['a'][0]} b {sh['b'][0]} c {sh['c'][0]}; "
-          f"sum n^2 a {sh['a'][1]:.3g} b {sh['b'][1]:.3g} c {sh['c'][1]:.3g}")
+    print(
+        f"per step: useful tokens {step['useful']}; slots a {sh['a'][0]} b {sh['b'][0]} c {sh['c'][0]}; "
+        f"sum n^2 a {sh['a'][1]:.3g} b {sh['b'][1]:.3g} c {sh['c'][1]:.3g}"
+    )
     fa = step_flops(*sh["a"], h, NUM_LAYERS, VOCAB)
     for other, key in (("b", "b"), (c_name, "c")):
         r = tps["a"] / tps[other]
         bd = step_flops(*sh[key], h, NUM_LAYERS, VOCAB) / fa
         passed = r >= TARGET * bd
-        print(f"ratio (a)/({other}) = {r:6.2f}   FLOP bound {bd:6.2f}   target >= {TARGET} x bound = "
-              f"{TARGET * bd:5.2f}  ({r / bd:.2f} of bound)  -> {'PASS' if passed else 'MISS'}")
-    print(f"dense-mask baseline (c) = ({c_name}), the faster of c1/c2; (a)/(c1) = {tps['a'] / tps['c1']:.2f}, "
-          f"(a)/(c2) = {tps['a'] / tps['c2']:.2f}")
+        print(
+            f"ratio (a)/({other}) = {r:6.2f}   FLOP bound {bd:6.2f}   target >= {TARGET} x bound = "
+            f"{TARGET * bd:5.2f}  ({r / bd:.2f} of bound)  -> {'PASS' if passed else 'MISS'}"
+        )
+    print(
+        f"dense-mask baseline (c) = ({c_name}), the faster of c1/c2; (a)/(c1) = {tps['a'] / tps['c1']:.2f}, "
+        f"(a)/(c2) = {tps['a'] / tps['c2']:.2f}"
+    )
     for other, key in (("b", "b"), (c_name, "c")):
         r = tps["a'"] / tps[other]
         bd = step_flops(*sh[key], h, NUM_LAYERS, VOCAB) / fa
-        print(f"previous kernel: ratio (a')/({other}) = {r:6.2f}   FLOP bound {bd:6.2f}   ({r / bd:.2f} of bound)  -> "
-              f"{'PASS' if r >= TARGET * bd else 'MISS'}")
+        print(
+            f"previous kernel: ratio (a')/({other}) = {r:6.2f}   FLOP bound {bd:6.2f}   ({r / bd:.2f} of bound)  -> "
+            f"{'PASS' if r >= TARGET * bd else 'MISS'}"
+        )
     fix = tps["a"] / tps["a'"]
     print(f"(a)/(a') = {fix:.2f}  (speed-up of the 4-D views on the whole fwd+bwd)")
 

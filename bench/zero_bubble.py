@@ -39,14 +39,19 @@ import torch
 import torch.distributed as dist
 
 from bench.simdevice import SavedTensorMeter, SimChunk, SimStage
-from megatron_ext.pipeline.actions import B, BW, F, W, Action, PipelineOrder
+from megatron_ext.pipeline.actions import BW, Action, B, F, PipelineOrder, W
 from megatron_ext.pipeline.schedules import get_order
 from megatron_ext.pipeline.simulate import StageCosts, simulate_order
 
 P, SEQ, MICRO_BATCH, HIDDEN = 4, 64, 1, 128
 OURS = ("1F1B", "Interleaved1F1B", "ZBH1", "InterleavedZeroBubble", "ZBVZeroBubble")
-TORCH = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-         "ScheduleDualPipeV")
+TORCH = (
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+)
 ZB_OURS = ("ZBH1", "InterleavedZeroBubble", "ZBVZeroBubble")
 CHUNKS = {"1F1B": 1, "ZBH1": 1, "Schedule1F1B": 1}  # every other variant: 2 chunks per rank
 V_SHAPED = ("ZBVZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -98,14 +103,23 @@ def build_ours(rank: int, name: str, cfg: Config, layer_s: float):
 
     v = CHUNKS.get(name, 2)
     config = TransformerConfig(
-        num_layers=cfg.layers, hidden_size=HIDDEN, num_attention_heads=1, pipeline_model_parallel_size=P,
-        virtual_pipeline_model_parallel_size=v if v > 1 else None, microbatch_group_size_per_vp_stage=P,
-        pipeline_dtype=torch.float32, deallocate_pipeline_outputs=False,
-        overlap_p2p_comm=name == "Interleaved1F1B", batch_p2p_comm=name == "1F1B")  # as model/gpt.py sets them
+        num_layers=cfg.layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=P,
+        virtual_pipeline_model_parallel_size=v if v > 1 else None,
+        microbatch_group_size_per_vp_stage=P,
+        pipeline_dtype=torch.float32,
+        deallocate_pipeline_outputs=False,
+        overlap_p2p_comm=name == "Interleaved1F1B",
+        batch_p2p_comm=name == "1F1B",
+    )  # as model/gpt.py sets them
     rate = layer_s / (SEQ * MICRO_BATCH)
     layers = cfg.layers // (P * v)
-    model = [SimChunk(config, layers, rate, pre_process=stage == 0, split=(rate, rate * cfg.wgrad), embed=True)
-             for stage in get_stages(rank, name)]
+    model = [
+        SimChunk(config, layers, rate, pre_process=stage == 0, split=(rate, rate * cfg.wgrad), embed=True)
+        for stage in get_stages(rank, name)
+    ]
     runtime = None
     if name in ZB_OURS:
         queue = WeightGradQueue()
@@ -117,8 +131,14 @@ def build_ours(rank: int, name: str, cfg: Config, layer_s: float):
     def step() -> None:
         batches = [torch.randn(SEQ, MICRO_BATCH, HIDDEN) for _ in range(cfg.microbatches)]  # [s, b, h]
         iterators = [iter(batches) for _ in model]
-        kwargs = dict(forward_step_func=_forward_step, model=model, num_microbatches=cfg.microbatches,
-                      seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False)
+        kwargs = dict(
+            forward_step_func=_forward_step,
+            model=model,
+            num_microbatches=cfg.microbatches,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=False,
+        )
         if runtime is not None:
             runtime.run(data_iterator=iterators, **kwargs)
         else:
@@ -140,8 +160,12 @@ def build_torch(rank: int, name: str, cfg: Config, layer_s: float):
     rate = layer_s / (SEQ * MICRO_BATCH)
     layers = cfg.layers // (P * v)
     stage_ids = get_stages(rank, name)
-    stages = [PipelineStage(SimStage(layers, rate, split=(rate, rate * cfg.wgrad), embed=s == 0), s, P * v,
-                            torch.device("cpu")) for s in stage_ids]
+    stages = [
+        PipelineStage(
+            SimStage(layers, rate, split=(rate, rate * cfg.wgrad), embed=s == 0), s, P * v, torch.device("cpu")
+        )
+        for s in stage_ids
+    ]
     loss_fn = lambda output, target: output.float().mean()  # noqa: E731  the same loss as ours
     cls = getattr(pipelining.schedules, name)
     schedule = cls(stages[0] if v == 1 else stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
@@ -168,8 +192,13 @@ def get_torch_order(schedule, name: str, m: int) -> PipelineOrder:
     kinds = {"F": F, "I": B, "W": W, "B": BW}
     ranks = []
     for r in range(P):
-        subs = [sub for a in raw[r] if a is not None for sub in (a.sub_actions or (a,))
-                if sub.computation_type.value in kinds]  # not REDUCE_GRAD and the like
+        subs = [
+            sub
+            for a in raw[r]
+            if a is not None
+            for sub in (a.sub_actions or (a,))
+            if sub.computation_type.value in kinds
+        ]  # not REDUCE_GRAD and the like
         ranks.append(tuple(Action(kinds[a.computation_type.value], a.stage_index, a.microbatch_index) for a in subs))
     return PipelineOrder(name, P, v, m, "v" if name in V_SHAPED else "loop", tuple(ranks))
 
@@ -202,8 +231,11 @@ def measure_config(rank: int, cfg: Config, args: argparse.Namespace) -> dict:
     if rank == 0:
         for label, (_, obj) in variants.items():
             name = label.split()[1]
-            orders[label] = (get_torch_order(obj, name, cfg.microbatches) if label.startswith("torch")
-                             else get_order(name, P, CHUNKS.get(name, 2), cfg.microbatches))
+            orders[label] = (
+                get_torch_order(obj, name, cfg.microbatches)
+                if label.startswith("torch")
+                else get_order(name, P, CHUNKS.get(name, 2), cfg.microbatches)
+            )
     memory = {label: _peak_bytes(rank, label, cfg) for label in variants}
     return {"spans": spans, "orders": orders, "memory": memory}
 
@@ -250,22 +282,32 @@ def summarize_config(per_rank: list[dict], cfg: Config, layer_s: float) -> dict:
     out = {}
     for label, order in per_rank[0]["configs"][cfg]["orders"].items():
         t_chunk = cfg.layers // order.num_stages * layer_s
-        costs = StageCosts.uniform(order.num_stages, t_chunk, t_chunk, cfg.wgrad * t_chunk,
-                                   first_stage_backward_in_w=True)
+        costs = StageCosts.uniform(
+            order.num_stages, t_chunk, t_chunk, cfg.wgrad * t_chunk, first_stage_backward_in_w=True
+        )
         model = simulate_order(order, costs).makespan / ideal - 1
         step = statistics.median(_step_times(per_rank, cfg, label))
-        out[label] = dict(step=step, overhead=step / ideal - 1, model=model, excess=step / ideal - 1 - model,
-                          memory=per_rank[0]["configs"][cfg]["memory"][label])
+        out[label] = dict(
+            step=step,
+            overhead=step / ideal - 1,
+            model=model,
+            excess=step / ideal - 1 - model,
+            memory=per_rank[0]["configs"][cfg]["memory"][label],
+        )
     return out
 
 
 def print_config(cfg: Config, rows: dict, layer_ms: float) -> None:
-    print(f"\n{cfg} (t = {layer_ms:g} ms per layer forward), ideal step "
-          f"{cfg.microbatches * (cfg.layers / P) * (2 + cfg.wgrad) * layer_ms:.0f} ms")
+    print(
+        f"\n{cfg} (t = {layer_ms:g} ms per layer forward), ideal step "
+        f"{cfg.microbatches * (cfg.layers / P) * (2 + cfg.wgrad) * layer_ms:.0f} ms"
+    )
     print(f"{'variant':<38} {'step ms':>9} {'overhead':>9} {'hop-0 model':>12} {'excess':>8} {'rank-0 act. B':>14}")
     for label, r in rows.items():
-        print(f"{label:<38} {r['step'] * 1e3:>9.1f} {r['overhead']:>9.4f} {r['model']:>12.4f} {r['excess']:>8.4f} "
-              f"{r['memory']:>14,}")
+        print(
+            f"{label:<38} {r['step'] * 1e3:>9.1f} {r['overhead']:>9.4f} {r['model']:>12.4f} {r['excess']:>8.4f} "
+            f"{r['memory']:>14,}"
+        )
 
 
 def check_targets(results: dict[Config, dict]) -> list[tuple[str, str, str, bool]]:
@@ -277,27 +319,56 @@ def check_targets(results: dict[Config, dict]) -> list[tuple[str, str, str, bool
         best = min(zb, key=lambda n: zb[n]["step"])
         best_model = min(r["model"] for r in zb.values())
         torch_zbv = rows["torch ScheduleZBVZeroBubble"]
-        out.append((f"{cfg}: best ZB hop-0 bubble (ours) vs torch ZBV's",
-                    f"{best_model:.4f} vs {torch_zbv['model']:.4f}", "<=", ok(best_model <= torch_zbv["model"] + 1e-9)))
+        out.append(
+            (
+                f"{cfg}: best ZB hop-0 bubble (ours) vs torch ZBV's",
+                f"{best_model:.4f} vs {torch_zbv['model']:.4f}",
+                "<=",
+                ok(best_model <= torch_zbv["model"] + 1e-9),
+            )
+        )
         ratio = zb[best]["step"] / torch_zbv["step"]
         ratios.append(ratio)
         mem_ok = zb[best]["memory"] <= rows["ours 1F1B"]["memory"]
-        out.append((f"{cfg}: T(ours {best}) / T(torch ZBV), rank-0 act. vs ours 1F1B",
-                    f"{ratio:.3f}, {zb[best]['memory']:,} vs {rows['ours 1F1B']['memory']:,} B",
-                    f"<= {TARGET_SPEED_EACH}, <=", ok(ratio <= TARGET_SPEED_EACH and mem_ok)))
+        out.append(
+            (
+                f"{cfg}: T(ours {best}) / T(torch ZBV), rank-0 act. vs ours 1F1B",
+                f"{ratio:.3f}, {zb[best]['memory']:,} vs {rows['ours 1F1B']['memory']:,} B",
+                f"<= {TARGET_SPEED_EACH}, <=",
+                ok(ratio <= TARGET_SPEED_EACH and mem_ok),
+            )
+        )
         bound = rows["ours 1F1B"]["excess"] + TARGET_EXCESS
         for name, r in zb.items():
-            out.append((f"{cfg}: runtime excess of ours {name}", f"{r['excess']:.4f}", f"<= {bound:.4f}",
-                        ok(r["excess"] <= bound)))
+            out.append(
+                (
+                    f"{cfg}: runtime excess of ours {name}",
+                    f"{r['excess']:.4f}",
+                    f"<= {bound:.4f}",
+                    ok(r["excess"] <= bound),
+                )
+            )
         if cfg.microbatches == 8 and cfg.wgrad in ZBH1_MODEL:
             measured = rows["ours ZBH1"]["step"] / rows["ours 1F1B"]["step"]
             target = ZBH1_MODEL[cfg.wgrad]
             equal_mem = rows["ours ZBH1"]["memory"] == rows["ours 1F1B"]["memory"]
-            out.append((f"{cfg}: T(ZBH1) / T(ours 1F1B), rank-0 act. equal", f"{measured:.3f}, {equal_mem}",
-                        f"{target} +- {TARGET_ZBH1}", ok(abs(measured - target) <= TARGET_ZBH1 and equal_mem)))
+            out.append(
+                (
+                    f"{cfg}: T(ZBH1) / T(ours 1F1B), rank-0 act. equal",
+                    f"{measured:.3f}, {equal_mem}",
+                    f"{target} +- {TARGET_ZBH1}",
+                    ok(abs(measured - target) <= TARGET_ZBH1 and equal_mem),
+                )
+            )
     median = statistics.median(ratios)
-    out.append(("median over the configurations of T(our best ZB) / T(torch ZBV)", f"{median:.3f}",
-                f"<= {TARGET_SPEED_MEDIAN}", ok(median <= TARGET_SPEED_MEDIAN)))
+    out.append(
+        (
+            "median over the configurations of T(our best ZB) / T(torch ZBV)",
+            f"{median:.3f}",
+            f"<= {TARGET_SPEED_MEDIAN}",
+            ok(median <= TARGET_SPEED_MEDIAN),
+        )
+    )
     return out
 
 
@@ -321,11 +392,15 @@ def main(argv: list[str] | None = None) -> None:
     per_rank = run_ranks(bench_worker, P, args, configs, timeout=600 * len(configs))
     load_after = os.getloadavg()
     hop = statistics.median(r["hop"] for r in per_rank)
-    print(f"PP={P}, micro-batch [{SEQ}, {MICRO_BATCH}, {HIDDEN}] fp32, t = {args.layer_ms:g} ms per layer forward, "
-          f"B = t, W = t_W; {args.rounds} rounds after {args.warmup} warm-up, variants alternated")
-    print(f"measured P2P hop (ping-pong, one way, median): {hop * 1e3:.3f} ms; load average (1, 5, 15 min) "
-          f"before {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}, after {load_after[0]:.1f} "
-          f"{load_after[1]:.1f} {load_after[2]:.1f} (2 cores)")
+    print(
+        f"PP={P}, micro-batch [{SEQ}, {MICRO_BATCH}, {HIDDEN}] fp32, t = {args.layer_ms:g} ms per layer forward, "
+        f"B = t, W = t_W; {args.rounds} rounds after {args.warmup} warm-up, variants alternated"
+    )
+    print(
+        f"measured P2P hop (ping-pong, one way, median): {hop * 1e3:.3f} ms; load average (1, 5, 15 min) "
+        f"before {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}, after {load_after[0]:.1f} "
+        f"{load_after[1]:.1f} {load_after[2]:.1f} (2 cores)"
+    )
     results = {}
     for cfg in configs:
         results[cfg] = summarize_config(per_rank, cfg, args.layer_ms / 1e3)

@@ -19,14 +19,25 @@ import re
 import tomllib
 import types
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron_ext.config import (
-    REMOVED_SETTINGS, SECTION_TYPES, ConfigError, DataConfig, JobConfig, TrainingConfig, build_job_config,
+    REMOVED_SETTINGS,
+    SECTION_TYPES,
+    ConfigError,
+    DataConfig,
+    JobConfig,
+    TrainingConfig,
+    build_job_config,
 )
 from megatron_ext.derived import precision_name
 from megatron_ext.megatron_flags import (
-    MEGATRON_FLAG_NAMES, add_megatron_flags, escape_help, judge_megatron_flags, pop_megatron_flags,
+    MEGATRON_FLAG_NAMES,
+    add_megatron_flags,
+    escape_help,
+    judge_megatron_flags,
+    pop_megatron_flags,
 )
 
 
@@ -82,8 +93,9 @@ def _add_flag(group: Any, f: dataclasses.Field, annotation: Any) -> None:
         # Default of None means "not given" so that a config file value survives.
         group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
         if f.metadata.get("negative_flag"):
-            group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", default=None,
-                               help=f"Turn {flag} off.")
+            group.add_argument(
+                "--no-" + flag[2:], dest=f.name, action="store_false", default=None, help=f"Turn {flag} off."
+            )
         return
     kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
     if kind is list:
@@ -117,7 +129,7 @@ def _read_config_file(path: str) -> Any:
 
 
 def _quote_toml_line(raw: bytes, err: Exception) -> str:
-    """": `a = 2`", the line tomllib's message points at (its message names no key: "Cannot
+    """ ": `a = 2`", the line tomllib's message points at (its message names no key: "Cannot
     overwrite a value (at line 2, column 6)"), or nothing."""
     match = re.search(r"at line (\d+)", str(err))
     lines = raw.decode(errors="replace").splitlines()
@@ -140,8 +152,9 @@ def _build_unique_key_yaml_loader() -> type:
                 key = self.construct_object(key_node, deep=deep)
                 line = key_node.start_mark.line + 1
                 if key in seen:
-                    raise DuplicateKeyError(f"key '{key}' is given twice (lines {seen[key]} and {line}): give each "
-                                            f"setting once")
+                    raise DuplicateKeyError(
+                        f"key '{key}' is given twice (lines {seen[key]} and {line}): give each setting once"
+                    )
                 seen[key] = line
             return super().construct_mapping(node, deep)
 
@@ -207,12 +220,14 @@ def flatten_config_sections(data: dict[str, Any], path: str) -> tuple[dict[str, 
     problems = []
     for key, value in data.items():
         section = str(key) if isinstance(value, dict) else None
-        for k, v in (value.items() if section is not None else [(key, value)]):
+        for k, v in value.items() if section is not None else [(key, value)]:
             name = str(k).replace("-", "_")
             where = f"'{k}' in section '{section}'" if section is not None else f"'{k}'"
             if name in given_as:
-                problems.append(f"--config {path}: key '{name.replace('_', '-')}' is given twice ({given_as[name]} "
-                                f"and {where}): give each setting once")
+                problems.append(
+                    f"--config {path}: key '{name.replace('_', '-')}' is given twice ({given_as[name]} "
+                    f"and {where}): give each setting once"
+                )
             flat[name], given_as[name] = v, where
     return flat, problems
 
@@ -242,7 +257,9 @@ def load_config_file(path: str) -> dict[str, Any]:
             hint = ""
             if expected == "a number" and isinstance(flat[key], str) and _looks_like_exponent(flat[key]):
                 hint = f" (YAML reads {flat[key]} as a string: write it with a dot, e.g. {_with_dot(flat[key])})"
-            problems.append(f"--config {path}: key '{key.replace('_', '-')}' = {flat[key]!r} should be {expected}{hint}")
+            problems.append(
+                f"--config {path}: key '{key.replace('_', '-')}' = {flat[key]!r} should be {expected}{hint}"
+            )
     if problems:
         raise ConfigError(problems)
     return flat
@@ -279,32 +296,50 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
     p, t = cfg.parallel, cfg.training
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         p.sequence_parallel = False  # Megatron-LM: sequence parallelism is off without TP
-        notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
-                     "and --tensor-model-parallel-size is 1 (Megatron-LM turns it off too)")
+        notes.append(
+            "--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
+            "and --tensor-model-parallel-size is 1 (Megatron-LM turns it off too)"
+        )
     m = cfg.model
     if m.num_query_groups is not None and not m.group_query_attention:
-        notes.append(f"--num-query-groups {m.num_query_groups}: ignored without --group-query-attention, every "
-                     f"attention head keeps its own key/value head (as in Megatron-LM); add --group-query-attention "
-                     f"for grouped-query attention")
+        notes.append(
+            f"--num-query-groups {m.num_query_groups}: ignored without --group-query-attention, every "
+            f"attention head keeps its own key/value head (as in Megatron-LM); add --group-query-attention "
+            f"for grouped-query attention"
+        )
     if t.eval_interval and t.eval_iters == 0:
         t.eval_interval = 0  # Megatron-LM: no validation without validation batches
         notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
     c = cfg.checkpoint
-    for flag, value in (("--exit-signal-handler", c.exit_signal_handler), ("--exit-interval", c.exit_interval),
-                        ("--exit-duration-in-mins", c.exit_duration_in_mins)):
+    for flag, value in (
+        ("--exit-signal-handler", c.exit_signal_handler),
+        ("--exit-interval", c.exit_interval),
+        ("--exit-duration-in-mins", c.exit_duration_in_mins),
+    ):
         if value and not c.save:  # Megatron-LM: exits, and saves only with --save
             notes.append(f"{flag} without --save: the run stops there without saving a checkpoint")
     d = cfg.data
-    per_split = [flag for flag, given in (("--train-data-path", d.train_data_path),
-                                          ("--per-split-data-args-path", d.per_split_data_args_path)) if given]
+    per_split = [
+        flag
+        for flag, given in (
+            ("--train-data-path", d.train_data_path),
+            ("--per-split-data-args-path", d.per_split_data_args_path),
+        )
+        if given
+    ]
     if per_split and d.split != DataConfig.__dataclass_fields__["split"].default:
-        notes.append(f"--split {d.split}: ignored, {per_split[0]} gives each split its own data "
-                     f"(read whole; Megatron-LM ignores --split there too)")
+        notes.append(
+            f"--split {d.split}: ignored, {per_split[0]} gives each split its own data "
+            f"(read whole; Megatron-LM ignores --split there too)"
+        )
     if not t.fp16:
-        given = [f"--{name.replace('_', '-')}" for name in
-                 ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
-                 if getattr(t, name) != TrainingConfig.__dataclass_fields__[name].default]
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+            if getattr(t, name) != TrainingConfig.__dataclass_fields__[name].default
+        ]
         if given:
-            notes.append(f"{', '.join(given)}: loss scaling is for --fp16 only; ignored in "
-                         f"{precision_name(t.bf16, t.fp16)}")
+            notes.append(
+                f"{', '.join(given)}: loss scaling is for --fp16 only; ignored in {precision_name(t.bf16, t.fp16)}"
+            )
     return notes

@@ -40,10 +40,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "(total_num_tokens), P2P buffers, optimizer buffers, grad-norm buffers and DDP buffers, and "
         "accepts only 'torch.cuda.*Tensor' parameters",
         "megatron_ext.cpu_platform:CudaToCpuMode",
-        ("megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
-         "megatron.core.pipeline_parallel.p2p_communication",
-         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
-         "megatron.core.optimizer.clip_grads.get_grad_norm_fp32"),
+        (
+            "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
+            "megatron.core.pipeline_parallel.p2p_communication",
+            "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params",
+            "megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
+        ),
     ),
     Workaround(
         "torch-cuda-stand-ins",
@@ -57,10 +59,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "megatron-core's model-parallel RNG tracker keeps CUDA generator states (forked in every "
         "core attention call, even with dropout 0)",
         "megatron_ext.cpu_platform:build_cpu_rng_tracker_class",
-        ("megatron.core.tensor_parallel.random._get_cuda_rng_state",
-         "megatron.core.tensor_parallel.random._set_cuda_rng_state",
-         "megatron.core.tensor_parallel.random.CudaRNGStatesTracker",
-         "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER"),
+        (
+            "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+            "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+            "megatron.core.tensor_parallel.random.CudaRNGStatesTracker",
+            "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER",
+        ),
     ),
     Workaround(
         "in-process-checkpoint-writer",
@@ -68,9 +72,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "spawn-context multiprocessing.Manager and forks writers even for a synchronous save: it "
         "hung on CPU/gloo",
         "megatron_ext.checkpoint.writer:InProcessFileSystemWriter",
-        ("megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
-         "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync",
-         "torch.distributed.checkpoint.filesystem._write_item"),
+        (
+            "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
+            "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync",
+            "torch.distributed.checkpoint.filesystem._write_item",
+        ),
     ),
     Workaround(
         "checkpoint-reader-hook",
@@ -83,10 +89,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "was removed: 2.4-3.0x megatron-core's from the page cache, 0.6-0.9x from disk; bench/checkpoint.py "
         "--readers)",
         "megatron_ext.checkpoint.reader:_verifying_reader",
-        ("megatron.core.dist_checkpointing.strategies.torch._get_filesystem_reader",
-         "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader.CachedMetadataFileSystemReader",
-         "torch.distributed.checkpoint.FileSystemReader.read_data",
-         "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes"),
+        (
+            "megatron.core.dist_checkpointing.strategies.torch._get_filesystem_reader",
+            "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader.CachedMetadataFileSystemReader",
+            "torch.distributed.checkpoint.FileSystemReader.read_data",
+            "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes",
+        ),
     ),
     Workaround(
         "distrib-optimizer-bucket-padding",
@@ -114,8 +122,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "the non-distributed optimizers (mixed precision and fp32) save their common Adam step only 'if step:', "
         "so a save before the first optimizer step (step 0) loses it and the load fails with KeyError 'step'",
         "megatron_ext.checkpoint.optimizer_state:restore_step_zero",
-        ("megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.sharded_state_dict",
-         "megatron.core.optimizer.optimizer.FP32Optimizer.sharded_state_dict"),
+        (
+            "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.sharded_state_dict",
+            "megatron.core.optimizer.optimizer.FP32Optimizer.sharded_state_dict",
+        ),
     ),
     Workaround(
         "incomplete-optimizer-state-warning",
@@ -135,15 +145,17 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "found-inf read are left out (a non-finite gradient is a non-finite norm). --fp16's dynamic "
         "scaler keeps megatron-core's step",
         "megatron_ext.training.optimizer:step_optimizer_fetching",
-        ("megatron.core.optimizer.optimizer.ChainedOptimizer.step",
-         "megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads",
-         "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.prepare_grads",
-         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads",
-         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._copy_model_grads_to_main_grads",
-         "megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
-         "megatron.core.optimizer.clip_grads.l2_norm_impl",
-         "megatron.core.optimizer.clip_grads.multi_tensor_applier",
-         "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32"),
+        (
+            "megatron.core.optimizer.optimizer.ChainedOptimizer.step",
+            "megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads",
+            "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.prepare_grads",
+            "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads",
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._copy_model_grads_to_main_grads",
+            "megatron.core.optimizer.clip_grads.get_grad_norm_fp32",
+            "megatron.core.optimizer.clip_grads.l2_norm_impl",
+            "megatron.core.optimizer.clip_grads.multi_tensor_applier",
+            "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+        ),
     ),
     Workaround(
         "token-count-scaling-on-device",
@@ -152,8 +164,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "function without the count, then its broadcast and DP all-reduce of the count and the scaling by "
         "1 / max(count, 1) on the device (with no valid token every gradient is zero: the same step)",
         "megatron_ext.training.finalize:finalize_model_grads",
-        ("megatron.core.distributed.finalize_model_grads.finalize_model_grads",
-         "megatron.core.distributed.finalize_model_grads.get_pp_last_rank"),
+        (
+            "megatron.core.distributed.finalize_model_grads.finalize_model_grads",
+            "megatron.core.distributed.finalize_model_grads.get_pp_last_rank",
+        ),
     ),
     Workaround(
         "compilable-linear",
@@ -166,11 +180,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "traces; under sequence parallelism the row-parallel linear's reduce-scatter too: megatron-core's "
         "goes through _reduce_scatter_base, 8 breaks per layer at TP 2): zero breaks at TP 1 and TP 2",
         "megatron_ext.model.compile:_compilable_forward_impl",
-        ("megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
-         "megatron.core.tensor_parallel.mappings.reduce_scatter_to_sequence_parallel_region",
-         "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
-         "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication",
-         "megatron.core.utils.get_tensor_model_parallel_group_if_none"),
+        (
+            "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
+            "megatron.core.tensor_parallel.mappings.reduce_scatter_to_sequence_parallel_region",
+            "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
+            "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication",
+            "megatron.core.utils.get_tensor_model_parallel_group_if_none",
+        ),
     ),
     Workaround(
         "foreach-main-to-model-copy",
@@ -180,9 +196,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "and FP8 cases keep upstream's method); Float16OptimizerWithFloat16Params goes through "
         "multi_tensor_scale_impl, our foreach_scale: a _foreach_copy_ already",
         "megatron_ext.training.optimizer:foreach_copy_main_params_to_model_params",
-        ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._copy_main_params_to_model_params",
-         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._get_model_param_range_map",
-         "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params"),
+        (
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._copy_main_params_to_model_params",
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._get_model_param_range_map",
+            "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
+        ),
     ),
     Workaround(
         "lean-tp1-linears",
@@ -195,11 +213,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "nvtx_range_push/pop already return at once when profiling is off (one call each, 96 per "
         "micro-batch); removing the calls means rewriting its layers",
         "megatron_ext.model.compile:install_lean_linears",
-        ("megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward",
-         "megatron.core.tensor_parallel.layers.RowParallelLinear.forward",
-         "megatron.core.tensor_parallel.mappings.copy_to_tensor_model_parallel_region",
-         "megatron.core.tensor_parallel.mappings.reduce_from_tensor_model_parallel_region",
-         "megatron.core.utils.nvtx_range_push"),
+        (
+            "megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward",
+            "megatron.core.tensor_parallel.layers.RowParallelLinear.forward",
+            "megatron.core.tensor_parallel.mappings.copy_to_tensor_model_parallel_region",
+            "megatron.core.tensor_parallel.mappings.reduce_from_tensor_model_parallel_region",
+            "megatron.core.utils.nvtx_range_push",
+        ),
     ),
     Workaround(
         "compilable-selective-recompute",
@@ -207,8 +227,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "saves RNG states with get_rng_state (a graph break); with --torch-compile the attention's "
         "_checkpointed_attention_forward is torch.utils.checkpoint (non-reentrant), one traced region",
         "megatron_ext.model.compile:_checkpointed_core_attention",
-        ("megatron.core.transformer.attention.Attention._checkpointed_attention_forward",
-         "megatron.core.tensor_parallel.random.CheckpointFunction"),
+        (
+            "megatron.core.transformer.attention.Attention._checkpointed_attention_forward",
+            "megatron.core.tensor_parallel.random.CheckpointFunction",
+        ),
     ),
     Workaround(
         "reshardable-optimizer-format",
@@ -229,8 +251,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "the schedules expose no per-micro-batch hooks; --pp-timeline wraps their module-level "
         "forward_step/backward_step for the duration of a traced step",
         "megatron_ext.training.timeline:PipelineTimeline.trace_step",
-        ("megatron.core.pipeline_parallel.schedules.forward_step",
-         "megatron.core.pipeline_parallel.schedules.backward_step"),
+        (
+            "megatron.core.pipeline_parallel.schedules.forward_step",
+            "megatron.core.pipeline_parallel.schedules.backward_step",
+        ),
     ),
     Workaround(
         "cpu-pipeline-settings",
@@ -256,12 +280,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "kernels per tensor). The rotary module yields nothing and our core attention rotates with "
         "cos/sin made once per sequence length or packed micro-batch (4 kernels, the same values)",
         "megatron_ext.model.attention:CoreAttentionRotaryEmbedding",
-        ("megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd",
-         "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
-         "megatron.core.models.common.embeddings.rope_utils._rotate_half",
-         "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb",
-         "megatron.core.models.gpt.gpt_model.GPTModel._preprocess",
-         "megatron.core.transformer.attention.Attention.forward"),
+        (
+            "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd",
+            "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
+            "megatron.core.models.common.embeddings.rope_utils._rotate_half",
+            "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb",
+            "megatron.core.models.gpt.gpt_model.GPTModel._preprocess",
+            "megatron.core.transformer.attention.Attention.forward",
+        ),
     ),
     Workaround(
         "varlen-attn-custom-op-overhead",
@@ -278,9 +304,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "calls .item() on every parameter's norm: one host sync per parameter per step (149 per "
         "step for GPT-2 124M on an H100); local_multi_tensor_scale launches two kernels per tensor",
         "megatron_ext.training.optimizer:apply_multi_tensor_fallback_fix",
-        ("megatron.core.utils.local_multi_tensor_l2_norm", "megatron.core.utils.local_multi_tensor_scale",
-         "megatron.core.optimizer.clip_grads.l2_norm_impl", "megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
-         "megatron.core.optimizer.optimizer.multi_tensor_scale_impl"),
+        (
+            "megatron.core.utils.local_multi_tensor_l2_norm",
+            "megatron.core.utils.local_multi_tensor_scale",
+            "megatron.core.optimizer.clip_grads.l2_norm_impl",
+            "megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
+            "megatron.core.optimizer.optimizer.multi_tensor_scale_impl",
+        ),
     ),
     Workaround(
         "gradient-accumulation-fusion-without-apex",
@@ -289,8 +319,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "bf16 tensor that DDP's hook adds into the fp32 buffer (~5 ms per micro-batch at 1.3B on an "
         "H100); torch's addmm with out_dtype is the same GEMM, standing in for Apex's module",
         "megatron_ext.model.wgrad:apply_gradient_accumulation_fusion",
-        ("megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
-         "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward"),
+        (
+            "megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
+            "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
+        ),
     ),
     Workaround(
         "weight-gradient-deferral",
@@ -302,14 +334,16 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "delay_wgrad_compute / skip_backward_post_hook / register_wgrad_accumulation_and_reduce_hooks seam "
         "hands the weight's hook to the layer, which runs it in W",
         "megatron_ext.model.wgrad_deferral:apply_weight_grad_deferral",
-        ("megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
-         "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
-         "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
-         "megatron.core.tensor_parallel.layers.dist_all_gather_func",
-         "megatron.core.tensor_parallel.layers.dist_reduce_scatter_func",
-         "megatron.core.utils.prepare_input_tensors_for_wgrad_compute",
-         "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel._make_backward_post_hook",
-         "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig"),
+        (
+            "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
+            "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
+            "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
+            "megatron.core.tensor_parallel.layers.dist_all_gather_func",
+            "megatron.core.tensor_parallel.layers.dist_reduce_scatter_func",
+            "megatron.core.utils.prepare_input_tensors_for_wgrad_compute",
+            "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel._make_backward_post_hook",
+            "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig",
+        ),
     ),
     Workaround(
         "v-placement-layer-numbers",
@@ -318,9 +352,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "2p-1-r, which the loop placement puts on rank p-1-r: the three functions are wrapped to ask for that "
         "chunk when the TransformerConfig is marked 'v' (unchanged otherwise)",
         "megatron_ext.model.v_placement:apply_v_placement_layer_numbers",
-        ("megatron.core.transformer.transformer_layer.get_transformer_layer_offset",
-         "megatron.core.transformer.transformer_block.get_transformer_layer_offset",
-         "megatron.core.transformer.transformer_block.get_num_layers_to_build"),
+        (
+            "megatron.core.transformer.transformer_layer.get_transformer_layer_offset",
+            "megatron.core.transformer.transformer_block.get_transformer_layer_offset",
+            "megatron.core.transformer.transformer_block.get_num_layers_to_build",
+        ),
     ),
     Workaround(
         "v-placement-last-stage",
@@ -330,11 +366,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "under V. Under V: Float16Module.forward decides by the chunk's pre/post_process, our finalize "
         "broadcasts from rank 0 and ties the embedding locally, the embedding group is rank 0 alone",
         "megatron_ext.model.v_placement:finalize_model_grads_v",
-        ("megatron.core.transformer.module.Float16Module.forward",
-         "megatron.core.distributed.finalize_model_grads.finalize_model_grads",
-         "megatron.core.parallel_state.default_embedding_ranks",
-         "megatron.core.models.common.language_module.language_module.LanguageModule"
-         ".setup_embeddings_and_output_layer"),
+        (
+            "megatron.core.transformer.module.Float16Module.forward",
+            "megatron.core.distributed.finalize_model_grads.finalize_model_grads",
+            "megatron.core.parallel_state.default_embedding_ranks",
+            "megatron.core.models.common.language_module.language_module.LanguageModule"
+            ".setup_embeddings_and_output_layer",
+        ),
     ),
     Workaround(
         "checkpoint-without-output-fp8-flag",
@@ -350,8 +388,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "agent or rank 0 hosts); the stall watchdog's heartbeats clone it for connections of their own, with "
         "short timeouts, and fall back to a TCPStore client to MASTER_ADDR:MASTER_PORT",
         "megatron_ext.heartbeat:open_store_connection",
-        ("torch.distributed.distributed_c10d._get_default_store", "torch.distributed.Store.clone",
-         "torch.distributed.Store.set_timeout"),
+        (
+            "torch.distributed.distributed_c10d._get_default_store",
+            "torch.distributed.Store.clone",
+            "torch.distributed.Store.set_timeout",
+        ),
     ),
     Workaround(
         "destroy-process-groups",
@@ -402,13 +443,17 @@ def describe_version_drift() -> list[str]:
     out = []
     mcore = get_megatron_core_version()
     if mcore != CHECKED_MEGATRON_CORE_VERSION:
-        out.append(f"megatron-core {mcore} is installed; megatron_ext's workarounds (megatron_ext/compat.py) "
-                   f"were checked against {CHECKED_MEGATRON_CORE_VERSION}")
+        out.append(
+            f"megatron-core {mcore} is installed; megatron_ext's workarounds (megatron_ext/compat.py) "
+            f"were checked against {CHECKED_MEGATRON_CORE_VERSION}"
+        )
     torch_version = get_torch_version()
     low, high = CHECKED_TORCH_RANGE
     if not low <= torch_version <= high:
-        out.append(f"torch {'.'.join(map(str, torch_version))} is installed; megatron_ext's workarounds were "
-                   f"checked with torch {low[0]}.{low[1]}-{high[0]}.{high[1]}")
+        out.append(
+            f"torch {'.'.join(map(str, torch_version))} is installed; megatron_ext's workarounds were "
+            f"checked with torch {low[0]}.{low[1]}-{high[0]}.{high[1]}"
+        )
     return out
 
 

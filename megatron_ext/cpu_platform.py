@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -53,7 +54,7 @@ def cuda_type_name(type_name: str) -> str:
     'torch.cuda.FloatTensor'
     """
     if type_name.startswith("torch.") and not type_name.startswith("torch.cuda."):
-        return "torch.cuda." + type_name[len("torch."):]
+        return "torch.cuda." + type_name[len("torch.") :]
     return type_name
 
 
@@ -89,7 +90,7 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_NullEvent":
+    def record_event(self, event: Any = None) -> _NullEvent:
         return event or _NullEvent()
 
 
@@ -220,9 +221,9 @@ def apply_cpu_platform(device: torch.device) -> PlatformHandle:
         return PlatformHandle(active=False)
     if _ACTIVE is not None and _ACTIVE.active:
         return _ACTIVE
-    from megatron.core.tensor_parallel import random as mcore_random
-
     import warnings
+
+    from megatron.core.tensor_parallel import random as mcore_random
 
     # megatron-core's TP linear layers advise CUDA_DEVICE_MAX_CONNECTIONS=1: meaningless on the CPU
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
@@ -277,18 +278,27 @@ def select_device(requested: str = "auto") -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError([f"--device {requested}: no CUDA device is visible (torch {torch.__version__}, "
-                           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): use --device cpu"])
+        raise ConfigError(
+            [
+                f"--device {requested}: no CUDA device is visible (torch {torch.__version__}, "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): use --device cpu"
+            ]
+        )
     local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
     if local_rank >= count:  # more processes on this node than GPUs (torch.cuda.set_device: invalid device ordinal)
         # the same text on every surplus rank, so that it is reported once per node
         local_world = os.environ.get("LOCAL_WORLD_SIZE")
-        started = (f"{local_world} processes on this node (LOCAL_WORLD_SIZE)" if local_world
-                   else f"LOCAL_RANK {local_rank}")
-        raise ConfigError([f"{started}, {count} CUDA devices visible (CUDA_VISIBLE_DEVICES="
-                           f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): start one process per GPU "
-                           f"(NPROC_PER_NODE={count} launch/torchrun.sh, torchrun --nproc-per-node {count}), "
-                           f"or --device cpu"])
+        started = (
+            f"{local_world} processes on this node (LOCAL_WORLD_SIZE)" if local_world else f"LOCAL_RANK {local_rank}"
+        )
+        raise ConfigError(
+            [
+                f"{started}, {count} CUDA devices visible (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): start one process per GPU "
+                f"(NPROC_PER_NODE={count} launch/torchrun.sh, torchrun --nproc-per-node {count}), "
+                f"or --device cpu"
+            ]
+        )
     return torch.device("cuda", local_rank)
 
 

@@ -24,7 +24,10 @@ import torch
 
 from megatron_ext.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_ext.pipeline.names import (
-    MEGATRON_CORE_SCHEDULES, V_PLACEMENT_SCHEDULES, canonical_schedule_name, get_schedule_placement,
+    MEGATRON_CORE_SCHEDULES,
+    V_PLACEMENT_SCHEDULES,
+    canonical_schedule_name,
+    get_schedule_placement,
 )
 
 # The dense model's selective-recompute modules (megatron-core also has MoE/MLA ones).
@@ -60,7 +63,7 @@ def get_schedule_chunks(cfg: JobConfig) -> int | None:
 
 
 def get_stage_placement(cfg: JobConfig) -> str:
-    """"v" when --pipeline-schedule names a V-shaped schedule (ZBV, DualPipeV), else "loop"
+    """ "v" when --pipeline-schedule names a V-shaped schedule (ZBV, DualPipeV), else "loop"
     (``pipeline/placement.py``)."""
     name = cfg.parallel.pipeline_schedule
     return get_schedule_placement(name) if name else "loop"
@@ -82,9 +85,13 @@ def get_virtual_pipeline_size(cfg: JobConfig) -> int | None:
 
 def uses_uneven_split(p: ParallelConfig) -> bool:
     """The layers are split over pipeline stages by the first/last-stage or the accounting flags."""
-    return (p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
-            or p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
-            or bool(p.pipeline_model_parallel_layout))
+    return (
+        p.decoder_first_pipeline_num_layers is not None
+        or p.decoder_last_pipeline_num_layers is not None
+        or p.account_for_embedding_in_pipeline_split
+        or p.account_for_loss_in_pipeline_split
+        or bool(p.pipeline_model_parallel_layout)
+    )
 
 
 def get_chunk_layer_counts(cfg: JobConfig) -> list[int] | None:

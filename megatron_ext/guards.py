@@ -29,7 +29,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterator, TextIO
+from collections.abc import Callable, Iterator
+from typing import TextIO
 
 from megatron_ext.config import ConfigError
 from megatron_ext.heartbeat import HeartbeatBoard, StepProgress, describe_position
@@ -70,8 +71,12 @@ def lock_save_dir(path: str | None) -> TextIO | None:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise ConfigError([f"--save {path} is in use by a live job ({holder} holds {LOCK_NAME}): wait for it "
-                           f"to end, stop it, or give this job another --save"]) from None
+        raise ConfigError(
+            [
+                f"--save {path} is in use by a live job ({holder} holds {LOCK_NAME}): wait for it "
+                f"to end, stop it, or give this job another --save"
+            ]
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -91,9 +96,17 @@ class StepWatchdog:
     stopped ranks. The training thread arms it with ``begin``/``end`` or ``watch``: two attribute
     stores, no lock."""
 
-    def __init__(self, timeout_s: float | None, describe: Callable[[], str], progress: StepProgress,
-                 on_timeout: Callable[[str], None] | None = None, out: TextIO | None = None, *,
-                 save_timeout_s: float | None = None, heartbeats: HeartbeatBoard | None = None):
+    def __init__(
+        self,
+        timeout_s: float | None,
+        describe: Callable[[], str],
+        progress: StepProgress,
+        on_timeout: Callable[[str], None] | None = None,
+        out: TextIO | None = None,
+        *,
+        save_timeout_s: float | None = None,
+        heartbeats: HeartbeatBoard | None = None,
+    ):
         self.timeout_s, self.describe, self.progress, self.heartbeats = timeout_s, describe, progress, heartbeats
         self.limits = {"step": timeout_s, "eval": timeout_s, "save": save_timeout_s}
         self.on_timeout = on_timeout or (lambda report: os._exit(1))
@@ -147,8 +160,10 @@ class StepWatchdog:
         p = self.progress
         limit = limit if limit is not None else self.limits.get(phase) or 0.0
         last = describe_position(p.phase, p.iteration, p.batch, p.microbatch, p.chunk)
-        lines = [f"stall watchdog: {self.describe()} has spent {elapsed:.1f} s in {_PHASE_TEXT.get(phase, phase)} "
-                 f"(iteration {p.iteration}; {LIMIT_FLAGS.get(phase, '?')} {limit / 60:g}); last recorded: {last}."]
+        lines = [
+            f"stall watchdog: {self.describe()} has spent {elapsed:.1f} s in {_PHASE_TEXT.get(phase, phase)} "
+            f"(iteration {p.iteration}; {LIMIT_FLAGS.get(phase, '?')} {limit / 60:g}); last recorded: {last}."
+        ]
         if self.heartbeats is not None:
             lines.append("Every rank, from its heartbeat:")
             lines += self.heartbeats.collect()

@@ -54,8 +54,14 @@ import time
 from typing import Any
 
 KEY_PREFIX = "megatron_ext/heartbeat/"
-PHASES = {"starting": "start-up", "step": "the training step", "eval": "an evaluation batch",
-          "save": "a checkpoint save", "between": "between steps", "closed": "closed"}
+PHASES = {
+    "starting": "start-up",
+    "step": "the training step",
+    "eval": "an evaluation batch",
+    "save": "a checkpoint save",
+    "between": "between steps",
+    "closed": "closed",
+}
 # Files whose functions block on other ranks (their callers' frames are what we see otherwise).
 COMMUNICATION_FILES = ("torch/distributed/distributed_c10d.py", "megatron/core/pipeline_parallel/p2p_communication.py")
 # Code whose ``handle.wait()`` waits on a communication (overlapped schedules, DDP bucket reductions).
@@ -125,21 +131,22 @@ class Heartbeat:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Heartbeat":
+    def from_json(cls, text: str | bytes) -> Heartbeat:
         data = json.loads(text)
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     def describe_rank(self) -> str:
-        return (f"rank {self.rank} (pipeline stage {self.pp_rank} of {self.pp_size}, tensor rank {self.tp_rank}, "
-                f"data-parallel rank {self.dp_rank}, host {self.host})")
+        return (
+            f"rank {self.rank} (pipeline stage {self.pp_rank} of {self.pp_size}, tensor rank {self.tp_rank}, "
+            f"data-parallel rank {self.dp_rank}, host {self.host})"
+        )
 
     def describe_position(self) -> str:
         return describe_position(self.phase, self.iteration, self.batch, self.microbatch, self.chunk)
 
 
-def describe_position(phase: str, iteration: int, batch: int | None, microbatch: int | None,
-                      chunk: int | None) -> str:
-    """"the training step of iteration 7, micro-batch 3 of model chunk 1" and the like."""
+def describe_position(phase: str, iteration: int, batch: int | None, microbatch: int | None, chunk: int | None) -> str:
+    """ "the training step of iteration 7, micro-batch 3 of model chunk 1" and the like."""
     if phase == "step":
         text = f"the training step of iteration {iteration}"
     elif phase == "eval":
@@ -156,6 +163,7 @@ def describe_position(phase: str, iteration: int, batch: int | None, microbatch:
 
 
 # ----------------------------------------------------------------------------- stack samples
+
 
 def describe_frame(frame: Any) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
@@ -200,6 +208,7 @@ def sample_thread(thread_id: int, ignore: tuple[int, ...] = ()) -> tuple[str, st
 
 # ----------------------------------------------------------------------------- the store
 
+
 def get_store_host() -> tuple[str, bool]:
     """(who hosts the job's store, whether this process does). torchrun's agent hosts it when it
     says so (``TORCHELASTIC_USE_AGENT_STORE``); otherwise rank 0 does (torch's env:// and tcp://)."""
@@ -241,6 +250,7 @@ def read_heartbeats(store: Any, world_size: int) -> dict[int, Heartbeat]:
 
 # ----------------------------------------------------------------------------- publishing
 
+
 class HeartbeatPublisher:
     """A daemon thread that publishes this rank's ``Heartbeat`` every ``interval_s`` (after a
     failed publication, up to 8 x less often). ``identity``: rank, host, pp_rank, pp_size, tp_rank,
@@ -267,9 +277,19 @@ class HeartbeatPublisher:
         p = self.progress
         waiting, at = sample_thread(self.training_thread, ignore=(threading.get_ident(),))
         phase = "closed" if self._stop.is_set() else p.phase
-        return Heartbeat(seq=self.publishes + 1, phase=phase, iteration=p.iteration, batch=p.batch,
-                         microbatch=p.microbatch, chunk=p.chunk, progress=p.count,
-                         idle_s=round(time.monotonic() - p.at, 3), waiting=waiting, at=at, **self.identity)
+        return Heartbeat(
+            seq=self.publishes + 1,
+            phase=phase,
+            iteration=p.iteration,
+            batch=p.batch,
+            microbatch=p.microbatch,
+            chunk=p.chunk,
+            progress=p.count,
+            idle_s=round(time.monotonic() - p.at, 3),
+            waiting=waiting,
+            at=at,
+            **self.identity,
+        )
 
     def publish(self) -> bool:
         """One publication; False (the error kept) when the store did not take it."""
@@ -301,6 +321,7 @@ class HeartbeatPublisher:
 
 # ----------------------------------------------------------------------------- reading
 
+
 @dataclasses.dataclass(frozen=True)
 class RankVerdict:
     rank: int
@@ -308,8 +329,9 @@ class RankVerdict:
     heartbeat: Heartbeat | None
 
 
-def classify(first: dict[int, Heartbeat], second: dict[int, Heartbeat], world_size: int,
-             recent_s: float) -> list[RankVerdict]:
+def classify(
+    first: dict[int, Heartbeat], second: dict[int, Heartbeat], world_size: int, recent_s: float
+) -> list[RankVerdict]:
     """Each rank's verdict from two reads of the heartbeats (``second`` at least one publication
     interval after ``first``); ``recent_s``: a last progress event younger than this counts as
     progress (a rank between two events of a normal step). Pure."""
@@ -345,17 +367,24 @@ def format_ranks(ranks: list[int]) -> str:
 def format_verdicts(verdicts: list[RankVerdict]) -> list[str]:
     """The report's lines: each stopped and silent rank in full (the culprits), the ranks that wait
     or progress grouped by where they are."""
-    by = {name: [v for v in verdicts if v.verdict == name] for name in
-          ("stopped", "silent", "missing", "waiting", "progressing", "closed")}
+    by = {
+        name: [v for v in verdicts if v.verdict == name]
+        for name in ("stopped", "silent", "missing", "waiting", "progressing", "closed")
+    }
     lines = []
     if by["stopped"]:
         lines.append("  STOPPED (no progress, not waiting for another rank): the ranks holding the others up:")
-        lines += [f"    {v.heartbeat.describe_rank()}: {v.heartbeat.describe_position()}, no progress for "
-                  f"{v.heartbeat.idle_s:.1f} s, at {v.heartbeat.at}" for v in by["stopped"]]
+        lines += [
+            f"    {v.heartbeat.describe_rank()}: {v.heartbeat.describe_position()}, no progress for "
+            f"{v.heartbeat.idle_s:.1f} s, at {v.heartbeat.at}"
+            for v in by["stopped"]
+        ]
     if by["silent"] or by["missing"]:
         lines.append("  NO HEARTBEAT (process dead, or frozen holding the GIL):")
-        lines += [f"    {v.heartbeat.describe_rank()}: last seen in {v.heartbeat.describe_position()}, at "
-                  f"{v.heartbeat.at}" for v in by["silent"]]
+        lines += [
+            f"    {v.heartbeat.describe_rank()}: last seen in {v.heartbeat.describe_position()}, at {v.heartbeat.at}"
+            for v in by["silent"]
+        ]
         if by["missing"]:
             lines.append(f"    {format_ranks([v.rank for v in by['missing']])}: never published one")
     for name, label in (("waiting", "waiting for other ranks"), ("progressing", "still progressing")):
@@ -366,11 +395,15 @@ def format_verdicts(verdicts: list[RankVerdict]) -> list[str]:
         for (where, waiting), ranks in sorted(groups.items(), key=lambda item: item[1][0]):
             lines.append(f"  {label}: {format_ranks(ranks)}, in {where}" + (f", in {waiting}" if waiting else ""))
     if by["closed"]:
-        lines.append(f"  closed their heartbeat (training ended, or shutting down): "
-                     f"{format_ranks([v.rank for v in by['closed']])}")
+        lines.append(
+            f"  closed their heartbeat (training ended, or shutting down): "
+            f"{format_ranks([v.rank for v in by['closed']])}"
+        )
     if not (by["stopped"] or by["silent"] or by["missing"]):
-        lines.append("  no rank stopped outside a communication: each one waits for another (a collective some "
-                     "rank never entered, or a network fault); see the ranks' stacks")
+        lines.append(
+            "  no rank stopped outside a communication: each one waits for another (a collective some "
+            "rank never entered, or a network fault); see the ranks' stacks"
+        )
     return lines
 
 
@@ -386,8 +419,7 @@ class HeartbeatBoard:
     COLLECTORS = 4
     CLAIM_KEY = "megatron_ext/heartbeat_collectors"
 
-    def __init__(self, publisher: HeartbeatPublisher, reader: Any, world_size: int, store_host: str,
-                 hosts_store: bool):
+    def __init__(self, publisher: HeartbeatPublisher, reader: Any, world_size: int, store_host: str, hosts_store: bool):
         self.publisher, self.reader, self.world_size = publisher, reader, world_size
         self.store_host, self.hosts_store = store_host, hosts_store
 
@@ -401,14 +433,18 @@ class HeartbeatBoard:
         when the store does not answer."""
         try:
             if self.world_size > self.ALL_COLLECT_WORLD and self.reader.add(self.CLAIM_KEY, 1) > self.COLLECTORS:
-                return [f"  (in a world of {self.world_size} ranks the first {self.COLLECTORS} ranks to time out read "
-                        f"every rank's heartbeat: their reports name the ranks that stopped)"]
+                return [
+                    f"  (in a world of {self.world_size} ranks the first {self.COLLECTORS} ranks to time out read "
+                    f"every rank's heartbeat: their reports name the ranks that stopped)"
+                ]
             first = read_heartbeats(self.reader, self.world_size)
             time.sleep(self.read_gap_s)
             second = read_heartbeats(self.reader, self.world_size)
         except Exception as err:  # noqa: BLE001 - the report goes on with what this rank knows
-            return [f"  the other ranks' heartbeats are unavailable: the store ({self.store_host}) did not answer "
-                    f"({type(err).__name__}: {err}); if it is rank 0's process, rank 0 may have exited"]
+            return [
+                f"  the other ranks' heartbeats are unavailable: the store ({self.store_host}) did not answer "
+                f"({type(err).__name__}: {err}); if it is rank 0's process, rank 0 may have exited"
+            ]
         return format_verdicts(classify(first, second, self.world_size, recent_s=2 * self.publisher.interval_s))
 
     def close(self) -> None:
@@ -422,8 +458,9 @@ def get_heartbeat_interval(limits_s: list[float]) -> float:
     return min(10.0, max(0.1, min(limits_s) / 20))
 
 
-def build_heartbeat_board(progress: StepProgress, identity: dict[str, Any], world_size: int, interval_s: float,
-                          store_timeout_s: float = 5.0) -> HeartbeatBoard:
+def build_heartbeat_board(
+    progress: StepProgress, identity: dict[str, Any], world_size: int, interval_s: float, store_timeout_s: float = 5.0
+) -> HeartbeatBoard:
     """Open two store connections (publisher, reader), publish once and start publishing."""
     store_host, hosts_store = get_store_host()
     publisher = HeartbeatPublisher(open_store_connection(store_timeout_s), progress, identity, interval_s)

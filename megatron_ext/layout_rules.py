@@ -13,8 +13,15 @@ import math
 
 from megatron_ext.config import JobConfig
 from megatron_ext.derived import (
-    RECOMPUTE_MODULES, get_chunk_layer_counts, get_global_batch_size, get_num_microbatches, get_stage_placement,
-    get_virtual_pipeline_size, resolve_ffn_hidden_size, uses_our_runtime, uses_uneven_split,
+    RECOMPUTE_MODULES,
+    get_chunk_layer_counts,
+    get_global_batch_size,
+    get_num_microbatches,
+    get_stage_placement,
+    get_virtual_pipeline_size,
+    resolve_ffn_hidden_size,
+    uses_our_runtime,
+    uses_uneven_split,
 )
 from megatron_ext.pipeline.validate import check_pipeline_schedule, check_schedule_name
 
@@ -75,14 +82,17 @@ def check_v_split(cfg: JobConfig) -> list[str]:
     the last pipeline *rank*, shared by its chunks: under V those are stages 0 and p (ranks 0 and p-1)
     and stages p-1 and 2p-1 (ranks p-1 and 0), not what the flags promise; refused."""
     p = cfg.parallel
-    if get_stage_placement(cfg) != "v" or (p.decoder_first_pipeline_num_layers is None
-                                          and p.decoder_last_pipeline_num_layers is None):
+    if get_stage_placement(cfg) != "v" or (
+        p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None
+    ):
         return []
-    return [f"--pipeline-schedule {p.pipeline_schedule} places the first and the last pipeline stage on rank 0; "
-            f"--decoder-first/last-pipeline-num-layers give layers to the first and the last pipeline rank of "
-            f"megatron-core's loop placement and are not supported with it: use "
-            f"--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (which lighten "
-            f"rank 0's two stages under V), an even split, or ZBH1 / InterleavedZeroBubble"]
+    return [
+        f"--pipeline-schedule {p.pipeline_schedule} places the first and the last pipeline stage on rank 0; "
+        f"--decoder-first/last-pipeline-num-layers give layers to the first and the last pipeline rank of "
+        f"megatron-core's loop placement and are not supported with it: use "
+        f"--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (which lighten "
+        f"rank 0's two stages under V), an even split, or ZBH1 / InterleavedZeroBubble"
+    ]
 
 
 def check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | None) -> list[str]:
@@ -93,22 +103,30 @@ def check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | None
     accounts = p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
     out = []
     if p.pipeline_model_parallel_layout:
-        out.append("--pipeline-model-parallel-layout is not supported: use --decoder-first/last-pipeline-num-layers "
-                   "or --account-for-embedding/loss-in-pipeline-split")
+        out.append(
+            "--pipeline-model-parallel-layout is not supported: use --decoder-first/last-pipeline-num-layers "
+            "or --account-for-embedding/loss-in-pipeline-split"
+        )
     if pp < 2:
         return out + ["uneven pipeline splits need --pipeline-model-parallel-size > 1"]
     if lps is not None:
-        return out + ["uneven pipeline splits take virtual stages as --num-virtual-stages-per-pipeline-rank, not "
-                      "--num-layers-per-virtual-pipeline-stage (as in Megatron-LM)"]
+        return out + [
+            "uneven pipeline splits take virtual stages as --num-virtual-stages-per-pipeline-rank, not "
+            "--num-layers-per-virtual-pipeline-stage (as in Megatron-LM)"
+        ]
     v = vps or get_virtual_pipeline_size(cfg) or 1  # (the V schedules imply 2 chunks per rank)
     if (first is not None or last is not None) and accounts:
-        return out + ["--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
-                      "are exclusive: give one way of splitting"]
+        return out + [
+            "--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
+            "are exclusive: give one way of splitting"
+        ]
     if accounts:
         units = layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
         if units % (pp * v):
-            out.append(f"--num-layers {layers} plus the embedding/loss counted as layers = {units} is not divisible "
-                       f"by --pipeline-model-parallel-size {pp} x virtual stages {v} = {pp * v}")
+            out.append(
+                f"--num-layers {layers} plus the embedding/loss counted as layers = {units} is not divisible "
+                f"by --pipeline-model-parallel-size {pp} x virtual stages {v} = {pp * v}"
+            )
         return out
     middle_layers, middle_stages = layers, pp
     for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
@@ -118,22 +136,34 @@ def check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | None
             out.append(f"{flag} {n} must be a positive multiple of the {v} virtual stages per pipeline rank")
         middle_layers, middle_stages = middle_layers - n, middle_stages - 1
     if v > 1 and middle_stages == 0:
-        out.append("with virtual stages, --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers "
-                   "need a middle pipeline stage (megatron-core 0.16.1 divides by the middle stages): raise "
-                   "--pipeline-model-parallel-size or give one of the two")
-    elif middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
-            middle_stages and middle_layers % (middle_stages * v)):
-        out.append(f"--num-layers {layers} minus the first/last stages' layers leaves {middle_layers} for "
-                   f"{middle_stages} middle stages x {v} virtual stages: they must split evenly (and exist "
-                   f"together)")
+        out.append(
+            "with virtual stages, --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers "
+            "need a middle pipeline stage (megatron-core 0.16.1 divides by the middle stages): raise "
+            "--pipeline-model-parallel-size or give one of the two"
+        )
+    elif (
+        middle_layers < 0
+        or bool(middle_layers) != bool(middle_stages)
+        or (middle_stages and middle_layers % (middle_stages * v))
+    ):
+        out.append(
+            f"--num-layers {layers} minus the first/last stages' layers leaves {middle_layers} for "
+            f"{middle_stages} middle stages x {v} virtual stages: they must split evenly (and exist "
+            f"together)"
+        )
     return out
 
 
 def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     p, t = cfg.parallel, cfg.training
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if tp <= 0 or pp <= 0 or world_size % (tp * pp) or t.micro_batch_size <= 0 or (
-            t.global_batch_size is not None and t.global_batch_size <= 0):
+    if (
+        tp <= 0
+        or pp <= 0
+        or world_size % (tp * pp)
+        or t.micro_batch_size <= 0
+        or (t.global_batch_size is not None and t.global_batch_size <= 0)
+    ):
         return []  # reported by _check_positive
     dp = world_size // (tp * pp)
     gbs = get_global_batch_size(cfg, world_size)
@@ -149,8 +179,12 @@ def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     vpp = get_virtual_pipeline_size(cfg)
     if vpp is not None and vpp > 1 and pp > 1 and not uses_our_runtime(cfg):  # megatron-core's own rule
         out += check_interleaved_microbatches(
-            get_num_microbatches(cfg, world_size), pp, p.microbatch_group_size_per_vp_stage or pp,
-            gbs, t.micro_batch_size, dp,
+            get_num_microbatches(cfg, world_size),
+            pp,
+            p.microbatch_group_size_per_vp_stage or pp,
+            gbs,
+            t.micro_batch_size,
+            dp,
         )
     return out
 
@@ -189,10 +223,7 @@ def check_model(cfg: JobConfig, world_size: int) -> list[str]:
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     out = []
     if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
-        out.append(
-            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-            f"{m.num_attention_heads}"
-        )
+        out.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
     if tp > 0 and m.make_vocab_size_divisible_by > 0 and m.make_vocab_size_divisible_by % tp:
         out.append(
             f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} is not divisible by "
@@ -218,14 +249,18 @@ def check_model(cfg: JobConfig, world_size: int) -> list[str]:
         out.append(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
     if ffn is None and m.swiglu and m.hidden_size > 0:
         default = resolve_ffn_hidden_size(None, m.hidden_size, True)
-        what = (f"--swiglu with --hidden-size {m.hidden_size}: the default --ffn-hidden-size (2/3 of 4 x hidden, "
-                f"rounded down to a multiple of 64, as Megatron-LM) is {default}")
+        what = (
+            f"--swiglu with --hidden-size {m.hidden_size}: the default --ffn-hidden-size (2/3 of 4 x hidden, "
+            f"rounded down to a multiple of 64, as Megatron-LM) is {default}"
+        )
         if default == 0:
             out.append(f"{what}; give --ffn-hidden-size")
         elif tp > 0 and default % tp:
             # megatron-core: an AssertionError traceback from ColumnParallelLinear while building the MLP
-            out.append(f"{what}, not divisible by --tensor-model-parallel-size {tp}: give --ffn-hidden-size, a "
-                       f"multiple of {tp}")
+            out.append(
+                f"{what}, not divisible by --tensor-model-parallel-size {tp}: give --ffn-hidden-size, a "
+                f"multiple of {tp}"
+            )
     if m.position_embedding_type == "learned_absolute":
         max_pos = m.max_position_embeddings or m.seq_length
         if max_pos < m.seq_length:
@@ -236,23 +271,29 @@ def check_model(cfg: JobConfig, world_size: int) -> list[str]:
     if m.position_embedding_type == "rope":
         if not 0.0 < m.rotary_percent <= 1.0:
             # megatron-core rotates the whole head above 1 (silently 1.0) and nothing at 0
-            out.append(f"--rotary-percent must be in (0, 1] (the fraction of each head's dimensions RoPE rotates), "
-                       f"got {m.rotary_percent}")
+            out.append(
+                f"--rotary-percent must be in (0, 1] (the fraction of each head's dimensions RoPE rotates), "
+                f"got {m.rotary_percent}"
+            )
         elif m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
             head = m.hidden_size // m.num_attention_heads
             if head % 2 and int(head * m.rotary_percent) == head:
                 # megatron-core builds ceil(d / 2) frequency pairs: d + 1 rotated dimensions, a shape error
                 # mid-forward
-                out.append(f"--position-embedding-type rope rotates dimension pairs, but the head dimension "
-                           f"(--hidden-size {m.hidden_size} / --num-attention-heads {m.num_attention_heads}) "
-                           f"is {head}, odd: choose an even head dimension (or --rotary-percent below 1)")
+                out.append(
+                    f"--position-embedding-type rope rotates dimension pairs, but the head dimension "
+                    f"(--hidden-size {m.hidden_size} / --num-attention-heads {m.num_attention_heads}) "
+                    f"is {head}, odd: choose an even head dimension (or --rotary-percent below 1)"
+                )
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         out.append("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")
     if m.use_rope_scaling and not m.rope_scaling_factor > 0:
         out.append(f"--rope-scaling-factor must be > 0, got {m.rope_scaling_factor}")
     if m.add_qkv_bias and not m.disable_bias_linear:
-        out.append("--add-qkv-bias adds biases to the query/key/value projection only: it needs "
-                   "--disable-bias-linear (without it every linear layer has biases already)")
+        out.append(
+            "--add-qkv-bias adds biases to the query/key/value projection only: it needs "
+            "--disable-bias-linear (without it every linear layer has biases already)"
+        )
     out += check_recompute(cfg)
     for name in ("hidden_dropout", "attention_dropout"):
         v = getattr(m, name)
@@ -271,27 +312,36 @@ def check_recompute(cfg: JobConfig) -> list[str]:
     if granularity == "full":
         reported = len(out)
         if m.recompute_method is None or m.recompute_num_layers is None:
-            out.append("--recompute-granularity full needs --recompute-method uniform|block and "
-                       "--recompute-num-layers N")
+            out.append(
+                "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N"
+            )
         elif pp > 0 and m.num_layers % pp == 0 and not uses_uneven_split(cfg.parallel):
             per_stage = m.num_layers // pp
             if not 1 <= m.recompute_num_layers <= per_stage:
-                out.append(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the {per_stage} "
-                           f"layers of a pipeline stage (--num-layers {m.num_layers} / "
-                           f"--pipeline-model-parallel-size {pp})")
-        if (m.recompute_method == "uniform" and m.recompute_num_layers is not None and m.recompute_num_layers > 0
-                and len(out) == reported):
+                out.append(
+                    f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the {per_stage} "
+                    f"layers of a pipeline stage (--num-layers {m.num_layers} / "
+                    f"--pipeline-model-parallel-size {pp})"
+                )
+        if (
+            m.recompute_method == "uniform"
+            and m.recompute_num_layers is not None
+            and m.recompute_num_layers > 0
+            and len(out) == reported
+        ):
             # megatron-core checkpoints layers [i, i + N) of each model chunk and indexes past its last
             # layer (IndexError mid-forward) when N does not divide the chunk's layers
             counts = get_chunk_layer_counts(cfg)
             bad = sorted({c for c in counts or [] if c % m.recompute_num_layers})
             if bad:
                 sizes = sorted(set(counts))
-                out.append(f"--recompute-method uniform: --recompute-num-layers {m.recompute_num_layers} must "
-                           f"divide the "
-                           f"layers of every model chunk (a pipeline stage, or a virtual stage with interleaving), "
-                           f"which hold {', '.join(map(str, sizes))} layers here (megatron-core would index past a "
-                           f"chunk's last layer): use a divisor of {math.gcd(*counts)}, or --recompute-method block")
+                out.append(
+                    f"--recompute-method uniform: --recompute-num-layers {m.recompute_num_layers} must "
+                    f"divide the "
+                    f"layers of every model chunk (a pipeline stage, or a virtual stage with interleaving), "
+                    f"which hold {', '.join(map(str, sizes))} layers here (megatron-core would index past a "
+                    f"chunk's last layer): use a divisor of {math.gcd(*counts)}, or --recompute-method block"
+                )
         if m.recompute_modules:
             out.append("--recompute-modules applies to --recompute-granularity selective, not full")
     elif full_flags:
@@ -300,11 +350,15 @@ def check_recompute(cfg: JobConfig) -> list[str]:
         if granularity is None:
             out.append("--recompute-modules needs --recompute-granularity selective")
         if "mlp" in m.recompute_modules and not m.disable_bias_linear:
-            out.append("--recompute-modules mlp needs --disable-bias-linear: megatron-core 0.16.1 recomputes "
-                       "the MLP through a checkpoint that returns linear_fc2's bias parameter, and its backward "
-                       "then recurses forever; recompute core_attn/layernorm, or use --recompute-granularity full")
+            out.append(
+                "--recompute-modules mlp needs --disable-bias-linear: megatron-core 0.16.1 recomputes "
+                "the MLP through a checkpoint that returns linear_fc2's bias parameter, and its backward "
+                "then recurses forever; recompute core_attn/layernorm, or use --recompute-granularity full"
+            )
         unknown = [x for x in m.recompute_modules if x not in RECOMPUTE_MODULES]
         if unknown:
-            out.append(f"--recompute-modules {' '.join(unknown)}: a dense model recomputes "
-                       f"{', '.join(RECOMPUTE_MODULES)} (megatron-core's MoE/MLA modules do not apply)")
+            out.append(
+                f"--recompute-modules {' '.join(unknown)}: a dense model recomputes "
+                f"{', '.join(RECOMPUTE_MODULES)} (megatron-core's MoE/MLA modules do not apply)"
+            )
     return out

@@ -18,7 +18,8 @@ the warnings for the start-up log; the refusals join one ConfigError.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_ext.config import JobConfig
 
@@ -48,10 +49,12 @@ def _refuse(why: str) -> Callable:
 
 def _one_of(accepted: dict[str, str | None], refusal: str) -> Callable:
     """Accept the listed values (with their warning, None: silent); refuse the others."""
+
     def judge(value, cfg):
         if str(value) in accepted:
             return accepted[str(value)], None
         return None, refusal.format(value=value)
+
     return judge
 
 
@@ -60,8 +63,10 @@ def _kv_channels(value, cfg):
     per_head = m.hidden_size // m.num_attention_heads
     if int(value) == per_head:
         return None, None
-    return None, (f"--kv-channels {value}: we use --hidden-size / --num-attention-heads = {per_head} per head; other "
-                  f"head sizes are not supported")
+    return None, (
+        f"--kv-channels {value}: we use --hidden-size / --num-attention-heads = {per_head} per head; other "
+        f"head sizes are not supported"
+    )
 
 
 def _needs_rope(flag: str) -> Callable:
@@ -69,16 +74,21 @@ def _needs_rope(flag: str) -> Callable:
         if cfg.model.position_embedding_type == "rope":
             return None, None
         return None, f"{flag} means rotary position embeddings: add --position-embedding-type rope"
+
     return judge
 
 
 def _attention_backend(value, cfg):
     if cfg.model.transformer_impl == "transformer_engine":
-        return None, (f"--attention-backend {value}: choosing Transformer Engine's attention backend is not "
-                      f"supported yet (leave it out: Transformer Engine picks one)")
+        return None, (
+            f"--attention-backend {value}: choosing Transformer Engine's attention backend is not "
+            f"supported yet (leave it out: Transformer Engine picks one)"
+        )
     if value in ("auto", "local", "flash", "fused", "unfused"):
-        return (f"--attention-backend {value} changes nothing with the local layer spec: attention runs on torch "
-                f"SDPA, and packed sequences on flash's varlen kernel on CUDA in bf16/fp16 (the start-up line names the kernels)"), None
+        return (
+            f"--attention-backend {value} changes nothing with the local layer spec: attention runs on torch "
+            f"SDPA, and packed sequences on flash's varlen kernel on CUDA in bf16/fp16 (the start-up line names the kernels)"
+        ), None
     return None, f"--attention-backend {value}: not a Megatron-LM attention backend"
 
 
@@ -89,41 +99,181 @@ def _tiktoken_pattern(value, cfg):
 
 
 FLAGS = [
-    MegatronFlag("--use-mcore-models", STORE_TRUE, _noop("--use-mcore-models changes nothing: the models are always megatron-core's"), "Accepted, no effect (one warning line): the models are always megatron-core's."),
-    MegatronFlag("--use-dist-ckpt", STORE_TRUE, _noop("--use-dist-ckpt changes nothing: checkpoints are always megatron-core distributed checkpoints (torch_dist)"), "Accepted, no effect (one warning line): checkpoints are always megatron-core distributed "
-                 "checkpoints (torch_dist)."),
-    MegatronFlag("--ckpt-format", 1, _one_of({"torch_dist": None}, "--ckpt-format {value}: only torch_dist (megatron-core distributed checkpoints) is written and read"), "torch_dist accepted silently (the only format written and read); other formats refused."),
-    MegatronFlag("--no-create-attention-mask-in-dataloader", STORE_TRUE, _noop("--no-create-attention-mask-in-dataloader changes nothing: no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)"), "Accepted, no effect (one warning line): no dense attention mask is ever built (causal "
-                 "kernels; packed documents through cu_seqlens)."),
-    MegatronFlag("--no-mmap-bin-files", STORE_TRUE, _noop("--no-mmap-bin-files changes nothing here: .bin files are memory-mapped"), "Accepted, no effect (one warning line): .bin files are memory-mapped."),
-    MegatronFlag("--log-throughput", STORE_TRUE, _noop("--log-throughput changes nothing: tokens/s and TFLOP/s per GPU are always logged"), "Accepted, no effect (one warning line): tokens/s and TFLOP/s per GPU are always logged."),
-    MegatronFlag("--cross-entropy-loss-fusion", STORE_TRUE, _noop("--cross-entropy-loss-fusion changes nothing: the loss is our fused vocab-parallel cross-entropy (model/cross_entropy.py) in any case"), "Accepted, no effect (one warning line): the loss is our fused vocab-parallel "
-                 "cross-entropy (model/cross_entropy.py) in any case."),
-    MegatronFlag("--use-flash-attn", STORE_TRUE, _noop("--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / flash's varlen kernel; the start-up line names them)"), "Accepted, no effect (one warning line): attention kernels are chosen by device (torch "
-                 "SDPA; flash's varlen kernel for packed sequences on CUDA)."),
-    MegatronFlag("--no-masked-softmax-fusion", STORE_TRUE, _noop("--no-masked-softmax-fusion changes nothing: the local spec uses no masked-softmax kernel"), "Accepted, no effect (one warning line): the local spec uses no masked-softmax kernel."),
-    MegatronFlag("--no-bias-gelu-fusion", STORE_TRUE, _noop("--no-bias-gelu-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
-    MegatronFlag("--no-bias-swiglu-fusion", STORE_TRUE, _noop("--no-bias-swiglu-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
-    MegatronFlag("--no-bias-dropout-fusion", STORE_TRUE, _noop("--no-bias-dropout-fusion changes nothing here"), "Accepted, no effect (one warning line)."),
-    MegatronFlag("--no-rope-fusion", STORE_TRUE, _noop("--no-rope-fusion changes nothing: rotary embeddings are applied by our packed-aware code, unfused"), "Accepted, no effect (one warning line): rotary embeddings are applied by our packed-aware "
-                 "code, unfused."),
-    MegatronFlag("--distributed-backend", 1, _one_of({"nccl": None, "gloo": None}, "--distributed-backend {value}: nccl (CUDA) or gloo (CPU), chosen by device"), "nccl or gloo accepted silently: the backend is chosen by device (nccl on CUDA, gloo on "
-                 "CPU); other values refused."),
-    MegatronFlag("--use-rotary-position-embeddings", STORE_TRUE, _needs_rope("--use-rotary-position-embeddings"), "Accepted silently with --position-embedding-type rope; refused without it."),
-    MegatronFlag("--no-position-embedding", STORE_TRUE, _needs_rope("--no-position-embedding"), "Accepted silently with --position-embedding-type rope (no learned absolute embedding "
-                 "then); refused without it."),
-    MegatronFlag("--kv-channels", 1, _kv_channels, "Accepted silently when it equals --hidden-size / --num-attention-heads; other head sizes "
-                 "refused."),
-    MegatronFlag("--attention-backend", 1, _attention_backend, "Accepted with the local spec, no effect (one warning line: attention runs on torch SDPA, "
-                 "packed sequences on flash's varlen kernel on CUDA in bf16/fp16); refused with Transformer Engine."),
-    MegatronFlag("--tiktoken-pattern", 1, _tiktoken_pattern, "Accepted, no effect (one warning line) with tokenizers other than TikTokenizer."),
+    MegatronFlag(
+        "--use-mcore-models",
+        STORE_TRUE,
+        _noop("--use-mcore-models changes nothing: the models are always megatron-core's"),
+        "Accepted, no effect (one warning line): the models are always megatron-core's.",
+    ),
+    MegatronFlag(
+        "--use-dist-ckpt",
+        STORE_TRUE,
+        _noop(
+            "--use-dist-ckpt changes nothing: checkpoints are always megatron-core distributed checkpoints (torch_dist)"
+        ),
+        "Accepted, no effect (one warning line): checkpoints are always megatron-core distributed "
+        "checkpoints (torch_dist).",
+    ),
+    MegatronFlag(
+        "--ckpt-format",
+        1,
+        _one_of(
+            {"torch_dist": None},
+            "--ckpt-format {value}: only torch_dist (megatron-core distributed checkpoints) is written and read",
+        ),
+        "torch_dist accepted silently (the only format written and read); other formats refused.",
+    ),
+    MegatronFlag(
+        "--no-create-attention-mask-in-dataloader",
+        STORE_TRUE,
+        _noop(
+            "--no-create-attention-mask-in-dataloader changes nothing: no dense attention mask is ever built (causal kernels; packed documents through cu_seqlens)"
+        ),
+        "Accepted, no effect (one warning line): no dense attention mask is ever built (causal "
+        "kernels; packed documents through cu_seqlens).",
+    ),
+    MegatronFlag(
+        "--no-mmap-bin-files",
+        STORE_TRUE,
+        _noop("--no-mmap-bin-files changes nothing here: .bin files are memory-mapped"),
+        "Accepted, no effect (one warning line): .bin files are memory-mapped.",
+    ),
+    MegatronFlag(
+        "--log-throughput",
+        STORE_TRUE,
+        _noop("--log-throughput changes nothing: tokens/s and TFLOP/s per GPU are always logged"),
+        "Accepted, no effect (one warning line): tokens/s and TFLOP/s per GPU are always logged.",
+    ),
+    MegatronFlag(
+        "--cross-entropy-loss-fusion",
+        STORE_TRUE,
+        _noop(
+            "--cross-entropy-loss-fusion changes nothing: the loss is our fused vocab-parallel cross-entropy (model/cross_entropy.py) in any case"
+        ),
+        "Accepted, no effect (one warning line): the loss is our fused vocab-parallel "
+        "cross-entropy (model/cross_entropy.py) in any case.",
+    ),
+    MegatronFlag(
+        "--use-flash-attn",
+        STORE_TRUE,
+        _noop(
+            "--use-flash-attn changes nothing: the attention kernels are chosen by device (torch SDPA / flash's varlen kernel; the start-up line names them)"
+        ),
+        "Accepted, no effect (one warning line): attention kernels are chosen by device (torch "
+        "SDPA; flash's varlen kernel for packed sequences on CUDA).",
+    ),
+    MegatronFlag(
+        "--no-masked-softmax-fusion",
+        STORE_TRUE,
+        _noop("--no-masked-softmax-fusion changes nothing: the local spec uses no masked-softmax kernel"),
+        "Accepted, no effect (one warning line): the local spec uses no masked-softmax kernel.",
+    ),
+    MegatronFlag(
+        "--no-bias-gelu-fusion",
+        STORE_TRUE,
+        _noop("--no-bias-gelu-fusion changes nothing here"),
+        "Accepted, no effect (one warning line).",
+    ),
+    MegatronFlag(
+        "--no-bias-swiglu-fusion",
+        STORE_TRUE,
+        _noop("--no-bias-swiglu-fusion changes nothing here"),
+        "Accepted, no effect (one warning line).",
+    ),
+    MegatronFlag(
+        "--no-bias-dropout-fusion",
+        STORE_TRUE,
+        _noop("--no-bias-dropout-fusion changes nothing here"),
+        "Accepted, no effect (one warning line).",
+    ),
+    MegatronFlag(
+        "--no-rope-fusion",
+        STORE_TRUE,
+        _noop("--no-rope-fusion changes nothing: rotary embeddings are applied by our packed-aware code, unfused"),
+        "Accepted, no effect (one warning line): rotary embeddings are applied by our packed-aware code, unfused.",
+    ),
+    MegatronFlag(
+        "--distributed-backend",
+        1,
+        _one_of(
+            {"nccl": None, "gloo": None}, "--distributed-backend {value}: nccl (CUDA) or gloo (CPU), chosen by device"
+        ),
+        "nccl or gloo accepted silently: the backend is chosen by device (nccl on CUDA, gloo on "
+        "CPU); other values refused.",
+    ),
+    MegatronFlag(
+        "--use-rotary-position-embeddings",
+        STORE_TRUE,
+        _needs_rope("--use-rotary-position-embeddings"),
+        "Accepted silently with --position-embedding-type rope; refused without it.",
+    ),
+    MegatronFlag(
+        "--no-position-embedding",
+        STORE_TRUE,
+        _needs_rope("--no-position-embedding"),
+        "Accepted silently with --position-embedding-type rope (no learned absolute embedding "
+        "then); refused without it.",
+    ),
+    MegatronFlag(
+        "--kv-channels",
+        1,
+        _kv_channels,
+        "Accepted silently when it equals --hidden-size / --num-attention-heads; other head sizes refused.",
+    ),
+    MegatronFlag(
+        "--attention-backend",
+        1,
+        _attention_backend,
+        "Accepted with the local spec, no effect (one warning line: attention runs on torch SDPA, "
+        "packed sequences on flash's varlen kernel on CUDA in bf16/fp16); refused with Transformer Engine.",
+    ),
+    MegatronFlag(
+        "--tiktoken-pattern",
+        1,
+        _tiktoken_pattern,
+        "Accepted, no effect (one warning line) with tokenizers other than TikTokenizer.",
+    ),
     # refused: they would change the model or the training, and we lack them
-    MegatronFlag("--apply-layernorm-1p", STORE_TRUE, _refuse("--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"), "Refused: zero-centred LayerNorm weights are not supported (the model would differ)."),
-    MegatronFlag("--fp8-format", 1, _refuse("--fp8-format: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16"), "Refused: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16."),
-    MegatronFlag("--fp8-amax-history-len", 1, _refuse("--fp8-amax-history-len: FP8 training is not supported"), "Refused: FP8 training is not supported."),
-    MegatronFlag("--fp8-amax-compute-algo", 1, _refuse("--fp8-amax-compute-algo: FP8 training is not supported"), "Refused: FP8 training is not supported."),
-    MegatronFlag("--fp8-param-gather", STORE_TRUE, _refuse("--fp8-param-gather: FP8 training is not supported"), "Refused: FP8 training is not supported."),
-    MegatronFlag("--use-checkpoint-args", STORE_TRUE, _refuse("--use-checkpoint-args is not supported: give the model flags (a mismatch with the checkpoint is refused by name)"), "Refused: give the model flags (a mismatch with the checkpoint is refused by name)."),
+    MegatronFlag(
+        "--apply-layernorm-1p",
+        STORE_TRUE,
+        _refuse(
+            "--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"
+        ),
+        "Refused: zero-centred LayerNorm weights are not supported (the model would differ).",
+    ),
+    MegatronFlag(
+        "--fp8-format",
+        1,
+        _refuse("--fp8-format: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16"),
+        "Refused: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16.",
+    ),
+    MegatronFlag(
+        "--fp8-amax-history-len",
+        1,
+        _refuse("--fp8-amax-history-len: FP8 training is not supported"),
+        "Refused: FP8 training is not supported.",
+    ),
+    MegatronFlag(
+        "--fp8-amax-compute-algo",
+        1,
+        _refuse("--fp8-amax-compute-algo: FP8 training is not supported"),
+        "Refused: FP8 training is not supported.",
+    ),
+    MegatronFlag(
+        "--fp8-param-gather",
+        STORE_TRUE,
+        _refuse("--fp8-param-gather: FP8 training is not supported"),
+        "Refused: FP8 training is not supported.",
+    ),
+    MegatronFlag(
+        "--use-checkpoint-args",
+        STORE_TRUE,
+        _refuse(
+            "--use-checkpoint-args is not supported: give the model flags (a mismatch with the checkpoint is refused by name)"
+        ),
+        "Refused: give the model flags (a mismatch with the checkpoint is refused by name).",
+    ),
 ]
 BY_DEST = {f.dest: f for f in FLAGS}
 MEGATRON_FLAG_NAMES = frozenset(f.flag for f in FLAGS)
@@ -136,7 +286,9 @@ def escape_help(text: str) -> str:
 
 
 def add_megatron_flags(parser: Any) -> None:
-    group = parser.add_argument_group("Megatron-LM compatibility (accepted where they change nothing, refused otherwise)")
+    group = parser.add_argument_group(
+        "Megatron-LM compatibility (accepted where they change nothing, refused otherwise)"
+    )
     for f in FLAGS:
         if f.nargs is STORE_TRUE:
             group.add_argument(f.flag, dest=f.dest, action="store_true", default=None, help=escape_help(f.help))

@@ -75,8 +75,11 @@ def apply_flag_settings(optimizer, recorded: list[dict[str, Any]]) -> None:
 def get_scheduler_state(scheduler) -> dict:
     """The scheduler's state dict plus the WSD phase (megatron-core 0.16.1 saves neither its
     length nor its style, so a resume could change them unnoticed)."""
-    return {**scheduler.state_dict(), "wsd_decay_steps": scheduler.wsd_decay_steps,
-            "lr_wsd_decay_style": scheduler.lr_wsd_decay_style}
+    return {
+        **scheduler.state_dict(),
+        "wsd_decay_steps": scheduler.wsd_decay_steps,
+        "lr_wsd_decay_style": scheduler.lr_wsd_decay_style,
+    }
 
 
 def load_scheduler_state(scheduler, state: dict) -> None:

@@ -72,8 +72,9 @@ class ParallelContext:
 
     @property
     def placement(self) -> StagePlacement:
-        return StagePlacement(self.pp_rank, self.pp_size, self.tp_rank, self.tp_size, self.vp_size,
-                              self.stage_placement)
+        return StagePlacement(
+            self.pp_rank, self.pp_size, self.tp_rank, self.tp_size, self.vp_size, self.stage_placement
+        )
 
     @property
     def is_last_stage(self) -> bool:

@@ -31,21 +31,26 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.derived import (
-    get_data_parallel_size, get_global_batch_size, get_padded_vocab_size, get_schedule_name,
-    get_stage_placement, get_virtual_pipeline_size, precision_name,
+    get_data_parallel_size,
+    get_global_batch_size,
+    get_padded_vocab_size,
+    get_schedule_name,
+    get_stage_placement,
+    get_virtual_pipeline_size,
+    precision_name,
 )
 from megatron_ext.model.param_count import ParameterCount, count_parameters
 from megatron_ext.model.v_placement import get_v_embedding_ranks
 from megatron_ext.validation import check_data_tokenizer, validate
 
 DEFAULT_RANKS_PER_NODE = 8
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 # ----------------------------------------------------------------------------- the process-group map
@@ -100,11 +105,14 @@ def build_group_map(tp: int, pp: int, dp: int, ranks_per_node: int, placement: s
     tp_groups, pp_groups, dp_groups = gen.get_ranks("tp"), gen.get_ranks("pp"), gen.get_ranks("dp")
     embedding_ranks = get_v_embedding_ranks if placement == "v" else default_embedding_ranks  # as parallel.py
     return GroupMap(
-        world_size=world, ranks_per_node=ranks_per_node,
-        tp_groups=tuple(map(tuple, tp_groups)), pp_groups=tuple(map(tuple, pp_groups)),
+        world_size=world,
+        ranks_per_node=ranks_per_node,
+        tp_groups=tuple(map(tuple, tp_groups)),
+        pp_groups=tuple(map(tuple, pp_groups)),
         dp_groups=tuple(map(tuple, dp_groups)),
         embedding_groups=tuple(tuple(embedding_ranks(g)) for g in pp_groups),
-        tp_rank=_index_in_groups(tp_groups, world), pp_rank=_index_in_groups(pp_groups, world),
+        tp_rank=_index_in_groups(tp_groups, world),
+        pp_rank=_index_in_groups(pp_groups, world),
         dp_rank=_index_in_groups(dp_groups, world),
     )
 
@@ -124,21 +132,27 @@ def get_ranks_per_node(env: Mapping[str, str], world_size: int) -> tuple[int, st
 def check_nodes(world_size: int, ranks_per_node: int, source: str, tp: int) -> list[str]:
     """The world fills whole nodes, and TP's consecutive ranks stay inside one."""
     if world_size % ranks_per_node:
-        return [f"WORLD_SIZE {world_size} is not a multiple of the {ranks_per_node} ranks per node ({source}): "
-                f"torchrun starts the same number on every node; set LOCAL_WORLD_SIZE to the processes per node"]
+        return [
+            f"WORLD_SIZE {world_size} is not a multiple of the {ranks_per_node} ranks per node ({source}): "
+            f"torchrun starts the same number on every node; set LOCAL_WORLD_SIZE to the processes per node"
+        ]
     if ranks_per_node % tp:
-        return [f"--tensor-model-parallel-size {tp} does not divide the {ranks_per_node} ranks per node ({source}): "
-                f"TP groups (consecutive ranks) would span nodes, and TP all-reduces at every layer over the "
-                f"network; use a TP size that divides {ranks_per_node} (pipeline stages span nodes instead)"]
+        return [
+            f"--tensor-model-parallel-size {tp} does not divide the {ranks_per_node} ranks per node ({source}): "
+            f"TP groups (consecutive ranks) would span nodes, and TP all-reduces at every layer over the "
+            f"network; use a TP size that divides {ranks_per_node} (pipeline stages span nodes instead)"
+        ]
     return []
 
 
 def check_group_map(gm: GroupMap) -> list[str]:
     """Every TP group inside one node (after ``check_nodes``, a check of megatron-core's order)."""
     spanning = [g for g in gm.tp_groups if len({gm.get_node(r) for r in g}) > 1]
-    return [f"TP group {list(g)} spans nodes {sorted({gm.get_node(r) for r in g})} under megatron-core's "
-            f"order {get_megatron_order()!r}: use a --tensor-model-parallel-size that divides the ranks per node"
-            for g in spanning[:1]]
+    return [
+        f"TP group {list(g)} spans nodes {sorted({gm.get_node(r) for r in g})} under megatron-core's "
+        f"order {get_megatron_order()!r}: use a --tensor-model-parallel-size that divides the ranks per node"
+        for g in spanning[:1]
+    ]
 
 
 # ----------------------------------------------------------------------------- state memory
@@ -205,8 +219,10 @@ def check_samples(samples: tuple[tuple[tuple[int, ...], ...], ...], global_batch
     """The DP ranks read the global batch [0, G) exactly once between them."""
     read = sorted(i for rank in samples for mb in rank for i in mb)
     if read != list(range(global_batch_size)):
-        return [f"the first step's samples over the DP ranks are not the global batch 0..{global_batch_size - 1} "
-                f"once each (--global-batch-size, --micro-batch-size)"]
+        return [
+            f"the first step's samples over the DP ranks are not the global batch 0..{global_batch_size - 1} "
+            f"once each (--global-batch-size, --micro-batch-size)"
+        ]
     return []
 
 
@@ -238,13 +254,18 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
     if problems:
         raise ConfigError(problems)
     return Rehearsal(
-        world_size=world_size, ranks_per_node=ranks_per_node, ranks_per_node_source=source, groups=groups,
-        vocab_size=tokenizer.vocab_size, padded_vocab_size=get_padded_vocab_size(tokenizer.vocab_size, cfg),
+        world_size=world_size,
+        ranks_per_node=ranks_per_node,
+        ranks_per_node_source=source,
+        groups=groups,
+        vocab_size=tokenizer.vocab_size,
+        padded_vocab_size=get_padded_vocab_size(tokenizer.vocab_size, cfg),
         params=params,
         embedding_pp_rank=next(c.pp_rank for c in params.chunks if c.stage == 0),
         output_pp_rank=next(c.pp_rank for c in params.chunks if c.stage == last_stage),
         state_bytes=tuple(get_state_bytes(cfg, n, dp) for n in params.per_pp_rank()),
-        first_step_samples=samples, seconds=time.perf_counter() - start,
+        first_step_samples=samples,
+        seconds=time.perf_counter() - start,
     )
 
 
@@ -260,7 +281,7 @@ def _span(ranks: tuple[int, ...] | list[int]) -> str:
 
 
 def _size(num_bytes: int) -> str:
-    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 1024 ** 2:.1f} MiB"
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 1024**2:.1f} MiB"
 
 
 def _count(n: int, noun: str) -> str:
@@ -270,8 +291,10 @@ def _count(n: int, noun: str) -> str:
 def _describe_groups(kind: str, groups: tuple[tuple[int, ...], ...], gm: GroupMap) -> str:
     first, last = groups[0], groups[-1]
     nodes = sorted({gm.get_node(r) for r in first})
-    return (f"  {kind}: {_count(len(groups), 'group')} of {len(first)}, e.g. ranks {_span(first)} "
-            f"(node{'s' if len(nodes) > 1 else ''} {_span(nodes)}){f' ... {_span(last)}' if len(groups) > 1 else ''}")
+    return (
+        f"  {kind}: {_count(len(groups), 'group')} of {len(first)}, e.g. ranks {_span(first)} "
+        f"(node{'s' if len(nodes) > 1 else ''} {_span(nodes)}){f' ... {_span(last)}' if len(groups) > 1 else ''}"
+    )
 
 
 def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
@@ -299,24 +322,31 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
         f"model: {counts.total:,} parameters (vocabulary {r.vocab_size:,} padded to {r.padded_vocab_size:,}), "
         f"{_count(len(counts.chunks), 'chunk')} of {'/'.join(map(str, layers))} layers"
         f"{' (uneven split)' if len(layers) > 1 else ''}, {distinct} distinct, each built once on meta; "
-        f"embedding on pipeline rank {r.embedding_pp_rank}, output layer on pipeline rank {r.output_pp_rank}")
+        f"embedding on pipeline rank {r.embedding_pp_rank}, output layer on pipeline rank {r.output_pp_rank}"
+    )
     precision = precision_name(cfg.training.bf16, cfg.training.fp16)
-    lines.append(f"per rank (state only: {precision} weights, gradient buffers, {cfg.training.optimizer} state"
-                 f"{' sharded over DP' if p.use_distributed_optimizer else ''}; activations not estimated):")
+    lines.append(
+        f"per rank (state only: {precision} weights, gradient buffers, {cfg.training.optimizer} state"
+        f"{' sharded over DP' if p.use_distributed_optimizer else ''}; activations not estimated):"
+    )
     for pp_rank, state in enumerate(r.state_bytes):
         chunks = [c for c in counts.chunks if c.pp_rank == pp_rank]
         ranks = gm.get_ranks_of_pp_rank(pp_rank)
         roles = (" embedding" if pp_rank == r.embedding_pp_rank else "") + (
-            " output" if pp_rank == r.output_pp_rank else "")
+            " output" if pp_rank == r.output_pp_rank else ""
+        )
         lines.append(
             f"  pp {pp_rank:>2} (ranks {ranks[0]}..{ranks[-1]}, {len(ranks)}): stages "
             f"{','.join(str(c.stage) for c in chunks)} of {'+'.join(str(c.num_layers) for c in chunks)} layers{roles}"
             f" | {counts.per_pp_rank()[pp_rank]:,} parameters | {_size(state.total)} = weights "
-            f"{_size(state.parameters)} + grads {_size(state.gradients)} + optimizer {_size(state.optimizer)}")
+            f"{_size(state.parameters)} + grads {_size(state.gradients)} + optimizer {_size(state.optimizer)}"
+        )
     samples = r.first_step_samples
     m = len(samples[0])
-    lines.append(f"first step: global batch {sum(len(mb) for s in samples for mb in s)}, {_count(m, 'micro-batch')}"
-                 f" of {len(samples[0][0])} per DP rank (each once):")
+    lines.append(
+        f"first step: global batch {sum(len(mb) for s in samples for mb in s)}, {_count(m, 'micro-batch')}"
+        f" of {len(samples[0][0])} per DP rank (each once):"
+    )
     for dp_rank in sorted({0, len(samples) - 1}):
         flat = [i for mb in samples[dp_rank] for i in mb]
         lines.append(f"  DP rank {dp_rank}: samples {_span(flat)}")
@@ -329,13 +359,18 @@ def get_world_size(env: Mapping[str, str]) -> int:
     process is rarely what was meant)."""
     value = env.get("WORLD_SIZE", "")
     if not value.isdigit() or int(value) <= 0:
-        raise ConfigError([f"--rehearse rehearses a launch of WORLD_SIZE ranks: set WORLD_SIZE to the job's number of "
-                           f"processes (e.g. WORLD_SIZE=64 python pretrain_gpt.py ... --rehearse), got {value!r}"])
+        raise ConfigError(
+            [
+                f"--rehearse rehearses a launch of WORLD_SIZE ranks: set WORLD_SIZE to the job's number of "
+                f"processes (e.g. WORLD_SIZE=64 python pretrain_gpt.py ... --rehearse), got {value!r}"
+            ]
+        )
     return int(value)
 
 
-def rehearse_job(cfg: JobConfig, notes: list[str], env: Mapping[str, str],
-                 log: Callable[[str], None] = print) -> Rehearsal:
+def rehearse_job(
+    cfg: JobConfig, notes: list[str], env: Mapping[str, str], log: Callable[[str], None] = print
+) -> Rehearsal:
     """``pretrain_gpt.py --rehearse``: rehearse the launch ``env`` describes (WORLD_SIZE,
     LOCAL_WORLD_SIZE) and print the summary (and the flag notices)."""
     result = rehearse(cfg, get_world_size(env), env)

@@ -22,7 +22,7 @@ job) with the full state (optimizer, RNG, iteration), whatever ``--load``, ``--f
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from megatron_ext.checkpoint.directory import find_latest_checkpoint
 from megatron_ext.config import ConfigError, JobConfig
@@ -37,8 +37,12 @@ def check_restart_settings(cfg: JobConfig, env: Mapping[str, str]) -> None:
     """A job the launcher may restart must save: a restart without --save would start from scratch."""
     max_restarts = env.get(MAX_RESTARTS_ENV, "0")
     if max_restarts.isdigit() and int(max_restarts) > 0 and not cfg.checkpoint.save:
-        raise ConfigError([f"MAX_RESTARTS={max_restarts} needs --save DIR: a restart resumes from the newest "
-                           f"complete checkpoint there (add --save and --save-interval, or MAX_RESTARTS=0)"])
+        raise ConfigError(
+            [
+                f"MAX_RESTARTS={max_restarts} needs --save DIR: a restart resumes from the newest "
+                f"complete checkpoint there (add --save and --save-interval, or MAX_RESTARTS=0)"
+            ]
+        )
 
 
 def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
@@ -51,15 +55,29 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
     attempt = env.get(ATTEMPT_ENV, "?")
     if newest is None:
         return f"> restart {attempt}: --save {c.save} holds no complete checkpoint yet: starting as the first run did"
-    replaced = [f"{flag} {value}" for flag, value in (
-        ("--load", c.load if c.load and os.path.abspath(c.load) != os.path.abspath(c.save) else None),
-        ("--ckpt-step", c.ckpt_step)) if value is not None]
-    replaced += [flag for flag, on in (("--finetune", c.finetune), ("--no-load-optim", c.no_load_optim),
-                                       ("--no-load-rng", c.no_load_rng)) if on]
+    replaced = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--load", c.load if c.load and os.path.abspath(c.load) != os.path.abspath(c.save) else None),
+            ("--ckpt-step", c.ckpt_step),
+        )
+        if value is not None
+    ]
+    replaced += [
+        flag
+        for flag, on in (
+            ("--finetune", c.finetune),
+            ("--no-load-optim", c.no_load_optim),
+            ("--no-load-rng", c.no_load_rng),
+        )
+        if on
+    ]
     c.load, c.ckpt_step, c.finetune, c.no_load_optim, c.no_load_rng = c.save, None, False, False, False
     instead = f" (instead of the first start's {', '.join(replaced)})" if replaced else ""
-    return (f"> restart {attempt}: resuming from the newest complete checkpoint in --save {c.save} "
-            f"(iteration {newest[0]}){instead}")
+    return (
+        f"> restart {attempt}: resuming from the newest complete checkpoint in --save {c.save} "
+        f"(iteration {newest[0]}){instead}"
+    )
 
 
 def write_no_retry_marker(code: int, reason: str, env: Mapping[str, str] | None = None) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,22 +93,33 @@ def build_training_run(
     configure_model_hooks(model, optimizer)
     timers = StepTimers(cfg.logging.timing_log_level, device)
     if timers.enabled("grad-reduce"):  # inside the schedule: time megatron-core's finalize hook
-        model[0].config.finalize_model_grads_func = timers.wrap("grad-reduce", model[0].config.finalize_model_grads_func)
+        model[0].config.finalize_model_grads_func = timers.wrap(
+            "grad-reduce", model[0].config.finalize_model_grads_func
+        )
     if data is None:
         data = build_train_valid_datasets(cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None)
 
     step_data = StepDataBuilder(build_step_data_spec(cfg, resolved, ctx, tokenizer), ctx.device, ctx.mp_group)
 
     return TrainingRun(
-        cfg=cfg, resolved=resolved, ctx=ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+        cfg=cfg,
+        resolved=resolved,
+        ctx=ctx,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
         optimizer_flags=record_flag_settings(optimizer),
-        train_ds=data[0], valid_ds=data[1], global_batch_size=global_batch_size,
+        train_ds=data[0],
+        valid_ds=data[1],
+        global_batch_size=global_batch_size,
         writer=MetricWriter(cfg, enabled=metrics and ctx.is_logging_rank),
         checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=resolved.padded_vocab_size),
         exit_decider=exit_decider or build_exit_decider(cfg),
-        step_data=step_data, log=log,
+        step_data=step_data,
+        log=log,
         timeline=build_pp_timeline(cfg.logging.pp_timeline, ctx, resolved.pipeline_schedule)
-        if cfg.logging.pp_timeline else None,
+        if cfg.logging.pp_timeline
+        else None,
         watchdog=build_step_watchdog(cfg, ctx),
         timers=timers if cfg.logging.timing_log_level else None,
         profiler=build_profiler(cfg, ctx),
@@ -132,20 +144,28 @@ def prepare_layers(t: TrainingConfig, resolved: ResolvedConfig, chunks: list[tor
         mark_static_shapes(chunks)
 
 
-def build_step_data_spec(cfg: JobConfig, resolved: ResolvedConfig, ctx: ParallelContext,
-                         tokenizer: Any) -> StepDataSpec:
+def build_step_data_spec(
+    cfg: JobConfig, resolved: ResolvedConfig, ctx: ParallelContext, tokenizer: Any
+) -> StepDataSpec:
     """How this rank's micro-batches of a step are made: its DP slice of the global batch, padded
     as --sequence-padding says with the tokenizer's pad id, token ids checked below its vocabulary."""
     return StepDataSpec(
-        global_batch_size=resolved.global_batch_size, micro_batch_size=cfg.training.micro_batch_size,
-        dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, sequence_padding=resolved.sequence_padding,
-        pad_to_multiple_of=cfg.data.pad_to_multiple_of, max_microbatch_length=resolved.max_microbatch_length,
-        pad_id=tokenizer.pad, vocab_size=tokenizer.vocab_size, pad_length_bucket=cfg.data.pad_length_bucket,
+        global_batch_size=resolved.global_batch_size,
+        micro_batch_size=cfg.training.micro_batch_size,
+        dp_rank=ctx.dp_rank,
+        dp_size=ctx.dp_size,
+        sequence_padding=resolved.sequence_padding,
+        pad_to_multiple_of=cfg.data.pad_to_multiple_of,
+        max_microbatch_length=resolved.max_microbatch_length,
+        pad_id=tokenizer.pad,
+        vocab_size=tokenizer.vocab_size,
+        pad_length_bucket=cfg.data.pad_length_bucket,
     )
 
 
-def build_schedule_runtime(p: ParallelConfig, resolved: ResolvedConfig, ctx: ParallelContext,
-                           chunks: list[torch.nn.Module]) -> ScheduleRuntime | None:
+def build_schedule_runtime(
+    p: ParallelConfig, resolved: ResolvedConfig, ctx: ParallelContext, chunks: list[torch.nn.Module]
+) -> ScheduleRuntime | None:
     """--pipeline-schedule naming one of ours: this rank's W queue, handed to the chunks' linears
     (``model/wgrad_deferral.py``; zero-bubble schedules only) and to the runtime that runs the
     schedule's action lists (``pipeline/runtime.py``). None: megatron-core's schedules run."""
@@ -159,8 +179,9 @@ def build_schedule_runtime(p: ParallelConfig, resolved: ResolvedConfig, ctx: Par
     return ScheduleRuntime(name, ctx.pp_group, ctx.pp_rank, ctx.pp_size, ctx.vp_size or 1, queue, divisor)
 
 
-def build_prefetcher(d: DataConfig, ctx: ParallelContext, step_data: StepDataBuilder,
-                     train_ds: Any) -> StepPrefetcher | None:
+def build_prefetcher(
+    d: DataConfig, ctx: ParallelContext, step_data: StepDataBuilder, train_ds: Any
+) -> StepPrefetcher | None:
     """The background runner of ``step_data`` for the next training step (--no-data-prefetch: none,
     unless --num-workers asks for worker processes). Collective (its gloo group)."""
     if not (d.data_prefetch or d.num_workers):
@@ -180,8 +201,9 @@ def build_profiler(cfg: JobConfig, ctx: ParallelContext) -> ProfilerWindow | Non
     return CudaProfilerRange(lg.profile_step_start, lg.profile_step_end)
 
 
-def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext, *, heartbeat_interval_s: float | None = None,
-                        **watchdog_kwargs: Any) -> StepWatchdog | None:
+def build_step_watchdog(
+    cfg: JobConfig, ctx: ParallelContext, *, heartbeat_interval_s: float | None = None, **watchdog_kwargs: Any
+) -> StepWatchdog | None:
     """The stall watchdog of --step-timeout-minutes and --save-timeout-minutes (None when both are
     off), with this rank's heartbeat on the job's store when a process group exists (collective in
     effect: every rank publishes, and reads everyone's in a report). ``heartbeat_interval_s``
@@ -193,21 +215,29 @@ def build_step_watchdog(cfg: JobConfig, ctx: ParallelContext, *, heartbeat_inter
     if not (step_s or save_s):
         return None
     host = os.uname().nodename
-    where = (f"rank {ctx.rank} (pipeline stage {ctx.pp_rank} of {ctx.pp_size}, tensor rank {ctx.tp_rank}, "
-             f"data-parallel rank {ctx.dp_rank}, host {host})")
+    where = (
+        f"rank {ctx.rank} (pipeline stage {ctx.pp_rank} of {ctx.pp_size}, tensor rank {ctx.tp_rank}, "
+        f"data-parallel rank {ctx.dp_rank}, host {host})"
+    )
     progress = StepProgress()
     heartbeats = None
     if dist.is_initialized():
-        identity = dict(rank=ctx.rank, host=host, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, tp_rank=ctx.tp_rank,
-                        dp_rank=ctx.dp_rank)
+        identity = dict(
+            rank=ctx.rank, host=host, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, tp_rank=ctx.tp_rank, dp_rank=ctx.dp_rank
+        )
         interval = heartbeat_interval_s or get_heartbeat_interval([s for s in (step_s, save_s) if s])
         try:
             heartbeats = build_heartbeat_board(progress, identity, ctx.world_size, interval)
         except Exception as err:  # noqa: BLE001 - the watchdog still ends a stall, naming this rank only
-            print(f"WARNING rank {ctx.rank}: the stall watchdog cannot reach the job's store ({err!r}): its reports "
-                  f"will say where this rank is, not which rank stopped", file=sys.stderr, flush=True)
-    return StepWatchdog(step_s, lambda: where, progress, save_timeout_s=save_s, heartbeats=heartbeats,
-                        **watchdog_kwargs)
+            print(
+                f"WARNING rank {ctx.rank}: the stall watchdog cannot reach the job's store ({err!r}): its reports "
+                f"will say where this rank is, not which rank stopped",
+                file=sys.stderr,
+                flush=True,
+            )
+    return StepWatchdog(
+        step_s, lambda: where, progress, save_timeout_s=save_s, heartbeats=heartbeats, **watchdog_kwargs
+    )
 
 
 def describe_schedule(run: TrainingRun, label: str = "schedule") -> str:
@@ -215,13 +245,21 @@ def describe_schedule(run: TrainingRun, label: str = "schedule") -> str:
     scheduler holds it (after a load with --use-checkpoint-opt-param-scheduler: the checkpoint's), with
     the learning rates it gives parameter group 0 (``get_schedule_lr_range``)."""
     t, sch, gbs = run.cfg.training, run.scheduler, run.global_batch_size
-    length = f"{t.train_iters} steps x {gbs} samples" + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
+    length = f"{t.train_iters} steps x {gbs} samples" + (
+        f" (--train-samples {t.train_samples})" if t.train_samples else ""
+    )
     style = getattr(sch, "lr_decay_style", t.lr_decay_style)
-    wsd = (f", WSD {getattr(sch, 'lr_wsd_decay_style', t.lr_wsd_decay_style)} decay over the last "
-           f"{sch.wsd_decay_steps} samples" if style == "WSD" else "")
+    wsd = (
+        f", WSD {getattr(sch, 'lr_wsd_decay_style', t.lr_wsd_decay_style)} decay over the last "
+        f"{sch.wsd_decay_steps} samples"
+        if style == "WSD"
+        else ""
+    )
     max_lr, min_lr = get_schedule_lr_range(sch)
-    return (f"> {label}: {length} | lr {max_lr} -> {min_lr}, "
-            f"warm-up {sch.lr_warmup_steps} samples, {style} decay over {sch.lr_decay_steps} samples{wsd}")
+    return (
+        f"> {label}: {length} | lr {max_lr} -> {min_lr}, "
+        f"warm-up {sch.lr_warmup_steps} samples, {style} decay over {sch.lr_decay_steps} samples{wsd}"
+    )
 
 
 def describe_run(run: TrainingRun) -> str:
@@ -234,10 +272,16 @@ def describe_run(run: TrainingRun) -> str:
         f" | distributed optimizer {cfg.parallel.use_distributed_optimizer} | device {ctx.device}"
         f" | {resolved.precision} | padded vocab {resolved.padded_vocab_size}"
         f" | parameters on the logging rank {local:,}\n"
-        + describe_schedule(run) + "\n"
-        + describe_attention_kernels(ctx.device.type, cfg.model.attention_dropout,
-                                     use_transformer_engine(cfg.model, ctx.device), resolved.uses_document_boundaries,
-                                     resolved.params_dtype, cfg.model.hidden_size // cfg.model.num_attention_heads)
+        + describe_schedule(run)
+        + "\n"
+        + describe_attention_kernels(
+            ctx.device.type,
+            cfg.model.attention_dropout,
+            use_transformer_engine(cfg.model, ctx.device),
+            resolved.uses_document_boundaries,
+            resolved.params_dtype,
+            cfg.model.hidden_size // cfg.model.num_attention_heads,
+        )
         + describe_compilation(cfg, resolved)
     )
 
@@ -247,8 +291,15 @@ def describe_compilation(cfg: JobConfig, resolved: ResolvedConfig) -> str:
     t = cfg.training
     if not (t.torch_compile or t.cuda_graph_impl != "none"):
         return ""
-    what = ("each transformer layer compiled whole, in place (the first step of each length bucket compiles)"
-            if t.torch_compile else f"CUDA graphs ({t.cuda_graph_impl}, warm-up {t.cuda_graph_warmup_steps} steps)")
-    packed = (" | packed micro-batches reach the layers in bounded shapes (one SDPA with a document mask on the "
-              "CPU, flash varlen on GPUs)" if resolved.uses_document_boundaries else "")
+    what = (
+        "each transformer layer compiled whole, in place (the first step of each length bucket compiles)"
+        if t.torch_compile
+        else f"CUDA graphs ({t.cuda_graph_impl}, warm-up {t.cuda_graph_warmup_steps} steps)"
+    )
+    packed = (
+        " | packed micro-batches reach the layers in bounded shapes (one SDPA with a document mask on the "
+        "CPU, flash varlen on GPUs)"
+        if resolved.uses_document_boundaries
+        else ""
+    )
     return f"\n> {what} | lengths: --pad-length-bucket {cfg.data.pad_length_bucket}{packed}"

@@ -19,7 +19,8 @@ import pickle
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,12 +51,20 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out: Any, args:
         import torch.distributed as dist
 
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            **env,
         )
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=120),
         )
         payload = fn(rank, world_size, *args)
@@ -88,7 +97,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600, e
             try:
                 rank, status, payload = out.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s") from None
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s"
+                ) from None
             payload = pickle.loads(payload)
             if status == "ok":
                 results[rank] = payload
@@ -114,8 +125,14 @@ VOCAB = 128
 class MarkovDataset:
     """Samples of a random Markov chain; sample i is a pure function of (seed, i)."""
 
-    def __init__(self, seq_length: int, num_samples: int = 10_000, seed: int = 0, mask_every: int = 0,
-                 empty_samples: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        seq_length: int,
+        num_samples: int = 10_000,
+        seed: int = 0,
+        mask_every: int = 0,
+        empty_samples: tuple[int, ...] = (),
+    ):
         rng = np.random.default_rng(seed)
         logits = rng.normal(size=(VOCAB, VOCAB)) * 3.0
         self.probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
@@ -139,17 +156,34 @@ class MarkovDataset:
             loss_mask[: (i * 7) % self.seq_length] = 0.0
         if i in self.empty_samples:
             loss_mask[:] = 0.0
-        return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask,
-                "position_ids": np.arange(self.seq_length)}
+        return {
+            "tokens": seq[:-1],
+            "labels": seq[1:],
+            "loss_mask": loss_mask,
+            "position_ids": np.arange(self.seq_length),
+        }
 
 
 def tiny_values(**overrides) -> dict:
     values = dict(
-        num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
-        make_vocab_size_divisible_by=32, micro_batch_size=2, global_batch_size=8,
-        train_iters=20, lr=3e-3, min_lr=3e-3, lr_decay_style="constant", clip_grad=1.0,
-        weight_decay=0.0, mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB - 1,
-        log_interval=1, seed=1234,
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=32,
+        make_vocab_size_divisible_by=32,
+        micro_batch_size=2,
+        global_batch_size=8,
+        train_iters=20,
+        lr=3e-3,
+        min_lr=3e-3,
+        lr_decay_style="constant",
+        clip_grad=1.0,
+        weight_decay=0.0,
+        mock_data=True,
+        tokenizer_type="NullTokenizer",
+        vocab_size=VOCAB - 1,
+        log_interval=1,
+        seed=1234,
     )
     values.update(overrides)
     return values
@@ -159,8 +193,11 @@ def build_tiny_run(values: dict, dataset: Any, valid_dataset: Any = None) -> Tra
     """The run ``pretrain_gpt.py`` would build from ``values`` (flag names), on the CPU, training
     on ``dataset``, printing nothing."""
     return build_training_run(
-        build_job_config(values), device=torch.device("cpu"), data=(dataset, valid_dataset),
-        log=lambda s: None, metrics=False,
+        build_job_config(values),
+        device=torch.device("cpu"),
+        data=(dataset, valid_dataset),
+        log=lambda s: None,
+        metrics=False,
     )
 
 
@@ -178,7 +215,7 @@ def _gather_dp_shards(model, ctx: ParallelContext) -> None:
             for bucket in buffer.buckets:
                 data = bucket.grad_data
                 shard = data.numel() // ctx.dp_size
-                mine = data[ctx.dp_rank * shard:(ctx.dp_rank + 1) * shard].clone()
+                mine = data[ctx.dp_rank * shard : (ctx.dp_rank + 1) * shard].clone()
                 dist.all_gather_into_tensor(data, mine, group=ctx.dp_group)
 
 
@@ -204,7 +241,9 @@ def gather_full_grads(run: TrainingRun) -> dict[str, torch.Tensor]:
                 dim = param.partition_dim
                 if cfg.model.swiglu and "linear_fc1" in name:
                     halves = [p.chunk(2, dim=dim) for p in parts]
-                    grad = torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+                    grad = torch.cat(
+                        [torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim
+                    )
                 else:
                     grad = torch.cat(parts, dim=dim)
             out[name] = grad
@@ -215,8 +254,9 @@ class PackedMarkovDataset:
     """Packed samples of Markov documents with real-looking skewed lengths (lognormal), each
     sample shorter than or equal to ``seq_length``; sample i is a pure function of (seed, i)."""
 
-    def __init__(self, seq_length: int, seed: int = 0, num_samples: int = 10_000, median: float = 12.0,
-                 full: bool = False):
+    def __init__(
+        self, seq_length: int, seed: int = 0, num_samples: int = 10_000, median: float = 12.0, full: bool = False
+    ):
         self.docs = MarkovDataset(seq_length, seed=seed)
         self.seq_length, self.seed, self.n, self.median, self.full = seq_length, seed, num_samples, median, full
 

@@ -21,7 +21,11 @@ from megatron_ext.data.indexed_check import check_indexed_dataset, check_tokeniz
 from megatron_ext.data.tokenizers import check_tokenizer_flags
 from megatron_ext.derived import get_sequence_padding, precision_name, uses_variable_lengths
 from megatron_ext.layout_rules import (
-    check_batch, check_layout, check_model, check_pipeline_schedule_layout, check_v_split,
+    check_batch,
+    check_layout,
+    check_model,
+    check_pipeline_schedule_layout,
+    check_v_split,
 )
 from megatron_ext.model.compile_checks import check_compile_and_graphs
 
@@ -53,8 +57,11 @@ def check_data_tokenizer(d: DataConfig, identity: dict) -> None:
     tools/preprocess_data.py) records another tokenizer than this run's ``identity``: the start-up
     check that needs the tokenizer built, so it runs after ``validate``."""
     blends = None if d.mock_data else get_data_blends(d)
-    problems = [f"{blends.source} {p}" for prefix in dict.fromkeys(blends.prefixes if blends else [])
-                for p in check_tokenizer_record(prefix, identity)]
+    problems = [
+        f"{blends.source} {p}"
+        for prefix in dict.fromkeys(blends.prefixes if blends else [])
+        for p in check_tokenizer_record(prefix, identity)
+    ]
     if problems:
         raise ConfigError(problems)
 
@@ -67,26 +74,58 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     """Sizes that cannot be zero, optional sizes that must be positive when given, rates >= 0."""
     p, m, t, d = cfg.parallel, cfg.model, cfg.training, cfg.data
     sizes = [
-        ("tensor_model_parallel_size", p), ("pipeline_model_parallel_size", p), ("num_layers", m),
-        ("hidden_size", m), ("num_attention_heads", m), ("seq_length", m), ("micro_batch_size", t),
-        ("log_interval", cfg.logging), ("tensorboard_log_interval", cfg.logging), ("make_vocab_size_divisible_by", m),
-        ("pad_to_multiple_of", d), ("max_nan_iterations", t),
+        ("tensor_model_parallel_size", p),
+        ("pipeline_model_parallel_size", p),
+        ("num_layers", m),
+        ("hidden_size", m),
+        ("num_attention_heads", m),
+        ("seq_length", m),
+        ("micro_batch_size", t),
+        ("log_interval", cfg.logging),
+        ("tensorboard_log_interval", cfg.logging),
+        ("make_vocab_size_divisible_by", m),
+        ("pad_to_multiple_of", d),
+        ("max_nan_iterations", t),
         ("distributed_timeout_minutes", p),  # 0: torch's process-group creation times out at once
         ("rotary_base", m),  # 0 or below: NaN RoPE frequencies, a NaN loss from the first step
     ]
-    optional_sizes = [("global_batch_size", t), ("ffn_hidden_size", m), ("num_query_groups", m),
-                      ("max_position_embeddings", m), ("lr_decay_iters", t), ("vocab_size", d), ("train_iters", t),
-                      ("train_samples", t), ("lr_decay_samples", t), ("lr_wsd_decay_iters", t),
-                      ("lr_wsd_decay_samples", t)]
-    rates = [("lr", t), ("min_lr", t), ("weight_decay", t), ("adam_eps", t), ("clip_grad", t),
-             ("init_method_std", m), ("norm_epsilon", m)]
-    out = [f"{_flag(n)} must be a positive integer, got {getattr(s, n)!r}"
-           for n, s in sizes if not (type(getattr(s, n)) is int and getattr(s, n) > 0)]
-    out += [f"{_flag(n)} must be a positive integer when given, got {getattr(s, n)!r}"
-            for n, s in optional_sizes
-            if getattr(s, n) is not None and not (type(getattr(s, n)) is int and getattr(s, n) > 0)]
-    out += [f"{_flag(n)} must be a number >= 0, got {getattr(s, n)!r}"
-            for n, s in rates if not (isinstance(getattr(s, n), (int, float)) and getattr(s, n) >= 0)]
+    optional_sizes = [
+        ("global_batch_size", t),
+        ("ffn_hidden_size", m),
+        ("num_query_groups", m),
+        ("max_position_embeddings", m),
+        ("lr_decay_iters", t),
+        ("vocab_size", d),
+        ("train_iters", t),
+        ("train_samples", t),
+        ("lr_decay_samples", t),
+        ("lr_wsd_decay_iters", t),
+        ("lr_wsd_decay_samples", t),
+    ]
+    rates = [
+        ("lr", t),
+        ("min_lr", t),
+        ("weight_decay", t),
+        ("adam_eps", t),
+        ("clip_grad", t),
+        ("init_method_std", m),
+        ("norm_epsilon", m),
+    ]
+    out = [
+        f"{_flag(n)} must be a positive integer, got {getattr(s, n)!r}"
+        for n, s in sizes
+        if not (type(getattr(s, n)) is int and getattr(s, n) > 0)
+    ]
+    out += [
+        f"{_flag(n)} must be a positive integer when given, got {getattr(s, n)!r}"
+        for n, s in optional_sizes
+        if getattr(s, n) is not None and not (type(getattr(s, n)) is int and getattr(s, n) > 0)
+    ]
+    out += [
+        f"{_flag(n)} must be a number >= 0, got {getattr(s, n)!r}"
+        for n, s in rates
+        if not (isinstance(getattr(s, n), (int, float)) and getattr(s, n) >= 0)
+    ]
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(t, name) < 1.0:
             out.append(f"{_flag(name)} must be in [0, 1), got {getattr(t, name)}")
@@ -103,12 +142,16 @@ def _check_stall_limits(cfg: JobConfig) -> list[str]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            out.append(f"{_flag(name)} must be a positive number of minutes, got {value!r} (leave it out to turn the "
-                       f"watchdog off)")
+            out.append(
+                f"{_flag(name)} must be a positive number of minutes, got {value!r} (leave it out to turn the "
+                f"watchdog off)"
+            )
         elif isinstance(p.distributed_timeout_minutes, int) and value >= p.distributed_timeout_minutes:
-            out.append(f"{_flag(name)} {value:g} must be below --distributed-timeout-minutes "
-                       f"{p.distributed_timeout_minutes}, or the collective timeout ends a stalled run first, naming "
-                       f"no rank: lower it, or raise --distributed-timeout-minutes")
+            out.append(
+                f"{_flag(name)} {value:g} must be below --distributed-timeout-minutes "
+                f"{p.distributed_timeout_minutes}, or the collective timeout ends a stalled run first, naming "
+                f"no rank: lower it, or raise --distributed-timeout-minutes"
+            )
     return out
 
 
@@ -131,15 +174,22 @@ def _check_decoupled_lr_and_grad_dtype(cfg: JobConfig) -> list[str]:
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             out.append(f"{_flag(name)} must be a number >= 0, got {value!r}")
     if t.decoupled_min_lr is not None and t.decoupled_lr is None:
-        out.append(f"--decoupled-min-lr {t.decoupled_min_lr} needs --decoupled-lr (the embedding and output layer's "
-                   f"peak learning rate): give it, or drop --decoupled-min-lr")
+        out.append(
+            f"--decoupled-min-lr {t.decoupled_min_lr} needs --decoupled-lr (the embedding and output layer's "
+            f"peak learning rate): give it, or drop --decoupled-min-lr"
+        )
     elif not out and t.decoupled_lr is not None and (t.decoupled_min_lr or t.min_lr) > t.decoupled_lr:
-        which = (f"--decoupled-min-lr {t.decoupled_min_lr}" if t.decoupled_min_lr is not None else
-                 f"--min-lr {t.min_lr} (the default of --decoupled-min-lr)")
+        which = (
+            f"--decoupled-min-lr {t.decoupled_min_lr}"
+            if t.decoupled_min_lr is not None
+            else f"--min-lr {t.min_lr} (the default of --decoupled-min-lr)"
+        )
         out.append(f"{which} is larger than --decoupled-lr {t.decoupled_lr}: give --decoupled-min-lr <= --decoupled-lr")
     if cfg.parallel.grad_reduce_in_bf16 and not t.bf16:
-        out.append(f"--grad-reduce-in-bf16 needs --bf16: the gradient buffers take the parameters' dtype "
-                   f"({precision_name(t.bf16, t.fp16)} here); add --bf16 or drop --grad-reduce-in-bf16")
+        out.append(
+            f"--grad-reduce-in-bf16 needs --bf16: the gradient buffers take the parameters' dtype "
+            f"({precision_name(t.bf16, t.fp16)} here); add --bf16 or drop --grad-reduce-in-bf16"
+        )
     return out
 
 
@@ -153,12 +203,18 @@ def _check_loss_scaling(cfg: JobConfig) -> list[str]:
         if not t.loss_scale > 0:  # megatron-core reads 0 as "dynamic", below 0 it asserts
             return [f"--loss-scale must be > 0, got {t.loss_scale} (leave it out for dynamic loss scaling)"]
         return []
-    out = [f"{_flag(name)} must be > 0, got {getattr(t, name)}"
-           for name in ("initial_loss_scale", "min_loss_scale") if not getattr(t, name) > 0]
+    out = [
+        f"{_flag(name)} must be > 0, got {getattr(t, name)}"
+        for name in ("initial_loss_scale", "min_loss_scale")
+        if not getattr(t, name) > 0
+    ]
     if not out and t.min_loss_scale > t.initial_loss_scale:
         out.append(f"--min-loss-scale {t.min_loss_scale} is larger than --initial-loss-scale {t.initial_loss_scale}")
-    out += [f"{_flag(name)} must be a positive integer, got {getattr(t, name)}"
-            for name in ("loss_scale_window", "hysteresis") if not getattr(t, name) > 0]
+    out += [
+        f"{_flag(name)} must be a positive integer, got {getattr(t, name)}"
+        for name in ("loss_scale_window", "hysteresis")
+        if not getattr(t, name) > 0
+    ]
     return out
 
 
@@ -166,17 +222,22 @@ def _check_run_length(t: TrainingConfig) -> list[str]:
     """--train-iters or --train-samples, and a schedule counted in the same unit (Megatron-LM's
     rules), with the lengths megatron-core asserts on named first."""
     if t.train_iters is not None and t.train_samples is not None:
-        return [f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are exclusive: give the run "
-                f"length one way"]
+        return [
+            f"--train-iters {t.train_iters} and --train-samples {t.train_samples} are exclusive: give the run "
+            f"length one way"
+        ]
     out = []
     by_samples = t.train_samples is not None
-    pairs = [("--lr-warmup-iters", t.lr_warmup_iters or None, "--lr-warmup-samples", t.lr_warmup_samples or None),
-             ("--lr-decay-iters", t.lr_decay_iters, "--lr-decay-samples", t.lr_decay_samples),
-             ("--lr-wsd-decay-iters", t.lr_wsd_decay_iters, "--lr-wsd-decay-samples", t.lr_wsd_decay_samples)]
+    pairs = [
+        ("--lr-warmup-iters", t.lr_warmup_iters or None, "--lr-warmup-samples", t.lr_warmup_samples or None),
+        ("--lr-decay-iters", t.lr_decay_iters, "--lr-decay-samples", t.lr_decay_samples),
+        ("--lr-wsd-decay-iters", t.lr_wsd_decay_iters, "--lr-wsd-decay-samples", t.lr_wsd_decay_samples),
+    ]
     for iter_flag, iters, sample_flag, samples in pairs:
         if by_samples and iters is not None:
-            out.append(f"{iter_flag} {iters} counts steps but --train-samples counts the run in samples: use "
-                       f"{sample_flag}")
+            out.append(
+                f"{iter_flag} {iters} counts steps but --train-samples counts the run in samples: use {sample_flag}"
+            )
         if not by_samples and samples is not None:
             out.append(f"{sample_flag} {samples} needs --train-samples (with --train-iters use {iter_flag})")
     unit, total = ("samples", t.train_samples) if by_samples else ("iters", t.train_iters)
@@ -184,18 +245,24 @@ def _check_run_length(t: TrainingConfig) -> list[str]:
     warmup = t.lr_warmup_samples if by_samples else t.lr_warmup_iters
     if t.lr_warmup_fraction is not None:
         if t.lr_warmup_iters or t.lr_warmup_samples:
-            out.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive: give the "
-                       "warm-up one way")
+            out.append(
+                "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive: give the warm-up one way"
+            )
         if not 0.0 <= t.lr_warmup_fraction < 1.0:
             out.append(f"--lr-warmup-fraction must be in [0, 1), got {t.lr_warmup_fraction}")
         warmup = t.lr_warmup_fraction * decay if decay else 0
     if warmup < 0 or (decay and warmup >= decay):
         # the decay length defaults to the run's: name the flag the user gave
         given_decay = t.lr_decay_samples if by_samples else t.lr_decay_iters
-        decay_flag = (f"--lr-decay-{unit} {decay}" if given_decay else
-                      f"--lr-decay-{unit} {decay} (not given: it defaults to --train-{unit} {total})")
-        out.append(f"--lr-warmup-{unit} {warmup} must lie in [0, {decay_flag}) (megatron-core's scheduler needs a "
-                   f"warm-up shorter than the decay): shorten the warm-up or lengthen the decay")
+        decay_flag = (
+            f"--lr-decay-{unit} {decay}"
+            if given_decay
+            else f"--lr-decay-{unit} {decay} (not given: it defaults to --train-{unit} {total})"
+        )
+        out.append(
+            f"--lr-warmup-{unit} {warmup} must lie in [0, {decay_flag}) (megatron-core's scheduler needs a "
+            f"warm-up shorter than the decay): shorten the warm-up or lengthen the decay"
+        )
     if t.lr_decay_style == "WSD":
         wsd = t.lr_wsd_decay_samples if by_samples else t.lr_wsd_decay_iters
         if wsd is None:
@@ -203,8 +270,10 @@ def _check_run_length(t: TrainingConfig) -> list[str]:
         elif decay and wsd > decay:
             out.append(f"--lr-wsd-decay-{unit} {wsd} is longer than --lr-decay-{unit} {decay}")
     if t.rampup_batch_size:
-        out.append(f"--rampup-batch-size {' '.join(t.rampup_batch_size)}: batch-size ramp-up is not supported; "
-                   f"use a constant --global-batch-size")
+        out.append(
+            f"--rampup-batch-size {' '.join(t.rampup_batch_size)}: batch-size ramp-up is not supported; "
+            f"use a constant --global-batch-size"
+        )
     return out
 
 
@@ -216,7 +285,7 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
     out += _check_run_length(t)
     if t.eval_interval < 0 or t.eval_iters < 0:
         out.append("--eval-interval and --eval-iters must be >= 0")
-    if not 0 <= t.seed < 2 ** 32:
+    if not 0 <= t.seed < 2**32:
         out.append(f"--seed must be in [0, 2**32 - 1] (numpy's range, which the data sampling uses), got {t.seed}")
     c = cfg.checkpoint
     if c.save_interval is not None and (c.save_interval <= 0 or not c.save):
@@ -224,8 +293,10 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
     if c.async_save and not c.save:
         out.append("--async-save writes the checkpoints of --save in the background: give --save DIR")
     if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
-        out.append("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive: "
-                   "say which schedule wins with one of them")
+        out.append(
+            "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive: "
+            "say which schedule wins with one of them"
+        )
     if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
         out.append(f"--exit-duration-in-mins must be > 0, got {c.exit_duration_in_mins}")
     return out
@@ -244,24 +315,32 @@ def _check_data(cfg: JobConfig) -> list[str]:
     if d.mock_data and blends is not None:
         out.append(f"--mock-data and {blends.source} are exclusive: give one")
     if not d.mock_data and blends is None and not out:
-        out.append("no data: give --data-path PREFIX (an indexed .bin/.idx pair; or --train-data-path ...) "
-                   "or --mock-data")
-    tokenizer_problems = check_tokenizer_flags(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file,
-                                               d.merge_file)
+        out.append(
+            "no data: give --data-path PREFIX (an indexed .bin/.idx pair; or --train-data-path ...) or --mock-data"
+        )
+    tokenizer_problems = check_tokenizer_flags(
+        d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file
+    )
     if d.mock_data and tokenizer_problems and not d.tokenizer_model:
-        tokenizer_problems = [p + " (with --mock-data, --tokenizer-type NullTokenizer --vocab-size N needs no file)"
-                              for p in tokenizer_problems]
+        tokenizer_problems = [
+            p + " (with --mock-data, --tokenizer-type NullTokenizer --vocab-size N needs no file)"
+            for p in tokenizer_problems
+        ]
     out += tokenizer_problems
     if d.num_workers < 0:
         out.append(f"--num-workers {d.num_workers} must be >= 0 (0: samples are read in the training process)")
     if d.one_document_per_row and (d.reset_attention_mask or d.reset_position_ids):
-        out.append("--reset-attention-mask/--reset-position-ids split GPTDataset windows at EOD; "
-                   "--one-document-per-row rows hold one document already: drop them")
+        out.append(
+            "--reset-attention-mask/--reset-position-ids split GPTDataset windows at EOD; "
+            "--one-document-per-row rows hold one document already: drop them"
+        )
     out += _check_data_files(blends)
     if blends is not None and blends.per_split is not None:
         if cfg.training.eval_interval > 0 and blends.per_split[1] is None:
-            out.append(f"--eval-interval {cfg.training.eval_interval} needs a validation blend: give "
-                       f"--valid-data-path (or 'valid' in --per-split-data-args-path), or --eval-interval 0")
+            out.append(
+                f"--eval-interval {cfg.training.eval_interval} needs a validation blend: give "
+                f"--valid-data-path (or 'valid' in --per-split-data-args-path), or --eval-interval 0"
+            )
         return out + _check_packing(cfg)  # each split is read whole: no --split
     return out + _check_packing(cfg) + _check_split(d, cfg.training.eval_interval)
 
@@ -277,8 +356,10 @@ def _check_data_files(blends: DataBlends | None) -> list[str]:
             if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix[:-4] + ".bin"):
                 hint = f" (give the prefix without the extension: {prefix[:-4]})"
             elif written:  # preprocess_data.py --output-prefix P writes P_{json key}_document.bin/.idx
-                hint = (f" (preprocess_data.py --output-prefix {prefix} wrote "
-                        f"{', '.join(w[:-4] for w in written)}: give that prefix)")
+                hint = (
+                    f" (preprocess_data.py --output-prefix {prefix} wrote "
+                    f"{', '.join(w[:-4] for w in written)}: give that prefix)"
+                )
             out.append(f"{blends.source} {prefix}: missing {', '.join(missing)}{hint}")
         else:
             out += [f"{blends.source} {prefix}: {p}" for p in check_indexed_dataset(prefix)]
@@ -314,12 +395,15 @@ def _check_packing(cfg: JobConfig) -> list[str]:
                 f"lengths are rounded up to the multiple and must never exceed --seq-length"
             )
         if cfg.parallel.sequence_parallel and k % cfg.parallel.tensor_model_parallel_size:
-            out.append(f"--pad-to-multiple-of {k} must be a multiple of --tensor-model-parallel-size with "
-                       f"--sequence-parallel")
+            out.append(
+                f"--pad-to-multiple-of {k} must be a multiple of --tensor-model-parallel-size with --sequence-parallel"
+            )
     elif cfg.parallel.sequence_parallel and m.seq_length % cfg.parallel.tensor_model_parallel_size:
-        out.append(f"--seq-length {m.seq_length} must be a multiple of --tensor-model-parallel-size "
-                   f"{cfg.parallel.tensor_model_parallel_size} with --sequence-parallel (each rank holds an equal "
-                   f"slice)")
+        out.append(
+            f"--seq-length {m.seq_length} must be a multiple of --tensor-model-parallel-size "
+            f"{cfg.parallel.tensor_model_parallel_size} with --sequence-parallel (each rank holds an equal "
+            f"slice)"
+        )
     return out
 
 
@@ -328,16 +412,21 @@ def _check_overlap(cfg: JobConfig) -> list[str]:
     out = []
     if p.use_distributed_optimizer and cfg.training.optimizer != "adam":
         # megatron-core asserts it in DistributedOptimizer.__init__, after the model is built
-        out.append(f"--optimizer {cfg.training.optimizer} with --use-distributed-optimizer: megatron-core 0.16.1's "
-                   f"distributed optimizer shards Adam only: use --optimizer adam or drop --use-distributed-optimizer")
+        out.append(
+            f"--optimizer {cfg.training.optimizer} with --use-distributed-optimizer: megatron-core 0.16.1's "
+            f"distributed optimizer shards Adam only: use --optimizer adam or drop --use-distributed-optimizer"
+        )
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
-        out.append("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
-                   "Megatron-LM)")
+        out.append(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)"
+        )
     if p.ddp_bucket_size is not None and p.ddp_bucket_size <= 0:
         out.append(f"--ddp-bucket-size {p.ddp_bucket_size} must be a positive number of elements")
     elif p.ddp_bucket_size is not None and not p.overlap_grad_reduce:
-        out.append(f"--ddp-bucket-size {p.ddp_bucket_size} has no effect without --overlap-grad-reduce: add it or drop "
-                   f"--ddp-bucket-size")
+        out.append(
+            f"--ddp-bucket-size {p.ddp_bucket_size} has no effect without --overlap-grad-reduce: add it or drop "
+            f"--ddp-bucket-size"
+        )
     return out
 
 
@@ -348,11 +437,15 @@ def _check_profiling(cfg: JobConfig, cuda: bool) -> list[str]:
         if lg.use_pytorch_profiler and not lg.tensorboard_dir:
             out.append("--use-pytorch-profiler writes its traces into --tensorboard-dir: give one")
         if not lg.use_pytorch_profiler and not cuda:
-            out.append("--profile without --use-pytorch-profiler marks CUDA profiler ranges for nsys, which needs "
-                       "CUDA: add --use-pytorch-profiler on the CPU")
+            out.append(
+                "--profile without --use-pytorch-profiler marks CUDA profiler ranges for nsys, which needs "
+                "CUDA: add --use-pytorch-profiler on the CPU"
+            )
         if not 0 <= lg.profile_step_start < lg.profile_step_end:
-            out.append(f"--profile-step-start {lg.profile_step_start} must be >= 0 and below --profile-step-end "
-                       f"{lg.profile_step_end}")
+            out.append(
+                f"--profile-step-start {lg.profile_step_start} must be >= 0 and below --profile-step-end "
+                f"{lg.profile_step_end}"
+            )
         if not all(r.strip().isdigit() for r in lg.profile_ranks):
             out.append(f"--profile-ranks {' '.join(lg.profile_ranks)}: give global rank numbers")
     elif lg.use_pytorch_profiler:
@@ -370,16 +463,21 @@ def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
     p = cfg.parallel
     out = _check_profiling(cfg, cuda) + _check_overlap(cfg)
     if p.context_parallel_size != 1:
-        out.append(f"--context-parallel-size {p.context_parallel_size}: context parallelism is not supported yet "
-                   f"(use 1; long sequences: pack documents with --packed-sequences, recompute with "
-                   f"--recompute-granularity)")
+        out.append(
+            f"--context-parallel-size {p.context_parallel_size}: context parallelism is not supported yet "
+            f"(use 1; long sequences: pack documents with --packed-sequences, recompute with "
+            f"--recompute-granularity)"
+        )
     for flag, value in (("--use-torch-fsdp2", p.use_torch_fsdp2), ("--use-custom-fsdp", p.use_custom_fsdp)):
         if value:
-            out.append(f"{flag}: FSDP is not supported; shard the optimizer state with --use-distributed-optimizer "
-                       f"(ZeRO-1) and the model with --tensor/--pipeline-model-parallel-size")
+            out.append(
+                f"{flag}: FSDP is not supported; shard the optimizer state with --use-distributed-optimizer "
+                f"(ZeRO-1) and the model with --tensor/--pipeline-model-parallel-size"
+            )
     if p.optimizer_cpu_offload:
-        out.append("--optimizer-cpu-offload is not supported: shard the optimizer state with "
-                   "--use-distributed-optimizer")
+        out.append(
+            "--optimizer-cpu-offload is not supported: shard the optimizer state with --use-distributed-optimizer"
+        )
     if cfg.training.bf16 and cfg.training.fp16:
         out.append("--bf16 and --fp16 are exclusive: give one (--no-bf16 turns off a --bf16 from --config)")
     if cfg.model.transformer_impl == "transformer_engine" and not cuda:

@@ -26,12 +26,25 @@ import pkgutil
 import re
 import sys
 import warnings
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 # Modules with side effects on import, GUI needs, or nothing but tests / private machinery.
 SKIP_MODULES = frozenset(
-    {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3",
-     "ensurepip", "venv", "pydoc_data", "__hello__", "__phello__"}
+    {
+        "antigravity",
+        "this",
+        "idlelib",
+        "tkinter",
+        "turtle",
+        "turtledemo",
+        "test",
+        "lib2to3",
+        "ensurepip",
+        "venv",
+        "pydoc_data",
+        "__hello__",
+        "__phello__",
+    }
 )
 
 
@@ -49,8 +62,11 @@ def is_public_module_name(name: str) -> bool:
 def safe_import(name: str):
     """Import a module with its output and warnings swallowed; None if it fails."""
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             warnings.simplefilter("ignore")
             return importlib.import_module(name)
     except BaseException:  # noqa: BLE001 - any import-time failure (incl. SystemExit) skips it
@@ -66,8 +82,7 @@ def iter_package_modules(top: str) -> Iterator:
     if not hasattr(module, "__path__"):
         return
     with contextlib.redirect_stderr(io.StringIO()):  # walk_packages imports subpackages
-        names = sorted(info.name for info in pkgutil.walk_packages(
-            module.__path__, top + ".", onerror=lambda _: None))
+        names = sorted(info.name for info in pkgutil.walk_packages(module.__path__, top + ".", onerror=lambda _: None))
     for name in names:
         if is_public_module_name(name):
             submodule = safe_import(name)
@@ -135,8 +150,13 @@ def iter_corpus_texts(packages: Sequence[str] = ()) -> Iterator[str]:
 DEFAULT_PACKAGES = ("numpy", "torch")
 
 
-def build_default_corpus(output: str, max_bytes: int = 4_000_000, min_chars: int = 200,
-                         packages: Sequence[str] = DEFAULT_PACKAGES, log_every: int = 1000) -> dict:
+def build_default_corpus(
+    output: str,
+    max_bytes: int = 4_000_000,
+    min_chars: int = 200,
+    packages: Sequence[str] = DEFAULT_PACKAGES,
+    log_every: int = 1000,
+) -> dict:
     """Write the corpus JSONL to ``output`` (atomically); returns {"documents", "bytes"}."""
     seen: set[bytes] = set()
     num_docs, num_bytes = 0, 0
@@ -167,17 +187,18 @@ def build_default_corpus(output: str, max_bytes: int = 4_000_000, min_chars: int
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True, help="JSONL file to write")
-    parser.add_argument("--max-bytes", type=int, default=4_000_000,
-                        help="stop before exceeding this many bytes of UTF-8 text")
-    parser.add_argument("--min-chars", type=int, default=200,
-                        help="drop documents shorter than this many characters")
-    parser.add_argument("--packages", default=",".join(DEFAULT_PACKAGES),
-                        help="comma-separated installed packages whose docstrings follow the "
-                             "stdlib's ('' for none)")
+    parser.add_argument(
+        "--max-bytes", type=int, default=4_000_000, help="stop before exceeding this many bytes of UTF-8 text"
+    )
+    parser.add_argument("--min-chars", type=int, default=200, help="drop documents shorter than this many characters")
+    parser.add_argument(
+        "--packages",
+        default=",".join(DEFAULT_PACKAGES),
+        help="comma-separated installed packages whose docstrings follow the stdlib's ('' for none)",
+    )
     args = parser.parse_args(argv)
     packages = [p for p in args.packages.split(",") if p]
-    build_default_corpus(args.output, max_bytes=args.max_bytes, min_chars=args.min_chars,
-                         packages=packages)
+    build_default_corpus(args.output, max_bytes=args.max_bytes, min_chars=args.min_chars, packages=packages)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -66,8 +67,9 @@ def check_supported(hf: dict[str, Any]) -> None:
     if hf.get("model_type") in SUPPORTED_MODEL_TYPES and not_causal:
         # e.g. a reward model (LlamaForSequenceClassification): its head would be dropped and the
         # tied embedding taken as the LM head, a causal LM that checkpoint never was
-        problems.append(f"architectures {not_causal}: only causal language models (LlamaForCausalLM, "
-                        f"Qwen2ForCausalLM) convert")
+        problems.append(
+            f"architectures {not_causal}: only causal language models (LlamaForCausalLM, Qwen2ForCausalLM) convert"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r}: only silu (SwiGLU) is supported")
     for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names
@@ -76,15 +78,18 @@ def check_supported(hf: dict[str, Any]) -> None:
         if kind == "llama3":
             off = {k: rope.get(k) for k, v in LLAMA3_ROPE.items() if float(rope.get(k, -1)) != v}
             if off or not float(rope.get("factor", 0)) > 0:
-                problems.append(f"{key} {rope}: Llama-3 RoPE scaling converts only with low_freq_factor 1, "
-                                f"high_freq_factor 4, original_max_position_embeddings 8192 and a factor > 0 "
-                                f"(megatron-core's fixed values); this config has {off or rope.get('factor')}")
+                problems.append(
+                    f"{key} {rope}: Llama-3 RoPE scaling converts only with low_freq_factor 1, "
+                    f"high_freq_factor 4, original_max_position_embeddings 8192 and a factor > 0 "
+                    f"(megatron-core's fixed values); this config has {off or rope.get('factor')}"
+                )
         elif kind != "default":
             problems.append(f"{key} {rope}: RoPE scaling {kind!r} is not supported (only llama3)")
     theta = get_rope_theta(hf)
     if not theta.is_integer():  # --rotary-base is an integer (as Megatron-LM's): int() would silently change it
-        problems.append(f"rope_theta {theta}: not supported, --rotary-base takes an integer (RoPE theta "
-                        f"without a fraction)")
+        problems.append(
+            f"rope_theta {theta}: not supported, --rotary-base takes an integer (RoPE theta without a fraction)"
+        )
     partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         problems.append(f"partial_rotary_factor {partial}: only full-dimension RoPE converts")
@@ -95,10 +100,13 @@ def check_supported(hf: dict[str, Any]) -> None:
         # the tensors keep their HF names (q_proj.weight holds fp8 or int values, the scales sit
         # beside it): converted as plain weights, they would be a silently wrong model
         method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
-        problems.append(f"quantization_config (quant_method {method!r}): quantized checkpoints are not supported; "
-                        f"convert the unquantized (bf16/fp16/fp32) checkpoint")
-    if hf.get("model_type") == "qwen2" and (hf.get("use_sliding_window")
-                                            or "sliding_attention" in (hf.get("layer_types") or [])):
+        problems.append(
+            f"quantization_config (quant_method {method!r}): quantized checkpoints are not supported; "
+            f"convert the unquantized (bf16/fp16/fp32) checkpoint"
+        )
+    if hf.get("model_type") == "qwen2" and (
+        hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or [])
+    ):
         problems.append("use_sliding_window=true: sliding-window attention is not supported")
     for key in REQUIRED_KEYS:
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf.get(key) <= 0:
@@ -131,8 +139,9 @@ def get_padded_vocab(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
     """Rounded up to ``divisible_by`` whatever the TP size (megatron_ext.derived.get_padded_vocab_size);
     ``tp`` only has to divide it."""
     if divisible_by % tp:
-        raise ValueError(f"--make-vocab-size-divisible-by {divisible_by} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
+        raise ValueError(
+            f"--make-vocab-size-divisible-by {divisible_by} is not divisible by --tensor-model-parallel-size {tp}"
+        )
     multiple = divisible_by
     return -(-vocab_size // multiple) * multiple
 
@@ -143,11 +152,17 @@ def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str
     groups = hf.get("num_key_value_heads") or heads
     factor = get_rope_scaling_factor(hf)
     return dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
-        group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
-        normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
-        disable_bias_linear=True, position_embedding_type="rope",
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        group_query_attention=groups != heads,
+        num_query_groups=groups if groups != heads else None,
+        normalization="RMSNorm",
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        swiglu=True,
+        disable_bias_linear=True,
+        position_embedding_type="rope",
         rotary_base=int(get_rope_theta(hf)),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         max_position_embeddings=hf.get("max_position_embeddings"),
@@ -167,7 +182,9 @@ def _dims(hf: dict[str, Any]) -> tuple[int, int, int]:
     return heads, groups, hf["hidden_size"] // heads
 
 
-def hf_to_megatron_tensors(hf_state: dict[str, torch.Tensor], hf: dict[str, Any], padded_vocab: int) -> dict[str, torch.Tensor]:
+def hf_to_megatron_tensors(
+    hf_state: dict[str, torch.Tensor], hf: dict[str, Any], padded_vocab: int
+) -> dict[str, torch.Tensor]:
     """{our single-process parameter name: tensor} from HF Llama tensors (pure)."""
     heads, groups, d = _dims(hf)
     hidden = hf["hidden_size"]
@@ -253,12 +270,20 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(minutes=10)
+        )
     if dist.get_world_size() != 1:
         raise ValueError("the converter runs in one process: launch it with python, not torchrun")
-    cfg = build_job_config({**values, "mock_data": True, "tokenizer_type": "NullTokenizer",
-                            "vocab_size": padded_vocab - 1, "seq_length": 16})
+    cfg = build_job_config(
+        {
+            **values,
+            "mock_data": True,
+            "tokenizer_type": "NullTokenizer",
+            "vocab_size": padded_vocab - 1,
+            "seq_length": 16,
+        }
+    )
     device = torch.device("cpu")
     ctx = build_parallel_context(cfg, device)
     try:
@@ -301,12 +326,15 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (SafetensorError, OSError) as err:
-        raise ValueError(f"--hf-dir: {path} is not a readable safetensors file ({err}); it may be truncated "
-                         f"or damaged: download or export it again") from None
+        raise ValueError(
+            f"--hf-dir: {path} is not a readable safetensors file ({err}); it may be truncated "
+            f"or damaged: download or export it again"
+        ) from None
 
 
-def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: int = 128,
-                           log: Callable[[str], None] = print) -> str:
+def convert_hf_to_megatron(
+    hf_dir: str, save: str, tp: int = 1, divisible_by: int = 128, log: Callable[[str], None] = print
+) -> str:
     """HF Llama directory -> ``save/iter_0000000`` (weights, args, the HF config)."""
     from megatron_ext.checkpoint.directory import FORMAT_VERSION, write_checkpoint
     from megatron_ext.checkpoint.state import build_model_sharded_state_dict
@@ -335,13 +363,17 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, divisible_by: in
 
         state = build_model_sharded_state_dict([_Wrapped])
         args = {k: v for k, v in cfg.to_flat_dict().items() if k not in PLACEHOLDER_SETTINGS}
-        state.update(args=args, tokenizer=None, padded_vocab_size=padded,
-                     hf_config=hf, checkpoint_version=FORMAT_VERSION)
+        state.update(
+            args=args, tokenizer=None, padded_vocab_size=padded, hf_config=hf, checkpoint_version=FORMAT_VERSION
+        )
         return write_checkpoint(state, save, 0)
 
     out = _with_single_process_model(values, padded, save_chunk)
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
-                     for k, v in values.items() if v not in (None, False))
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
+        for k, v in values.items()
+        if v not in (None, False)
+    )
     log(f"wrote {out}\nload it with: --load {save} {flags}")
     return out
 
@@ -353,10 +385,14 @@ def check_empty_save_dir(save: str) -> None:
 
     if os.path.exists(save) and not os.path.isdir(save):
         raise ValueError(f"--save {save} is a file, not a directory")
-    held = sorted(n for n in os.listdir(save) if n.startswith("iter_") or n == TRACKER_FILE) if os.path.isdir(save) else []
+    held = (
+        sorted(n for n in os.listdir(save) if n.startswith("iter_") or n == TRACKER_FILE) if os.path.isdir(save) else []
+    )
     if held:
-        raise ValueError(f"--save {save} already holds checkpoints ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
-                         f"give a new or empty directory")
+        raise ValueError(
+            f"--save {save} already holds checkpoints ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+            f"give a new or empty directory"
+        )
 
 
 def check_hf_output_dir(hf_dir: str) -> None:
@@ -367,8 +403,9 @@ def check_hf_output_dir(hf_dir: str) -> None:
     if os.path.isdir(hf_dir):
         held = sorted(n for n in os.listdir(hf_dir) if n == "config.json" or n.endswith(".safetensors"))
         if held:
-            raise ValueError(f"--hf-dir {hf_dir} already holds a model ({', '.join(held)}): give a new or "
-                             f"empty directory")
+            raise ValueError(
+                f"--hf-dir {hf_dir} already holds a model ({', '.join(held)}): give a new or empty directory"
+            )
 
 
 def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = print) -> str:
@@ -450,16 +487,22 @@ def unstack_layers(full: dict[str, torch.Tensor], num_layers: int) -> dict[str, 
 
 def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     """An HF LlamaConfig dict for a checkpoint trained here (no HF config recorded)."""
-    if not (args.get("swiglu") and args.get("normalization") == "RMSNorm" and args.get("disable_bias_linear")
-            and args.get("position_embedding_type") == "rope"):
+    if not (
+        args.get("swiglu")
+        and args.get("normalization") == "RMSNorm"
+        and args.get("disable_bias_linear")
+        and args.get("position_embedding_type") == "rope"
+    ):
         raise ValueError(
             "only Llama-style checkpoints convert to HF: need --swiglu --normalization RMSNorm "
             "--disable-bias-linear --position-embedding-type rope"
         )
     if float(args.get("rotary_percent", 1.0)) != 1.0:
         # HF's Llama rotates every dimension of a head: the export would be another model
-        raise ValueError(f"--rotary-percent {args['rotary_percent']}: HF Llama/Qwen2 rotate the whole head, "
-                         f"only checkpoints trained with --rotary-percent 1.0 convert")
+        raise ValueError(
+            f"--rotary-percent {args['rotary_percent']}: HF Llama/Qwen2 rotate the whole head, "
+            f"only checkpoints trained with --rotary-percent 1.0 convert"
+        )
     vocab = (common.get("tokenizer") or {}).get("vocab_size") or common["padded_vocab_size"]
     heads = args["num_attention_heads"]
     theta = float(args["rotary_base"])
@@ -473,14 +516,17 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
         "model_type": "qwen2" if qwen else "llama",
         **({"use_sliding_window": False} if qwen else {}),
-        "vocab_size": vocab, "hidden_size": args["hidden_size"],
+        "vocab_size": vocab,
+        "hidden_size": args["hidden_size"],
         # the width the model had: --ffn-hidden-size, or its default (None in args) when it was saved
         "intermediate_size": saved_ffn_hidden_size({**common, "args": args}),
         "num_hidden_layers": args["num_layers"],
         "num_attention_heads": heads,
         "num_key_value_heads": args["num_query_groups"] if args.get("group_query_attention") else heads,
-        "rms_norm_eps": args["norm_epsilon"], "rope_theta": theta,
-        "rope_parameters": rope, "rope_scaling": rope if args.get("use_rope_scaling") else None,
+        "rms_norm_eps": args["norm_epsilon"],
+        "rope_theta": theta,
+        "rope_parameters": rope,
+        "rope_scaling": rope if args.get("use_rope_scaling") else None,
         "max_position_embeddings": args.get("max_position_embeddings") or args["seq_length"],
         "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
         "hidden_act": "silu",
@@ -495,11 +541,18 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("hf-to-megatron", help="HF Llama / Qwen2 (safetensors + config.json) -> our checkpoint")
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--save", required=True)
-    a.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="TP size of the runs that will load it (only checked: it must divide the multiple)")
+    a.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="TP size of the runs that will load it (only checked: it must divide the multiple)",
+    )
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    b = sub.add_parser("megatron-to-hf", help="our checkpoint -> HF Llama / Qwen2 (safetensors + config.json); "
-                       "every file read is checked against the checksums its save recorded, a damaged one refused")
+    b = sub.add_parser(
+        "megatron-to-hf",
+        help="our checkpoint -> HF Llama / Qwen2 (safetensors + config.json); "
+        "every file read is checked against the checksums its save recorded, a damaged one refused",
+    )
     b.add_argument("--load", required=True)
     b.add_argument("--hf-dir", required=True)
     args = parser.parse_args(argv)
@@ -509,13 +562,17 @@ def main(argv: list[str] | None = None) -> int:
     # torch DCP's note when it reads without a process group, which is what this tool means to do
     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
     if importlib.util.find_spec("safetensors") is None:  # checked before any work, not after the read
-        print("error: tools/convert_checkpoint.py reads and writes Hugging Face safetensors, which is not "
-              "installed: pip install -e '.[convert]' (or pip install safetensors)", file=sys.stderr)
+        print(
+            "error: tools/convert_checkpoint.py reads and writes Hugging Face safetensors, which is not "
+            "installed: pip install -e '.[convert]' (or pip install safetensors)",
+            file=sys.stderr,
+        )
         return 2
     try:
         if args.direction == "hf-to-megatron":
-            convert_hf_to_megatron(args.hf_dir, args.save, args.tensor_model_parallel_size,
-                                   args.make_vocab_size_divisible_by)
+            convert_hf_to_megatron(
+                args.hf_dir, args.save, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
+            )
         else:
             convert_megatron_to_hf(args.load, args.hf_dir)
     except ValueError as err:

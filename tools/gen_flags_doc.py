@@ -94,8 +94,10 @@ def _section_table(cls: type, actions: list[argparse.Action]) -> list[str]:
     rows = ["| flag | type | default | what it does |", "| --- | --- | --- | --- |"]
     for name, f in fields.items():
         help_text = f.metadata.get("help", "")
-        rows.append(f"| {_flag_cell(by_dest[name])} | {_escape(_type_name(hints[name], f))} | "
-                    f"{_escape(_default(f, hints[name]))} | {_escape(help_text)} |")
+        rows.append(
+            f"| {_flag_cell(by_dest[name])} | {_escape(_type_name(hints[name], f))} | "
+            f"{_escape(_default(f, hints[name]))} | {_escape(help_text)} |"
+        )
     return rows
 
 
@@ -114,20 +116,33 @@ def render_flags_doc() -> str:
     # argparse has no public view of its groups; the titles are the config sections' names
     groups = {g.title: g._group_actions for g in parser._action_groups}
     megatron_title = next(t for t in groups if t.startswith("Megatron-LM compatibility"))
-    out = [HEADER, "Sections: " + ", ".join(f"[{s}](#{s})" for s in SECTION_TYPES)
-           + ", [Megatron-LM compatibility](#megatron-lm-compatibility).", "", "## general", "",
-           "| flag | type | default | what it does |", "| --- | --- | --- | --- |"]
+    out = [
+        HEADER,
+        "Sections: "
+        + ", ".join(f"[{s}](#{s})" for s in SECTION_TYPES)
+        + ", [Megatron-LM compatibility](#megatron-lm-compatibility).",
+        "",
+        "## general",
+        "",
+        "| flag | type | default | what it does |",
+        "| --- | --- | --- | --- |",
+    ]
     for a in groups["options"]:  # --help and --config
         kind, default = ("switch", "off") if a.nargs == 0 else ("path", "unset")
         out.append(f"| {_flag_cell([a])} | {kind} | {default} | {_escape(a.help)} |")
     for section, cls in SECTION_TYPES.items():
         out += ["", f"## {section}", "", (cls.__doc__ or "").strip(), ""]
         out += _section_table(cls, groups[section])
-    out += ["", "## Megatron-LM compatibility", "",
-            "Flags of Megatron-LM launch scripts that we have no field for (`megatron_ext/megatron_flags.py`): "
-            "accepted where their value is what we do anyway, refused, naming the flag, where they would "
-            "change the model or the training. A refusal is reported with every other problem of the "
-            "configuration, before any process starts work.", ""]
+    out += [
+        "",
+        "## Megatron-LM compatibility",
+        "",
+        "Flags of Megatron-LM launch scripts that we have no field for (`megatron_ext/megatron_flags.py`): "
+        "accepted where their value is what we do anyway, refused, naming the flag, where they would "
+        "change the model or the training. A refusal is reported with every other problem of the "
+        "configuration, before any process starts work.",
+        "",
+    ]
     out += _megatron_table(groups[megatron_title])
     return "\n".join(out) + "\n"
 

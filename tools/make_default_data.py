@@ -35,9 +35,15 @@ def write_readme(output_dir: str, corpus: dict, stats, vocab_size: int, max_byte
     import torch
 
     lengths = sorted(stats.document_lengths["text"])
-    sizes = {name: os.path.getsize(os.path.join(output_dir, name))
-             for name in ("tokenizer.model", "corpus_text_document.bin",
-                          "corpus_text_document.idx", "corpus_text_document.tokenizer.json")}
+    sizes = {
+        name: os.path.getsize(os.path.join(output_dir, name))
+        for name in (
+            "tokenizer.model",
+            "corpus_text_document.bin",
+            "corpus_text_document.idx",
+            "corpus_text_document.tokenizer.json",
+        )
+    }
     lines = [
         "# Default data",
         "",
@@ -84,8 +90,13 @@ def write_readme(output_dir: str, corpus: dict, stats, vocab_size: int, max_byte
     return path
 
 
-def make_default_data(output_dir: str = "data/default", max_bytes: int = DEFAULT_MAX_BYTES,
-                      vocab_size: int = 8192, workers: int = 2, keep_jsonl: bool = False) -> None:
+def make_default_data(
+    output_dir: str = "data/default",
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    vocab_size: int = 8192,
+    workers: int = 2,
+    keep_jsonl: bool = False,
+) -> None:
     os.makedirs(output_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = os.path.join(output_dir if keep_jsonl else tmp, "corpus.jsonl")
@@ -94,9 +105,15 @@ def make_default_data(output_dir: str = "data/default", max_bytes: int = DEFAULT
         print("[2/3] tokenizer", flush=True)
         model = train_tokenizer(jsonl, os.path.join(output_dir, "tokenizer"), vocab_size)
         print("[3/3] preprocess", flush=True)
-        stats = preprocess_data(jsonl, os.path.join(output_dir, "corpus"),
-                                "SentencePieceTokenizer", model, append_eod=True,
-                                workers=workers, log_interval=0)
+        stats = preprocess_data(
+            jsonl,
+            os.path.join(output_dir, "corpus"),
+            "SentencePieceTokenizer",
+            model,
+            append_eod=True,
+            workers=workers,
+            log_interval=0,
+        )
     readme = write_readme(output_dir, corpus, stats, vocab_size, max_bytes)
     print(open(readme).read())
 
@@ -109,8 +126,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--keep-jsonl", action="store_true")
     args = parser.parse_args(argv)
-    make_default_data(args.output_dir, args.max_bytes, args.vocab_size, args.workers,
-                      args.keep_jsonl)
+    make_default_data(args.output_dir, args.max_bytes, args.vocab_size, args.workers, args.keep_jsonl)
 
 
 if __name__ == "__main__":

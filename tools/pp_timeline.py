@@ -26,7 +26,10 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from tools.timeline_analysis import (  # noqa: E402
-    get_bubble_stats, get_model_bubbles, parse_rank_step, read_timeline,
+    get_bubble_stats,
+    get_model_bubbles,
+    parse_rank_step,
+    read_timeline,
 )
 
 
@@ -81,15 +84,27 @@ def render_timeline(step_records: dict[int, list[dict]], output: str, title: str
         for op in rs.ops:
             y = y0 + (v - 1 - op.chunk) * row_h  # chunk 0 on top within the rank's row
             x, w = (op.start - t0) * 1e3, (op.end - op.start) * 1e3
-            ax.broken_barh([(x, w)], (y + 0.06 * row_h, 0.88 * row_h), facecolors=colour(op.mb, op.kind),
-                           edgecolor="black", linewidth=0.3, hatch="..." if op.kind == "W" else None)
+            ax.broken_barh(
+                [(x, w)],
+                (y + 0.06 * row_h, 0.88 * row_h),
+                facecolors=colour(op.mb, op.kind),
+                edgecolor="black",
+                linewidth=0.3,
+                hatch="..." if op.kind == "W" else None,
+            )
             if w > span_ms / 140:
-                ax.text(x + w / 2, y + 0.5 * row_h, f"{op.kind}{op.mb}", ha="center", va="center",
-                        fontsize=6 if v > 1 else 7, color="black" if op.kind == "F" else "white")
+                ax.text(
+                    x + w / 2,
+                    y + 0.5 * row_h,
+                    f"{op.kind}{op.mb}",
+                    ha="center",
+                    va="center",
+                    fontsize=6 if v > 1 else 7,
+                    color="black" if op.kind == "F" else "white",
+                )
         if rs.optimizer is not None:
             x, w = (rs.optimizer[0] - t0) * 1e3, (rs.optimizer[1] - rs.optimizer[0]) * 1e3
-            ax.broken_barh([(x, w)], (y0 + 0.06, 0.88), facecolors="0.85", hatch="//", edgecolor="0.5",
-                           linewidth=0.3)
+            ax.broken_barh([(x, w)], (y0 + 0.06, 0.88), facecolors="0.85", hatch="//", edgecolor="0.5", linewidth=0.3)
         for c in range(1, v):
             ax.axhline(y0 + c * row_h, color="0.85", linewidth=0.4)
         ax.axhline(y0, color="black", linewidth=0.6)
@@ -97,13 +112,21 @@ def render_timeline(step_records: dict[int, list[dict]], output: str, title: str
     ax.set_ylim(0, len(steps))
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_xlabel("ms since the first forward of the step")
-    legend = [Patch(facecolor=colour(0, "F"), edgecolor="black", label="forward (light)"),
-              Patch(facecolor=colour(0, "B"), edgecolor="black", label="backward / input gradient B (dark)"),
-              Patch(facecolor=colour(0, "W"), edgecolor="black", hatch="...", label="weight gradient W (grey, dotted)"),
-              Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="grad finalize + optimizer"),
-              Patch(facecolor="white", edgecolor="black", label="idle (bubble, P2P wait)")]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 if v == 1 else -0.09),
-              ncol=5, fontsize=8, frameon=False)
+    legend = [
+        Patch(facecolor=colour(0, "F"), edgecolor="black", label="forward (light)"),
+        Patch(facecolor=colour(0, "B"), edgecolor="black", label="backward / input gradient B (dark)"),
+        Patch(facecolor=colour(0, "W"), edgecolor="black", hatch="...", label="weight gradient W (grey, dotted)"),
+        Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="grad finalize + optimizer"),
+        Patch(facecolor="white", edgecolor="black", label="idle (bubble, P2P wait)"),
+    ]
+    ax.legend(
+        handles=legend,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 if v == 1 else -0.09),
+        ncol=5,
+        fontsize=8,
+        frameon=False,
+    )
     if v > 1:
         title += f"  (sub-rows per rank: virtual stages 0..{v - 1}, top to bottom)"
     ax.set_title(title, fontsize=10)
@@ -132,24 +155,27 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # user errors are one line, before any work (a missing matplotlib used to fail after the table)
     if importlib.util.find_spec("matplotlib") is None:
-        _fail("tools/pp_timeline.py draws with matplotlib, which is not installed: "
-                         "pip install -e '.[plots]' (or pip install matplotlib)")
+        _fail(
+            "tools/pp_timeline.py draws with matplotlib, which is not installed: "
+            "pip install -e '.[plots]' (or pip install matplotlib)"
+        )
     if not os.path.isdir(args.trace_dir):
-        _fail(f"{args.trace_dir}: no such directory (give the directory the run wrote with "
-                         f"--pp-timeline DIR)")
+        _fail(f"{args.trace_dir}: no such directory (give the directory the run wrote with --pp-timeline DIR)")
     try:
         steps = read_timeline(args.trace_dir)
     except ValueError as err:
         _fail(str(err))
     if not steps:
-        _fail(f"{args.trace_dir}: the rank<N>.jsonl files hold no step yet (the run stopped "
-                         f"before its first step ended)")
+        _fail(
+            f"{args.trace_dir}: the rank<N>.jsonl files hold no step yet (the run stopped before its first step ended)"
+        )
     step = args.step if args.step is not None else get_default_step(steps)
     if step not in steps:
         _fail(f"--step {step}: not in the trace (recorded steps: {sorted(steps)})")
     first = parse_rank_step(next(iter(steps[step].values())))
-    title = (f"step {step}: PP={first.pp_size}, VPP={first.vp_size}, m={first.num_microbatches}, "
-             f"{len(steps[step])} ranks")
+    title = (
+        f"step {step}: PP={first.pp_size}, VPP={first.vp_size}, m={first.num_microbatches}, {len(steps[step])} ranks"
+    )
     render_timeline(steps[step], args.output, title)
     print(f"{title}\n{format_bubble_table(steps[step])}\nwrote {args.output}")
 

@@ -29,8 +29,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
@@ -85,7 +85,7 @@ class _Encoder:
         return ids_per_key, len(raw)
 
 
-_WORKER_ENCODER: Optional[_Encoder] = None
+_WORKER_ENCODER: _Encoder | None = None
 
 
 def _init_worker(encoder: _Encoder) -> None:
@@ -170,8 +170,7 @@ def _raise_interrupted(signum, frame):
 def _sigterm_raises():
     """SIGTERM raises ``Interrupted`` in the main thread while this is open (unless a handler is
     already set, or this is not the main thread: signals reach only it)."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL):
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
@@ -189,8 +188,10 @@ def _signals_deferred():
         yield
         return
     received = []
-    previous = {signum: signal.signal(signum, lambda got, frame: received.append(got))
-                for signum in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        signum: signal.signal(signum, lambda got, frame: received.append(got))
+        for signum in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         yield
     finally:
@@ -205,20 +206,33 @@ def get_output_prefix(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
-def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
-                    tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
-                    json_keys: Sequence[str] = ("text",), append_eod: bool = False,
-                    workers: int = 1, log_interval: int = 10000,
-                    progress: bool = True, vocab_file: Optional[str] = None,
-                    merge_file: Optional[str] = None) -> PreprocessStats:
+def preprocess_data(
+    input_path: str,
+    output_prefix: str,
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = False,
+    workers: int = 1,
+    log_interval: int = 10000,
+    progress: bool = True,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+) -> PreprocessStats:
     """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.{bin,idx}`` per key."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
     json_keys = list(json_keys)
     _check_arguments(input_path, json_keys, workers)
-    tokenizer_args = dict(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
-                          vocab_size=vocab_size, vocab_file=vocab_file, merge_file=merge_file)
+    tokenizer_args = dict(
+        tokenizer_type=tokenizer_type,
+        tokenizer_model=tokenizer_model,
+        vocab_size=vocab_size,
+        vocab_file=vocab_file,
+        merge_file=merge_file,
+    )
     encoder = _Encoder(input_path, json_keys, tokenizer_args, append_eod)
     encoder.initialize()  # fail fast on tokenizer flags, and gives us the dtype
     dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
@@ -248,8 +262,7 @@ def preprocess_data(input_path: str, output_prefix: str, tokenizer_type: str,
                 encoded = _encode_in_pool(pool, lines, workers)
             else:
                 encoded = map(encoder.encode, lines)
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress,
-                       file=sys.stderr)
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=not progress, file=sys.stderr)
             _add_documents(encoded, builders, stats, dtype, bar, log_interval)
             bar.close()
             _check_not_empty(input_path, stats)
@@ -284,8 +297,10 @@ def _check_arguments(input_path: str, json_keys: list[str], workers: int) -> Non
         raise ValueError("--json-keys is empty: name at least one key (default: text)")
     repeated = sorted({key for key in json_keys if json_keys.count(key) > 1})
     if repeated:
-        raise ValueError(f"--json-keys {' '.join(json_keys)} names {', '.join(map(repr, repeated))} more than "
-                         f"once: each key writes its own dataset; give each once")
+        raise ValueError(
+            f"--json-keys {' '.join(json_keys)} names {', '.join(map(repr, repeated))} more than "
+            f"once: each key writes its own dataset; give each once"
+        )
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
 
@@ -309,66 +324,82 @@ def _add_documents(encoded, builders: dict, stats: PreprocessStats, dtype, bar, 
         stats.num_documents += 1
         if log_interval and stats.num_documents % log_interval == 0:
             elapsed = max(time.time() - start, 1e-9)
-            bar.write(f"processed {stats.num_documents} documents "
-                      f"({stats.num_documents / elapsed:.0f} docs/s, "
-                      f"{stats.num_bytes / elapsed / 1e6:.2f} MB/s)")
+            bar.write(
+                f"processed {stats.num_documents} documents "
+                f"({stats.num_documents / elapsed:.0f} docs/s, "
+                f"{stats.num_bytes / elapsed / 1e6:.2f} MB/s)"
+            )
 
 
 def _check_not_empty(input_path: str, stats: PreprocessStats) -> None:
     """ValueError for a dataset training would refuse ("has no documents": no sequence at all)."""
     if not stats.num_documents:
-        raise ValueError(f"--input {input_path} holds no JSON line (it is empty or blank): nothing to "
-                         f"tokenize; give a JSONL file with one document per line")
+        raise ValueError(
+            f"--input {input_path} holds no JSON line (it is empty or blank): nothing to "
+            f"tokenize; give a JSONL file with one document per line"
+        )
     empty = [key for key in stats.output_prefixes if not stats.num_tokens[key]]
     if empty:
         raise ValueError(
             f"--input {input_path}: every one of its {stats.num_documents} documents is empty under "
-            f"{', '.join(map(repr, empty))}: no tokens, a dataset training refuses (\"has no documents\"); "
-            f"wrote nothing; leave {'it' if len(empty) == 1 else 'them'} out of --json-keys or give text")
+            f'{", ".join(map(repr, empty))}: no tokens, a dataset training refuses ("has no documents"); '
+            f"wrote nothing; leave {'it' if len(empty) == 1 else 'them'} out of --json-keys or give text"
+        )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True,
-                       help="JSONL file, one JSON object per line; gzipped (.jsonl.gz) too")
-    group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="keys to extract; each gets its own dataset")
+    group.add_argument("--input", required=True, help="JSONL file, one JSON object per line; gzipped (.jsonl.gz) too")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; each gets its own dataset")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES + tuple(REFUSED_TYPES))
-    group.add_argument("--tokenizer-model", default=None,
-                       help="sentencepiece .model, or a local Hugging Face tokenizer directory")
+    group.add_argument(
+        "--tokenizer-model", default=None, help="sentencepiece .model, or a local Hugging Face tokenizer directory"
+    )
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     group.add_argument("--append-eod", action="store_true", help="end each document with EOD")
     group = parser.add_argument_group("output data")
-    group.add_argument("--output-prefix", required=True,
-                       help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
+    group.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     group.add_argument("--log-interval", type=int, default=10000, help="documents between logs")
     group.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     try:
-        stats = preprocess_data(args.input, args.output_prefix, args.tokenizer_type,
-                                args.tokenizer_model, args.vocab_size, args.json_keys,
-                                args.append_eod, args.workers, args.log_interval,
-                                progress=not args.no_progress, vocab_file=args.vocab_file,
-                                merge_file=args.merge_file)
+        stats = preprocess_data(
+            args.input,
+            args.output_prefix,
+            args.tokenizer_type,
+            args.tokenizer_model,
+            args.vocab_size,
+            args.json_keys,
+            args.append_eod,
+            args.workers,
+            args.log_interval,
+            progress=not args.no_progress,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except (Interrupted, KeyboardInterrupt) as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
-        print(f"error: stopped by {signal.Signals(signum).name}; removed the unfinished "
-              f"{args.output_prefix}_*_document.bin.tmp/.idx.tmp files (earlier datasets are untouched)",
-              file=sys.stderr)
+        print(
+            f"error: stopped by {signal.Signals(signum).name}; removed the unfinished "
+            f"{args.output_prefix}_*_document.bin.tmp/.idx.tmp files (earlier datasets are untouched)",
+            file=sys.stderr,
+        )
         sys.exit(128 + signum)
     for key, prefix in stats.output_prefixes.items():
-        print(f"wrote {prefix}.bin/.idx/{TOKENIZER_RECORD_SUFFIX[1:]}: {stats.num_documents} documents, "
-              f"{stats.num_tokens[key]} tokens ({stats.num_empty[key]} of them empty, recorded without a sequence "
-              f"as Megatron-LM does)")
+        print(
+            f"wrote {prefix}.bin/.idx/{TOKENIZER_RECORD_SUFFIX[1:]}: {stats.num_documents} documents, "
+            f"{stats.num_tokens[key]} tokens ({stats.num_empty[key]} of them empty, recorded without a sequence "
+            f"as Megatron-LM does)"
+        )
 
 
 if __name__ == "__main__":

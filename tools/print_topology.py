@@ -28,11 +28,14 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
 
 from megatron_ext.config import ConfigError, build_job_config  # noqa: E402
-from megatron_ext.validation import validate  # noqa: E402
-from megatron_ext.parallel import (  # noqa: E402
-    ParallelContext, build_parallel_context, destroy_parallel_context, init_distributed,
-)
 from megatron_ext.cpu_platform import select_device  # noqa: E402
+from megatron_ext.parallel import (  # noqa: E402
+    ParallelContext,
+    build_parallel_context,
+    destroy_parallel_context,
+    init_distributed,
+)
+from megatron_ext.validation import validate  # noqa: E402
 
 
 def get_rank_topology(ctx: ParallelContext, env: dict[str, str]) -> dict:
@@ -43,7 +46,9 @@ def get_rank_topology(ctx: ParallelContext, env: dict[str, str]) -> dict:
         "node": int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
         "hostname": socket.gethostname(),
         "local_rank": int(env.get("LOCAL_RANK", "0")),
-        "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank,
+        "tp_rank": ctx.tp_rank,
+        "pp_rank": ctx.pp_rank,
+        "dp_rank": ctx.dp_rank,
         "tp_ranks": dist.get_process_group_ranks(ctx.tp_group),
         "pp_ranks": dist.get_process_group_ranks(ctx.pp_group),
         "dp_ranks": dist.get_process_group_ranks(ctx.dp_group),
@@ -53,11 +58,18 @@ def get_rank_topology(ctx: ParallelContext, env: dict[str, str]) -> dict:
 def write_topology(tp: int, pp: int, output_dir: str) -> dict:
     """Build the TP x PP x DP groups of the torchrun world and write this rank's JSON."""
     # The smallest job that passes validation for this layout: the groups do not depend on it.
-    cfg = build_job_config({
-        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-        "num_layers": pp, "num_attention_heads": tp, "hidden_size": 64 * tp,
-        "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 128,
-    })
+    cfg = build_job_config(
+        {
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            "num_layers": pp,
+            "num_attention_heads": tp,
+            "hidden_size": 64 * tp,
+            "mock_data": True,
+            "tokenizer_type": "NullTokenizer",
+            "vocab_size": 128,
+        }
+    )
     device = select_device()
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)

@@ -11,6 +11,7 @@ import json
 import os
 import statistics
 
+
 def read_timeline(trace_dir: str) -> dict[int, dict[int, list[dict]]]:
     """{step: {rank: [records]}} from every ``rank<N>.jsonl`` under ``trace_dir``."""
     out: dict[int, dict[int, list[dict]]] = {}
@@ -18,7 +19,7 @@ def read_timeline(trace_dir: str) -> dict[int, dict[int, list[dict]]]:
     if not names:
         raise ValueError(f"{trace_dir}: no rank<N>.jsonl files (was the run started with --pp-timeline {trace_dir}?)")
     for name in names:
-        rank = int(name[len("rank"):-len(".jsonl")])
+        rank = int(name[len("rank") : -len(".jsonl")])
         with open(os.path.join(trace_dir, name)) as f:
             for line in f:
                 if line.strip():
@@ -72,12 +73,25 @@ class RankStep:
 
 def parse_rank_step(records: list[dict]) -> RankStep:
     (meta,) = [r for r in records if r["kind"] == "step"]
-    ops = sorted((Op(r["kind"], r["chunk"], r["mb"], r["start"], r["end"])
-                  for r in records if r["kind"] in ("F", "B", "W")), key=lambda op: op.start)
+    ops = sorted(
+        (Op(r["kind"], r["chunk"], r["mb"], r["start"], r["end"]) for r in records if r["kind"] in ("F", "B", "W")),
+        key=lambda op: op.start,
+    )
     opt = [(r["start"], r["end"]) for r in records if r["kind"] == "optimizer"]
-    return RankStep(meta["rank"], meta["pp_rank"], meta["pp_size"], meta["vp_size"], meta.get("pipeline", 0),
-                    meta["num_microbatches"], meta["start"], meta["end"], ops, opt[0] if opt else None,
-                    meta.get("schedule"), meta.get("placement", "loop"))
+    return RankStep(
+        meta["rank"],
+        meta["pp_rank"],
+        meta["pp_size"],
+        meta["vp_size"],
+        meta.get("pipeline", 0),
+        meta["num_microbatches"],
+        meta["start"],
+        meta["end"],
+        ops,
+        opt[0] if opt else None,
+        meta.get("schedule"),
+        meta.get("placement", "loop"),
+    )
 
 
 def get_order(rs: RankStep):
@@ -111,8 +125,9 @@ def get_bubble_theory(pp_size: int, num_microbatches: int, vp_size: int = 1) -> 
     return (pp_size - 1) / (num_microbatches * vp_size)
 
 
-def get_schedule_order(pp_rank: int, pp_size: int, vp_size: int, num_microbatches: int,
-                       group_size: int | None = None) -> list[tuple[str, int, int]]:
+def get_schedule_order(
+    pp_rank: int, pp_size: int, vp_size: int, num_microbatches: int, group_size: int | None = None
+) -> list[tuple[str, int, int]]:
     """The (kind, chunk, mb) sequence megatron-core's schedule runs on one pipeline rank (the whole
     backward as "B"): ``megatron_ext.pipeline.schedules.one_f_one_b``, which says how."""
     from megatron_ext.pipeline.schedules.one_f_one_b import get_megatron_core_rank_order
@@ -137,8 +152,9 @@ def get_in_flight_peak(order, pp_rank: int) -> float:
     return peak(order, pp_rank)
 
 
-def get_in_flight_bound(pp_rank: int, pp_size: int, vp_size: int, num_microbatches: int,
-                        group_size: int | None = None) -> int:
+def get_in_flight_bound(
+    pp_rank: int, pp_size: int, vp_size: int, num_microbatches: int, group_size: int | None = None
+) -> int:
     """1F1B: stage r holds at most p - r micro-batches. Interleaved: warm-up + 1 chunk-micro-batches
     (each 1/v of the stage's layers), 2 (p - r - 1) + (v - 1) g + 1, at most m v."""
     p, r, v, m = pp_size, pp_rank, vp_size, num_microbatches
@@ -180,7 +196,7 @@ def check_rank_step(rs: RankStep, group_size: int | None = None) -> list[str]:
         bound = get_in_flight_bound(rs.pp_rank, rs.pp_size, v, m, group_size)
     if order != expected:
         i = next((i for i, (a, b) in enumerate(zip(order, expected)) if a != b), min(len(order), len(expected)))
-        problems.append(f"{where}: op {i} is {order[i:i + 3]}, {who} runs {expected[i:i + 3]}")
+        problems.append(f"{where}: op {i} is {order[i : i + 3]}, {who} runs {expected[i : i + 3]}")
     if get_max_in_flight(rs.ops) > bound:
         problems.append(f"{where}: {get_max_in_flight(rs.ops)} micro-batch chunks in flight, bound {bound}")
     return problems
@@ -204,8 +220,10 @@ def check_pipeline_dependencies(steps: list[RankStep], tolerance: float = 0.0) -
             if dep not in ends:
                 problems.append(f"rank {rs.rank}: {op.kind} stage {s} mb {op.mb}: no record of {dep}")
             elif op.start + tolerance < ends[dep]:
-                problems.append(f"rank {rs.rank}: {op.kind} stage {s} mb {op.mb} starts "
-                                f"{(ends[dep] - op.start) * 1e3:.3f} ms before {dep} ended")
+                problems.append(
+                    f"rank {rs.rank}: {op.kind} stage {s} mb {op.mb} starts "
+                    f"{(ends[dep] - op.start) * 1e3:.3f} ms before {dep} ended"
+                )
     return problems
 
 
@@ -254,13 +272,27 @@ def get_bubble_stats(step_records: dict[int, list[dict]]) -> list[BubbleStats]:
         t0 = min(op.start for rs in pipeline for op in rs.ops)
         t1 = max(op.end for rs in pipeline for op in rs.ops)
         for rs in pipeline:
-            out.append(BubbleStats(rs.rank, rs.pp_rank, t1 - t0, sum(op.end - op.start for op in rs.ops),
-                                   get_bubble_theory(rs.pp_size, rs.num_microbatches, rs.vp_size)))
+            out.append(
+                BubbleStats(
+                    rs.rank,
+                    rs.pp_rank,
+                    t1 - t0,
+                    sum(op.end - op.start for op in rs.ops),
+                    get_bubble_theory(rs.pp_size, rs.num_microbatches, rs.vp_size),
+                )
+            )
     return sorted(out, key=lambda b: b.rank)
 
 
-def simulate_schedule(pp_size: int, vp_size: int, num_microbatches: int, t_forward: float,
-                      t_backward: float, hop: float = 0.0, group_size: int | None = None) -> dict[int, list[Op]]:
+def simulate_schedule(
+    pp_size: int,
+    vp_size: int,
+    num_microbatches: int,
+    t_forward: float,
+    t_backward: float,
+    hop: float = 0.0,
+    group_size: int | None = None,
+) -> dict[int, list[Op]]:
     """Discrete-event model of megatron-core's schedule (``get_schedule_order`` on every rank) in
     the one execution model our own orders use (``megatron_ext.pipeline.simulate``): an op starts
     when its rank is free and its input is there, an input made on another rank arriving ``hop``
@@ -280,20 +312,44 @@ def simulate_order_ops(order, costs, hop: float = 0.0) -> dict[int, list[Op]]:
     from megatron_ext.pipeline.simulate import simulate_order
 
     sim = simulate_order(order, costs, hop)
-    return {r: [Op("B" if t.action.kind == "BW" else t.action.kind, order.chunk_of(t.action.stage), t.action.mb,
-                   t.start, t.end) for t in ops] for r, ops in enumerate(sim.ranks)}
+    return {
+        r: [
+            Op(
+                "B" if t.action.kind == "BW" else t.action.kind,
+                order.chunk_of(t.action.stage),
+                t.action.mb,
+                t.start,
+                t.end,
+            )
+            for t in ops
+        ]
+        for r, ops in enumerate(sim.ranks)
+    }
 
 
-def to_records(ops_by_rank: dict[int, list[Op]], pp_size: int, vp_size: int, num_microbatches: int,
-               step: int = 1) -> dict[int, list[dict]]:
+def to_records(
+    ops_by_rank: dict[int, list[Op]], pp_size: int, vp_size: int, num_microbatches: int, step: int = 1
+) -> dict[int, list[dict]]:
     """Simulated ops in the trace's record format ({rank: records}), e.g. to check or plot them."""
     out = {}
     for r, ops in ops_by_rank.items():
         end = max(op.end for op in ops)
-        meta = {"kind": "step", "step": step, "rank": r, "pp_rank": r, "pp_size": pp_size, "vp_size": vp_size,
-                "pipeline": 0, "num_microbatches": num_microbatches, "start": 0.0, "end": end}
-        out[r] = [meta] + [{"kind": op.kind, "step": step, "chunk": op.chunk, "mb": op.mb, "start": op.start,
-                            "end": op.end} for op in ops]
+        meta = {
+            "kind": "step",
+            "step": step,
+            "rank": r,
+            "pp_rank": r,
+            "pp_size": pp_size,
+            "vp_size": vp_size,
+            "pipeline": 0,
+            "num_microbatches": num_microbatches,
+            "start": 0.0,
+            "end": end,
+        }
+        out[r] = [meta] + [
+            {"kind": op.kind, "step": step, "chunk": op.chunk, "mb": op.mb, "start": op.start, "end": op.end}
+            for op in ops
+        ]
     return out
 
 
@@ -333,13 +389,14 @@ def get_model_bubbles(step_records: dict[int, list[dict]]) -> dict[int, float]:
                 spans.setdefault((op.kind, rs.stage_of(op.chunk)), []).append(op.end - op.start)
         cost = {k: statistics.median(v) for k, v in spans.items()}
         split = order.splits_backward
-        costs = StageCosts(tuple(cost.get(("F", s), 0.0) for s in range(num_stages)),
-                           tuple(cost.get(("B", s), 0.0) for s in range(num_stages)),
-                           tuple(cost.get(("W", s), 0.0) if split else 0.0 for s in range(num_stages)),
-                           first_stage_backward_in_w=split)
+        costs = StageCosts(
+            tuple(cost.get(("F", s), 0.0) for s in range(num_stages)),
+            tuple(cost.get(("B", s), 0.0) for s in range(num_stages)),
+            tuple(cost.get(("W", s), 0.0) if split else 0.0 for s in range(num_stages)),
+            first_stage_backward_in_w=split,
+        )
         sim = simulate_order(order, costs)
         for rs in pipeline:
             busy = sum(t.end - t.start for t in sim.ranks[rs.pp_rank])
             out[rs.rank] = (sim.makespan - busy) / busy
     return out
-

@@ -21,8 +21,8 @@ import os
 import re
 import sys
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 MAX_SENTENCE_BYTES = 1 << 14  # sentencepiece's max_sentence_length, in bytes of UTF-8
@@ -65,8 +65,10 @@ def iter_jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
                 if raw.strip():
                     yield line_number, raw
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise ValueError(f"--input {path}: the gzip data is truncated or corrupt after line {line_number} "
-                             f"({exc}); compress the file again") from None
+            raise ValueError(
+                f"--input {path}: the gzip data is truncated or corrupt after line {line_number} "
+                f"({exc}); compress the file again"
+            ) from None
 
 
 def check_text(where: str, key: str, text: str) -> bytes:
@@ -76,7 +78,8 @@ def check_text(where: str, key: str, text: str) -> bytes:
     except UnicodeEncodeError as exc:
         raise ValueError(
             f"{where}: {key!r} holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), which is "
-            f"not text: JSON \\ud800-\\udfff escapes must come in high-low pairs; fix or drop the line") from None
+            f"not text: JSON \\ud800-\\udfff escapes must come in high-low pairs; fix or drop the line"
+        ) from None
 
 
 def parse_jsonl_line(path: str, line_number: int, raw: bytes, json_keys: Sequence[str]) -> dict:
@@ -135,11 +138,13 @@ class TrainingText:
             notes.append("left out: newlines and whitespace-only lines")
         if self.long_lines:
             notes.append(f"{self.long_lines:,} lines over {MAX_SENTENCE_BYTES:,} bytes cut at whitespace")
-        return (f"trained on {self.sentence_bytes:,} of the {self.text_bytes:,} bytes of text in "
-                f"{self.documents:,} documents ({'; '.join(notes)})")
+        return (
+            f"trained on {self.sentence_bytes:,} of the {self.text_bytes:,} bytes of text in "
+            f"{self.documents:,} documents ({'; '.join(notes)})"
+        )
 
 
-def iter_training_sentences(path: str, json_keys: Sequence[str], stats: Optional[TrainingText] = None) -> Iterator[str]:
+def iter_training_sentences(path: str, json_keys: Sequence[str], stats: TrainingText | None = None) -> Iterator[str]:
     """Non-blank lines of every document, each cut to at most ``MAX_SENTENCE_BYTES`` bytes: the
     unit sentencepiece trains on. Counts what it yields into ``stats``."""
     stats = TrainingText() if stats is None else stats
@@ -160,8 +165,13 @@ def iter_training_sentences(path: str, json_keys: Sequence[str], stats: Optional
                         yield piece
 
 
-def train_tokenizer(input_path: str, output_prefix: str, vocab_size: int = 8192,
-                    json_keys: Sequence[str] = ("text",), model_type: str = "bpe") -> str:
+def train_tokenizer(
+    input_path: str,
+    output_prefix: str,
+    vocab_size: int = 8192,
+    json_keys: Sequence[str] = ("text",),
+    model_type: str = "bpe",
+) -> str:
     """Train and write ``{output_prefix}.model`` / ``.vocab``; returns the .model path and prints
     how much text it was trained on."""
     if model_type not in ("bpe", "unigram"):
@@ -173,9 +183,11 @@ def train_tokenizer(input_path: str, output_prefix: str, vocab_size: int = 8192,
     sentences = iter_training_sentences(input_path, json_keys, stats)
     first = next(sentences, None)  # reads up to the first text: a malformed or empty input fails here
     if first is None:
-        raise ValueError(f"--input {input_path} holds no text to train on: {stats.documents} non-blank lines, "
-                         f"{stats.text_bytes} bytes in --json-keys {' '.join(json_keys)} (all empty or "
-                         f"whitespace); give a JSONL file with text")
+        raise ValueError(
+            f"--input {input_path} holds no text to train on: {stats.documents} non-blank lines, "
+            f"{stats.text_bytes} bytes in --json-keys {' '.join(json_keys)} (all empty or "
+            f"whitespace); give a JSONL file with text"
+        )
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     reader = _Reader(first, sentences)
@@ -186,13 +198,17 @@ def train_tokenizer(input_path: str, output_prefix: str, vocab_size: int = 8192,
             raise reader.error from None
         found = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if found is not None:
-            raise ValueError(f"--vocab-size {found.group(1)} is fewer pieces than the characters of {input_path} "
-                             f"need ({found.group(2)}): give --vocab-size {found.group(2)} or more") from None
+            raise ValueError(
+                f"--vocab-size {found.group(1)} is fewer pieces than the characters of {input_path} "
+                f"need ({found.group(2)}): give --vocab-size {found.group(2)} or more"
+            ) from None
         found = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(err))
         if found is None:
             raise
-        raise ValueError(f"--vocab-size {found.group(1)} is more pieces than {input_path} holds: give --vocab-size "
-                         f"{found.group(2)} or less, or more text ({stats.summary()})") from None
+        raise ValueError(
+            f"--vocab-size {found.group(1)} is more pieces than {input_path} holds: give --vocab-size "
+            f"{found.group(2)} or less, or more text ({stats.summary()})"
+        ) from None
     print(stats.summary())
     return output_prefix + ".model"
 
@@ -228,7 +244,10 @@ def _train(sentences, output_prefix: str, vocab_size: int, model_type: str) -> N
         allow_whitespace_only_pieces=True,
         split_digits=True,
         user_defined_symbols=["\n"],
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
         input_sentence_size=0,
         shuffle_input_sentence=False,
         max_sentence_length=MAX_SENTENCE_BYTES,  # no sentence is longer: iter_training_sentences cuts them
@@ -243,12 +262,10 @@ def main(argv=None) -> None:
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
-    parser.add_argument("--output-prefix", required=True,
-                        help="writes OUTPUT_PREFIX.model and OUTPUT_PREFIX.vocab")
+    parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.model and OUTPUT_PREFIX.vocab")
     args = parser.parse_args(argv)
     try:
-        path = train_tokenizer(args.input, args.output_prefix, args.vocab_size, args.json_keys,
-                               args.model_type)
+        path = train_tokenizer(args.input, args.output_prefix, args.vocab_size, args.json_keys, args.model_type)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

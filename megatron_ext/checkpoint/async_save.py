@@ -38,7 +38,12 @@ from typing import Any, NamedTuple
 import torch
 
 from megatron_ext.checkpoint.directory import (
-    NOT_FINITE, WRITE_FAILED, CheckpointWrite, begin_checkpoint_write, publish_checkpoint_write, write_shards,
+    NOT_FINITE,
+    WRITE_FAILED,
+    CheckpointWrite,
+    begin_checkpoint_write,
+    publish_checkpoint_write,
+    write_shards,
 )
 from megatron_ext.checkpoint.exit_policy import ASYNC_SAVE_FAILED, ASYNC_SAVE_NOT_FINITE, ASYNC_SAVE_WRITING
 
@@ -88,7 +93,7 @@ class HostSnapshot:
         """Every copy complete (the device-to-host ones are asynchronous)."""
         for device in self._devices:
             torch.cuda.synchronize(device)
-        del self._buffers[self._cursor:]  # a smaller save than the last: free the rest
+        del self._buffers[self._cursor :]  # a smaller save than the last: free the rest
 
 
 class PublishedSave(NamedTuple):
@@ -98,8 +103,10 @@ class PublishedSave(NamedTuple):
 
     def describe(self, after_iteration: int | None = None) -> str:
         when = f", published after iteration {after_iteration}" if after_iteration is not None else ""
-        return (f"saved checkpoint at iteration {self.iteration:8d} to {self.path} (written in the background, "
-                f"{self.seconds:.2f} s from its start{when})")
+        return (
+            f"saved checkpoint at iteration {self.iteration:8d} to {self.path} (written in the background, "
+            f"{self.seconds:.2f} s from its start{when})"
+        )
 
 
 class AsyncCheckpointSaver:
@@ -126,18 +133,21 @@ class AsyncCheckpointSaver:
             return flags | ASYNC_SAVE_WRITING
         return flags | (ASYNC_SAVE_FAILED if self.write.error is not None else 0)
 
-    def start(self, state: dict[str, Any], root: str, iteration: int, keep_last: int | None,
-              non_finite: str | None = None) -> float:
+    def start(
+        self, state: dict[str, Any], root: str, iteration: int, keep_last: int | None, non_finite: str | None = None
+    ) -> float:
         """Plan and snapshot the save (collective), start writing in the background; returns the
         seconds training was held. A save still in flight is finished first. ``non_finite``: this
         rank's weights are not finite (``finite.py``): it writes nothing and the save is refused."""
         self.finish()
         start = self.started = time.perf_counter()
         self.snapshot.reset()
-        self.write = begin_checkpoint_write(state, root, iteration, keep_last, snapshot=self.snapshot,
-                                            non_finite=non_finite)
-        self.thread = threading.Thread(target=write_shards, args=(self.write,), daemon=True,
-                                       name=f"checkpoint-writer-{iteration}")
+        self.write = begin_checkpoint_write(
+            state, root, iteration, keep_last, snapshot=self.snapshot, non_finite=non_finite
+        )
+        self.thread = threading.Thread(
+            target=write_shards, args=(self.write,), daemon=True, name=f"checkpoint-writer-{iteration}"
+        )
         self.thread.start()
         return time.perf_counter() - start
 
@@ -149,8 +159,9 @@ class AsyncCheckpointSaver:
             return None
         if agreed_flags & ASYNC_SAVE_WRITING and not agreed_flags & ASYNC_SAVE_NOT_FINITE:
             return None
-        outcome = ((WRITE_FAILED if agreed_flags & ASYNC_SAVE_FAILED else 0)
-                   | (NOT_FINITE if agreed_flags & ASYNC_SAVE_NOT_FINITE else 0))
+        outcome = (WRITE_FAILED if agreed_flags & ASYNC_SAVE_FAILED else 0) | (
+            NOT_FINITE if agreed_flags & ASYNC_SAVE_NOT_FINITE else 0
+        )
         return self._publish(outcome)
 
     def finish(self) -> PublishedSave | None:

@@ -16,9 +16,18 @@ from megatron_ext.derived import precision_name, resolve_ffn_hidden_size
 
 # Settings that fix the shapes and meaning of the saved weights: (config field, flag).
 MODEL_SHAPE_SETTINGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
-    "num_query_groups", "normalization", "swiglu", "disable_bias_linear",
-    "untie_embeddings_and_output_weights", "position_embedding_type", "add_qkv_bias",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "normalization",
+    "swiglu",
+    "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "position_embedding_type",
+    "add_qkv_bias",
 )
 
 
@@ -33,17 +42,26 @@ def check_compatible(
     saved_shape["ffn_hidden_size"] = saved_ffn_hidden_size(saved)
     for name in MODEL_SHAPE_SETTINGS:
         if name in args and saved_shape[name] != shape[name]:
-            if (name == "ffn_hidden_size" and args[name] is None and current[name] is None
-                    and any(args.get(n) != current[n] for n in ("hidden_size", "swiglu"))):
+            if (
+                name == "ffn_hidden_size"
+                and args[name] is None
+                and current[name] is None
+                and any(args.get(n) != current[n] for n in ("hidden_size", "swiglu"))
+            ):
                 continue  # both defaults: the --hidden-size or --swiglu difference is the one named
-            flag = ("--group-query-attention/--num-query-groups (key/value heads)" if name == "num_query_groups"
-                    else f"--{name.replace('_', '-')}")
+            flag = (
+                "--group-query-attention/--num-query-groups (key/value heads)"
+                if name == "num_query_groups"
+                else f"--{name.replace('_', '-')}"
+            )
             problems.append(
                 f"{flag}: the checkpoint was saved with {saved_shape[name]!r}, this run "
                 f"has {shape[name]!r}; use the checkpoint's value or another --load directory"
             )
-    if load_optimizer and "use_distributed_optimizer" in args and (
-        args["use_distributed_optimizer"] != current["use_distributed_optimizer"]
+    if (
+        load_optimizer
+        and "use_distributed_optimizer" in args
+        and (args["use_distributed_optimizer"] != current["use_distributed_optimizer"])
     ):
         problems.append(
             f"--use-distributed-optimizer: the checkpoint was saved with "
@@ -81,19 +99,34 @@ def check_compatible(
 
 # settings a checkpoint loads under whatever their value, but that change what the model computes
 # or which samples come next: a resume that changes one says so (Megatron-LM is silent)
-WARNED_SETTINGS = ("rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon",
-                   "seed", "seq_length", "hidden_dropout", "attention_dropout", "packed_sequences")
+WARNED_SETTINGS = (
+    "rotary_base",
+    "rotary_percent",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "norm_epsilon",
+    "seed",
+    "seq_length",
+    "hidden_dropout",
+    "attention_dropout",
+    "packed_sequences",
+)
 
 
 def describe_changed_settings(saved: dict[str, Any], cfg: JobConfig) -> str | None:
     """One warning line naming each WARNED_SETTINGS value that differs from the checkpoint's, or None."""
     args, current = saved.get("args", {}), cfg.to_flat_dict()
-    changed = [f"--{n.replace('_', '-')} {args[n]!r} -> {current[n]!r}" for n in WARNED_SETTINGS
-               if n in args and n in current and args[n] != current[n]]
+    changed = [
+        f"--{n.replace('_', '-')} {args[n]!r} -> {current[n]!r}"
+        for n in WARNED_SETTINGS
+        if n in args and n in current and args[n] != current[n]
+    ]
     if not changed:
         return None
-    return (f"this run changes settings the checkpoint was trained with: {', '.join(changed)} (the weights "
-            f"load; what the model computes or which samples come next differs from an uninterrupted run)")
+    return (
+        f"this run changes settings the checkpoint was trained with: {', '.join(changed)} (the weights "
+        f"load; what the model computes or which samples come next differs from an uninterrupted run)"
+    )
 
 
 def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
@@ -102,8 +135,9 @@ def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
     as many groups as heads is plain multi-head attention)."""
     shape = {name: args.get(name) for name in MODEL_SHAPE_SETTINGS}
     if args.get("hidden_size") is not None:
-        shape["ffn_hidden_size"] = resolve_ffn_hidden_size(args.get("ffn_hidden_size"), args["hidden_size"],
-                                                           bool(args.get("swiglu")))
+        shape["ffn_hidden_size"] = resolve_ffn_hidden_size(
+            args.get("ffn_hidden_size"), args["hidden_size"], bool(args.get("swiglu"))
+        )
     heads = args.get("num_attention_heads")
     shape["num_query_groups"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
     shape["group_query_attention"] = None  # its meaning is in num_query_groups
@@ -124,19 +158,26 @@ def saved_ffn_hidden_size(saved: dict[str, Any]) -> int | None:
 
 # OptimizerParamScheduler state -> (the flags that set it, how to show a value, what it is)
 _SCHEDULE_FLAGS = {
-    "max_lr": ("--lr", None, "peak learning rate"), "min_lr": ("--min-lr", None, "minimum learning rate"),
+    "max_lr": ("--lr", None, "peak learning rate"),
+    "min_lr": ("--min-lr", None, "minimum learning rate"),
     "lr_decay_style": ("--lr-decay-style", None, "decay style"),
     "lr_warmup_steps": ("--lr-warmup-iters/-samples/-fraction", "samples", "warm-up length"),
     "lr_decay_steps": ("--lr-decay-iters or --lr-decay-samples (default the run's length)", "samples", "decay length"),
-    "start_wd": ("--weight-decay", None, "weight decay"), "end_wd": ("--weight-decay", None, "final weight decay"),
-    "wd_incr_steps": ("the run's length (--train-iters x --global-batch-size, or --train-samples)", "samples",
-                      "weight-decay schedule length"),
+    "start_wd": ("--weight-decay", None, "weight decay"),
+    "end_wd": ("--weight-decay", None, "final weight decay"),
+    "wd_incr_steps": (
+        "the run's length (--train-iters x --global-batch-size, or --train-samples)",
+        "samples",
+        "weight-decay schedule length",
+    ),
     "wd_incr_style": ("weight-decay schedule", None, "weight-decay schedule"),
     "wsd_decay_steps": ("--lr-wsd-decay-iters or --lr-wsd-decay-samples", "samples", "WSD decay phase"),
     "lr_wsd_decay_style": ("--lr-wsd-decay-style", None, "WSD decay style"),
 }
-_SCHEDULE_CHOICE = ("add --override-opt-param-scheduler to use this run's flags or "
-                    "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+_SCHEDULE_CHOICE = (
+    "add --override-opt-param-scheduler to use this run's flags or "
+    "--use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+)
 
 
 def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, global_batch_size: int) -> list[str]:
@@ -168,18 +209,23 @@ def check_scheduler_flags(saved: dict[str, Any], scheduler, cfg: JobConfig, glob
             f"{show('wd_incr_steps', scheduler.wd_incr_steps, True)} (the decay length follows the run's length "
             f"without --lr-decay-iters/-samples); add --override-opt-param-scheduler to stretch the schedule to "
             f"this run's length, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's (past its end the "
-            f"learning rate stays at --min-lr)")
+            f"learning rate stays at --min-lr)"
+        )
     for key in changed:
         flag, _, label = _SCHEDULE_FLAGS[key]
-        out.append(f"{flag}: the checkpoint's {label} is {show(key, saved[key], False)}, this run's flags give "
-                   f"{show(key, getattr(scheduler, key), True)}; {_SCHEDULE_CHOICE}")
+        out.append(
+            f"{flag}: the checkpoint's {label} is {show(key, saved[key], False)}, this run's flags give "
+            f"{show(key, getattr(scheduler, key), True)}; {_SCHEDULE_CHOICE}"
+        )
     return out
 
 
 # Adam options of the optimizer's parameter groups -> (config field, flag, what it is)
-_OPTIMIZER_FLAGS = {"beta1": ("adam_beta1", "--adam-beta1", "Adam beta1"),
-                    "beta2": ("adam_beta2", "--adam-beta2", "Adam beta2"),
-                    "eps": ("adam_eps", "--adam-eps", "Adam epsilon")}
+_OPTIMIZER_FLAGS = {
+    "beta1": ("adam_beta1", "--adam-beta1", "Adam beta1"),
+    "beta2": ("adam_beta2", "--adam-beta2", "Adam beta2"),
+    "eps": ("adam_eps", "--adam-eps", "Adam epsilon"),
+}
 
 
 def get_saved_adam_options(saved: dict[str, Any]) -> dict[str, set]:

@@ -103,12 +103,16 @@ def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, st
         return found, None
     tracker = os.path.join(path, TRACKER_FILE)
     if pointer not in {it for it, _ in list_complete_checkpoints(path)}:
-        return found, (f"{tracker} names iteration {pointer}, which is not a complete checkpoint here: "
-                       f"loading iteration {found[0]} instead")
+        return found, (
+            f"{tracker} names iteration {pointer}, which is not a complete checkpoint here: "
+            f"loading iteration {found[0]} instead"
+        )
     # a pointer behind the newest checkpoint: a crash between the publish and the pointer update,
     # or a pointer edited by hand to roll back (which Megatron-LM would follow)
-    return found, (f"{tracker} names iteration {pointer}, but iteration {found[0]} is the newest complete "
-                   f"checkpoint here and is loaded: give --ckpt-step {pointer} to load iteration {pointer}")
+    return found, (
+        f"{tracker} names iteration {pointer}, but iteration {found[0]} is the newest complete "
+        f"checkpoint here and is loaded: give --ckpt-step {pointer} to load iteration {pointer}"
+    )
 
 
 def probe_save_dir(path: str | None, flag: str = "--save") -> None:
@@ -127,8 +131,12 @@ def probe_save_dir(path: str | None, flag: str = "--save") -> None:
         with contextlib.suppress(OSError):
             os.remove(probe)  # a full disk fails the write after the file was created
         where = f": {err.filename}" if err.filename else ""
-        raise ConfigError([f"{flag} {path} is not a writable directory ({err.strerror}{where}{describe_free_space(path)}): "
-                           f"give a directory this job can create and write"]) from None
+        raise ConfigError(
+            [
+                f"{flag} {path} is not a writable directory ({err.strerror}{where}{describe_free_space(path)}): "
+                f"give a directory this job can create and write"
+            ]
+        ) from None
 
 
 def select_checkpoints_to_delete(iterations: list[int], keep_last: int | None) -> list[int]:
@@ -172,8 +180,7 @@ def should_inject_fault(spec: str | None, phase: str, rank: int, iteration: int)
         raise ValueError(
             f"{FAULT_ENV}={spec!r}: expected <phase>:<rank>[:<iteration>] with phase one of {FAULT_PHASES}"
         )
-    return (parts[0] == phase and int(parts[1]) == rank
-            and (len(parts) == 2 or int(parts[2]) == iteration))
+    return parts[0] == phase and int(parts[1]) == rank and (len(parts) == 2 or int(parts[2]) == iteration)
 
 
 def maybe_inject_fault(phase: str, rank: int, iteration: int) -> None:
@@ -207,8 +214,11 @@ def build_checksum_record(tmp_dir: str, item_checksums: list[dict]) -> dict[str,
     for per_rank in item_checksums:
         for (relative_path, offset), (length, crc) in per_rank.items():
             items.setdefault(relative_path, {})[str(offset)] = [length, crc]
-    files = {name: file_digest(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))
-             if not name.endswith(".distcp") and os.path.isfile(os.path.join(tmp_dir, name))}
+    files = {
+        name: file_digest(os.path.join(tmp_dir, name))
+        for name in sorted(os.listdir(tmp_dir))
+        if not name.endswith(".distcp") and os.path.isfile(os.path.join(tmp_dir, name))
+    }
     return {"algorithm": DEFAULT_ALGORITHM, "items": items, "files": files}
 
 
@@ -221,8 +231,9 @@ def read_marker(ckpt_dir: str) -> dict[str, Any]:
         return {}
 
 
-def publish_checkpoint(tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int,
-                       checksums: dict[str, Any] | None = None) -> None:
+def publish_checkpoint(
+    tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int, checksums: dict[str, Any] | None = None
+) -> None:
     """Rank 0, after every rank wrote its shards: marker, rename, pointer (phases 3-4). Before
     the marker, everything in the directory is durable, so a power loss after the publish cannot
     leave a marked checkpoint with a missing or torn file."""
@@ -317,8 +328,14 @@ class CheckpointWrite:
     non_finite: str | None = None  # this rank's weights are not finite (what is): it writes no shard
 
 
-def begin_checkpoint_write(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None,
-                           snapshot: Any = None, non_finite: str | None = None) -> CheckpointWrite:
+def begin_checkpoint_write(
+    state: dict[str, Any],
+    root: str,
+    iteration: int,
+    keep_last: int | None = None,
+    snapshot: Any = None,
+    non_finite: str | None = None,
+) -> CheckpointWrite:
     """Phase 1's collective part: the temporary directory, megatron-core's ``common.pt`` and save
     plan (replica de-duplication, the global plan). ``snapshot`` (``async_save.HostSnapshot``)
     copies every tensor to be written into host memory owned by the save, so training may change
@@ -350,9 +367,11 @@ def _make_tmp_dir(tmp_dir: str, root: str, iteration: int) -> str | None:
         os.makedirs(tmp_dir)
         return None
     except OSError as err:
-        return (f"checkpoint of iteration {iteration} not saved to {root}: rank 0 cannot create {tmp_dir} "
-                f"({err.strerror}{describe_free_space(root)}); the previous checkpoint is untouched: make "
-                f"--save writable, or free space in it")
+        return (
+            f"checkpoint of iteration {iteration} not saved to {root}: rank 0 cannot create {tmp_dir} "
+            f"({err.strerror}{describe_free_space(root)}); the previous checkpoint is untouched: make "
+            f"--save writable, or free space in it"
+        )
 
 
 def write_shards(write: CheckpointWrite) -> None:
@@ -376,7 +395,7 @@ def write_shards(write: CheckpointWrite) -> None:
 
 
 def describe_free_space(path: str) -> str:
-    """", its file system has N MiB free" (a full disk fails torch's zip writer with a message that
+    """ ", its file system has N MiB free" (a full disk fails torch's zip writer with a message that
     does not say so), or nothing when that cannot be asked."""
     try:
         free = shutil.disk_usage(path).free
@@ -391,8 +410,9 @@ WRITE_FAILED, NOT_FINITE = 1, 2  # the bits of a save's outcome, agreed by every
 def agree_save_outcome(write: CheckpointWrite) -> int:
     """Every rank's outcome bits OR-ed (one all-reduce MAX of two ints over the world): 0 when every
     rank wrote its shards and found its weights finite."""
-    bits = torch.tensor([write.error is not None, write.non_finite is not None], dtype=torch.int64,
-                        device=get_collective_device(None))
+    bits = torch.tensor(
+        [write.error is not None, write.non_finite is not None], dtype=torch.int64, device=get_collective_device(None)
+    )
     dist.all_reduce(bits, op=dist.ReduceOp.MAX)
     failed, not_finite = bits.tolist()
     return (WRITE_FAILED if failed else 0) | (NOT_FINITE if not_finite else 0)
@@ -449,25 +469,31 @@ def refuse_checkpoint_write(write: CheckpointWrite, outcome: int) -> None:
 
 
 def group_ranks(per_rank: list[str | None]) -> str:
-    """"ranks 0, 1: A; rank 3: B" for the ranks with something to say, identical texts grouped."""
+    """ "ranks 0, 1: A; rank 3: B" for the ranks with something to say, identical texts grouped."""
     groups: dict[str, list[int]] = {}
     for rank, text in enumerate(per_rank):
         if text is not None:
             groups.setdefault(text, []).append(rank)
-    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
-                     for text, ranks in groups.items())
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}" for text, ranks in groups.items()
+    )
 
 
-def describe_refused_write(write: CheckpointWrite, outcome: int, gathered: list[tuple[str | None, str | None]],
-                           newest: tuple[int, str] | None) -> str:
+def describe_refused_write(
+    write: CheckpointWrite, outcome: int, gathered: list[tuple[str | None, str | None]], newest: tuple[int, str] | None
+) -> str:
     """The one message of a refused save, from every rank's (write error, non-finite weights)."""
     head = f"checkpoint of iteration {write.iteration} not saved to {write.root}"
-    kept = (f"the previous checkpoint is untouched: the newest complete one is {newest[1]} (iteration {newest[0]})"
-            if newest else f"{write.root} holds no complete checkpoint yet")
+    kept = (
+        f"the previous checkpoint is untouched: the newest complete one is {newest[1]} (iteration {newest[0]})"
+        if newest
+        else f"{write.root} holds no complete checkpoint yet"
+    )
     if outcome & NOT_FINITE:
         where = group_ranks([non_finite for _, non_finite in gathered])
-        return (f"{head}: the weights are not finite ({where}); nothing was published, --keep-last deleted "
-                f"nothing; {kept}")
+        return (
+            f"{head}: the weights are not finite ({where}); nothing was published, --keep-last deleted nothing; {kept}"
+        )
     where = group_ranks([error for error, _ in gathered])
     return f"{head}: the write failed on {where}{describe_free_space(write.root)}; {kept}"
 
@@ -479,8 +505,14 @@ def _publish_on_rank0(write: CheckpointWrite, gathered: list[dict]) -> str | Non
     rename nothing is published and the temporary directory goes; after it, the checkpoint is whole
     and a --load finds it."""
     try:
-        publish_checkpoint(write.tmp_dir, write.final_dir, write.root, write.iteration, 0,
-                           build_checksum_record(write.tmp_dir, gathered))
+        publish_checkpoint(
+            write.tmp_dir,
+            write.final_dir,
+            write.root,
+            write.iteration,
+            0,
+            build_checksum_record(write.tmp_dir, gathered),
+        )
         maybe_inject_fault("before_retention", 0, write.iteration)
         apply_retention(write.root, write.keep_last, write.final_dir)
         return None
@@ -488,15 +520,20 @@ def _publish_on_rank0(write: CheckpointWrite, gathered: list[dict]) -> str | Non
         error = f"{exc!r}{describe_free_space(write.root)}"
     if os.path.isdir(write.tmp_dir):
         shutil.rmtree(write.tmp_dir, ignore_errors=True)
-        return (f"checkpoint of iteration {write.iteration} not saved to {write.root}: publishing it failed on "
-                f"rank 0: {error}; the previous checkpoint is untouched")
-    return (f"checkpoint of iteration {write.iteration} was saved to {write.final_dir}, but updating "
-            f"{os.path.join(write.root, TRACKER_FILE)} or applying --keep-last failed on rank 0: {error}; "
-            f"--load {write.root} loads it (the newest complete checkpoint)")
+        return (
+            f"checkpoint of iteration {write.iteration} not saved to {write.root}: publishing it failed on "
+            f"rank 0: {error}; the previous checkpoint is untouched"
+        )
+    return (
+        f"checkpoint of iteration {write.iteration} was saved to {write.final_dir}, but updating "
+        f"{os.path.join(write.root, TRACKER_FILE)} or applying --keep-last failed on rank 0: {error}; "
+        f"--load {write.root} loads it (the newest complete checkpoint)"
+    )
 
 
-def write_checkpoint(state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None,
-                     non_finite: str | None = None) -> str:
+def write_checkpoint(
+    state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None, non_finite: str | None = None
+) -> str:
     """Write a sharded state dict as ``root/iter_<iteration>`` through the phases of the module
     docstring, synchronously; collective over the world. Returns the published directory.
     ``non_finite``: this rank's weights are not finite (``finite.py``): the save is refused

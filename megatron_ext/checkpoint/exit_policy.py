@@ -51,9 +51,7 @@ class ExitSignalHandler:
         self._previous.clear()
 
 
-def get_local_exit_flags(
-    signal_received: bool, elapsed_minutes: float, duration_minutes: float | None
-) -> int:
+def get_local_exit_flags(signal_received: bool, elapsed_minutes: float, duration_minutes: float | None) -> int:
     """This rank's view, before agreement (pure)."""
     flags = SIGNAL_RECEIVED if signal_received else 0
     if duration_minutes is not None and elapsed_minutes >= duration_minutes:
@@ -65,8 +63,9 @@ def agree_on_flags(local_flags: int, group: Any = None, read: bool = True) -> in
     """Bitwise OR of every rank's flags: one all-reduce MAX of a small int64 tensor, one bit each.
     ``read=False``: the reduced bits tensor, left on the collective's device for the caller to read
     with something else it copies to the host (``flags_from_bits``)."""
-    bits = torch.tensor([(local_flags >> i) & 1 for i in range(_AGREED_BITS)], dtype=torch.int64,
-                        device=get_collective_device(group))
+    bits = torch.tensor(
+        [(local_flags >> i) & 1 for i in range(_AGREED_BITS)], dtype=torch.int64, device=get_collective_device(group)
+    )
     dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=group)
     return flags_from_bits(bits.tolist()) if read else bits
 
@@ -82,11 +81,13 @@ def get_interval_flag(iteration: int, exit_interval: int | None) -> int:
 
 def describe_exit(flags: int) -> str:
     reasons = [
-        name for bit, name in (
+        name
+        for bit, name in (
             (SIGNAL_RECEIVED, "exit signal received"),
             (DURATION_EXCEEDED, "--exit-duration-in-mins reached"),
             (INTERVAL_REACHED, "--exit-interval reached"),
-        ) if flags & bit
+        )
+        if flags & bit
     ]
     return ", ".join(reasons)
 
@@ -94,8 +95,13 @@ def describe_exit(flags: int) -> str:
 class ExitDecider:
     """Answers "stop after this step?" identically on every rank."""
 
-    def __init__(self, exit_signal_handler: bool, exit_interval: int | None,
-                 exit_duration_in_mins: float | None, start_time: float | None = None):
+    def __init__(
+        self,
+        exit_signal_handler: bool,
+        exit_interval: int | None,
+        exit_duration_in_mins: float | None,
+        start_time: float | None = None,
+    ):
         self.handler = ExitSignalHandler() if exit_signal_handler else None
         self.exit_interval = exit_interval
         self.duration = exit_duration_in_mins
@@ -136,7 +142,8 @@ class ExitDecider:
     def _local_flags(self, save_flags: int | None) -> int:
         local = get_local_exit_flags(
             self.handler is not None and self.handler.received is not None,
-            (time.monotonic() - self.start_time) / 60.0, self.duration,
+            (time.monotonic() - self.start_time) / 60.0,
+            self.duration,
         )
         return local | (save_flags or 0)
 

@@ -24,7 +24,7 @@ propagates), it allocates no tensor the size of its input (``isfinite().all()`` 
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

@@ -109,7 +109,7 @@ def load_optimizer_state(optimizer, state_dict: dict[str, Any]) -> None:
     if len(chained) == 1:
         restore_step_zero(state_dict)
     else:  # one entry per chained optimizer
-        for part in (state_dict.values() if isinstance(state_dict, dict) else state_dict):
+        for part in state_dict.values() if isinstance(state_dict, dict) else state_dict:
             restore_step_zero(part)
     patched = []
     for wrapper in chained:

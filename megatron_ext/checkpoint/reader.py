@@ -105,8 +105,10 @@ def describe_refusal(err: BaseException) -> str:
     """The reason torch's weights-only unpickler gave ("Unsupported global: GLOBAL posix.system"),
     without torch's advice to load with ``weights_only=False`` (its message words it two ways)."""
     text = str(err)
-    for pattern in (r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. Please use|\n|$)",
-                    r"(Trying to load unsupported GLOBAL [^\n]*?)\.?(?:\n|$)"):
+    for pattern in (
+        r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. Please use|\n|$)",
+        r"(Trying to load unsupported GLOBAL [^\n]*?)\.?(?:\n|$)",
+    ):
         found = re.search(pattern, text)
         if found:
             return found.group(1).strip()
@@ -117,12 +119,13 @@ def describe_unsafe(where: str, err: BaseException, verified: bool) -> str:
     """The one message for a checkpoint file holding what a checkpoint never holds (``where``: the
     file, and the byte range when it is an item of a shard)."""
     if verified:
-        how = ("its checksum matches the one complete.json records, so the file and that checksum were "
-               "replaced together")
+        how = "its checksum matches the one complete.json records, so the file and that checksum were replaced together"
     else:
         how = "it is damaged, or was replaced (--ckpt-verify compares every item with its recorded checksum)"
-    return (f"unsafe checkpoint file: {where} holds objects a checkpoint never holds ({describe_refusal(err)}); "
-            f"the file {UNSAFE}: {how}. It was not loaded and nothing in it ran; load a checkpoint you trust")
+    return (
+        f"unsafe checkpoint file: {where} holds objects a checkpoint never holds ({describe_refusal(err)}); "
+        f"the file {UNSAFE}: {how}. It was not loaded and nothing in it ran; load a checkpoint you trust"
+    )
 
 
 def check_safe_pickle(data: bytes, where: str, verified: bool) -> None:
@@ -160,7 +163,7 @@ def hash_file_range(fd: int, offset: int, length: int, path: str, algorithm: str
         with memoryview(mapped) as view:
             mapped.madvise(mmap.MADV_SEQUENTIAL)
             for at in range(offset - start, offset - start + length, _HASH_CHUNK):
-                h.update(view[at:min(at + _HASH_CHUNK, offset - start + length)])
+                h.update(view[at : min(at + _HASH_CHUNK, offset - start + length)])
     finally:
         mapped.close()
     return h.intdigest()
@@ -169,10 +172,11 @@ def hash_file_range(fd: int, offset: int, length: int, path: str, algorithm: str
 def _hash_by_pread(fd: int, offset: int, length: int, path: str, h) -> int:
     view, done = memoryview(bytearray(min(length, _HASH_CHUNK))), 0
     while done < length:
-        n = os.preadv(fd, [view[:min(len(view), length - done)]], offset + done)
+        n = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)
         if n <= 0:
-            raise ChecksumMismatch(f"{DAMAGED} (truncated): {path} ends at byte {offset + done}, its items "
-                                   f"need {offset + length}")
+            raise ChecksumMismatch(
+                f"{DAMAGED} (truncated): {path} ends at byte {offset + done}, its items need {offset + length}"
+            )
         h.update(view[:n])
         done += n
     return h.intdigest()
@@ -183,8 +187,7 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
     reads: sizes always, checksums when given (``checksums``: the marker's item table, relative path
     -> str(offset) -> [length, digest]; ``stats`` counts what was checked)."""
 
-    def __init__(self, path, checksums: dict | None = None, algorithm: str = "crc32",
-                 stats: VerifyStats | None = None):
+    def __init__(self, path, checksums: dict | None = None, algorithm: str = "crc32", stats: VerifyStats | None = None):
         super().__init__(path)
         self.checksums, self.algorithm = checksums, algorithm
         self.stats = stats if stats is not None else VerifyStats()
@@ -193,13 +196,15 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
         """A file shorter than the items the metadata places in it is named (one stat), instead
         of failing inside torch's zip reader with a message that names no file."""
         path = os.path.join(str(self.path), relative_path)
-        needed = max(self.storage_data[r.storage_index].offset + self.storage_data[r.storage_index].length
-                     for r in reqs)
+        needed = max(
+            self.storage_data[r.storage_index].offset + self.storage_data[r.storage_index].length for r in reqs
+        )
         try:
             size = os.path.getsize(path)
         except FileNotFoundError:
-            raise ChecksumMismatch(f"{DAMAGED} (missing): {path} does not exist, its items need {needed} "
-                                   f"bytes") from None
+            raise ChecksumMismatch(
+                f"{DAMAGED} (missing): {path} does not exist, its items need {needed} bytes"
+            ) from None
         if size < needed:
             raise ChecksumMismatch(f"{DAMAGED} (truncated): {path} has {size} bytes, its items need {needed}")
 
@@ -223,12 +228,14 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
             raise ChecksumMismatch(
                 f"{DAMAGED} (checksum mismatch): {path} bytes {md.offset}..{md.offset + md.length} "
                 f"({self.algorithm} {digest:x}, the checkpoint recorded {recorded:x}): the file was damaged "
-                f"after it was written")
+                f"after it was written"
+            )
         self.stats.verified += 1
         return True
 
-    def _read_item(self, fd: int, path: str, reqs: list[ReadItem], plan: LoadPlan, planner: LoadPlanner,
-                   verified: bool) -> None:
+    def _read_item(
+        self, fd: int, path: str, reqs: list[ReadItem], plan: LoadPlan, planner: LoadPlanner, verified: bool
+    ) -> None:
         """Load every request of one stored item (already verified when ``verified``): tensors by
         torch's own code, byte items after the weights-only check."""
         md = self.storage_data[reqs[0].storage_index]
@@ -239,11 +246,12 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
             except pickle.UnpicklingError as err:
                 raise UnsafeCheckpointFile(describe_unsafe(where, err, verified)) from None
             except Exception as err:  # noqa: BLE001 - torch's zip reader and unpickler raise many kinds
-                state = ("its checksum matches" if verified
-                         else "not verified: --ckpt-verify tells whether it is damaged")
+                state = (
+                    "its checksum matches" if verified else "not verified: --ckpt-verify tells whether it is damaged"
+                )
                 raise UnreadableCheckpointItem(
-                    f"{UNREADABLE}: {where} ({state}): {type(err).__name__}: {' '.join(str(err).split())[:200]}") \
-                    from None
+                    f"{UNREADABLE}: {where} ({state}): {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+                ) from None
             return
         self.stats.byte_items += verified
         data = _pread_exact(fd, md.offset, md.length, path)
@@ -268,8 +276,9 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
                     current = ahead
                     if self.checksums is not None and k + 1 < len(order):
                         ahead = pool.submit(digest, order[k + 1])
-                    verified = self._verify(path, relative_path, self.storage_data[index],
-                                            current.result() if current is not None else None)
+                    verified = self._verify(
+                        path, relative_path, self.storage_data[index], current.result() if current is not None else None
+                    )
                     self._read_item(fd, path, per_item[index], plan, planner, verified)
         finally:
             os.close(fd)
@@ -304,8 +313,10 @@ def check_coordinator_files(ckpt_dir: str, checksums: dict) -> None:
         except OSError as err:
             raise ChecksumMismatch(f"{DAMAGED}: {path} cannot be read ({err.strerror})") from None
         if got != digest:
-            raise ChecksumMismatch(f"{DAMAGED} (checksum mismatch): {path} bytes 0..{size} ({algorithm} {got:x}, "
-                                   f"the checkpoint recorded {digest:x}): the file was damaged after it was written")
+            raise ChecksumMismatch(
+                f"{DAMAGED} (checksum mismatch): {path} bytes 0..{size} ({algorithm} {got:x}, "
+                f"the checkpoint recorded {digest:x}): the file was damaged after it was written"
+            )
 
 
 def read_common(ckpt_dir: str, verified: bool = False) -> dict:
@@ -329,13 +340,17 @@ def open_checkpoint(ckpt_dir: str, warn=None) -> tuple[dict | None, dict]:
     if not isinstance(marker, dict) or not isinstance(marker.get("iteration"), int):
         # every publish writes {"iteration": ..., ...}: an unreadable marker means a damaged
         # checkpoint, whose checksums (and so --ckpt-verify) are lost with it
-        raise ChecksumMismatch(f"{DAMAGED}: {os.path.join(ckpt_dir, 'complete.json')} is not the marker a save "
-                               f"writes (unreadable, or no iteration in it)")
+        raise ChecksumMismatch(
+            f"{DAMAGED}: {os.path.join(ckpt_dir, 'complete.json')} is not the marker a save "
+            f"writes (unreadable, or no iteration in it)"
+        )
     checksums = marker.get("checksums") or None
     if checksums is not None and not is_available(checksums["algorithm"]):
         if warn is not None:
-            warn(f"{ckpt_dir} was checksummed with {checksums['algorithm']}, which this machine lacks "
-                 f"(pip install xxhash): loading it unverified")
+            warn(
+                f"{ckpt_dir} was checksummed with {checksums['algorithm']}, which this machine lacks "
+                f"(pip install xxhash): loading it unverified"
+            )
         checksums = None
     if checksums is not None:
         check_coordinator_files(ckpt_dir, checksums)

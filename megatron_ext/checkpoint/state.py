@@ -20,26 +20,40 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.compatibility import (
-    check_compatible, check_optimizer_flags, check_scheduler_flags, describe_changed_settings,
-    describe_optimizer_flag_changes, effective_model_shape,
+    check_compatible,
+    check_optimizer_flags,
+    check_scheduler_flags,
+    describe_changed_settings,
+    describe_optimizer_flag_changes,
+    effective_model_shape,
 )
 from megatron_ext.checkpoint.directory import (
-    FORMAT_VERSION, list_complete_checkpoints, resolve_load_path, write_checkpoint,
+    FORMAT_VERSION,
+    list_complete_checkpoints,
+    resolve_load_path,
+    write_checkpoint,
 )
 from megatron_ext.checkpoint.finite import describe_non_finite_weights
 from megatron_ext.checkpoint.optimizer_state import (
-    catch_megatron_state_corruption, init_empty_optimizer_state, load_optimizer_state,
+    catch_megatron_state_corruption,
+    init_empty_optimizer_state,
+    load_optimizer_state,
 )
 from megatron_ext.checkpoint.parts import CheckpointParts
 from megatron_ext.checkpoint.reader import (
-    ChecksumMismatch, UnsafeCheckpointFile, VerifyingFileSystemReader, VerifyingTorchDistLoadStrategy,
-    find_named_failure, open_checkpoint,
+    ChecksumMismatch,
+    UnsafeCheckpointFile,
+    VerifyingFileSystemReader,
+    VerifyingTorchDistLoadStrategy,
+    find_named_failure,
+    open_checkpoint,
 )
 from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.optim import apply_flag_settings, get_scheduler_state, load_scheduler_state
@@ -56,8 +70,13 @@ SHARDED_STATE_DICT_METADATA = {
 
 
 def get_layout(ctx: ParallelContext) -> dict[str, int]:
-    return {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
-            "dp": ctx.dp_size, "vp": ctx.vp_size or 1}
+    return {
+        "world_size": ctx.world_size,
+        "tp": ctx.tp_size,
+        "pp": ctx.pp_size,
+        "dp": ctx.dp_size,
+        "vp": ctx.vp_size or 1,
+    }
 
 
 def get_rng_state(device: torch.device) -> dict[str, Any]:
@@ -127,25 +146,34 @@ def build_save_state(parts: CheckpointParts, ctx: ParallelContext, log: Log) -> 
     for message in sorted(set(corrupted)):
         # megatron-core 0.16.1 (its issue #504): part of this parameter's optimizer state is
         # written as zeros; say so on every rank where it happens instead of a buried log line
-        log(f"WARNING rank {ctx.rank}: the saved optimizer state is incomplete, a resume "
-            f"will not be exact: {message}")
+        log(f"WARNING rank {ctx.rank}: the saved optimizer state is incomplete, a resume will not be exact: {message}")
     return state
 
 
-def start_async_save(parts: CheckpointParts, ctx: ParallelContext, saver: AsyncCheckpointSaver, root: str,
-                     keep_last: int | None, log: Log) -> None:
+def start_async_save(
+    parts: CheckpointParts,
+    ctx: ParallelContext,
+    saver: AsyncCheckpointSaver,
+    root: str,
+    keep_last: int | None,
+    log: Log,
+) -> None:
     """``--async-save``: snapshot the parts at their current iteration and write them in the
     background with ``saver`` (``async_save.py``); collective over the world. It is published at a
     later step boundary, or refused there (NonFiniteCheckpoint) when some rank's weights are not
     finite now."""
     iteration = parts.train_state.iteration
-    held = saver.start(build_save_state(parts, ctx, log), root, iteration, keep_last,
-                       non_finite=describe_non_finite_weights(parts.model))
+    held = saver.start(
+        build_save_state(parts, ctx, log),
+        root,
+        iteration,
+        keep_last,
+        non_finite=describe_non_finite_weights(parts.model),
+    )
     if ctx.is_logging_rank:
         copied = saver.snapshot.bytes
         copied = f", {copied / 2**20:.1f} MiB copied to host memory on this rank" if copied else ""
-        log(f"started asynchronous save of iteration {iteration:8d} to {root} "
-            f"(training held {held:.2f} s{copied})")
+        log(f"started asynchronous save of iteration {iteration:8d} to {root} (training held {held:.2f} s{copied})")
 
 
 def save_parts(parts: CheckpointParts, ctx: ParallelContext, root: str, keep_last: int | None, log: Log) -> str:
@@ -159,7 +187,6 @@ def save_parts(parts: CheckpointParts, ctx: ParallelContext, root: str, keep_las
     if ctx.is_logging_rank:
         log(f"saved checkpoint at iteration {iteration:8d} to {final_dir} in {time.perf_counter() - start:.2f} s")
     return final_dir
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,28 +214,40 @@ def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
             return LoadPlan(c.load, c.ckpt_step, c.finetune, not (c.no_load_rng or c.finetune)), None
         if c.ckpt_step is not None:
             have = [it for it, _ in list_complete_checkpoints(c.load)]
-            raise ConfigError([f"--ckpt-step {c.ckpt_step}: {c.load} holds no complete checkpoint of that iteration "
-                               f"(complete ones: {have or 'none'})"])
+            raise ConfigError(
+                [
+                    f"--ckpt-step {c.ckpt_step}: {c.load} holds no complete checkpoint of that iteration "
+                    f"(complete ones: {have or 'none'})"
+                ]
+            )
     if c.pretrained_checkpoint:
         if resolve_load_path(c.pretrained_checkpoint)[0] is None:
             raise ConfigError([f"--pretrained-checkpoint {c.pretrained_checkpoint} holds no complete checkpoint"])
         where = f"--load {c.load} holds no checkpoint yet: " if c.load else ""
-        return (LoadPlan(c.pretrained_checkpoint, weights_only=True, load_rng=False),
-                f"> {where}fine-tuning from --pretrained-checkpoint {c.pretrained_checkpoint} (weights only)")
+        return (
+            LoadPlan(c.pretrained_checkpoint, weights_only=True, load_rng=False),
+            f"> {where}fine-tuning from --pretrained-checkpoint {c.pretrained_checkpoint} (weights only)",
+        )
     if not c.load:
         held = list_complete_checkpoints(c.save) if c.save else []
         if held:  # e.g. the README's default job run twice: its config saves but does not --load
-            return None, (f"WARNING: --save {c.save} already holds checkpoints (newest: iteration {held[-1][0]}) "
-                          f"and no --load is given: this run starts from scratch and saves beside them; add "
-                          f"--load {c.save} to resume, or give another --save")
+            return None, (
+                f"WARNING: --save {c.save} already holds checkpoints (newest: iteration {held[-1][0]}) "
+                f"and no --load is given: this run starts from scratch and saves beside them; add "
+                f"--load {c.save} to resume, or give another --save"
+            )
         return None, None
     restartable = c.save and os.path.abspath(c.save) == os.path.abspath(c.load)
     if restartable and not c.exit_on_missing_checkpoint:
         return None, f"> --load {c.load} holds no checkpoint yet: starting from scratch (it is also --save)"
     what = "does not exist" if not os.path.exists(c.load) else "holds no complete checkpoint"
     why = " (--exit-on-missing-checkpoint)" if restartable else ""
-    raise ConfigError([f"--load {c.load} {what}{why}: give a directory that --save wrote (or one of its "
-                       f"iter_XXXXXXX directories), or drop --load to start from scratch"])
+    raise ConfigError(
+        [
+            f"--load {c.load} {what}{why}: give a directory that --save wrote (or one of its "
+            f"iter_XXXXXXX directories), or drop --load to start from scratch"
+        ]
+    )
 
 
 def check_load_flags(cfg: JobConfig) -> str | None:
@@ -247,8 +286,15 @@ class CheckpointDamaged(Exception):
 
 
 def load_parts(
-    parts: CheckpointParts, ctx: ParallelContext, root: str, log: Log, load_optimizer: bool = True,
-    *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
+    parts: CheckpointParts,
+    ctx: ParallelContext,
+    root: str,
+    log: Log,
+    load_optimizer: bool = True,
+    *,
+    step: int | None = None,
+    weights_only: bool = False,
+    load_rng: bool = True,
 ) -> int | None:
     """Restore ``parts`` in place from the newest complete checkpoint under ``root`` (or from ``root``
     itself when it is one checkpoint's ``iter_XXXXXXX`` directory); collective.
@@ -274,20 +320,39 @@ def load_parts(
         candidates += [c for c in reversed(list_complete_checkpoints(os.path.dirname(found[1]))) if c[0] < found[0]]
     for i, (iteration, ckpt_dir) in enumerate(candidates):
         try:
-            return _load_from(parts, ctx, log, root, iteration, ckpt_dir, load_optimizer and not weights_only,
-                              weights_only, load_rng and not weights_only)
+            return _load_from(
+                parts,
+                ctx,
+                log,
+                root,
+                iteration,
+                ckpt_dir,
+                load_optimizer and not weights_only,
+                weights_only,
+                load_rng and not weights_only,
+            )
         except CheckpointDamaged as err:
             if i + 1 == len(candidates):
-                hint = ("" if fallback else
-                        "; --ckpt-fallback-on-corruption loads the previous complete checkpoint instead")
+                hint = (
+                    "" if fallback else "; --ckpt-fallback-on-corruption loads the previous complete checkpoint instead"
+                )
                 raise ConfigError([f"--load {root}: {err}{hint}"]) from None
             if ctx.is_logging_rank:
                 log(f"WARNING: {err}; --ckpt-fallback-on-corruption: trying {candidates[i + 1][1]}")
     return None
 
 
-def _load_from(parts: CheckpointParts, ctx: ParallelContext, log: Log, root: str, iteration: int, ckpt_dir: str,
-               load_optimizer: bool, weights_only: bool = False, load_rng: bool = True) -> int:
+def _load_from(
+    parts: CheckpointParts,
+    ctx: ParallelContext,
+    log: Log,
+    root: str,
+    iteration: int,
+    ckpt_dir: str,
+    load_optimizer: bool,
+    weights_only: bool = False,
+    load_rng: bool = True,
+) -> int:
     """``load_parts`` from one checkpoint directory: check it, read it, restore the parts."""
     from megatron.core import dist_checkpointing
 
@@ -305,11 +370,14 @@ def _load_from(parts: CheckpointParts, ctx: ParallelContext, log: Log, root: str
     saved_device = common.get("device_type", "cpu")
     restore_rng = load_rng and same_layout and saved_device == ctx.device.type
     if load_rng and same_layout and not restore_rng and ctx.is_logging_rank:
-        log(f"WARNING: {ckpt_dir} holds random-number states of {saved_device} generators; this run "
+        log(
+            f"WARNING: {ckpt_dir} holds random-number states of {saved_device} generators; this run "
             f"is on {ctx.device.type}: weights and optimizer load exactly, dropout and other "
-            f"random streams start afresh from --seed {cfg.training.seed}")
-    state = build_sharded_state_dict(parts, ctx, is_loading=True, include_optimizer=load_optimizer,
-                                     include_rng=restore_rng)
+            f"random streams start afresh from --seed {cfg.training.seed}"
+        )
+    state = build_sharded_state_dict(
+        parts, ctx, is_loading=True, include_optimizer=load_optimizer, include_rng=restore_rng
+    )
     strategy = build_load_strategy(checksums if cfg.checkpoint.ckpt_verify else None)
     try:
         loaded = dist_checkpointing.load(state, ckpt_dir, sharded_strategy=strategy)
@@ -318,34 +386,52 @@ def _load_from(parts: CheckpointParts, ctx: ParallelContext, log: Log, root: str
         raise
     _restore_parts(parts, ctx, loaded, load_optimizer, weights_only, restore_rng)
     if ctx.is_logging_rank:
-        log(_describe_load(cfg, ckpt_dir, iteration, common, same_layout, weights_only, load_optimizer,
-                           checksums, strategy))
+        log(
+            _describe_load(
+                cfg, ckpt_dir, iteration, common, same_layout, weights_only, load_optimizer, checksums, strategy
+            )
+        )
     return iteration
 
 
-def _check_loadable(parts: CheckpointParts, ctx: ParallelContext, log: Log, root: str, ckpt_dir: str,
-                    common: dict[str, Any], load_optimizer: bool, weights_only: bool) -> None:
+def _check_loadable(
+    parts: CheckpointParts,
+    ctx: ParallelContext,
+    log: Log,
+    root: str,
+    ckpt_dir: str,
+    common: dict[str, Any],
+    load_optimizer: bool,
+    weights_only: bool,
+) -> None:
     """ConfigError naming every reason the checkpoint cannot be loaded into the parts
     (``compatibility.py``), before anything is read; warnings for what loads but differs."""
     cfg = parts.cfg
     problems = check_compatible(common, cfg, parts.meta, load_optimizer)
     if load_optimizer:
-        problems += check_scheduler_flags(common["opt_param_scheduler"], parts.scheduler, cfg,
-                                          parts.global_batch_size)
+        problems += check_scheduler_flags(common["opt_param_scheduler"], parts.scheduler, cfg, parts.global_batch_size)
         problems += check_optimizer_flags(common, cfg)
     if problems:
         raise ConfigError([f"--load {root} ({os.path.basename(ckpt_dir)}): {p}" for p in problems])
     kept = describe_optimizer_flag_changes(common, cfg) if load_optimizer else []
     if kept and cfg.checkpoint.use_checkpoint_opt_param_scheduler and ctx.is_logging_rank:
-        log(f"WARNING: --use-checkpoint-opt-param-scheduler keeps the checkpoint's optimizer settings: "
-            f"{'; '.join(kept)}")
+        log(
+            f"WARNING: --use-checkpoint-opt-param-scheduler keeps the checkpoint's optimizer settings: "
+            f"{'; '.join(kept)}"
+        )
     changed = None if weights_only else describe_changed_settings(common, cfg)
     if changed and ctx.is_logging_rank:
         log(f"WARNING: {changed}")
 
 
-def _restore_parts(parts: CheckpointParts, ctx: ParallelContext, loaded: dict[str, Any], load_optimizer: bool,
-                   weights_only: bool, restore_rng: bool) -> None:
+def _restore_parts(
+    parts: CheckpointParts,
+    ctx: ParallelContext,
+    loaded: dict[str, Any],
+    load_optimizer: bool,
+    weights_only: bool,
+    restore_rng: bool,
+) -> None:
     """Put what a load read into the parts, in place."""
     if load_optimizer:
         load_optimizer_state(parts.optimizer, loaded["optimizer"])
@@ -367,10 +453,12 @@ def _restore_parts(parts: CheckpointParts, ctx: ParallelContext, loaded: dict[st
         parts.train_state.restore(loaded.get("train_state", {}))
 
 
-def _read_coordinator_files(ctx: ParallelContext, log: Log, root: str,
-                            ckpt_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def _read_coordinator_files(
+    ctx: ParallelContext, log: Log, root: str, ckpt_dir: str
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The marker's checksums to verify (None: none usable) and ``common.pt``, each checked first
     (``reader.open_checkpoint``); CheckpointDamaged names the file that is not what the save wrote."""
+
     def warn(message: str) -> None:
         if ctx.is_logging_rank:
             log(f"WARNING: {message}")
@@ -395,12 +483,26 @@ def _raise_named_load_error(err: BaseException, root: str) -> None:
         raise ConfigError([f"--load {root}: {found}"]) from None
 
 
-def _describe_load(cfg: JobConfig, ckpt_dir: str, iteration: int, common: dict[str, Any], same_layout: bool,
-                   weights_only: bool, load_optimizer: bool, checksums: dict[str, Any] | None, strategy: Any) -> str:
+def _describe_load(
+    cfg: JobConfig,
+    ckpt_dir: str,
+    iteration: int,
+    common: dict[str, Any],
+    same_layout: bool,
+    weights_only: bool,
+    load_optimizer: bool,
+    checksums: dict[str, Any] | None,
+    strategy: Any,
+) -> str:
     """The "loaded checkpoint" line: layout, what was loaded, what was verified."""
     saved_layout = common.get("layout")
-    how = ("same layout" if same_layout else f"resharded from {saved_layout}" if saved_layout
-           else "written by tools/convert_checkpoint.py, laid out for this run")
+    how = (
+        "same layout"
+        if same_layout
+        else f"resharded from {saved_layout}"
+        if saved_layout
+        else "written by tools/convert_checkpoint.py, laid out for this run"
+    )
     if weights_only:
         how += "; weights only: iteration, optimizer and LR schedule start afresh"
     elif not load_optimizer and "opt_param_scheduler" in common:
@@ -412,8 +514,10 @@ def _describe_load(cfg: JobConfig, ckpt_dir: str, iteration: int, common: dict[s
         checked = "; items not verified (--ckpt-verify: the checkpoint records no checksums this machine can check)"
     else:
         missing = f", {stats.unverified} with no recorded checksum" if stats.unverified else ""
-        checked = (f"; checksums verified for {stats.verified} items on this rank ({stats.byte_items} of them "
-                   f"byte items{missing})")
+        checked = (
+            f"; checksums verified for {stats.verified} items on this rank ({stats.byte_items} of them "
+            f"byte items{missing})"
+        )
     return f"loaded checkpoint {ckpt_dir} at iteration {iteration} ({how}{checked})"
 
 

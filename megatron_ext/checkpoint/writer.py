@@ -23,9 +23,10 @@ import concurrent.futures
 import contextlib
 import inspect
 import os
+from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -148,9 +149,9 @@ class InProcessFileSystemWriter(FileSystemWriterAsync):
         if isinstance(self._results, BaseException):
             return _wrap_exception(self._results)
         if len(self._results) != len(self.write_buckets or []):
-            return _wrap_exception(RuntimeError(
-                f"wrote {len(self._results)} of {len(self.write_buckets or [])} buckets"
-            ))
+            return _wrap_exception(
+                RuntimeError(f"wrote {len(self._results)} of {len(self.write_buckets or [])} buckets")
+            )
         return list(chain.from_iterable(self._results[i] for i in sorted(self._results)))
 
 
@@ -170,10 +171,14 @@ class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
             sharded_state_dict, self.keep_only_main_replica
         )
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-        writer = self.writer = InProcessFileSystemWriter(checkpoint_dir, thread_count=self.thread_count,
-                                                         snapshot=self.snapshot)
+        writer = self.writer = InProcessFileSystemWriter(
+            checkpoint_dir, thread_count=self.thread_count, snapshot=self.snapshot
+        )
         ret, *_ = save_state_dict_async_plan(
-            pyt_state_dict, writer, None, 0,
+            pyt_state_dict,
+            writer,
+            None,
+            0,
             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
         )
         save_fn, _, save_args = writer.get_save_function_and_args()

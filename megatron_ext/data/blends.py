@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from megatron_ext.config import ConfigError, DataConfig
 from megatron_ext.data.gpt_datasets import Blend, parse_data_path
@@ -27,8 +27,8 @@ SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
 class DataBlends:
     """``blend`` (divided by --split) or ``per_split`` ([train, valid, test], None where absent)."""
 
-    blend: Optional[Blend] = None
-    per_split: Optional[tuple[Optional[Blend], Optional[Blend], Optional[Blend]]] = None
+    blend: Blend | None = None
+    per_split: tuple[Blend | None, Blend | None, Blend | None] | None = None
     source: str = "--data-path"  # the flag(s) errors name
 
     @property
@@ -36,7 +36,7 @@ class DataBlends:
         blends = [self.blend] if self.blend else [b for b in self.per_split or () if b]
         return [p for b in blends for p in b[0]]
 
-    def for_split(self, k: int) -> Optional[Blend]:
+    def for_split(self, k: int) -> Blend | None:
         """The blend split ``k`` reads (with --data-path: every prefix, divided by --split)."""
         return self.blend if self.blend is not None else (self.per_split or (None,) * 3)[k]
 
@@ -57,24 +57,33 @@ def _read_text(path: str, flag: str) -> str:
 
 
 def resolve_data_blends(
-    data_path: Sequence[str] = (), data_args_path: Optional[str] = None,
-    train_data_path: Sequence[str] = (), valid_data_path: Sequence[str] = (), test_data_path: Sequence[str] = (),
-    per_split_data_args_path: Optional[str] = None,
-) -> Optional[DataBlends]:
+    data_path: Sequence[str] = (),
+    data_args_path: str | None = None,
+    train_data_path: Sequence[str] = (),
+    valid_data_path: Sequence[str] = (),
+    test_data_path: Sequence[str] = (),
+    per_split_data_args_path: str | None = None,
+) -> DataBlends | None:
     """The blends the flags describe; None when no data flag is given (mock data). A
     ConfigError names the flags when they conflict or a list is malformed."""
     whole = bool(data_path) or data_args_path is not None
     per_split_lists = [list(train_data_path), list(valid_data_path), list(test_data_path)]
     per_split = any(per_split_lists) or per_split_data_args_path is not None
     if whole and per_split:
-        raise ConfigError(["--data-path/--data-args-path (one blend divided by --split) and --train/valid/test-data-path"
-                           "/--per-split-data-args-path (a blend per split) are exclusive: give one kind"])
+        raise ConfigError(
+            [
+                "--data-path/--data-args-path (one blend divided by --split) and --train/valid/test-data-path"
+                "/--per-split-data-args-path (a blend per split) are exclusive: give one kind"
+            ]
+        )
     if data_path and data_args_path is not None:
         raise ConfigError(["--data-path and --data-args-path are exclusive (the file holds what --data-path would)"])
     if data_args_path is not None:
         items = _read_text(data_args_path, "--data-args-path").split()
         if not items:
-            raise ConfigError([f"--data-args-path {data_args_path} is empty: it should hold [w1] prefix1 [w2 prefix2 ...]"])
+            raise ConfigError(
+                [f"--data-args-path {data_args_path} is empty: it should hold [w1] prefix1 [w2 prefix2 ...]"]
+            )
         return DataBlends(blend=_parse(items, f"--data-args-path {data_args_path}"), source="--data-args-path")
     if data_path:
         return DataBlends(blend=_parse(data_path, "--data-path"))
@@ -89,11 +98,17 @@ def resolve_data_blends(
         except json.JSONDecodeError as exc:
             raise ConfigError([f"--per-split-data-args-path {per_split_data_args_path}: not JSON ({exc})"]) from None
         if not isinstance(spec, dict) or set(spec) - {"train", "valid", "test"}:
-            raise ConfigError([f"--per-split-data-args-path {per_split_data_args_path} must be a JSON object with keys "
-                               f"train, valid, test (each '[w1] prefix1 ...' or a list)"])
+            raise ConfigError(
+                [
+                    f"--per-split-data-args-path {per_split_data_args_path} must be a JSON object with keys "
+                    f"train, valid, test (each '[w1] prefix1 ...' or a list)"
+                ]
+            )
         per_split_lists = [spec.get(k) or [] for k in ("train", "valid", "test")]
         per_split_lists = [v.split() if isinstance(v, str) else [str(x) for x in v] for v in per_split_lists]
-        flags = tuple(f"--per-split-data-args-path {per_split_data_args_path} [{k}]" for k in ("train", "valid", "test"))
+        flags = tuple(
+            f"--per-split-data-args-path {per_split_data_args_path} [{k}]" for k in ("train", "valid", "test")
+        )
     if not per_split_lists[0]:
         raise ConfigError([f"{flags[0]} is missing: a run with a blend per split needs a training blend"])
     blends = tuple(_parse(items, flag) if items else None for items, flag in zip(per_split_lists, flags))
@@ -101,13 +116,19 @@ def resolve_data_blends(
     return DataBlends(per_split=blends, source=source)
 
 
-def get_data_blends(d: DataConfig) -> Optional[DataBlends]:
+def get_data_blends(d: DataConfig) -> DataBlends | None:
     """The run's blends from its data flags (``resolve_data_blends``); None for no data flag."""
-    return resolve_data_blends(d.data_path, d.data_args_path, d.train_data_path, d.valid_data_path,
-                               d.test_data_path, d.per_split_data_args_path)
+    return resolve_data_blends(
+        d.data_path,
+        d.data_args_path,
+        d.train_data_path,
+        d.valid_data_path,
+        d.test_data_path,
+        d.per_split_data_args_path,
+    )
 
 
-def get_blend_weights(blend: Blend) -> Optional[list[float]]:
+def get_blend_weights(blend: Blend) -> list[float] | None:
     """Normalised weights, or None (megatron-core: blend by size)."""
     weights = blend[1]
     if weights is None:

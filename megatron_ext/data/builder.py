@@ -11,7 +11,8 @@ document-aware index (``packed_dataset.py``); fixed windows from megatron-core's
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from megatron_ext.config import DataConfig, JobConfig, TrainingConfig
 from megatron_ext.data.blends import DataBlends, get_data_blends
@@ -32,7 +33,10 @@ def get_unused_splits(t: TrainingConfig) -> tuple[int, ...]:
 
 
 def build_train_valid_datasets(
-    cfg: JobConfig, tokenizer: Any, global_batch_size: int, log: Callable[[str], None] | None = None,
+    cfg: JobConfig,
+    tokenizer: Any,
+    global_batch_size: int,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[Any, Any]:
     """(train, valid) datasets of the run's flags: how many samples each split gives (the run's
     length and evaluations) and which builder the data flags choose; ``log`` (the logging rank's)
@@ -46,15 +50,28 @@ def build_train_valid_datasets(
 
 
 def build_document_datasets(
-    d: DataConfig, blends: DataBlends, tokenizer: Any, seq_length: int, seed: int, num_samples: Sequence[int],
-    unused_splits: Sequence[int], log: Callable[[str], None] | None = None,
+    d: DataConfig,
+    blends: DataBlends,
+    tokenizer: Any,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int],
+    unused_splits: Sequence[int],
+    log: Callable[[str], None] | None = None,
 ) -> tuple[Any, Any]:
     """(train, valid) samples of whole documents (``--packed-sequences``, or
     ``--one-document-per-row``) from our document-aware index (``packed_dataset.py``)."""
     strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
     train_ds, valid_ds, _ = build_blended_packed_datasets(
-        blends, parse_split(d.split) if blends.blend else [1.0], seq_length, strategy, seed,
-        num_samples, d.data_cache_path, unused_splits=unused_splits, split_flag=d.split,
+        blends,
+        parse_split(d.split) if blends.blend else [1.0],
+        seq_length,
+        strategy,
+        seed,
+        num_samples,
+        d.data_cache_path,
+        unused_splits=unused_splits,
+        split_flag=d.split,
     )
     if d.eod_mask_loss:
         train_ds, valid_ds = (None if ds is None else EodLossMask(ds, tokenizer.eod) for ds in (train_ds, valid_ds))
@@ -72,24 +89,42 @@ def build_document_datasets(
 
 
 def build_window_datasets(
-    d: DataConfig, blends: DataBlends | None, tokenizer: Any, seq_length: int, seed: int,
-    num_samples: Sequence[int], unused_splits: Sequence[int], log: Callable[[str], None] | None = None,
+    d: DataConfig,
+    blends: DataBlends | None,
+    tokenizer: Any,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int],
+    unused_splits: Sequence[int],
+    log: Callable[[str], None] | None = None,
 ) -> tuple[Any, Any]:
     """(train, valid) windows of ``seq_length`` + 1 tokens from megatron-core's ``GPTDataset``
     (``gpt_datasets.py``; None blends: ``--mock-data``), split at EOD into documents with
     ``--reset-attention-mask`` / ``--reset-position-ids``."""
     train_ds, valid_ds, _ = build_gpt_datasets(
-        tokenizer, seq_length, num_samples, split=d.split, mock_data=d.mock_data, random_seed=seed,
-        path_to_cache=d.data_cache_path, reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss, create_attention_mask=False,
-        unused_splits=unused_splits, blend=blends and blends.blend, blend_per_split=blends and blends.per_split,
+        tokenizer,
+        seq_length,
+        num_samples,
+        split=d.split,
+        mock_data=d.mock_data,
+        random_seed=seed,
+        path_to_cache=d.data_cache_path,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+        create_attention_mask=False,
+        unused_splits=unused_splits,
+        blend=blends and blends.blend,
+        blend_per_split=blends and blends.per_split,
     )
     if log is not None and train_ds is not None:
         for part in getattr(train_ds, "datasets", [train_ds]):
             log(describe_windows(part, seq_length))
     if uses_document_boundaries(d):
-        train_ds, valid_ds = (EodBoundaryDataset(ds, tokenizer.eod, d.reset_attention_mask) if ds is not None else None
-                              for ds in (train_ds, valid_ds))
+        train_ds, valid_ds = (
+            EodBoundaryDataset(ds, tokenizer.eod, d.reset_attention_mask) if ds is not None else None
+            for ds in (train_ds, valid_ds)
+        )
     return train_ds, valid_ds
 
 
@@ -102,8 +137,10 @@ def describe_windows(ds: Any, seq_length: int) -> str:
     if lengths is None or indices is None or not len(indices) or prefix is None:  # e.g. --mock-data
         return f"> {type(ds).__name__}: {len(ds)} samples of {seq_length} tokens"
     tokens = int(lengths[indices].sum())
-    line = (f"> windows of {prefix} ({ds.index_split.name}): {len(ds)} samples of {seq_length} "
-            f"tokens over {len(indices)} documents ({tokens:,} tokens)")
+    line = (
+        f"> windows of {prefix} ({ds.index_split.name}): {len(ds)} samples of {seq_length} "
+        f"tokens over {len(indices)} documents ({tokens:,} tokens)"
+    )
     if ds.num_samples is None:  # a prefix of an unweighted blend: megatron-core builds one epoch, no count
         return line + " | one epoch of them (a blend without weights draws each prefix by its size)"
     epochs = ds.num_samples * seq_length / max(tokens, 1)

@@ -13,12 +13,12 @@ import logging
 import math
 import os
 import warnings
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_ext.config import ConfigError
 from megatron_ext.data import microbatch
 
-Blend = tuple[list[str], Optional[list[float]]]
+Blend = tuple[list[str], list[float] | None]
 
 
 def parse_data_path(data_path: Sequence[str]) -> Blend:
@@ -31,7 +31,7 @@ def parse_data_path(data_path: Sequence[str]) -> Blend:
     if not items or any(not item for item in items):
         raise ConfigError([f"--data-path needs one or more dataset prefixes, got {list(data_path)}"])
 
-    def as_weight(item: str) -> Optional[float]:
+    def as_weight(item: str) -> float | None:
         try:
             return float(item)
         except ValueError:
@@ -40,17 +40,28 @@ def parse_data_path(data_path: Sequence[str]) -> Blend:
     if all(as_weight(item) is None for item in items):
         return items, None
     if len(items) % 2 or any(as_weight(w) is None for w in items[0::2]):
-        raise ConfigError([
-            f"--data-path {' '.join(items)} mixes weights and prefixes; give either prefixes only "
-            f"(PREFIX [PREFIX ...]) or weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"])
+        raise ConfigError(
+            [
+                f"--data-path {' '.join(items)} mixes weights and prefixes; give either prefixes only "
+                f"(PREFIX [PREFIX ...]) or weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"
+            ]
+        )
     weights = [as_weight(w) for w in items[0::2]]
     prefixes = items[1::2]
     if any(as_weight(p) is not None for p in prefixes):
-        raise ConfigError([f"--data-path {' '.join(items)}: a prefix looks like a number; "
-                         f"use weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"])
+        raise ConfigError(
+            [
+                f"--data-path {' '.join(items)}: a prefix looks like a number; "
+                f"use weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 ...)"
+            ]
+        )
     if any(w <= 0 or not math.isfinite(w) for w in weights):
-        raise ConfigError([f"--data-path weights {weights} must be finite and > 0 (megatron-core's BlendedDataset "
-                           f"requires it): leave a prefix out rather than weighting it 0"])
+        raise ConfigError(
+            [
+                f"--data-path weights {weights} must be finite and > 0 (megatron-core's BlendedDataset "
+                f"requires it): leave a prefix out rather than weighting it 0"
+            ]
+        )
     return prefixes, weights
 
 
@@ -60,8 +71,7 @@ def parse_split(split: str) -> list[float]:
     try:
         values = [float(p) for p in parts]
     except ValueError as exc:
-        raise ConfigError([f"--split {split!r} must be up to 3 comma-separated numbers, "
-                         f"e.g. 969,30,1"]) from exc
+        raise ConfigError([f"--split {split!r} must be up to 3 comma-separated numbers, e.g. 969,30,1"]) from exc
     if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values):
         raise ConfigError([f"--split {split!r} must be 1 to 3 non-negative numbers, e.g. 969,30,1"])
     values += [0.0] * (3 - len(values))
@@ -72,30 +82,35 @@ def parse_split(split: str) -> list[float]:
 
 def get_missing_dataset_files(prefixes: Sequence[str]) -> list[str]:
     """The ``PREFIX.bin`` / ``PREFIX.idx`` paths that do not exist."""
-    return [prefix + ext for prefix in prefixes for ext in (".bin", ".idx")
-            if not os.path.isfile(prefix + ext)]
+    return [prefix + ext for prefix in prefixes for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
 
 
 def validate_data_prefixes(prefixes: Sequence[str]) -> None:
     """ConfigError naming ``--data-path`` and every missing file."""
     missing = get_missing_dataset_files(prefixes)
     if missing:
-        raise ConfigError([
-            f"--data-path: missing {', '.join(missing)}. Each prefix needs PREFIX.bin and "
-            f"PREFIX.idx (pass the prefix without extension, e.g. "
-            f"data/default/corpus_text_document; "
-            f"build them with tools/preprocess_data.py or tools/make_default_data.py)"])
+        raise ConfigError(
+            [
+                f"--data-path: missing {', '.join(missing)}. Each prefix needs PREFIX.bin and "
+                f"PREFIX.idx (pass the prefix without extension, e.g. "
+                f"data/default/corpus_text_document; "
+                f"build them with tools/preprocess_data.py or tools/make_default_data.py)"
+            ]
+        )
 
 
-def validate_num_samples(num_samples: Sequence[Optional[int]], weights) -> list[Optional[int]]:
+def validate_num_samples(num_samples: Sequence[int | None], weights) -> list[int | None]:
     """[train, valid, test] sample counts; None only where megatron-core allows it."""
     num_samples = list(num_samples)
     if len(num_samples) != 3 or any(n is not None and n < 0 for n in num_samples):
-        raise ValueError(f"num_samples must be [train, valid, test] counts >= 0 (or None), "
-                         f"got {num_samples}")
+        raise ValueError(f"num_samples must be [train, valid, test] counts >= 0 (or None), got {num_samples}")
     if weights is not None and any(n is None for n in num_samples):
-        raise ConfigError([f"--data-path with weights needs a sample count for every split, "
-                         f"got num_samples={num_samples}; give counts or drop the weights"])
+        raise ConfigError(
+            [
+                f"--data-path with weights needs a sample count for every split, "
+                f"got num_samples={num_samples}; give counts or drop the weights"
+            ]
+        )
     return num_samples
 
 
@@ -127,8 +142,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 def get_split_document_counts(num_docs: int, split_matrix) -> list[int | None]:
     """Documents of each split of one prefix, by megatron-core's rule (round(fraction x docs)
     at each end); None for a split that is not built."""
-    return [None if s is None else int(round(s[1] * num_docs)) - int(round(s[0] * num_docs))
-            for s in split_matrix]
+    return [None if s is None else int(round(s[1] * num_docs)) - int(round(s[0] * num_docs)) for s in split_matrix]
 
 
 def check_splits_have_documents(prefixes: Sequence[str], split_matrix, split: str) -> None:
@@ -145,9 +159,13 @@ def check_splits_have_documents(prefixes: Sequence[str], split_matrix, split: st
             shown = ", ".join(f"{SPLIT_NAMES[i]} {n}" for i, n in enumerate(counts) if n is not None)
             problems.append(f"{prefix} ({num_docs} documents): {'/'.join(empty)} gets none ({shown})")
     if problems:
-        raise ConfigError([f"--split {split} leaves a split the run reads without documents: "
-                         f"{'; '.join(problems)}. Give it more weight, or --eval-interval 0 when it is "
-                         f"the validation split"])
+        raise ConfigError(
+            [
+                f"--split {split} leaves a split the run reads without documents: "
+                f"{'; '.join(problems)}. Give it more weight, or --eval-interval 0 when it is "
+                f"the validation split"
+            ]
+        )
 
 
 def check_prefixes_have_documents(prefixes: Sequence[str]) -> None:
@@ -160,12 +178,19 @@ def check_prefixes_have_documents(prefixes: Sequence[str]) -> None:
         raise ConfigError([f"--train/valid/test-data-path: {', '.join(empty)} has no documents; leave it out"])
 
 
-def build_gpt_dataset_config(tokenizer, sequence_length: int, blend: Optional[Blend],
-                             split: str = "969,30,1", random_seed: int = 1234,
-                             path_to_cache: Optional[str] = None,
-                             reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                             eod_mask_loss: bool = False, create_attention_mask: bool = True,
-                             blend_per_split=None):
+def build_gpt_dataset_config(
+    tokenizer,
+    sequence_length: int,
+    blend: Blend | None,
+    split: str = "969,30,1",
+    random_seed: int = 1234,
+    path_to_cache: str | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+    blend_per_split=None,
+):
     """megatron-core ``GPTDatasetConfig``; ``blend=None`` (and no ``blend_per_split``) means mock
     data."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
@@ -187,15 +212,24 @@ def build_gpt_dataset_config(tokenizer, sequence_length: int, blend: Optional[Bl
     )
 
 
-def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Optional[int]],
-                       data_path: Optional[Sequence[str]] = None, split: str = "969,30,1",
-                       mock_data: bool = False, random_seed: int = 1234,
-                       path_to_cache: Optional[str] = None,
-                       reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                       eod_mask_loss: bool = False, create_attention_mask: bool = True,
-                       is_built_on_rank: Optional[Callable[[], bool]] = None,
-                       unused_splits: Sequence[int] = (), blend: Optional[Blend] = None,
-                       blend_per_split=None):
+def build_gpt_datasets(
+    tokenizer,
+    sequence_length: int,
+    num_samples: Sequence[int | None],
+    data_path: Sequence[str] | None = None,
+    split: str = "969,30,1",
+    mock_data: bool = False,
+    random_seed: int = 1234,
+    path_to_cache: str | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+    is_built_on_rank: Callable[[], bool] | None = None,
+    unused_splits: Sequence[int] = (),
+    blend: Blend | None = None,
+    blend_per_split=None,
+):
     """Build (train, valid, test) datasets; a split with zero weight comes back as None.
 
     Args:
@@ -226,8 +260,17 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
         check_prefixes_have_documents([p for b in blend_per_split if b for p in b[0]])
         sizes = validate_num_samples(num_samples, None)
         config = build_gpt_dataset_config(
-            tokenizer, sequence_length, None, split, random_seed, path_to_cache,
-            reset_position_ids, reset_attention_mask, eod_mask_loss, create_attention_mask, blend_per_split,
+            tokenizer,
+            sequence_length,
+            None,
+            split,
+            random_seed,
+            path_to_cache,
+            reset_position_ids,
+            reset_attention_mask,
+            eod_mask_loss,
+            create_attention_mask,
+            blend_per_split,
         )
         builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
         with maybe_single_process_rank():
@@ -236,28 +279,38 @@ def build_gpt_datasets(tokenizer, sequence_length: int, num_samples: Sequence[Op
         blend, dataset_cls = None, MockGPTDataset
     else:
         if not data_path and blend is None:
-            raise ConfigError(["--data-path is required unless --mock-data is set "
-                             "(e.g. --data-path data/default/corpus_text_document)"])
+            raise ConfigError(
+                [
+                    "--data-path is required unless --mock-data is set "
+                    "(e.g. --data-path data/default/corpus_text_document)"
+                ]
+            )
         blend, dataset_cls = blend or parse_data_path(data_path), GPTDataset
         validate_data_prefixes(blend[0])
         parse_split(split)
     sizes = validate_num_samples(num_samples, None if blend is None else blend[1])
     config = build_gpt_dataset_config(
-        tokenizer, sequence_length, blend, split, random_seed, path_to_cache,
-        reset_position_ids, reset_attention_mask, eod_mask_loss, create_attention_mask,
+        tokenizer,
+        sequence_length,
+        blend,
+        split,
+        random_seed,
+        path_to_cache,
+        reset_position_ids,
+        reset_attention_mask,
+        eod_mask_loss,
+        create_attention_mask,
     )
     if blend is not None:
         config.split_matrix = [None if i in unused_splits else s for i, s in enumerate(config.split_matrix)]
         check_splits_have_documents(blend[0], config.split_matrix, split)
-    builder = BlendedMegatronDatasetBuilder(
-        dataset_cls, sizes, is_built_on_rank or (lambda: True), config
-    )
+    builder = BlendedMegatronDatasetBuilder(dataset_cls, sizes, is_built_on_rank or (lambda: True), config)
     with maybe_single_process_rank():
         train, valid, test = build_with_cache_check(builder, path_to_cache)
     return train, valid, test
 
 
-def build_with_cache_check(builder, path_to_cache: Optional[str]):
+def build_with_cache_check(builder, path_to_cache: str | None):
     """``builder.build()``; megatron-core's failure to write its index cache (beside the data unless
     --data-cache-path: a read-only dataset directory) becomes one error naming the flag."""
     try:
@@ -272,8 +325,12 @@ def build_with_cache_check(builder, path_to_cache: Optional[str]):
             raise
         cause = exc.__cause__
     where = f"--data-cache-path {path_to_cache}" if path_to_cache else "the cache directory beside the data"
-    raise ConfigError([f"cannot write megatron-core's dataset index cache to {where} ({cause}): give "
-                       f"--data-cache-path a writable directory (e.g. on local disk)"]) from None
+    raise ConfigError(
+        [
+            f"cannot write megatron-core's dataset index cache to {where} ({cause}): give "
+            f"--data-cache-path a writable directory (e.g. on local disk)"
+        ]
+    ) from None
 
 
 class _DropMockCacheNotice(logging.Filter):

@@ -25,20 +25,24 @@ def check_indexed_dataset(prefix: str) -> list[str]:
         idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_)
         with open(idx, "rb") as f:
             head = f.read(_HEAD)
-            if len(head) < _HEAD or head[:len(INDEX_HEADER)] != INDEX_HEADER:
+            if len(head) < _HEAD or head[: len(INDEX_HEADER)] != INDEX_HEADER:
                 return [f"{idx} is not a megatron-core index (bad or short header): {fix}"]
-            version, code, sequences, documents = struct.unpack("<QBQQ", head[len(INDEX_HEADER):])
+            version, code, sequences, documents = struct.unpack("<QBQQ", head[len(INDEX_HEADER) :])
             if version != 1 or code not in ITEM_SIZES:
                 return [f"{idx}: unknown index version {version} or token dtype code {code}: {fix}"]
             expected_idx = _HEAD + 4 * sequences + 8 * sequences + 8 * documents
             if idx_size < expected_idx:  # (a trailing mode array may follow: never shorter)
-                return [f"{idx} has {idx_size} bytes, its counts ({sequences} sequences, {documents} "
-                        f"documents) need {expected_idx}: the file is truncated; {fix}"]
+                return [
+                    f"{idx} has {idx_size} bytes, its counts ({sequences} sequences, {documents} "
+                    f"documents) need {expected_idx}: the file is truncated; {fix}"
+                ]
             if sequences == 0:
                 if bin_size:
                     return [f"{idx} holds no sequence but {bin_} has {bin_size} bytes: {fix}"]
-                return [f"{prefix} has no documents (no text became tokens; megatron-core cannot even map an "
-                        f"empty .bin): leave it out"]
+                return [
+                    f"{prefix} has no documents (no text became tokens; megatron-core cannot even map an "
+                    f"empty .bin): leave it out"
+                ]
             f.seek(_HEAD + 4 * (sequences - 1))
             (last_length,) = struct.unpack("<i", f.read(4))
             f.seek(_HEAD + 4 * sequences + 8 * (sequences - 1))
@@ -48,8 +52,10 @@ def check_indexed_dataset(prefix: str) -> list[str]:
     expected_bin = last_pointer + last_length * ITEM_SIZES[code]
     if bin_size != expected_bin:
         how = "truncated" if bin_size < expected_bin else "longer than its index describes"
-        return [f"{bin_} has {bin_size} bytes but {idx} describes {expected_bin}: the .bin is {how} or the "
-                f"pair does not belong together; {fix}"]
+        return [
+            f"{bin_} has {bin_size} bytes but {idx} describes {expected_bin}: the .bin is {how} or the "
+            f"pair does not belong together; {fix}"
+        ]
     return []
 
 
@@ -63,8 +69,13 @@ TOKENIZER_RECORD_SUFFIX = ".tokenizer.json"
 def build_tokenizer_record(identity: dict, tokenizer_model: str | None, json_key: str, append_eod: bool) -> dict:
     """What ``PREFIX.tokenizer.json`` holds: the tokenizer's identity (type, sha256 of its files,
     vocabulary size; as checkpoints record it), where its files were, and how the text was read."""
-    return {"tokenizer": dict(identity), "tokenizer_model": tokenizer_model, "json_key": json_key,
-            "append_eod": append_eod, "written_by": "tools/preprocess_data.py"}
+    return {
+        "tokenizer": dict(identity),
+        "tokenizer_model": tokenizer_model,
+        "json_key": json_key,
+        "append_eod": append_eod,
+        "written_by": "tools/preprocess_data.py",
+    }
 
 
 def _describe_tokenizer(identity: dict, model: str | None = None) -> str:
@@ -98,11 +109,15 @@ def check_tokenizer_record(prefix: str, identity: dict) -> list[str]:
             record = json.load(f)
         saved = dict(record["tokenizer"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        return [f"{path} (the tokenizer the pair was made with) cannot be read ({type(err).__name__}: {err}): "
-                f"delete it to train unchecked, or preprocess the data again"]
+        return [
+            f"{path} (the tokenizer the pair was made with) cannot be read ({type(err).__name__}: {err}): "
+            f"delete it to train unchecked, or preprocess the data again"
+        ]
     if same_tokenizer(saved, identity):
         return []
-    return [f"{prefix} was tokenized with {_describe_tokenizer(saved, record.get('tokenizer_model'))} (recorded in "
-            f"{path}), but this run's tokenizer is {_describe_tokenizer(identity)}: its ids would mean other "
-            f"tokens; give the tokenizer it was made with (--tokenizer-type/--tokenizer-model/--vocab-size) or "
-            f"preprocess it again with this one"]
+    return [
+        f"{prefix} was tokenized with {_describe_tokenizer(saved, record.get('tokenizer_model'))} (recorded in "
+        f"{path}), but this run's tokenizer is {_describe_tokenizer(identity)}: its ids would mean other "
+        f"tokens; give the tokenizer it was made with (--tokenizer-type/--tokenizer-model/--vocab-size) or "
+        f"preprocess it again with this one"
+    ]

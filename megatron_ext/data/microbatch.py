@@ -18,7 +18,8 @@ Token validity has one encoding: a label equal to IGNORE_INDEX predicts nothing 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ class Microbatch:
         """Token positions including padding."""
         return self.tokens.numel()
 
-    def to(self, device: torch.device) -> "Microbatch":
+    def to(self, device: torch.device) -> Microbatch:
         """The tensors on ``device`` (pinned host memory and an asynchronous copy on CUDA; this
         object on the CPU)."""
         if device.type == "cpu":
@@ -76,7 +77,10 @@ class Microbatch:
             return None if t is None else t.pin_memory().to(device, non_blocking=True)
 
         return dataclasses.replace(
-            self, tokens=move(self.tokens), labels=move(self.labels), position_ids=move(self.position_ids),
+            self,
+            tokens=move(self.tokens),
+            labels=move(self.labels),
+            position_ids=move(self.position_ids),
             cu_seqlens=move(self.cu_seqlens),
         )
 
@@ -88,10 +92,7 @@ def get_microbatch_indices(
     per_mb = micro_batch_size * dp_size
     num_microbatches = global_batch_size // per_mb
     start = consumed_samples + dp_rank * micro_batch_size
-    return [
-        list(range(start + j * per_mb, start + j * per_mb + micro_batch_size))
-        for j in range(num_microbatches)
-    ]
+    return [list(range(start + j * per_mb, start + j * per_mb + micro_batch_size)) for j in range(num_microbatches)]
 
 
 def normalize_sample(sample: dict[str, Any]) -> Sample:
@@ -99,6 +100,7 @@ def normalize_sample(sample: dict[str, Any]) -> Sample:
 
     Labels whose loss mask is 0 become IGNORE_INDEX, so the loss sees one notion of "invalid".
     """
+
     def get(key: str) -> torch.Tensor:
         value = sample[key]
         return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
@@ -139,11 +141,13 @@ def check_token_ids(sample: Sample, vocab_size: int, dataset: Any, index: int) -
     low = int(sample["tokens"].min()) if sample["tokens"].numel() else 0
     if top >= vocab_size or low < 0:
         bad = top if top >= vocab_size else low
-        raise ConfigError([
-            f"token id {bad} is outside the tokenizer's vocabulary [0, {vocab_size}) in "
-            f"{describe_sample(dataset, index)}: the data was tokenized with another tokenizer than "
-            f"--tokenizer-type/--tokenizer-model (or --vocab-size) say; preprocess it again or use that tokenizer"
-        ])
+        raise ConfigError(
+            [
+                f"token id {bad} is outside the tokenizer's vocabulary [0, {vocab_size}) in "
+                f"{describe_sample(dataset, index)}: the data was tokenized with another tokenizer than "
+                f"--tokenizer-type/--tokenizer-model (or --vocab-size) say; preprocess it again or use that tokenizer"
+            ]
+        )
 
 
 def describe_sample(dataset: Any, index: int) -> str:
@@ -159,7 +163,7 @@ def describe_sample(dataset: Any, index: int) -> str:
         try:  # the documents of a window: GPTDataset's shuffle, sample and document indices
             j = int(dataset.shuffle_index[index])
             beg, end = int(dataset.sample_index[j][0]), int(dataset.sample_index[j + 1][0])
-            docs = sorted({int(d) for d in dataset.document_index[beg:end + 1]})
+            docs = sorted({int(d) for d in dataset.document_index[beg : end + 1]})
             where = f"{prefix}.bin, document{'s' if len(docs) > 1 else ''} {', '.join(map(str, docs))} (sample {index})"
         except (AttributeError, IndexError, TypeError):
             pass

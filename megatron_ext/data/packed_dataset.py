@@ -24,7 +24,7 @@ import json
 import math
 import os
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -61,9 +61,13 @@ class IndexedDocuments:
         starts = np.zeros(n + 1, dtype=bool)
         starts[bounds] = True
         if not np.all(follows | starts[1:n]):
-            raise ConfigError([f"{indexed.path_prefix}: the sequences of a document are not stored back to back "
-                               f"in the .bin (not written by megatron-core's IndexedDatasetBuilder?); "
-                               f"--packed-sequences needs them so: preprocess it again with tools/preprocess_data.py"])
+            raise ConfigError(
+                [
+                    f"{indexed.path_prefix}: the sequences of a document are not stored back to back "
+                    f"in the .bin (not written by megatron-core's IndexedDatasetBuilder?); "
+                    f"--packed-sequences needs them so: preprocess it again with tools/preprocess_data.py"
+                ]
+            )
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -112,14 +116,19 @@ def _build_and_write(path: str, build: Callable[[], dict[str, np.ndarray]], what
     except OSError as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise ConfigError([f"cannot write {path} ({exc.strerror}): index caches are written beside the data "
-                           f"unless --data-cache-path names a writable directory; give one (e.g. on local disk)"]) from None
+        raise ConfigError(
+            [
+                f"cannot write {path} ({exc.strerror}): index caches are written beside the data "
+                f"unless --data-cache-path names a writable directory; give one (e.g. on local disk)"
+            ]
+        ) from None
     print(f"> built {what} in {time.monotonic() - start:.1f} s: {path}", flush=True)
     return arrays
 
 
-def load_or_build_arrays(path: str, build: Callable[[], dict[str, np.ndarray]],
-                         what: str = "an index") -> dict[str, np.ndarray]:
+def load_or_build_arrays(
+    path: str, build: Callable[[], dict[str, np.ndarray]], what: str = "an index"
+) -> dict[str, np.ndarray]:
     """Arrays cached at ``path`` (.npz), built by ``build`` on a miss and written atomically.
 
     Under torch.distributed, global rank 0 builds and writes them first while the others wait (up to
@@ -162,25 +171,38 @@ def _agree_built(failed: int) -> None:
 
 
 def load_or_build_index(
-    prefix: str, doc_lengths: np.ndarray, doc_range: tuple[int, int], seq_length: int,
-    strategy: str, cache_dir: str | None, digest: str,
+    prefix: str,
+    doc_lengths: np.ndarray,
+    doc_range: tuple[int, int],
+    seq_length: int,
+    strategy: str,
+    cache_dir: str | None,
+    digest: str,
 ) -> PackingIndex:
     """The packing index of documents ``doc_range`` (``digest``: ``lengths_digest`` of their lengths);
     cached on disk (``load_or_build_arrays``)."""
     # the index is a function of the documents' lengths: keyed on them, a dataset preprocessed again
     # into the same prefix gets a new index (a stale one read a shorter corpus without a word)
-    key = {"prefix": os.path.abspath(prefix), "num_docs": int(len(doc_lengths)),
-           "range": list(doc_range), "seq": seq_length, "strategy": strategy, "v": 1,
-           "lengths": digest}
+    key = {
+        "prefix": os.path.abspath(prefix),
+        "num_docs": int(len(doc_lengths)),
+        "range": list(doc_range),
+        "seq": seq_length,
+        "strategy": strategy,
+        "v": 1,
+        "lengths": digest,
+    }
     path = _cache_path(prefix, cache_dir, key)
 
     def build() -> dict[str, np.ndarray]:
         ids = np.arange(*doc_range, dtype=np.int64)
-        index = _build(ids, doc_lengths[doc_range[0]:doc_range[1]], seq_length, strategy)
+        index = _build(ids, doc_lengths[doc_range[0] : doc_range[1]], seq_length, strategy)
         return {k: getattr(index, k) for k in ("piece_doc", "piece_start", "piece_len", "bin_offsets")}
 
-    what = (f"the {strategy} packing index of {prefix} (documents {doc_range[0]}..{doc_range[1]}, "
-            f"--seq-length {seq_length})")
+    what = (
+        f"the {strategy} packing index of {prefix} (documents {doc_range[0]}..{doc_range[1]}, "
+        f"--seq-length {seq_length})"
+    )
     z = load_or_build_arrays(path, build, what)
     index = PackingIndex(z["piece_doc"], z["piece_start"], z["piece_len"], z["bin_offsets"])
     check_index_matches_documents(index, doc_lengths, path)
@@ -210,8 +232,16 @@ def check_index_matches_documents(index: PackingIndex, doc_lengths: np.ndarray, 
 class PackedDocumentDataset:
     """Packed (or one-document-per-row) samples of one split of an indexed dataset."""
 
-    def __init__(self, indexed, index: PackingIndex, seq_length: int, seed: int, num_samples: int,
-                 one_per_row: bool = False, cache_key: str = ""):
+    def __init__(
+        self,
+        indexed,
+        index: PackingIndex,
+        seq_length: int,
+        seed: int,
+        num_samples: int,
+        one_per_row: bool = False,
+        cache_key: str = "",
+    ):
         self.indexed = indexed
         self.cache_key = cache_key  # what identifies its sample order (blend caches key on it)
         self.one_per_row = one_per_row
@@ -240,15 +270,18 @@ class PackedDocumentDataset:
     def describe_sample(self, i: int) -> str:
         """The file and documents of sample ``i`` (for error messages)."""
         b = self._bin(i)
-        docs = sorted({int(d) for d in self.index.piece_doc[self.index.bin_offsets[b]:self.index.bin_offsets[b + 1]]})
+        docs = sorted({int(d) for d in self.index.piece_doc[self.index.bin_offsets[b] : self.index.bin_offsets[b + 1]]})
         return f"{self.indexed.path_prefix}.bin, document{'s' if len(docs) > 1 else ''} {', '.join(map(str, docs))}"
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         b = self._bin(i)
         lo, hi = self.index.bin_offsets[b], self.index.bin_offsets[b + 1]
         pieces, next_tokens = [], []
-        for d, s, n in zip(self.index.piece_doc[lo:hi].tolist(), self.index.piece_start[lo:hi].tolist(),
-                           self.index.piece_len[lo:hi].tolist()):
+        for d, s, n in zip(
+            self.index.piece_doc[lo:hi].tolist(),
+            self.index.piece_start[lo:hi].tolist(),
+            self.index.piece_len[lo:hi].tolist(),
+        ):
             cut = s + n < self.doc_lengths[d]  # a piece of an over-long document: one more token, its last label
             tokens = self.indexed.get(d, offset=s, length=n + cut)
             pieces.append(tokens[:n])
@@ -285,8 +318,14 @@ def build_packed_sample(pieces: list[np.ndarray], next_tokens: Sequence[int] | N
 
 
 def build_packed_datasets(
-    prefix: str, split: Sequence[float], seq_length: int, strategy: str, seed: int,
-    num_samples: Sequence[int], cache_dir: str | None, unused_splits: Sequence[int] = (),
+    prefix: str,
+    split: Sequence[float],
+    seq_length: int,
+    strategy: str,
+    seed: int,
+    num_samples: Sequence[int],
+    cache_dir: str | None,
+    unused_splits: Sequence[int] = (),
     split_flag: str | None = None,
 ):
     """(train, valid, test) packed datasets of one indexed dataset; None for a split that is empty
@@ -300,32 +339,52 @@ def build_packed_datasets(
     # tokens, not documents, make bins: a range of empty documents (no --append-eod) packs into none
     tokens = [int(doc_lengths[a:b].sum()) for a, b in ranges]
     # a split with weight but no tokens (a zero weight means "no such split")
-    empty = [name for k, (name, n, w) in enumerate(zip(("train", "valid", "test"), tokens, list(split) + [0.0] * 3))
-             if k not in unused_splits and n == 0 and w > 0]
+    empty = [
+        name
+        for k, (name, n, w) in enumerate(zip(("train", "valid", "test"), tokens, list(split) + [0.0] * 3))
+        if k not in unused_splits and n == 0 and w > 0
+    ]
     if empty:
-        counts = ", ".join(f"{name} {r[1] - r[0]} ({n} tokens)"
-                           for name, r, n in zip(("train", "valid", "test"), ranges, tokens))
-        raise ConfigError([f"--split {split_flag or list(split)} leaves {'/'.join(empty)} of {prefix} "
-                         f"({len(doc_lengths)} documents) without tokens (documents: {counts}). Give it more "
-                         f"weight, or --eval-interval 0 when it is the validation split"])
+        counts = ", ".join(
+            f"{name} {r[1] - r[0]} ({n} tokens)" for name, r, n in zip(("train", "valid", "test"), ranges, tokens)
+        )
+        raise ConfigError(
+            [
+                f"--split {split_flag or list(split)} leaves {'/'.join(empty)} of {prefix} "
+                f"({len(doc_lengths)} documents) without tokens (documents: {counts}). Give it more "
+                f"weight, or --eval-interval 0 when it is the validation split"
+            ]
+        )
     out = []
     for k, doc_range in enumerate(ranges):
         if tokens[k] == 0 or k in unused_splits:
             out.append(None)
             continue
-        out.append(_build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed + k,
-                                num_samples[k], cache_dir))
+        out.append(
+            _build_split(
+                indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed + k, num_samples[k], cache_dir
+            )
+        )
     return tuple(out)
 
 
 def _build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed, num_samples, cache_dir):
-    digest = lengths_digest(doc_lengths[doc_range[0]:doc_range[1]])  # keys the index and the sample order
+    digest = lengths_digest(doc_lengths[doc_range[0] : doc_range[1]])  # keys the index and the sample order
     index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir, digest)
-    key = json.dumps({"prefix": os.path.abspath(prefix), "range": list(doc_range), "seq": seq_length,
-                      "strategy": strategy, "seed": seed, "bins": index.num_bins,
-                      "lengths": digest})
-    return PackedDocumentDataset(indexed, index, seq_length, seed, num_samples,
-                                 one_per_row=strategy == "one_per_row", cache_key=key)
+    key = json.dumps(
+        {
+            "prefix": os.path.abspath(prefix),
+            "range": list(doc_range),
+            "seq": seq_length,
+            "strategy": strategy,
+            "seed": seed,
+            "bins": index.num_bins,
+            "lengths": digest,
+        }
+    )
+    return PackedDocumentDataset(
+        indexed, index, seq_length, seed, num_samples, one_per_row=strategy == "one_per_row", cache_key=key
+    )
 
 
 # ----------------------------------------------------------------------------- blends
@@ -373,8 +432,9 @@ def get_blend_sizes(weights: list[float] | None, target: int) -> list[int] | Non
     return [int(math.ceil(target * w)) for w in weights]
 
 
-def blend_packed_datasets(components: list, weights: list[float] | None, target: int,
-                          cache_dir: str | None, anchor: str):
+def blend_packed_datasets(
+    components: list, weights: list[float] | None, target: int, cache_dir: str | None, anchor: str
+):
     """One component alone without weights stays itself; otherwise a ``BlendedPackedDataset``.
     Without weights, components are weighted by their packed samples per epoch (megatron-core
     blends unweighted prefixes by their dataset sizes)."""
@@ -389,8 +449,15 @@ def blend_packed_datasets(components: list, weights: list[float] | None, target:
 
 
 def build_blended_packed_datasets(
-    blends, split: Sequence[float], seq_length: int, strategy: str, seed: int, num_samples: Sequence[int],
-    cache_dir: str | None, unused_splits: Sequence[int] = (), split_flag: str | None = None,
+    blends,
+    split: Sequence[float],
+    seq_length: int,
+    strategy: str,
+    seed: int,
+    num_samples: Sequence[int],
+    cache_dir: str | None,
+    unused_splits: Sequence[int] = (),
+    split_flag: str | None = None,
 ):
     """(train, valid, test) packed datasets of a ``DataBlends`` (data/blends.py): with one blend,
     each prefix divided by --split and the splits blended; with a blend per split, each prefix read
@@ -404,8 +471,19 @@ def build_blended_packed_datasets(
         per_prefix = []
         for j, prefix in enumerate(prefixes):
             sizes = [n if weights is None else get_blend_sizes([weights[j]], n)[0] for n in num_samples]
-            per_prefix.append(build_packed_datasets(prefix, split, seq_length, strategy, seed, sizes, cache_dir,
-                                                    unused_splits=unused_splits, split_flag=split_flag))
+            per_prefix.append(
+                build_packed_datasets(
+                    prefix,
+                    split,
+                    seq_length,
+                    strategy,
+                    seed,
+                    sizes,
+                    cache_dir,
+                    unused_splits=unused_splits,
+                    split_flag=split_flag,
+                )
+            )
         for k in range(3):
             parts = [p[k] for p in per_prefix]
             if any(p is None for p in parts):
@@ -423,8 +501,11 @@ def build_blended_packed_datasets(
             if not len(doc_lengths):
                 raise ConfigError([f"{blends.source} {prefix} has no documents"])
             n = num_samples[k] if weights is None else get_blend_sizes([weights[j]], num_samples[k])[0]
-            parts.append(_build_split(indexed, doc_lengths, (0, len(doc_lengths)), prefix, seq_length, strategy,
-                                      seed + k, n, cache_dir))
+            parts.append(
+                _build_split(
+                    indexed, doc_lengths, (0, len(doc_lengths)), prefix, seq_length, strategy, seed + k, n, cache_dir
+                )
+            )
         out[k] = blend_packed_datasets(parts, weights, num_samples[k], cache_dir, prefixes[0])
     return tuple(out)
 

@@ -111,9 +111,7 @@ def pack_best_fit(piece_len: np.ndarray, seq_length: int) -> tuple[np.ndarray, n
     return order, offsets
 
 
-def build_packing_index(
-    doc_ids: np.ndarray, doc_lengths: np.ndarray, seq_length: int, strategy: str
-) -> PackingIndex:
+def build_packing_index(doc_ids: np.ndarray, doc_lengths: np.ndarray, seq_length: int, strategy: str) -> PackingIndex:
     """Pack the given documents (ids and token counts) with ``strategy``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"--packing-strategy {strategy}: use one of {', '.join(STRATEGIES)}")

@@ -23,7 +23,8 @@ NaN); ``max_seqlen`` is recomputed from the grown boundaries.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,11 +113,14 @@ def collate_padded(samples: list[Sample], length: int, pad_id: int) -> Microbatc
         padded = pad_sample(joined, length, pad_id)
         cu = padded["cu_seqlens"]
         return Microbatch(
-            tokens=padded["tokens"][None], labels=padded["labels"][None],
+            tokens=padded["tokens"][None],
+            labels=padded["labels"][None],
             position_ids=padded["position_ids"][None],
             num_real_tokens=int(joined["tokens"].shape[0]),
             attention_pairs=sum(n * n for n in doc_lengths),
-            cu_seqlens=cu, cu_seqlens_host=tuple(cu.tolist()), max_seqlen=get_max_seqlen(cu),
+            cu_seqlens=cu,
+            cu_seqlens_host=tuple(cu.tolist()),
+            max_seqlen=get_max_seqlen(cu),
         )
     padded = [pad_sample(s, length, pad_id) for s in samples]
     lengths = [int(s["tokens"].shape[0]) for s in samples]
@@ -124,7 +128,8 @@ def collate_padded(samples: list[Sample], length: int, pad_id: int) -> Microbatc
         tokens=torch.stack([p["tokens"] for p in padded]),
         labels=torch.stack([p["labels"] for p in padded]),
         position_ids=torch.stack([p["position_ids"] for p in padded]),
-        num_real_tokens=sum(lengths), attention_pairs=sum(n * n for n in lengths),
+        num_real_tokens=sum(lengths),
+        attention_pairs=sum(n * n for n in lengths),
     )
 
 
@@ -148,7 +153,13 @@ def negotiate_step_length(local_max: int, group, multiple: int, max_length: int,
 
 
 def collate_step(
-    raw: list[list[Sample]], mode: str, group, multiple: int, max_length: int, pad_id: int, bucket: str = "multiple",
+    raw: list[list[Sample]],
+    mode: str,
+    group,
+    multiple: int,
+    max_length: int,
+    pad_id: int,
+    bucket: str = "multiple",
 ) -> tuple[list[Microbatch], int]:
     """Pad the step's micro-batches as ``mode`` says; returns them and the schedule's seq_length.
     ``max_length``: a micro-batch's longest possible length (``--seq-length``, x b when packed)."""
@@ -158,8 +169,9 @@ def collate_step(
         length = negotiate_step_length(get_local_max(raw), group, multiple, max_length, bucket)
         mbs = [collate_padded(mb, length, pad_id) for mb in raw]
     elif mode == "variable":
-        mbs = [collate_padded(mb, get_step_length(get_local_max([mb]), multiple, max_length, bucket), pad_id)
-               for mb in raw]
+        mbs = [
+            collate_padded(mb, get_step_length(get_local_max([mb]), multiple, max_length, bucket), pad_id) for mb in raw
+        ]
         length = max_length
     else:
         raise ValueError(f"--sequence-padding {mode}: use one of {', '.join(MODES)}")

@@ -23,7 +23,8 @@ import gc
 import itertools
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,15 @@ class _CheckedSamples(torch.utils.data.Dataset):
 class _StepBatches:
     """The micro-batch index lists of one DP rank, step after step from ``first_sample``."""
 
-    def __init__(self, first_sample: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, num_samples: int):
+    def __init__(
+        self,
+        first_sample: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        num_samples: int,
+    ):
         self.args = (first_sample, global_batch_size, micro_batch_size, dp_rank, dp_size)
         self.n = num_samples
 
@@ -106,9 +114,13 @@ class WorkerSampleReader:
         gc.collect()
         g, b, r, d = self.layout
         self._loader = torch.utils.data.DataLoader(
-            self.samples, batch_sampler=_StepBatches(first_sample, g, b, r, d, len(self.samples)),
-            num_workers=self.num_workers, collate_fn=list, multiprocessing_context="fork",
-            persistent_workers=False, prefetch_factor=2,
+            self.samples,
+            batch_sampler=_StepBatches(first_sample, g, b, r, d, len(self.samples)),
+            num_workers=self.num_workers,
+            collate_fn=list,
+            multiprocessing_context="fork",
+            persistent_workers=False,
+            prefetch_factor=2,
         )
         self._iter = iter(self._loader)
         self._next = first_sample

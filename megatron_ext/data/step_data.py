@@ -52,8 +52,9 @@ class StepDataSpec:
 
     def get_indices(self, first_sample: int) -> list[list[int]]:
         """Global sample indices of this rank's micro-batches of the step at ``first_sample``."""
-        return get_microbatch_indices(first_sample, self.global_batch_size, self.micro_batch_size, self.dp_rank,
-                                      self.dp_size)
+        return get_microbatch_indices(
+            first_sample, self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size
+        )
 
 
 class StepDataBuilder:
@@ -75,8 +76,15 @@ class StepDataBuilder:
         """The step's raw samples padded as ``--sequence-padding`` says (collective over ``group``
         when negotiated); returns the micro-batches and the schedule's seq_length."""
         s = self.spec
-        return collate_step(raw, s.sequence_padding, self.group, s.pad_to_multiple_of, s.max_microbatch_length,
-                            s.pad_id, s.pad_length_bucket)
+        return collate_step(
+            raw,
+            s.sequence_padding,
+            self.group,
+            s.pad_to_multiple_of,
+            s.max_microbatch_length,
+            s.pad_id,
+            s.pad_length_bucket,
+        )
 
     def to_device(self, microbatches: list[Microbatch], stream: Any = None) -> tuple[list[Microbatch], Any]:
         """The micro-batches on the device, and the CUDA event that marks their copy on ``stream``

@@ -34,7 +34,6 @@ import contextlib
 import hashlib
 import os
 from collections import OrderedDict
-from typing import Optional
 
 from megatron_ext.config import ConfigError
 
@@ -45,15 +44,23 @@ GPT2_TYPES = ("GPT2BPETokenizer",)
 TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES + HF_TYPES + GPT2_TYPES
 REFUSED_TYPES = {
     "TikTokenizer": "megatron-core's TikTokenizer reads Megatron's own JSON vocabulary and needs the tiktoken "
-                    "package; for Llama-3 and other tiktoken-style models use --tokenizer-type HuggingFaceTokenizer "
-                    "--tokenizer-model <the model's local tokenizer directory>",
+    "package; for Llama-3 and other tiktoken-style models use --tokenizer-type HuggingFaceTokenizer "
+    "--tokenizer-model <the model's local tokenizer directory>",
     "Llama3Tokenizer": "use --tokenizer-type HuggingFaceTokenizer --tokenizer-model <Llama-3's local tokenizer directory>",
     "Llama2Tokenizer": "use --tokenizer-type SentencePieceTokenizer --tokenizer-model <Llama-2's tokenizer.model> (or "
-                       "HuggingFaceTokenizer with its directory)",
+    "HuggingFaceTokenizer with its directory)",
 }
 # files of a tokenizer directory that define its ids (hashed into the identity; never weights)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "vocab.txt",
+)
 GPT2_EOD = "<|endoftext|>"
 
 
@@ -105,15 +112,20 @@ class NullTokenizer:
         try:
             ids = [int(x) for x in text.split()]
         except ValueError as exc:
-            raise ConfigError([
-                f"--tokenizer-type NullTokenizer expects text of space-separated integer ids, "
-                f"got {text[:60]!r}; use --tokenizer-type SentencePieceTokenizer for real text"]) from exc
+            raise ConfigError(
+                [
+                    f"--tokenizer-type NullTokenizer expects text of space-separated integer ids, "
+                    f"got {text[:60]!r}; use --tokenizer-type SentencePieceTokenizer for real text"
+                ]
+            ) from exc
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise ConfigError([
-                f"NullTokenizer ids must lie in [0, {self.vocab_size}) (--vocab-size "
-                f"{self.vocab_size - 1} plus EOD), got {bad[:5]}; raise --vocab-size"
-            ])
+            raise ConfigError(
+                [
+                    f"NullTokenizer ids must lie in [0, {self.vocab_size}) (--vocab-size "
+                    f"{self.vocab_size - 1} plus EOD), got {bad[:5]}; raise --vocab-size"
+                ]
+            )
         return ids
 
     def detokenize(self, ids) -> str:
@@ -160,15 +172,22 @@ class SentencePieceTokenizer(_TokenizerFiles):
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
         except (RuntimeError, OSError) as err:
-            raise ConfigError([f"--tokenizer-model {model_path} is not a sentencepiece model that loads "
-                               f"({' '.join(str(err).split())[:200]}); pass a .model file written by "
-                               f"sentencepiece or tools/train_tokenizer.py"]) from None
+            raise ConfigError(
+                [
+                    f"--tokenizer-model {model_path} is not a sentencepiece model that loads "
+                    f"({' '.join(str(err).split())[:200]}); pass a .model file written by "
+                    f"sentencepiece or tools/train_tokenizer.py"
+                ]
+            ) from None
         self._sha256 = get_file_sha256(model_path)
         self._eod = self._sp.eos_id()
         if self._eod < 0:
-            raise ConfigError([
-                f"--tokenizer-model {model_path} defines no eos piece, so EOD would not be a "
-                f"real token; retrain it with tools/train_tokenizer.py (it sets --eos_id)"])
+            raise ConfigError(
+                [
+                    f"--tokenizer-model {model_path} defines no eos piece, so EOD would not be a "
+                    f"real token; retrain it with tools/train_tokenizer.py (it sets --eos_id)"
+                ]
+            )
         self._pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self._eod
 
     @property
@@ -216,18 +235,30 @@ class HuggingFaceTokenizer(_TokenizerFiles):
         try:
             from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import HuggingFaceTokenizer as _Impl
         except ImportError as err:
-            raise ConfigError([f"--tokenizer-type HuggingFaceTokenizer needs the transformers package ({err}); "
-                               f"pip install transformers"]) from None
+            raise ConfigError(
+                [
+                    f"--tokenizer-type HuggingFaceTokenizer needs the transformers package ({err}); "
+                    f"pip install transformers"
+                ]
+            ) from None
         self.tokenizer_type, self.model_path = "HuggingFaceTokenizer", path
         try:
             with _hub_offline():
                 self._impl = _Impl(path)
         except (ValueError, OSError) as err:
-            raise ConfigError([f"--tokenizer-model {path}: not a Hugging Face tokenizer directory that loads "
-                               f"offline ({' '.join(str(err).split())[:300]})"]) from None
+            raise ConfigError(
+                [
+                    f"--tokenizer-model {path}: not a Hugging Face tokenizer directory that loads "
+                    f"offline ({' '.join(str(err).split())[:300]})"
+                ]
+            ) from None
         if self._impl.eod is None:
-            raise ConfigError([f"--tokenizer-model {path}: the tokenizer defines no eos token, so documents could "
-                               f"not be ended with EOD; set \"eos_token\" in its tokenizer_config.json"])
+            raise ConfigError(
+                [
+                    f"--tokenizer-model {path}: the tokenizer defines no eos token, so documents could "
+                    f'not be ended with EOD; set "eos_token" in its tokenizer_config.json'
+                ]
+            )
         self._eod = int(self._impl.eod)
         pad = self._impl.tokenizer.pad_token_id
         self._pad = int(pad) if pad is not None else self._eod
@@ -252,14 +283,19 @@ class GPT2BPETokenizer(_TokenizerFiles):
         try:
             from tokenizers import ByteLevelBPETokenizer
         except ImportError as err:
-            raise ConfigError([f"--tokenizer-type GPT2BPETokenizer needs the tokenizers package ({err}); "
-                               f"pip install tokenizers"]) from None
+            raise ConfigError(
+                [f"--tokenizer-type GPT2BPETokenizer needs the tokenizers package ({err}); pip install tokenizers"]
+            ) from None
         self.tokenizer_type = "GPT2BPETokenizer"
         try:
             self._impl = ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
         except Exception as err:  # noqa: BLE001 - the Rust library raises its own exception type
-            raise ConfigError([f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a GPT-2 BPE vocabulary "
-                               f"and merge list ({' '.join(str(err).split())[:200]})"]) from None
+            raise ConfigError(
+                [
+                    f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a GPT-2 BPE vocabulary "
+                    f"and merge list ({' '.join(str(err).split())[:200]})"
+                ]
+            ) from None
         eod = self._impl.token_to_id(GPT2_EOD)
         if eod is None:
             raise ConfigError([f"--vocab-file {vocab_file} has no {GPT2_EOD} token, GPT-2's EOD"])
@@ -288,9 +324,13 @@ def describe_model_files(directory: str) -> str:
     return "e.g. " + ", ".join(os.path.join(directory, n) for n in found[:3])
 
 
-def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: Optional[str] = None,
-                          vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
-                          merge_file: Optional[str] = None) -> list[str]:
+def check_tokenizer_flags(
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+) -> list[str]:
     """The tokenizer flags' problems, without loading anything (pure but for path checks)."""
     if tokenizer_type in REFUSED_TYPES:
         return [f"--tokenizer-type {tokenizer_type} is not supported: {REFUSED_TYPES[tokenizer_type]}"]
@@ -298,43 +338,64 @@ def check_tokenizer_flags(tokenizer_type: str, tokenizer_model: Optional[str] = 
         return [f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}"]
     if tokenizer_type in NULL_TYPES:
         if vocab_size is None or int(vocab_size) <= 0:
-            return [f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size}); "
-                    f"the model vocabulary is then --vocab-size + 1 (EOD = --vocab-size)"]
+            return [
+                f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size}); "
+                f"the model vocabulary is then --vocab-size + 1 (EOD = --vocab-size)"
+            ]
         return []
     if tokenizer_type in SENTENCEPIECE_TYPES:
         if not tokenizer_model:
-            return [f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a sentencepiece .model (e.g. "
-                    f"data/default/tokenizer.model, or train one with tools/train_tokenizer.py)"]
+            return [
+                f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a sentencepiece .model (e.g. "
+                f"data/default/tokenizer.model, or train one with tools/train_tokenizer.py)"
+            ]
         if os.path.isdir(tokenizer_model):
-            return [f"--tokenizer-model {tokenizer_model} is a directory: {tokenizer_type} takes the sentencepiece "
-                    f".model file itself ({describe_model_files(tokenizer_model)})"]
+            return [
+                f"--tokenizer-model {tokenizer_model} is a directory: {tokenizer_type} takes the sentencepiece "
+                f".model file itself ({describe_model_files(tokenizer_model)})"
+            ]
         if not os.path.isfile(tokenizer_model):
-            return [f"--tokenizer-model {tokenizer_model} does not exist; pass the path of a sentencepiece .model "
-                    f"(e.g. data/default/tokenizer.model)"]
+            return [
+                f"--tokenizer-model {tokenizer_model} does not exist; pass the path of a sentencepiece .model "
+                f"(e.g. data/default/tokenizer.model)"
+            ]
         return []
     if tokenizer_type in HF_TYPES:
         if not tokenizer_model:
-            return ["--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR, a local tokenizer directory "
-                    "(tokenizer.json, tokenizer_config.json)"]
+            return [
+                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR, a local tokenizer directory "
+                "(tokenizer.json, tokenizer_config.json)"
+            ]
         if os.path.isfile(tokenizer_model):
-            return [f"--tokenizer-model {tokenizer_model} is a file: a bare tokenizer file names no eos token; pass "
-                    f"the tokenizer's directory (with tokenizer_config.json)"]
+            return [
+                f"--tokenizer-model {tokenizer_model} is a file: a bare tokenizer file names no eos token; pass "
+                f"the tokenizer's directory (with tokenizer_config.json)"
+            ]
         if not os.path.isdir(tokenizer_model):
-            return [f"--tokenizer-model {tokenizer_model} is not a local directory (hub ids are not downloaded: "
-                    f"fetch the tokenizer beforehand, e.g. huggingface-cli download, and pass its directory)"]
+            return [
+                f"--tokenizer-model {tokenizer_model} is not a local directory (hub ids are not downloaded: "
+                f"fetch the tokenizer beforehand, e.g. huggingface-cli download, and pass its directory)"
+            ]
         return []
-    missing = [f"{flag} {path}" if path else flag for flag, path in (("--vocab-file", vocab_file),
-                                                                      ("--merge-file", merge_file))
-               if not path or not os.path.isfile(path)]
+    missing = [
+        f"{flag} {path}" if path else flag
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file))
+        if not path or not os.path.isfile(path)
+    ]
     if missing:
-        return [f"--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt); "
-                f"missing: {', '.join(missing)}"]
+        return [
+            f"--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt); "
+            f"missing: {', '.join(missing)}"
+        ]
     return []
 
 
 def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
-    vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
 ):
     """Build the tokenizer named by ``--tokenizer-type``.
 
@@ -354,6 +415,10 @@ def build_tokenizer(
         tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     if vocab_size is not None and int(vocab_size) != tokenizer.vocab_size:
         source = f"--tokenizer-model {tokenizer_model}" if tokenizer_model else f"--vocab-file {vocab_file}"
-        raise ConfigError([f"--vocab-size {vocab_size} disagrees with {source}, which has {tokenizer.vocab_size} "
-                           f"ids; drop --vocab-size for {tokenizer_type} (the model pads the vocabulary itself)"])
+        raise ConfigError(
+            [
+                f"--vocab-size {vocab_size} disagrees with {source}, which has {tokenizer.vocab_size} "
+                f"ids; drop --vocab-size for {tokenizer_type} (the model pads the vocabulary itself)"
+            ]
+        )
     return tokenizer

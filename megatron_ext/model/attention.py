@@ -87,7 +87,7 @@ class StaticPackedParams(PackedSeqParams):
 flash_attention_forward = torch.ops.aten._flash_attention_forward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_varlen_attn():
     """torch's varlen attention function, or None (torch < 2.10). Its presence says this torch
     runs packed attention on flash's varlen kernel (``varlen_causal_attention`` calls that kernel
@@ -102,7 +102,7 @@ def get_varlen_attn():
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flash_varlen_supported(device_index: int, head_dim: int) -> bool:
     """Whether flash's varlen kernel runs on this CUDA device: torch >= 2.10 (it has varlen_attn), an
     sm80+ GPU (FlashAttention 2 has no kernels for Volta/Turing) and a head dimension flash takes (a
@@ -122,8 +122,12 @@ def select_packed_kernel(device_type: str, dropout_p: float, varlen_available: b
 
 
 def varlen_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-    max_seqlen: int, scale: float,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
 ) -> torch.Tensor:
     """query [t, np, hn], key/value [t, ng, hn] (ng divides np: flash takes grouped k/v as they
     are) -> [t, np * hn], each document attending to itself, causally.
@@ -134,14 +138,19 @@ def varlen_causal_attention(
     ~0.5 ms of host time per call, forward and backward again (H100 profile, torch 2.11, GPT-2
     124M packed: 12 ms per step of host time, 0.86x the unpacked tokens/s). Registered in
     compat.py."""
-    out = flash_attention_forward(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                  0.0, True, False, scale=scale)[0]
+    out = flash_attention_forward(
+        query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
+    )[0]
     return out.reshape(out.shape[0], -1)
 
 
 def document_causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: tuple[int, ...] | list[int],
-    scale: float, dropout_p: float = 0.0,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: tuple[int, ...] | list[int],
+    scale: float,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """query [t, np, hn], key/value [t, ng, hn] (ng divides np) -> [t, np * hn]; SDPA per document."""
     groups = query.shape[1] // key.shape[1]
@@ -162,7 +171,11 @@ def document_causal_attention(
 
 
 def causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, dropout_p: float = 0.0,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """query [s, b, np, hn], key/value [s, b, ng, hn] -> [s, b, np * hn]; one causal SDPA."""
     s, b, np_, hn = query.shape
@@ -188,8 +201,12 @@ def block_diagonal_causal_mask(cu_seqlens: list[int], length: int) -> torch.Tens
 
 def check_boundaries(cu_seqlens: tuple[int, ...] | list[int], num_tokens: int) -> None:
     """ValueError unless 0 = c_0 < c_1 < ... < c_n = num_tokens (no empty document)."""
-    if (not cu_seqlens or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens
-            or any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:]))):
+    if (
+        not cu_seqlens
+        or cu_seqlens[0] != 0
+        or cu_seqlens[-1] != num_tokens
+        or any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+    ):
         raise ValueError(
             f"packed sequences: document boundaries {list(cu_seqlens[:4])}...{list(cu_seqlens[-2:])} do "
             f"not describe {num_tokens} tokens (need 0 = c_0 < c_1 < ... < c_n = tokens)"
@@ -225,8 +242,9 @@ class RotaryTable:
         """Whether our core attention rotates (megatron-core's does when the class is upstream's)."""
         return isinstance(self.rotary, CoreAttentionRotaryEmbedding)
 
-    def coefficients(self, seq_len: int, dtype: torch.dtype, device: torch.device,
-                     interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def coefficients(
+        self, seq_len: int, dtype: torch.dtype, device: torch.device, interleaved: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """([s, 1, 1, rot_dim], same) for positions 0..seq_len-1."""
         key = (seq_len, dtype, device, interleaved)
         hit = self._cache.get(key)
@@ -238,7 +256,9 @@ class RotaryTable:
         return hit
 
 
-def rotary_coefficients(freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_coefficients(
+    freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """megatron-core's ``cos_ = (cos(freqs) * mscale).to(dtype)`` (mscale 1: plain RoPE) and its
     ``sin_`` likewise, with the sign of rotate_half moved into it: negated where rotate_half negates
     (the first half, or the even positions when interleaved), so ``swap_halves(t) * signed_sin`` is
@@ -252,8 +272,9 @@ def rotary_coefficients(freqs: torch.Tensor, dtype: torch.dtype, interleaved: bo
         return cos, sin
 
 
-def packed_coefficients(params: PackedMicrobatchParams, dtype: torch.dtype,
-                        interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_coefficients(
+    params: PackedMicrobatchParams, dtype: torch.dtype, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary_coefficients`` of a packed micro-batch's per-token frequencies, made once per micro-batch."""
     key = (dtype, interleaved)
     hit = params.rotary_coefficients.get(key)
@@ -325,10 +346,15 @@ class VarlenDotProductAttention(DotProductAttention):
 
     def _uses_sdpa(self, attention_mask, attn_mask_type, attention_bias) -> bool:
         c = self.config
-        return (attention_mask is None and attention_bias is None
-                and attn_mask_type in (None, AttnMaskType.causal) and self.attn_mask_type == AttnMaskType.causal
-                and c.window_size is None and getattr(c, "softmax_type", "vanilla") == "vanilla"
-                and not c.apply_query_key_layer_scaling)
+        return (
+            attention_mask is None
+            and attention_bias is None
+            and attn_mask_type in (None, AttnMaskType.causal)
+            and self.attn_mask_type == AttnMaskType.causal
+            and c.window_size is None
+            and getattr(c, "softmax_type", "vanilla") == "vanilla"
+            and not c.apply_query_key_layer_scaling
+        )
 
     def _dropout_p(self) -> float:
         return self.attention_dropout.p if self.training else 0.0
@@ -340,14 +366,17 @@ class VarlenDotProductAttention(DotProductAttention):
                 return fn()
         return fn()
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, packed_seq_params)
         if self._rotates():
             if key.shape[0] != query.shape[0]:
-                raise ValueError(f"RoPE in the core attention: {query.shape[0]} queries against {key.shape[0]} keys "
-                                 f"(a KV cache?); only training and evaluation forwards are supported")
+                raise ValueError(
+                    f"RoPE in the core attention: {query.shape[0]} queries against {key.shape[0]} keys "
+                    f"(a KV cache?); only training and evaluation forwards are supported"
+                )
             interleaved = self.config.rotary_interleaved
             cos, sin = self.rotary_table.coefficients(query.shape[0], query.dtype, query.device, interleaved)
             query, key = rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)
@@ -361,7 +390,9 @@ class VarlenDotProductAttention(DotProductAttention):
             return self._static_packed_forward(query, key, value, params)
         if params.qkv_format != "thd":
             raise ValueError(f"packed sequences: qkv_format {params.qkv_format!r} is not supported (use 'thd')")
-        if params.cu_seqlens_kv is not params.cu_seqlens_q and not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+        if params.cu_seqlens_kv is not params.cu_seqlens_q and not torch.equal(
+            params.cu_seqlens_q, params.cu_seqlens_kv
+        ):
             raise ValueError("packed sequences: cu_seqlens_q and cu_seqlens_kv must be equal for self-attention")
         host = getattr(params, "cu_seqlens_host", None)
         if host is None:  # megatron-core's own PackedSeqParams: one device-to-host copy
@@ -369,8 +400,10 @@ class VarlenDotProductAttention(DotProductAttention):
         check_boundaries(host, query.shape[0])
         if self._rotates():
             if getattr(params, "rotary_freqs", None) is None:
-                raise ValueError("packed sequences with RoPE: the THD parameters carry no rotary frequencies; build "
-                                 "them with megatron_ext.training.step.get_packed_seq_params(microbatch, model)")
+                raise ValueError(
+                    "packed sequences with RoPE: the THD parameters carry no rotary frequencies; build "
+                    "them with megatron_ext.training.step.get_packed_seq_params(microbatch, model)"
+                )
             interleaved = self.config.rotary_interleaved
             cos, sin = packed_coefficients(params, query.dtype, interleaved)
             query, key = rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)
@@ -383,28 +416,37 @@ class VarlenDotProductAttention(DotProductAttention):
             return varlen_causal_attention(query, key, value, params.cu_seqlens_q, max_seqlen, self.softmax_scale)
         return self._with_rng(lambda: document_causal_attention(query, key, value, host, self.softmax_scale, p))
 
-
     def _static_packed_forward(self, query, key, value, params: StaticPackedParams):
         """The packed path on tensors alone (``prepare_static_packed_params`` checked the boundaries
         and chose the kernel once per micro-batch): bucketed ``max_seqlen``, ``cu_seqlens`` padded with
         zero-length documents, or each token's document index for the masked kernel."""
         if self._rotates():
             if params.rotary_cos is None:
-                raise ValueError("packed sequences with RoPE: the static THD parameters carry no rotary "
-                                 "coefficients; build them with megatron_ext.training.step.get_packed_seq_params")
+                raise ValueError(
+                    "packed sequences with RoPE: the static THD parameters carry no rotary "
+                    "coefficients; build them with megatron_ext.training.step.get_packed_seq_params"
+                )
             cos, sin = params.rotary_cos, params.rotary_sin
             query = rotate(query, cos, sin, self.config.rotary_interleaved)
             key = rotate(key, cos, sin, self.config.rotary_interleaved)
         if params.kernel == VARLEN:
-            return varlen_causal_attention(query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
-                                           self.softmax_scale)
+            return varlen_causal_attention(
+                query, key, value, params.cu_seqlens_q, params.max_seqlen_q, self.softmax_scale
+            )
         p = self._dropout_p()
-        return self._with_rng(lambda: masked_document_attention(query, key, value, params.document_ids,
-                                                                self.softmax_scale, p))
+        return self._with_rng(
+            lambda: masked_document_attention(query, key, value, params.document_ids, self.softmax_scale, p)
+        )
 
 
-def masked_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, document_ids: torch.Tensor,
-                              scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+def masked_document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    document_ids: torch.Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """query [t, np, hn], key/value [t, ng, hn], document_ids [t] (non-decreasing) -> [t, np * hn]: one
     SDPA whose mask allows a token its own document's earlier tokens (itself included, so no row is
     empty and no softmax sees only -inf). Shapes depend on t alone: what static shapes need on the
@@ -413,7 +455,8 @@ def masked_document_attention(query: torch.Tensor, key: torch.Tensor, value: tor
     t, np_, hn = query.shape
     groups = np_ // key.shape[1]
     allowed = (document_ids[:, None] == document_ids[None, :]) & torch.ones(
-        t, t, dtype=torch.bool, device=query.device).tril()
+        t, t, dtype=torch.bool, device=query.device
+    ).tril()
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, hn]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -442,8 +485,9 @@ def pad_boundaries(cu_seqlens: torch.Tensor, documents: int) -> torch.Tensor:
     return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(extra)]) if extra else cu_seqlens
 
 
-def prepare_static_packed_params(params: PackedMicrobatchParams, num_tokens: int, dtype: torch.dtype,
-                                 interleaved: bool, kernel: str) -> StaticPackedParams:
+def prepare_static_packed_params(
+    params: PackedMicrobatchParams, num_tokens: int, dtype: torch.dtype, interleaved: bool, kernel: str
+) -> StaticPackedParams:
     """``params`` (with ``cu_seqlens_host``) as ``StaticPackedParams``, once per micro-batch, outside
     the layers: boundaries checked, ``kernel`` (VARLEN or MASKED) recorded, ``cu_seqlens`` padded to
     ``document_bound``, ``max_seqlen`` bucketed, each token's document index for MASKED, rotary
@@ -460,13 +504,27 @@ def prepare_static_packed_params(params: PackedMicrobatchParams, num_tokens: int
     cos = sin = None
     if params.rotary_freqs is not None:
         cos, sin = rotary_coefficients(params.rotary_freqs, dtype, interleaved)
-    return StaticPackedParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                              max_seqlen_kv=longest, kernel=kernel, document_ids=document_ids, rotary_cos=cos,
-                              rotary_sin=sin)
+    return StaticPackedParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        kernel=kernel,
+        document_ids=document_ids,
+        rotary_cos=cos,
+        rotary_sin=sin,
+    )
 
 
-def describe_attention_kernels(device_type: str, attention_dropout: float, transformer_engine: bool,
-                               packed: bool, dtype: torch.dtype, head_dim: int) -> str:
+def describe_attention_kernels(
+    device_type: str,
+    attention_dropout: float,
+    transformer_engine: bool,
+    packed: bool,
+    dtype: torch.dtype,
+    head_dim: int,
+) -> str:
     """The start-up notice: which kernels this run's attention uses."""
     if transformer_engine:
         return "> attention: Transformer Engine (unpacked and packed THD)"
@@ -482,8 +540,10 @@ def describe_attention_kernels(device_type: str, attention_dropout: float, trans
                 reason = f" (torch {torch.__version__} has no varlen_attn: torch >= 2.10 does)"
             elif not available:
                 major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
-                reason = (f" (flash varlen needs an sm80+ GPU and a head dimension that is a multiple of 8,"
-                          f" at most 256: sm{major}{minor}, head dimension {head_dim})")
+                reason = (
+                    f" (flash varlen needs an sm80+ GPU and a head dimension that is a multiple of 8,"
+                    f" at most 256: sm{major}{minor}, head dimension {head_dim})"
+                )
             elif dtype not in HALF_DTYPES:
                 reason = " (varlen_attn is bf16/fp16 only: --bf16 uses it)"
             else:

@@ -36,7 +36,11 @@ from typing import Any
 import torch
 
 from megatron_ext.model.attention import (
-    MASKED, VARLEN, VarlenDotProductAttention, flash_varlen_supported, prepare_static_packed_params,
+    MASKED,
+    VARLEN,
+    VarlenDotProductAttention,
+    flash_varlen_supported,
+    prepare_static_packed_params,
     select_packed_kernel,
 )
 from megatron_ext.model.wgrad import accumulate_wgrad
@@ -83,7 +87,11 @@ class CompilableLinear(torch.autograd.Function):
         ctx.save_for_backward(input_, weight)
         ctx.main_grad = main_grad  # on ctx, not saved: see the module docstring
         ctx.use_bias, ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = (
-            bias is not None, allreduce_dgrad, sequence_parallel, tp_group)
+            bias is not None,
+            allreduce_dgrad,
+            sequence_parallel,
+            tp_group,
+        )
         output = torch.matmul(_collective_input(input_, tp_group, sequence_parallel), weight.t())
         return output + bias if bias is not None else output
 
@@ -124,8 +132,9 @@ def _compilable_forward_impl(self, input, weight, *args, **kwargs):  # noqa: A00
         main_grad = weight.main_grad
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True  # read by DDP's hook in this micro-batch's backward
-    return CompilableLinear.apply(input, weight, kwargs["bias"], main_grad, kwargs["allreduce_dgrad"],
-                                  kwargs["sequence_parallel"], self.tp_group)
+    return CompilableLinear.apply(
+        input, weight, kwargs["bias"], main_grad, kwargs["allreduce_dgrad"], kwargs["sequence_parallel"], self.tp_group
+    )
 
 
 def install_compilable_linears(module: torch.nn.Module) -> int:
@@ -137,12 +146,18 @@ def install_compilable_linears(module: torch.nn.Module) -> int:
     for linear in module.modules():
         if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
             if getattr(linear, "wgrad_queue", None) is not None:
-                raise ValueError("--torch-compile: this linear defers its weight gradient into a zero-bubble W queue, "
-                                 "which a compiled backward cannot feed; drop --torch-compile or pick a 1F1B schedule")
+                raise ValueError(
+                    "--torch-compile: this linear defers its weight gradient into a zero-bubble W queue, "
+                    "which a compiled backward cannot feed; drop --torch-compile or pick a 1F1B schedule"
+                )
             linear._forward_impl = types.MethodType(_compilable_forward_impl, linear)
             linear.traceable_linear = True  # apply_weight_grad_deferral refuses it (model/wgrad_deferral.py)
-            if (not install_lean_forward(linear) and isinstance(linear, RowParallelLinear)
-                    and linear.sequence_parallel and not linear.explicit_expert_comm):
+            if (
+                not install_lean_forward(linear)
+                and isinstance(linear, RowParallelLinear)
+                and linear.sequence_parallel
+                and not linear.explicit_expert_comm
+            ):
                 linear.forward = types.MethodType(_sequence_parallel_row_forward, linear)
             count += 1
     return count
@@ -155,12 +170,21 @@ def _lean_column_forward(self, input_, weight=None, runtime_gather_output=None):
     if weight is None:
         weight = self.weight
     elif weight.shape != (self.output_size_per_partition, self.input_size):
-        raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not "
-                           f"{(self.output_size_per_partition, self.input_size)} as expected")
+        raise RuntimeError(
+            f"supplied weight's shape is {tuple(weight.shape)}, not "
+            f"{(self.output_size_per_partition, self.input_size)} as expected"
+        )
     output = self._forward_impl(
-        input=input_, weight=weight, bias=None if self.skip_bias_add else self.bias,
-        gradient_accumulation_fusion=self.gradient_accumulation_fusion, allreduce_dgrad=False,
-        sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=self.tp_group)
+        input=input_,
+        weight=weight,
+        bias=None if self.skip_bias_add else self.bias,
+        gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        grad_output_buffer=None,
+        wgrad_deferral_limit=None,
+        tp_group=self.tp_group,
+    )
     return output, self.bias if self.skip_bias_add else None
 
 
@@ -168,8 +192,15 @@ def _lean_row_forward(self, input_):
     """``RowParallelLinear.forward`` at TP 1 (bound to the instance): upstream's steps less the
     identity scatter-to/reduce-from-TP-region autograd Functions. Returns (output, bias or None)."""
     output = self._forward_impl(
-        input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-        allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None, tp_group=self.tp_group)
+        input=input_,
+        weight=self.weight,
+        bias=None,
+        gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        grad_output_buffer=None,
+        tp_group=self.tp_group,
+    )
     if self.skip_bias_add:
         return output, self.bias
     return (output + self.bias if self.bias is not None else output), None
@@ -196,8 +227,15 @@ def _sequence_parallel_row_forward(self, input_):
     """``RowParallelLinear.forward`` under sequence parallelism (bound to the instance, compiled layers
     only): upstream's steps with a reduce-scatter dynamo traces. Returns (output, bias or None)."""
     output = self._forward_impl(
-        input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-        allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None, tp_group=self.tp_group)
+        input=input_,
+        weight=self.weight,
+        bias=None,
+        gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        grad_output_buffer=None,
+        tp_group=self.tp_group,
+    )
     output = _ReduceScatterToSequenceShards.apply(output, self.tp_group)
     if self.skip_bias_add:
         return output, self.bias
@@ -219,9 +257,15 @@ def install_lean_forward(linear: torch.nn.Module) -> bool:
 
 def lean_forward_applies(linear: torch.nn.Module) -> bool:
     config = linear.config
-    return not (linear.tp_group is None or linear.tp_group.size() != 1 or linear.sequence_parallel
-                or linear.explicit_expert_comm or config.defer_embedding_wgrad_compute
-                or config._cpu_offloading_context is not None or getattr(config, "cpu_offloading", False))
+    return not (
+        linear.tp_group is None
+        or linear.tp_group.size() != 1
+        or linear.sequence_parallel
+        or linear.explicit_expert_comm
+        or config.defer_embedding_wgrad_compute
+        or config._cpu_offloading_context is not None
+        or getattr(config, "cpu_offloading", False)
+    )
 
 
 def install_lean_linears(chunks: list[torch.nn.Module]) -> int:
@@ -278,8 +322,17 @@ def configure_dynamo(num_layers: int) -> None:
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, limit)
 
 
-def _checkpointed_core_attention(self, query, key, value, attention_mask, rotary_pos_emb=None, attn_mask_type=None,
-                                 attention_bias=None, packed_seq_params=None):
+def _checkpointed_core_attention(
+    self,
+    query,
+    key,
+    value,
+    attention_mask,
+    rotary_pos_emb=None,
+    attn_mask_type=None,
+    attention_bias=None,
+    packed_seq_params=None,
+):
     """megatron-core's selective recompute of core attention (``Attention._checkpointed_attention_forward``,
     bound to the instance) through ``torch.utils.checkpoint`` (non-reentrant), which dynamo traces as one
     region: upstream's reentrant ``CheckpointFunction`` saves RNG states with ``get_rng_state``, which
@@ -287,8 +340,15 @@ def _checkpointed_core_attention(self, query, key, value, attention_mask, rotary
     import torch.utils.checkpoint
 
     def core_attention(q, k, v, mask):
-        return self.core_attention(q, k, v, mask, attn_mask_type=attn_mask_type or self.attn_mask_type,
-                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        return self.core_attention(
+            q,
+            k,
+            v,
+            mask,
+            attn_mask_type=attn_mask_type or self.attn_mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )
 
     return torch.utils.checkpoint.checkpoint(core_attention, query, key, value, attention_mask, use_reentrant=False)
 
@@ -326,8 +386,9 @@ def prepare_static_shapes(params, num_tokens: int, config):
     dtype = config.params_dtype
     available = device.type == "cuda" and flash_varlen_supported(device.index or 0, config.kv_channels)
     kernel = select_packed_kernel(device.type, config.attention_dropout, available, dtype)
-    return prepare_static_packed_params(params, num_tokens, dtype, config.rotary_interleaved,
-                                        VARLEN if kernel == VARLEN else MASKED)
+    return prepare_static_packed_params(
+        params, num_tokens, dtype, config.rotary_interleaved, VARLEN if kernel == VARLEN else MASKED
+    )
 
 
 def warm_rotary_table(model: torch.nn.Module, seq_len: int, device: torch.device) -> None:
@@ -336,7 +397,8 @@ def warm_rotary_table(model: torch.nn.Module, seq_len: int, device: torch.device
     found = getattr(model, "rope_attention", None)  # looked up once per chunk (a tuple: not a submodule)
     if found is None:
         found = model.rope_attention = tuple(
-            m for m in model.modules() if isinstance(m, VarlenDotProductAttention) and m._rotates())[:1]
+            m for m in model.modules() if isinstance(m, VarlenDotProductAttention) and m._rotates()
+        )[:1]
     for module in found:
         config = module.config
         module.rotary_table.coefficients(seq_len, config.params_dtype, device, config.rotary_interleaved)

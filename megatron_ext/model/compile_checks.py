@@ -29,19 +29,25 @@ def _check_torch_compile(cfg: Any) -> list[str]:
     out = []
     schedule = cfg.parallel.pipeline_schedule
     if schedule and splits_backward(schedule):
-        out.append(f"--torch-compile with --pipeline-schedule {schedule}: a zero-bubble schedule defers each "
-                   f"linear's weight gradient into a Python queue from inside its backward, which a compiled layer's "
-                   f"backward cannot do; drop --torch-compile or use 1F1B / Interleaved1F1B")
+        out.append(
+            f"--torch-compile with --pipeline-schedule {schedule}: a zero-bubble schedule defers each "
+            f"linear's weight gradient into a Python queue from inside its backward, which a compiled layer's "
+            f"backward cannot do; drop --torch-compile or use 1F1B / Interleaved1F1B"
+        )
     m = cfg.model
     granularity = m.recompute_granularity or ("selective" if m.recompute_activations else None)
     modules = [x for x in (m.recompute_modules or []) if x not in COMPILABLE_RECOMPUTE_MODULES]
     if cfg.training.cuda_graph_impl != "none":
-        out.append(f"--torch-compile with --cuda-graph-impl {cfg.training.cuda_graph_impl}: megatron-core's graph "
-                   f"capture around a compiled layer is untested here; use one of them")
+        out.append(
+            f"--torch-compile with --cuda-graph-impl {cfg.training.cuda_graph_impl}: megatron-core's graph "
+            f"capture around a compiled layer is untested here; use one of them"
+        )
     if granularity == "selective" and modules:
-        out.append(f"--torch-compile with --recompute-modules {' '.join(modules)}: megatron-core recomputes those "
-                   f"through its own checkpoint functions, which do not compile whole; use --recompute-modules "
-                   f"core_attn or --recompute-granularity full")
+        out.append(
+            f"--torch-compile with --recompute-modules {' '.join(modules)}: megatron-core recomputes those "
+            f"through its own checkpoint functions, which do not compile whole; use --recompute-modules "
+            f"core_attn or --recompute-granularity full"
+        )
     return out
 
 
@@ -57,20 +63,29 @@ def _check_cuda_graphs(cfg: Any, cuda: bool) -> list[str]:
         return out + [f"--cuda-graph-impl {impl} needs CUDA (this run is on the CPU): leave it out on the CPU"]
     if impl == "transformer_engine":
         if importlib.util.find_spec("transformer_engine") is None:
-            out.append("--cuda-graph-impl transformer_engine: transformer_engine is not installed; use "
-                       "--cuda-graph-impl local")
+            out.append(
+                "--cuda-graph-impl transformer_engine: transformer_engine is not installed; use --cuda-graph-impl local"
+            )
         return out
     if scope not in LOCAL_SCOPES:
-        out.append(f"--cuda-graph-impl local with --cuda-graph-scope {scope}: only the whole layer (full) or "
-                   f"full_iteration without Transformer Engine; use --cuda-graph-scope full")
+        out.append(
+            f"--cuda-graph-impl local with --cuda-graph-scope {scope}: only the whole layer (full) or "
+            f"full_iteration without Transformer Engine; use --cuda-graph-scope full"
+        )
     if scope == "full_iteration" and t.check_for_nan_in_loss_and_grad:
-        out.append("--cuda-graph-scope full_iteration with the NaN check on: the check reads the loss on the host "
-                   "inside the captured step; add --no-check-for-nan-in-loss-and-grad or use --cuda-graph-scope full")
+        out.append(
+            "--cuda-graph-scope full_iteration with the NaN check on: the check reads the loss on the host "
+            "inside the captured step; add --no-check-for-nan-in-loss-and-grad or use --cuda-graph-scope full"
+        )
     elif scope == "full_iteration":
-        out.append("--cuda-graph-scope full_iteration is not wired here yet: megatron-core's FullCudaGraphWrapper "
-                   "copies its data iterators' dict batches into static buffers, and ours yield Microbatch objects; "
-                   "use --cuda-graph-scope full (each whole layer)")
+        out.append(
+            "--cuda-graph-scope full_iteration is not wired here yet: megatron-core's FullCudaGraphWrapper "
+            "copies its data iterators' dict batches into static buffers, and ours yield Microbatch objects; "
+            "use --cuda-graph-scope full (each whole layer)"
+        )
     if cfg.model.recompute_granularity == "full" and scope != "full_iteration":
-        out.append("--cuda-graph-impl local with --recompute-granularity full: a recomputed layer runs outside its "
-                   "graph; use --cuda-graph-scope full_iteration or selective recompute")
+        out.append(
+            "--cuda-graph-impl local with --recompute-granularity full: a recomputed layer runs outside its "
+            "graph; use --cuda-graph-scope full_iteration or selective recompute"
+        )
     return out

@@ -42,8 +42,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit.masked_fill_(elsewhere, 0.0)
 
         # one fp32 array: (logits - max), computed from the logits' dtype in one kernel, then exp'd
-        exp_logits = torch.sub(logits, logits_max.unsqueeze(-1), out=torch.empty(
-            logits.shape, dtype=torch.float32, device=logits.device)).exp_()
+        exp_logits = torch.sub(
+            logits, logits_max.unsqueeze(-1), out=torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        ).exp_()
         sum_exp = exp_logits.sum(dim=-1)
         if tp_size > 1:
             dist.all_reduce(sum_exp, group=group)

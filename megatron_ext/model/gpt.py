@@ -17,13 +17,16 @@ import torch.nn.functional as F
 
 from megatron_ext.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_ext.derived import ResolvedConfig
+
 # attention and wgrad are called through their modules: bench/gpu_ablation.py patches them there
 from megatron_ext.model import attention, wgrad
 from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.model.init_weights import apply_layout_independent_init
 from megatron_ext.model.norm import TorchNorm
 from megatron_ext.model.v_placement import (
-    build_placed_float16_module, get_config_placement, mark_config_placement,
+    build_placed_float16_module,
+    get_config_placement,
+    mark_config_placement,
 )
 from megatron_ext.model.wgrad_deferral import uses_weight_grad_deferral
 from megatron_ext.parallel import StagePlacement
@@ -201,8 +204,9 @@ def build_model_chunks(
     initialised layout-independently."""
     tf_config = build_transformer_config(cfg, resolved, device)
     if placement.placement != resolved.stage_placement:
-        raise AssertionError(f"stage placement {placement.placement!r} is not the schedule's "
-                             f"{resolved.stage_placement!r}")
+        raise AssertionError(
+            f"stage placement {placement.placement!r} is not the schedule's {resolved.stage_placement!r}"
+        )
     # under V, megatron-core's layer numbering is asked for the same stage's loop-placement chunk
     mark_config_placement(tf_config, placement.placement)
     if tf_config.recompute_granularity == "selective":
@@ -214,8 +218,9 @@ def build_model_chunks(
     for vp_stage in range(num_chunks):
         chunk = gpt_model_class()(
             config=tf_config,
-            transformer_layer_spec=build_block_spec(spec, tf_config, vp_stage if placement.vp_size else None,
-                                                    placement.pp_rank),
+            transformer_layer_spec=build_block_spec(
+                spec, tf_config, vp_stage if placement.vp_size else None, placement.pp_rank
+            ),
             vocab_size=resolved.padded_vocab_size,
             max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=placement.is_first(vp_stage),
@@ -282,8 +287,6 @@ def wrap_with_ddp(
         delay_wgrad_compute=uses_weight_grad_deferral(chunks),
     )
     return [
-        DistributedDataParallel(
-            config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0)
-        )
+        DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]

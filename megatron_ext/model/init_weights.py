@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -53,8 +53,7 @@ def build_full_tensor(
         std = std / math.sqrt(2.0 * num_layers)
     elif not _PLAIN.search(global_name):
         raise ValueError(
-            f"no initialisation rule for parameter '{global_name}': add one to "
-            f"megatron_ext/model/init_weights.py"
+            f"no initialisation rule for parameter '{global_name}': add one to megatron_ext/model/init_weights.py"
         )
     generator = torch.Generator().manual_seed(get_param_seed(seed, global_name))
     return torch.normal(0.0, std, size=shape, generator=generator)
@@ -76,9 +75,7 @@ def get_full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def slice_for_tp(
-    full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int, gated: bool
-) -> torch.Tensor:
+def slice_for_tp(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int, gated: bool) -> torch.Tensor:
     """The TP rank's shard of ``full``, laid out as megatron-core lays out ``param``.
 
     A gated MLP's ``linear_fc1`` holds [gate; up] both on one process and on each TP rank, so a

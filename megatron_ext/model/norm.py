@@ -20,10 +20,20 @@ class TorchNorm:
     (the signature of ``WrappedTorchNorm``), its parameters marked for the sequence-parallel
     gradient all-reduce when ``config.sequence_parallel``."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        unsupported = [name for name in ("layernorm_zero_centered_gamma", "persist_layer_norm",
-                                         "memory_efficient_layer_norm") if getattr(config, name, False)]
+    def __new__(
+        cls,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
+        unsupported = [
+            name
+            for name in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm")
+            if getattr(config, name, False)
+        ]
         if unsupported:
             raise ValueError(f"the local spec's torch norm does not support {', '.join(unsupported)}")
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}

@@ -112,9 +112,11 @@ def count_parameters(cfg: JobConfig, vocab_size: int) -> ParameterCount:
     resolved = resolve_config(cfg, tp * pp, vocab_size)
     tf_config = dataclasses.replace(
         build_transformer_config(cfg, resolved, torch.device("cpu")),
-        tensor_model_parallel_size=1, sequence_parallel=False,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
         # allocate on the default device (meta below), and mark the TP-split parameters
-        use_cpu_initialization=True, perform_initialization=True,
+        use_cpu_initialization=True,
+        perform_initialization=True,
     )
     layer_spec = build_layer_spec(cfg.model, torch.device("cpu"))
     m = cfg.model
@@ -127,22 +129,33 @@ def count_parameters(cfg: JobConfig, vocab_size: int) -> ParameterCount:
         with torch.device("meta"), _quiet_tie_warning():
             chunk = gpt_model_class()(
                 config=tf_config,
-                transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers,
-                                                                  layer_norm=TorchNorm),
+                transformer_layer_spec=TransformerBlockSubmodules(
+                    layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm
+                ),
                 vocab_size=resolved.padded_vocab_size,
                 max_sequence_length=m.max_position_embeddings or m.seq_length,
                 # (a tied last stage apart from the first allocates its output weight all the same; built
                 # untied, as megatron-core without process groups takes every chunk for the first stage)
-                pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied and pre,
-                position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
-                rotary_percent=m.rotary_percent, rope_scaling=m.use_rope_scaling,
-                rope_scaling_factor=m.rope_scaling_factor, pg_collection=groups,
+                pre_process=pre,
+                post_process=post,
+                share_embeddings_and_output_weights=tied and pre,
+                position_embedding_type=m.position_embedding_type,
+                rotary_base=m.rotary_base,
+                rotary_percent=m.rotary_percent,
+                rope_scaling=m.use_rope_scaling,
+                rope_scaling_factor=m.rope_scaling_factor,
+                pg_collection=groups,
                 vp_stage=0 if vpp else None,  # (only numbers the layers)
             )
-        held = sum(prm.numel() // tp if getattr(prm, "tensor_model_parallel", False) else prm.numel()
-                   for prm in chunk.parameters())
-        whole = sum(prm.numel() for name, prm in chunk.named_parameters()
-                    if not (tied and post and not pre and name == "output_layer.weight"))
+        held = sum(
+            prm.numel() // tp if getattr(prm, "tensor_model_parallel", False) else prm.numel()
+            for prm in chunk.parameters()
+        )
+        whole = sum(
+            prm.numel()
+            for name, prm in chunk.named_parameters()
+            if not (tied and post and not pre and name == "output_layer.weight")
+        )
         return whole, held
 
     chunks = []

@@ -78,9 +78,11 @@ def apply_v_placement_layer_numbers() -> None:
     the V marker, i.e. every loop-placement build). Idempotent."""
     from megatron.core.transformer import transformer_block, transformer_layer
 
-    for module, name in ((transformer_layer, "get_transformer_layer_offset"),
-                         (transformer_block, "get_transformer_layer_offset"),
-                         (transformer_block, "get_num_layers_to_build")):
+    for module, name in (
+        (transformer_layer, "get_transformer_layer_offset"),
+        (transformer_block, "get_transformer_layer_offset"),
+        (transformer_block, "get_num_layers_to_build"),
+    ):
         current = getattr(module, name)
         if not getattr(current, "_megatron_ext_stage_aware", False):
             setattr(module, name, _stage_aware(current))
@@ -128,8 +130,12 @@ def tie_word_embedding_grads(model: list[torch.nn.Module]) -> None:
     last.copy_(total)
 
 
-def finalize_model_grads_v(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
-                           pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
+def finalize_model_grads_v(
+    model: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> None:
     """megatron-core's ``finalize_model_grads`` for the V placement: its DP reduce, SP norm
     all-reduce and (one-rank, skipped) embedding all-reduce, then the local tie, then the per-token
     scaling with the token count broadcast from pipeline rank 0 (where the loss is), summed over

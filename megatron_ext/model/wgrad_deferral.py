@@ -35,7 +35,8 @@ Invariants:
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,8 +50,16 @@ class WeightGradWork:
     [s/tp, b, in]) and ``grad_output`` [s, b, out] until it runs, then drops them.
     """
 
-    def __init__(self, layer: torch.nn.Module, weight: torch.nn.Parameter, main_grad: torch.Tensor | None,
-                 input_: torch.Tensor, grad_output: torch.Tensor, sequence_parallel: bool, tp_group: Any):
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        weight: torch.nn.Parameter,
+        main_grad: torch.Tensor | None,
+        input_: torch.Tensor,
+        grad_output: torch.Tensor,
+        sequence_parallel: bool,
+        tp_group: Any,
+    ):
         self.layer, self.weight, self.main_grad = layer, weight, main_grad
         self.input, self.grad_output = input_, grad_output
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
@@ -83,8 +92,9 @@ def gather_sequence_shards(shard: torch.Tensor, tp_group: Any) -> torch.Tensor:
     return buffer
 
 
-def compute_weight_grad(weight: torch.nn.Parameter, main_grad: torch.Tensor | None, total_input: torch.Tensor,
-                        grad_output: torch.Tensor) -> torch.Tensor | None:
+def compute_weight_grad(
+    weight: torch.nn.Parameter, main_grad: torch.Tensor | None, total_input: torch.Tensor, grad_output: torch.Tensor
+) -> torch.Tensor | None:
     """megatron-core's weight-gradient step of ``LinearWithGradAccumulationAndAsyncCommunication``:
     fused, ``main_grad [out, in] += grad_output^T @ total_input`` and the dummy gradient that DDP's
     hook expects (zeros where the weight is ``zero_out_wgrad``; None without DDP); unfused, the
@@ -137,8 +147,9 @@ class DeferrableLinear(torch.autograd.Function):
 
     @staticmethod
     @_custom_fwd
-    def forward(ctx, input_, weight, bias, layer, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                tp_group):
+    def forward(
+        ctx, input_, weight, bias, layer, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, tp_group
+    ):
         from megatron.core.parallel_state import get_global_memory_buffer
         from megatron.core.tensor_parallel.layers import dist_all_gather_func
 
@@ -170,8 +181,9 @@ class DeferrableLinear(torch.autograd.Function):
             sub_grad_input = torch.empty(input_.size(), dtype=input_.dtype, device=grad_input.device)
             handle = dist_reduce_scatter_func(sub_grad_input, grad_input, group=ctx.tp_group, async_op=True)
             grad_input = sub_grad_input
-        work = WeightGradWork(ctx.layer, weight, ctx.main_grad, input_, grad_output, ctx.sequence_parallel,
-                              ctx.tp_group)
+        work = WeightGradWork(
+            ctx.layer, weight, ctx.main_grad, input_, grad_output, ctx.sequence_parallel, ctx.tp_group
+        )
         if not ctx.layer.wgrad_queue.defer(work):
             work()
         grad_bias = None
@@ -192,8 +204,9 @@ def _deferrable_forward_impl(self, input, weight, *args, **kwargs):  # noqa: A00
         return linear_with_frozen_weight(input, weight, *args, **kwargs)
     if weight is not self.weight:
         raise RuntimeError("a linear layer with weight-gradient deferral was given another layer's weight")
-    bias, fusion, allreduce_dgrad, sequence_parallel = (kwargs[k] for k in (
-        "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel"))
+    bias, fusion, allreduce_dgrad, sequence_parallel = (
+        kwargs[k] for k in ("bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel")
+    )
     tp_group = get_tensor_model_parallel_group_if_none(kwargs.get("tp_group"))
     return DeferrableLinear.apply(input, weight, bias, self, fusion, allreduce_dgrad, sequence_parallel, tp_group)
 
@@ -218,33 +231,46 @@ def check_weight_grad_deferral(chunks: list[torch.nn.Module]) -> None:
 
     for i, chunk in enumerate(chunks):
         if isinstance(chunk, DistributedDataParallel):
-            raise RuntimeError(f"chunk {i} is already wrapped in DDP, which registered its gradient hooks on "
-                               f"the weights: apply the weight-gradient deferral before wrap_with_ddp")
+            raise RuntimeError(
+                f"chunk {i} is already wrapped in DDP, which registered its gradient hooks on "
+                f"the weights: apply the weight-gradient deferral before wrap_with_ddp"
+            )
         config = getattr(chunk, "config", None)
         if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):
-            raise ValueError("megatron-core's defer_embedding_wgrad_compute (the output layer's W buffered to "
-                             "the pipeline flush) and a zero-bubble schedule's W queue both defer the output "
-                             "layer's weight gradient: turn defer_embedding_wgrad_compute off")
+            raise ValueError(
+                "megatron-core's defer_embedding_wgrad_compute (the output layer's W buffered to "
+                "the pipeline flush) and a zero-bubble schedule's W queue both defer the output "
+                "layer's weight gradient: turn defer_embedding_wgrad_compute off"
+            )
         ours = [name for name, m in chunk.named_modules() if getattr(m, "traceable_linear", False)]
         if ours:
-            raise ValueError(f"chunk {i}'s {ours[0]} runs our traceable linear (model/compile.py: --torch-compile's, "
-                             f"or the lean TP-1 eager one), whose backward accumulates the weight gradient itself, "
-                             f"so no W would reach the zero-bubble queue: drop --torch-compile with a zero-bubble "
-                             f"--pipeline-schedule (run.prepare_layers skips the lean linears under one)")
+            raise ValueError(
+                f"chunk {i}'s {ours[0]} runs our traceable linear (model/compile.py: --torch-compile's, "
+                f"or the lean TP-1 eager one), whose backward accumulates the weight gradient itself, "
+                f"so no W would reach the zero-bubble queue: drop --torch-compile with a zero-bubble "
+                f"--pipeline-schedule (run.prepare_layers skips the lean linears under one)"
+            )
         te = sorted({type(m).__name__ for m in chunk.modules() if type(m).__module__.startswith(TE_MODULES)})
         if te:
-            raise ValueError(f"chunk {i} has Transformer Engine layers ({', '.join(te)}), whose weight gradients "
-                             f"the B/W split does not defer (their W would run in B): use --transformer-impl local "
-                             f"with a zero-bubble --pipeline-schedule")
+            raise ValueError(
+                f"chunk {i} has Transformer Engine layers ({', '.join(te)}), whose weight gradients "
+                f"the B/W split does not defer (their W would run in B): use --transformer-impl local "
+                f"with a zero-bubble --pipeline-schedule"
+            )
         model = chunk
         while hasattr(model, "module"):  # Float16Module
             model = model.module
-        if (getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "pre_process", False)
-                and getattr(model, "post_process", False)):
-            raise ValueError(f"chunk {i} holds the embedding and the output layer tied to it (pipeline size 1): "
-                             f"their one weight would get the embedding's gradient in B and the output layer's in "
-                             f"W, out of 1F1B's order; zero-bubble schedules need --pipeline-model-parallel-size > 1 "
-                             f"(or --untie-embeddings-and-output-weights)")
+        if (
+            getattr(model, "share_embeddings_and_output_weights", False)
+            and getattr(model, "pre_process", False)
+            and getattr(model, "post_process", False)
+        ):
+            raise ValueError(
+                f"chunk {i} holds the embedding and the output layer tied to it (pipeline size 1): "
+                f"their one weight would get the embedding's gradient in B and the output layer's in "
+                f"W, out of 1F1B's order; zero-bubble schedules need --pipeline-model-parallel-size > 1 "
+                f"(or --untie-embeddings-and-output-weights)"
+            )
 
 
 def apply_weight_grad_deferral(chunks: list[torch.nn.Module], queue: WeightGradQueue) -> int:
@@ -263,7 +289,8 @@ def apply_weight_grad_deferral(chunks: list[torch.nn.Module], queue: WeightGradQ
             layer.wgrad_hooks = []
             layer._forward_impl = types.MethodType(_deferrable_forward_impl, layer)
             layer.register_wgrad_accumulation_and_reduce_hooks = types.MethodType(
-                _register_wgrad_accumulation_and_reduce_hooks, layer)
+                _register_wgrad_accumulation_and_reduce_hooks, layer
+            )
             layer.weight.skip_backward_post_hook = True
             count += 1
     return count

@@ -65,7 +65,7 @@ class PipelineOrder:
     def stage_of(self, pp_rank: int, chunk: int) -> int:
         return get_stage_index(pp_rank, chunk, self.pp, self.vp, self.placement)
 
-    def forward_only(self) -> "PipelineOrder":
+    def forward_only(self) -> PipelineOrder:
         """The same order with the backward actions dropped (evaluation). Deadlock-free whenever the
         full order is: a forward waits only for forwards, in an order the full one already keeps."""
         ranks = tuple(tuple(a for a in actions if a.kind == F) for actions in self.ranks)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ext.pipeline.actions import B, F, W, Action, PipelineOrder
+from megatron_ext.pipeline.actions import Action, B, F, PipelineOrder, W
 from megatron_ext.pipeline.placement import get_rank_stages
 from megatron_ext.pipeline.simulate import StageCosts, check_order, simulate_order
 
@@ -63,9 +63,11 @@ class _State:
     def arrival(self, kind: str, stage: int, mb: int, rank: int) -> float | None:
         """When the input of ``kind`` (stage, mb) is on ``rank``; None: its producer has not run."""
         last = self.order.num_stages - 1
-        dep = {F: (F, stage - 1, mb) if stage > 0 else None,
-               B: (B, stage + 1, mb) if stage < last else (F, stage, mb),
-               W: (B, stage, mb)}[kind]
+        dep = {
+            F: (F, stage - 1, mb) if stage > 0 else None,
+            B: (B, stage + 1, mb) if stage < last else (F, stage, mb),
+            W: (B, stage, mb),
+        }[kind]
         if dep is None:
             return 0.0
         if dep not in self.done:
@@ -109,13 +111,31 @@ def _pick(st: _State, rank: int, policy: GreedyPolicy) -> tuple[Action | None, f
     return None, min(known, default=float("inf"))
 
 
-def build_greedy_order(name: str, pp: int, vp: int, num_microbatches: int, placement: str, costs: StageCosts,
-                       memory_limit: float, policy: GreedyPolicy, hop: float = 0.0) -> PipelineOrder:
+def build_greedy_order(
+    name: str,
+    pp: int,
+    vp: int,
+    num_microbatches: int,
+    placement: str,
+    costs: StageCosts,
+    memory_limit: float,
+    policy: GreedyPolicy,
+    hop: float = 0.0,
+) -> PipelineOrder:
     """One order by ``policy`` (module docstring)."""
     shell = PipelineOrder(name, pp, vp, num_microbatches, placement, ())
-    st = _State(shell, costs, hop, memory_limit, [0.0] * pp, [0.0] * pp, [[] for _ in range(pp)],
-                {(k, s): 0 for k in (F, B, W) for s in range(pp * vp)}, {},
-                [get_rank_stages(r, pp, vp, placement) for r in range(pp)])
+    st = _State(
+        shell,
+        costs,
+        hop,
+        memory_limit,
+        [0.0] * pp,
+        [0.0] * pp,
+        [[] for _ in range(pp)],
+        {(k, s): 0 for k in (F, B, W) for s in range(pp * vp)},
+        {},
+        [get_rank_stages(r, pp, vp, placement) for r in range(pp)],
+    )
     total = 3 * pp * vp * num_microbatches
     scheduled = 0
     blocked = [False] * pp  # waits for another rank that is free at the same time
@@ -152,9 +172,16 @@ def _wait(st: _State, rank: int, arrival: float, busy: list[int], blocked: list[
     blocked[rank] = False
 
 
-def build_greedy_candidates(name: str, pp: int, vp: int, num_microbatches: int, placement: str,
-                            costs: StageCosts, memory_limit: float,
-                            policies: tuple[GreedyPolicy, ...] = POLICIES) -> list[PipelineOrder]:
+def build_greedy_candidates(
+    name: str,
+    pp: int,
+    vp: int,
+    num_microbatches: int,
+    placement: str,
+    costs: StageCosts,
+    memory_limit: float,
+    policies: tuple[GreedyPolicy, ...] = POLICIES,
+) -> list[PipelineOrder]:
     """One order per policy (duplicates dropped)."""
     out: dict[tuple, PipelineOrder] = {}
     for policy in policies:

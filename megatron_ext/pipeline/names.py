@@ -23,7 +23,7 @@ def canonical_schedule_name(name: str) -> str | None:
 
 
 def get_schedule_placement(name: str) -> str:
-    """"v" for the V-shaped schedules, "loop" otherwise (``placement.py``)."""
+    """ "v" for the V-shaped schedules, "loop" otherwise (``placement.py``)."""
     return "v" if canonical_schedule_name(name) in V_PLACEMENT_SCHEDULES else "loop"
 
 

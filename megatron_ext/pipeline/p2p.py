@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.pipeline.actions import B, BW, F, Action, PipelineOrder
+from megatron_ext.pipeline.actions import BW, Action, B, F, PipelineOrder
 
 ACTIVATION, GRADIENT = "activation", "gradient"
 
@@ -30,7 +30,7 @@ ACTIVATION, GRADIENT = "activation", "gradient"
 class Message(tuple):
     """(kind, destination stage, micro-batch): the input a consumer action waits for."""
 
-    def __new__(cls, kind: str, stage: int, mb: int) -> "Message":
+    def __new__(cls, kind: str, stage: int, mb: int) -> Message:
         return super().__new__(cls, (kind, stage, mb))
 
 
@@ -119,11 +119,13 @@ class P2PChannels:
         """isend ``tensor`` (a detached alias: the caller may deallocate its own) to ``dst``."""
         alias = tensor.detach()
         if dst == self.next_rank:
-            _, handles = self.comm.send_forward_recv_forward(alias, recv_prev=False, tensor_shape=None,
-                                                             overlap_p2p_comm=True)
+            _, handles = self.comm.send_forward_recv_forward(
+                alias, recv_prev=False, tensor_shape=None, overlap_p2p_comm=True
+            )
         elif dst == self.prev_rank:
-            _, handles = self.comm.send_backward_recv_backward(alias, recv_next=False, tensor_shape=None,
-                                                               overlap_p2p_comm=True)
+            _, handles = self.comm.send_backward_recv_backward(
+                alias, recv_next=False, tensor_shape=None, overlap_p2p_comm=True
+            )
         else:
             raise AssertionError(f"{msg} to rank {dst}, which is not a pipeline neighbour")
         self.sends += [(h, alias) for h in handles.values()]
@@ -135,12 +137,14 @@ class P2PChannels:
         while self.num_posted[src] <= index:
             pending = self.plan.incoming[src][self.num_posted[src]]
             if src == self.prev_rank:
-                buf, handles = self.comm.send_forward_recv_forward(None, recv_prev=True, tensor_shape=self.shape,
-                                                                   overlap_p2p_comm=True)
+                buf, handles = self.comm.send_forward_recv_forward(
+                    None, recv_prev=True, tensor_shape=self.shape, overlap_p2p_comm=True
+                )
                 handle = handles["recv_prev"]
             else:
-                buf, handles = self.comm.send_backward_recv_backward(None, recv_next=True, tensor_shape=self.shape,
-                                                                     overlap_p2p_comm=True)
+                buf, handles = self.comm.send_backward_recv_backward(
+                    None, recv_next=True, tensor_shape=self.shape, overlap_p2p_comm=True
+                )
                 handle = handles["recv_next"]
             self.posted[pending] = (buf, handle)
             self.num_posted[src] += 1

@@ -29,11 +29,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from megatron_ext.pipeline.actions import B, BW, F, W, Action, PipelineOrder
+from megatron_ext.pipeline.actions import BW, Action, B, F, PipelineOrder, W
 from megatron_ext.pipeline.p2p import P2PChannels, P2PPlan, build_p2p_plan, get_input_message, get_output_message
 from megatron_ext.pipeline.schedules import get_order
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
@@ -44,13 +45,13 @@ LOOKAHEAD = 4  # actions whose receives are posted ahead (a posted receive costs
 RUNTIME_ATTR = "megatron_ext_schedule_runtime"
 
 
-def attach_schedule_runtime(model: list[torch.nn.Module], runtime: "ScheduleRuntime | None") -> None:
+def attach_schedule_runtime(model: list[torch.nn.Module], runtime: ScheduleRuntime | None) -> None:
     from megatron.core.utils import get_model_config
 
     setattr(get_model_config(model[0]), RUNTIME_ATTR, runtime)
 
 
-def get_schedule_runtime(model: list[torch.nn.Module]) -> "ScheduleRuntime | None":
+def get_schedule_runtime(model: list[torch.nn.Module]) -> ScheduleRuntime | None:
     """The runtime ``attach_schedule_runtime`` left on ``model`` (None: megatron-core's schedules)."""
     from megatron.core.utils import get_model_config
 
@@ -88,8 +89,17 @@ class ScheduleRuntime:
     ``tensor_shape_divisor``: the activation's sequence dimension is divided by it on the wire
     (TP size with sequence parallelism, else 1), as megatron-core's ``get_tensor_shapes``."""
 
-    def __init__(self, name: str, pp_group: Any, pp_rank: int, pp_size: int, vp_size: int,
-                 queue: WeightGradQueue, tensor_shape_divisor: int = 1, cp_size: int = 1):
+    def __init__(
+        self,
+        name: str,
+        pp_group: Any,
+        pp_rank: int,
+        pp_size: int,
+        vp_size: int,
+        queue: WeightGradQueue,
+        tensor_shape_divisor: int = 1,
+        cp_size: int = 1,
+    ):
         self.name, self.pp_group = name, pp_group
         self.pp_rank, self.pp_size, self.vp_size = pp_rank, pp_size, vp_size
         self.queue = queue
@@ -101,9 +111,17 @@ class ScheduleRuntime:
         order = get_order(self.name, self.pp_size, self.vp_size, num_microbatches)
         return order.forward_only() if forward_only else order
 
-    def run(self, *, forward_step_func: Callable, data_iterator: list[Iterator], model: list[torch.nn.Module],
-            num_microbatches: int, seq_length: int, micro_batch_size: int,
-            forward_only: bool = False) -> list:
+    def run(
+        self,
+        *,
+        forward_step_func: Callable,
+        data_iterator: list[Iterator],
+        model: list[torch.nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        forward_only: bool = False,
+    ) -> list:
         """One step over ``num_microbatches``; returns the last stage's loss reports (megatron-core's
         ``forward_data_store``), empty elsewhere. Arguments as ``get_forward_backward_func()``'s."""
         from megatron.core.utils import get_model_config
@@ -112,13 +130,20 @@ class ScheduleRuntime:
         order = self.get_order(num_microbatches, forward_only)
         shape = [seq_length // self.shape_divisor // self.cp_size, micro_batch_size, config.hidden_size]
         device = next(p.device for chunk in model for p in chunk.parameters())
-        step = _Step(order, model, list(data_iterator), forward_step_func, forward_only,
-                     self._build_channels(config, order, shape), torch.zeros([], dtype=torch.int, device=device))
+        step = _Step(
+            order,
+            model,
+            list(data_iterator),
+            forward_step_func,
+            forward_only,
+            self._build_channels(config, order, shape),
+            torch.zeros([], dtype=torch.int, device=device),
+        )
         if not forward_only:
             self._dispatch_param_sync(config, model)
         actions = order.ranks[self.pp_rank]
         for i, action in enumerate(actions):
-            for ahead in actions[i:i + LOOKAHEAD]:
+            for ahead in actions[i : i + LOOKAHEAD]:
                 msg = get_input_message(order, ahead)
                 if msg is not None and msg not in step.channels.plan.local:
                     step.channels.post_until(msg)
@@ -151,10 +176,18 @@ class ScheduleRuntime:
         order, c = step.order, step.order.chunk_of(action.stage)
         input_tensor = self._take_input(step, action)
         output, num_tokens = schedules.forward_step(
-            step.forward_step_func, step.iterators[c], step.model[c], order.num_microbatches, input_tensor,
-            step.forward_data_store, config, self.cp_size,
-            is_first_microbatch=action.mb == 0, current_microbatch=action.mb,
-            vp_stage=c if len(step.model) > 1 else None, is_last_stage=action.stage == order.num_stages - 1,
+            step.forward_step_func,
+            step.iterators[c],
+            step.model[c],
+            order.num_microbatches,
+            input_tensor,
+            step.forward_data_store,
+            config,
+            self.cp_size,
+            is_first_microbatch=action.mb == 0,
+            current_microbatch=action.mb,
+            vp_stage=c if len(step.model) > 1 else None,
+            is_last_stage=action.stage == order.num_stages - 1,
         )
         step.total_num_tokens += num_tokens
         self._give_output(step, action, output)
@@ -238,8 +271,10 @@ class ScheduleRuntime:
 
     def _finish_step(self, config: Any, step: _Step) -> None:
         if self.queue.pending():
-            raise RuntimeError(f"{self.name}: weight gradients of {self.queue.pending_keys()} were deferred and never "
-                               f"run in this step (the order lost a W)")
+            raise RuntimeError(
+                f"{self.name}: weight gradients of {self.queue.pending_keys()} were deferred and never "
+                f"run in this step (the order lost a W)"
+            )
         assert not step.saved and not step.local, f"unconsumed: {sorted(step.saved)} {sorted(step.local)}"
         if config.finalize_model_grads_func is not None:
             num_tokens = step.total_num_tokens if config.calculate_per_token_loss else None

@@ -17,9 +17,9 @@ stage-micro-batch weighs 1 and 1F1B's rank r peaks at p - r.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
-from megatron_ext.pipeline.actions import B, BW, F, W, Action, PipelineOrder
+from megatron_ext.pipeline.actions import BW, Action, B, F, PipelineOrder, W
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -39,10 +39,12 @@ class StageCosts:
     first_stage_backward_in_w: bool = False
 
     @classmethod
-    def uniform(cls, num_stages: int, t_forward: float, t_input: float, t_weight: float,
-                first_stage_backward_in_w: bool = False) -> "StageCosts":
-        return cls((t_forward,) * num_stages, (t_input,) * num_stages, (t_weight,) * num_stages,
-                   first_stage_backward_in_w)
+    def uniform(
+        cls, num_stages: int, t_forward: float, t_input: float, t_weight: float, first_stage_backward_in_w: bool = False
+    ) -> StageCosts:
+        return cls(
+            (t_forward,) * num_stages, (t_input,) * num_stages, (t_weight,) * num_stages, first_stage_backward_in_w
+        )
 
     def cost(self, kind: str, stage: int) -> float:
         if kind == F:
@@ -173,8 +175,9 @@ def check_order(order: PipelineOrder, memory_limit: float | None = None) -> list
         for r in range(order.pp):
             peak = get_in_flight_peak(order, r)
             if peak > memory_limit + 1e-9:
-                problems.append(f"rank {r}: {peak:g} stage-micro-batches of activations in flight, "
-                                f"limit {memory_limit:g}")
+                problems.append(
+                    f"rank {r}: {peak:g} stage-micro-batches of activations in flight, limit {memory_limit:g}"
+                )
     return problems
 
 
@@ -183,8 +186,9 @@ def _check_coverage(order: PipelineOrder) -> list[str]:
     seen: dict[Action, int] = {}
     for r, actions in enumerate(order.ranks):
         for a in actions:
-            if a.kind not in (F, B, W, BW) or not (0 <= a.stage < order.num_stages
-                                                     and 0 <= a.mb < order.num_microbatches):
+            if a.kind not in (F, B, W, BW) or not (
+                0 <= a.stage < order.num_stages and 0 <= a.mb < order.num_microbatches
+            ):
                 problems.append(f"rank {r}: {a} is not an action of this pipeline")
             elif order.rank_of(a.stage) != r:
                 problems.append(f"rank {r}: {a} belongs to rank {order.rank_of(a.stage)}")

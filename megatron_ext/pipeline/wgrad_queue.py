@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 
 class WeightGradQueue:

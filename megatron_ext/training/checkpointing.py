@@ -18,8 +18,13 @@ def get_checkpoint_parts(run: Any, meta: CheckpointMeta | None = None) -> Checkp
     """The parts of ``run`` (a ``loop.TrainingRun``) a checkpoint holds; ``meta`` replaces the
     run's own (a test saving or loading as another tokenizer would)."""
     return CheckpointParts(
-        model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, train_state=run.state, cfg=run.cfg,
-        meta=meta or run.checkpoint_meta, optimizer_flags=run.optimizer_flags,
+        model=run.model,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        train_state=run.state,
+        cfg=run.cfg,
+        meta=meta or run.checkpoint_meta,
+        optimizer_flags=run.optimizer_flags,
         global_batch_size=run.global_batch_size,
     )
 
@@ -36,10 +41,24 @@ def start_async_checkpoint(run: Any, root: str, keep_last: int | None = None) ->
 
 
 def load_checkpoint(
-    run: Any, root: str, meta: CheckpointMeta | None = None, load_optimizer: bool = True,
-    *, step: int | None = None, weights_only: bool = False, load_rng: bool = True,
+    run: Any,
+    root: str,
+    meta: CheckpointMeta | None = None,
+    load_optimizer: bool = True,
+    *,
+    step: int | None = None,
+    weights_only: bool = False,
+    load_rng: bool = True,
 ) -> int | None:
     """Restore the run in place from ``root`` (``state.load_parts``, which says what is loaded and
     refused); returns the loaded iteration, or None when ``root`` holds no complete checkpoint."""
-    return load_parts(get_checkpoint_parts(run, meta), run.ctx, root, run.log, load_optimizer, step=step,
-                      weights_only=weights_only, load_rng=load_rng)
+    return load_parts(
+        get_checkpoint_parts(run, meta),
+        run.ctx,
+        root,
+        run.log,
+        load_optimizer,
+        step=step,
+        weights_only=weights_only,
+        load_rng=load_rng,
+    )

@@ -23,8 +23,12 @@ def scale_by_token_count(model: list[torch.nn.Module], num_tokens: torch.Tensor)
         chunk.scale_gradients(scale)
 
 
-def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
-                         pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
+def finalize_model_grads(
+    model: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> None:
     """megatron-core's ``finalize_model_grads`` (same signature and steps) without its host sync."""
     from megatron.core.distributed import finalize_model_grads as upstream
     from megatron.core.distributed.finalize_model_grads import get_pp_last_rank
@@ -34,8 +38,9 @@ def finalize_model_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor 
         scale_by_global_token_count(model, num_tokens, pg_collection, get_pp_last_rank)
 
 
-def scale_by_global_token_count(model: list[torch.nn.Module], num_tokens: torch.Tensor, pg_collection: Any,
-                                loss_rank_of: Any) -> None:
+def scale_by_global_token_count(
+    model: list[torch.nn.Module], num_tokens: torch.Tensor, pg_collection: Any, loss_rank_of: Any
+) -> None:
     """Upstream's last steps: the count broadcast over the pipeline group from the rank that holds the
     loss (``loss_rank_of(pp_group)``: the last rank, or rank 0 under the V placement), summed over DP
     (with context parallelism), then every gradient scaled on the device."""

@@ -21,7 +21,8 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,15 +42,25 @@ from megatron_ext.restart import IterationRecord
 from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss, reduce_reported_loss
 from megatron_ext.training.metrics import (
-    IterationStats, MetricWriter, format_iteration_line, format_validation_line, get_memory_report, get_memory_stats,
+    IterationStats,
+    MetricWriter,
+    format_iteration_line,
+    format_validation_line,
+    get_memory_report,
+    get_memory_stats,
     get_peak_tflops,
     num_floating_point_operations,
 )
-from megatron_ext.training.step import (
-    StepResult, build_step_microbatches, first_step_without_param_sync, forward_step, params_synced,
-    run_forward_backward, train_step,
-)
 from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
+from megatron_ext.training.step import (
+    StepResult,
+    build_step_microbatches,
+    first_step_without_param_sync,
+    forward_step,
+    params_synced,
+    run_forward_backward,
+    train_step,
+)
 from megatron_ext.training.timeline import PipelineTimeline
 
 
@@ -154,8 +165,9 @@ def evaluate(run: TrainingRun, start_sample: int) -> float:
             with watched(run, "eval", batch=i):  # each batch gets --step-timeout-minutes
                 first = start_sample + i * run.global_batch_size
                 microbatches, length = build_step_microbatches(run, run.valid_ds, first)
-                reports = run_forward_backward(model, microbatches, length, forward_only=True,
-                                               forward_step_func=get_forward_step(run))
+                reports = run_forward_backward(
+                    model, microbatches, length, forward_only=True, forward_step_func=get_forward_step(run)
+                )
             if ctx.is_last_stage:
                 total += reduce_reported_loss(reports)
     for chunk in model:
@@ -189,8 +201,12 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     window.seconds += time.perf_counter() - start
     window.iterations += 1
     real = sum(mb.num_real_tokens for mb in microbatches)
-    flops = sum(num_floating_point_operations(run.cfg.model, run.checkpoint_meta.padded_vocab_size,
-                                              mb.num_real_tokens, mb.attention_pairs) for mb in microbatches)
+    flops = sum(
+        num_floating_point_operations(
+            run.cfg.model, run.checkpoint_meta.padded_vocab_size, mb.num_real_tokens, mb.attention_pairs
+        )
+        for mb in microbatches
+    )
     window.real_tokens += real
     window.slots += sum(mb.num_slots for mb in microbatches)
     window.totals += torch.cat([result.loss_sum_count, torch.tensor([real, flops], dtype=torch.float64)])
@@ -215,15 +231,27 @@ def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
             microbatches, length = build_step_microbatches(run, run.train_ds, state.consumed_samples)
         else:
             microbatches, length = run.prefetcher.take(state.consumed_samples)
-            if run.prefetcher.background and state.iteration + 1 < run.cfg.training.train_iters:  # the next, while this one runs
+            if (
+                run.prefetcher.background and state.iteration + 1 < run.cfg.training.train_iters
+            ):  # the next, while this one runs
                 run.prefetcher.request(state.consumed_samples + run.global_batch_size)
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
     with traced, first_step_without_param_sync(run.model, run.steps_this_run == 0):
         run.steps_this_run += 1
-        result = train_step(run.model, run.optimizer, run.scheduler, microbatches, length,
-                            run.global_batch_size, run.ctx, run.cfg.training.check_for_nan_in_loss_and_grad,
-                            progress, run.timers, run.cfg.training.empty_unused_memory_level,
-                            agreement=lambda: run.exit_decider.start_agreement(get_save_flags(run)))
+        result = train_step(
+            run.model,
+            run.optimizer,
+            run.scheduler,
+            microbatches,
+            length,
+            run.global_batch_size,
+            run.ctx,
+            run.cfg.training.check_for_nan_in_loss_and_grad,
+            progress,
+            run.timers,
+            run.cfg.training.empty_unused_memory_level,
+            agreement=lambda: run.exit_decider.start_agreement(get_save_flags(run)),
+        )
     if run.timers is not None:
         run.timers.steps += 1
     return microbatches, length, result
@@ -236,12 +264,17 @@ def locate_non_finite(run: TrainingRun, result: StepResult) -> str:
     mine = (ctx.rank, ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, result.non_finite_microbatch)
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
-    bad = [f"rank {r} (pipeline stage {pp}, tensor rank {tp}, data-parallel rank {dp}, micro-batch {mb})"
-           for r, pp, tp, dp, mb in everyone if mb is not None]
+    bad = [
+        f"rank {r} (pipeline stage {pp}, tensor rank {tp}, data-parallel rank {dp}, micro-batch {mb})"
+        for r, pp, tp, dp, mb in everyone
+        if mb is not None
+    ]
     if bad:
         return "the loss was not finite on " + ", ".join(bad)
-    return ("the loss was finite everywhere but the gradients were not (a weight, an activation or the "
-            "learning rate diverged)")
+    return (
+        "the loss was finite everywhere but the gradients were not (a weight, an activation or the "
+        "learning rate diverged)"
+    )
 
 
 def count_non_finite(run: TrainingRun, result: StepResult) -> None:
@@ -255,8 +288,10 @@ def count_non_finite(run: TrainingRun, result: StepResult) -> None:
     if run.nan_streak == 1:
         run.nan_origin = f"iteration {state.iteration}: " + locate_non_finite(run, result)
     if run.ctx.is_logging_rank:
-        run.log(f"WARNING: iteration {state.iteration}: loss or gradients not finite, update skipped on "
-                f"every rank ({run.nan_streak} in a row; stop at --max-nan-iterations {t.max_nan_iterations})")
+        run.log(
+            f"WARNING: iteration {state.iteration}: loss or gradients not finite, update skipped on "
+            f"every rank ({run.nan_streak} in a row; stop at --max-nan-iterations {t.max_nan_iterations})"
+        )
     if run.nan_streak >= t.max_nan_iterations:
         raise TrainingDiverged(
             f"training diverged: {run.nan_streak} consecutive iterations up to {state.iteration} had a "
@@ -277,10 +312,14 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
     if run.ctx.is_logging_rank:
         write_iteration_scalars(run, rows, window, start)
     if run.ctx.is_last_stage:
-        run.records.append({
-            "iteration": run.state.iteration, "loss": loss, "grad_norm": result.grad_norm,
-            "lr": run.optimizer.param_groups[0]["lr"],
-        })
+        run.records.append(
+            {
+                "iteration": run.state.iteration,
+                "loss": loss,
+                "grad_norm": result.grad_norm,
+                "lr": run.optimizer.param_groups[0]["lr"],
+            }
+        )
     timers = run.timers.report() if run.timers is not None else {}
     if run.ctx.is_logging_rank:
         _log_iteration(run, loss, result, window, totals, length)
@@ -308,8 +347,9 @@ def write_iteration_scalars(run: TrainingRun, per_iteration: torch.Tensor, windo
     come from the log line's one all-reduce): its lm loss (global token mean; none for a skipped
     update, as the log line leaves it out: Megatron-LM writes it), learning rate and grad norm."""
     every = run.cfg.logging.tensorboard_log_interval
-    for (iteration, lr, grad_norm), row, applied in zip(window.iteration_scalars[start:], per_iteration,
-                                                        window.advanced[start:]):
+    for (iteration, lr, grad_norm), row, applied in zip(
+        window.iteration_scalars[start:], per_iteration, window.advanced[start:]
+    ):
         if iteration % every:
             continue
         values = {"learning rate": lr}
@@ -328,6 +368,8 @@ def _log_timers_and_memory(run: TrainingRun, timers: dict[str, float]) -> None:
             run.writer.write({f"timers/{name}": ms for name, ms in timers.items()}, iteration)
     if lg.log_memory_to_tensorboard:
         run.writer.write({f"memory/{k}": v for k, v in get_memory_stats(run.ctx.device).items()}, iteration)
+
+
 def evaluate_and_log(run: TrainingRun) -> None:
     """Validation at ``--eval-interval`` and at the end of training: evaluation k (1, 2, ...) reads
     the k-th ``--eval-iters`` global batches of the validation set; the end of a run whose length is
@@ -365,15 +407,26 @@ def describe_non_finite_save(run: TrainingRun, err: NonFiniteCheckpoint) -> str:
     up to the refused save's iteration; with a save at every step, exactly."""
     started = run.state.iteration - run.steps_this_run
     first = (run.weights_finite_at if run.weights_finite_at is not None else started) + 1
-    checked = (f"finite at the save of iteration {run.weights_finite_at}" if run.weights_finite_at is not None
-               else f"not checked since this run started at iteration {started}")
-    updates = (f"the update of iteration {err.iteration}" if first == err.iteration
-               else f"one of the updates of iterations {first} to {err.iteration}")
+    checked = (
+        f"finite at the save of iteration {run.weights_finite_at}"
+        if run.weights_finite_at is not None
+        else f"not checked since this run started at iteration {started}"
+    )
+    updates = (
+        f"the update of iteration {err.iteration}"
+        if first == err.iteration
+        else f"one of the updates of iterations {first} to {err.iteration}"
+    )
     fix = "with a lower --lr, or check --init-method-std and the data"
-    then = (f"Resume from that last good checkpoint (--load {err.root} loads it) {fix}" if err.newest
-            else f"No checkpoint holds this run's weights: start again {fix}")
-    return (f"training diverged: {updates} made the weights non-finite (they were {checked}; weights are "
-            f"checked at saves only). {err}. {then}")
+    then = (
+        f"Resume from that last good checkpoint (--load {err.root} loads it) {fix}"
+        if err.newest
+        else f"No checkpoint holds this run's weights: start again {fix}"
+    )
+    return (
+        f"training diverged: {updates} made the weights non-finite (they were {checked}; weights are "
+        f"checked at saves only). {err}. {then}"
+    )
 
 
 def _train_to_the_end(run: TrainingRun) -> list[float]:
@@ -383,8 +436,10 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
     history: list[float] = []
     window = LogWindow()
     if state.iteration >= t.train_iters and run.ctx.is_logging_rank:
-        run.log(f"nothing to train: the run is at iteration {state.iteration} and --train-iters is {t.train_iters} "
-                f"(raise --train-iters or --train-samples to train further)")
+        run.log(
+            f"nothing to train: the run is at iteration {state.iteration} and --train-iters is {t.train_iters} "
+            f"(raise --train-iters or --train-samples to train further)"
+        )
     started = state.iteration
     if run.profiler is not None:
         warning = run.profiler.begin(state.iteration)
@@ -396,8 +451,13 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
             if not train_one(run, window, history):
                 finished = state.iteration >= t.train_iters
                 break
-        if (finished and state.iteration > started and t.eval_interval and state.iteration % t.eval_interval
-                and run.valid_ds is not None):
+        if (
+            finished
+            and state.iteration > started
+            and t.eval_interval
+            and state.iteration % t.eval_interval
+            and run.valid_ds is not None
+        ):
             evaluate_and_log(run)  # the end of training, as Megatron-LM evaluates it
         if run.async_saver is not None:
             with watched(run, "save"):
@@ -417,8 +477,10 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
         # maybe this rank alone: no collective; the save in flight is never published
         abandoned = run.async_saver.abandon() if run.async_saver is not None else None
         if abandoned is not None:
-            run.log(f"WARNING rank {run.ctx.rank}: the asynchronous save of iteration {abandoned} was in flight "
-                    f"and is abandoned; the last complete checkpoint stays the newest")
+            run.log(
+                f"WARNING rank {run.ctx.rank}: the asynchronous save of iteration {abandoned} was in flight "
+                f"and is abandoned; the last complete checkpoint stays the newest"
+            )
         raise
     finally:
         for tool in (run.profiler, run.manual_gc):

@@ -27,7 +27,6 @@ from typing import NamedTuple
 import torch
 
 
-
 class TokenLoss(NamedTuple):
     """Sum of token losses and count of valid tokens of one micro-batch."""
 

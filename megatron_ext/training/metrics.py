@@ -21,7 +21,6 @@ from typing import Any
 from megatron_ext.config import JobConfig, ModelConfig
 from megatron_ext.derived import get_ffn_hidden_size, get_num_query_groups
 
-
 # Dense bf16 peak TFLOP/s by device name, most specific first (vendor data sheets).
 PEAK_BF16_TFLOPS = (
     ("H100 NVL", 835.0),
@@ -40,8 +39,9 @@ def get_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def num_floating_point_operations(m: ModelConfig, padded_vocab_size: int, num_tokens: float,
-                                  attention_pairs: float) -> float:
+def num_floating_point_operations(
+    m: ModelConfig, padded_vocab_size: int, num_tokens: float, attention_pairs: float
+) -> float:
     """Training FLOPs (forward + backward) of ``num_tokens`` real tokens whose attention covers
     ``attention_pairs`` = sum of (document or row length)^2, in Megatron-LM's accounting:
     12 L h^2 [T ((1 + g/a) r + (f/h) k + V/(2Lh)) + r P/h] with r = a d_head / h, k = 3/2 with
@@ -50,8 +50,9 @@ def num_floating_point_operations(m: ModelConfig, padded_vocab_size: int, num_to
     query_ratio = 1.0  # kv_channels x heads / hidden: hidden / heads per head here
     groups = get_num_query_groups(m)
     gated = 1.5 if m.swiglu else 1.0
-    per_token = ((1 + groups / heads) * query_ratio + get_ffn_hidden_size(m) / h * gated
-                 + padded_vocab_size / (2 * layers * h))
+    per_token = (
+        (1 + groups / heads) * query_ratio + get_ffn_hidden_size(m) / h * gated + padded_vocab_size / (2 * layers * h)
+    )
     return 12.0 * layers * h * h * (num_tokens * per_token + query_ratio * attention_pairs / h)
 
 
@@ -59,13 +60,15 @@ def get_memory_stats(device) -> dict[str, float]:
     """Peak memory in GiB: allocated and reserved on CUDA, the process's max RSS on the CPU."""
     import torch
 
-    gib = 1024 ** 3
+    gib = 1024**3
     if getattr(device, "type", "cpu") == "cuda":
-        return {"allocated-GiB": torch.cuda.max_memory_allocated(device) / gib,
-                "reserved-GiB": torch.cuda.max_memory_reserved(device) / gib}
+        return {
+            "allocated-GiB": torch.cuda.max_memory_allocated(device) / gib,
+            "reserved-GiB": torch.cuda.max_memory_reserved(device) / gib,
+        }
     import resource
 
-    return {"max-rss-GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2}
+    return {"max-rss-GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2}
 
 
 def get_memory_report(device) -> str:
@@ -73,12 +76,14 @@ def get_memory_report(device) -> str:
     import torch
 
     if getattr(device, "type", "cpu") == "cuda":
-        gib = 1024 ** 3
-        return (f"mem allocated (GiB): {torch.cuda.max_memory_allocated(device) / gib:.2f} | "
-                f"mem reserved (GiB): {torch.cuda.max_memory_reserved(device) / gib:.2f}")
+        gib = 1024**3
+        return (
+            f"mem allocated (GiB): {torch.cuda.max_memory_allocated(device) / gib:.2f} | "
+            f"mem reserved (GiB): {torch.cuda.max_memory_reserved(device) / gib:.2f}"
+        )
     import resource
 
-    return f"max RSS (GiB): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2:.2f}"
+    return f"max RSS (GiB): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.2f}"
 
 
 @dataclasses.dataclass
@@ -113,7 +118,12 @@ def format_iteration_line(s: IterationStats) -> str:
         f"lm loss: {s.lm_loss:.6E}",
     ]
     if s.tflops_per_gpu is not None:
-        parts.insert(4, f"throughput per GPU (TFLOP/s/GPU): {s.tflops_per_gpu:.1f}" if s.tflops_per_gpu >= 10 else f"throughput per GPU (TFLOP/s/GPU): {s.tflops_per_gpu:.3f}")
+        parts.insert(
+            4,
+            f"throughput per GPU (TFLOP/s/GPU): {s.tflops_per_gpu:.1f}"
+            if s.tflops_per_gpu >= 10
+            else f"throughput per GPU (TFLOP/s/GPU): {s.tflops_per_gpu:.3f}",
+        )
     if s.mfu is not None:
         parts.insert(5, f"MFU: {100 * s.mfu:.1f}%")
     if s.grad_norm is not None:
@@ -129,10 +139,7 @@ def format_iteration_line(s: IterationStats) -> str:
 
 def format_validation_line(iteration: int, loss: float) -> str:
     ppl = math.exp(min(20.0, loss))
-    return (
-        f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-        f"lm loss PPL: {ppl:.6E} |"
-    )
+    return f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
 
 
 def check_wandb_ready(wandb_project: str | None) -> str | None:
@@ -156,8 +163,11 @@ def check_wandb_ready(wandb_project: str | None) -> str | None:
             return None
     except (OSError, netrc.NetrcParseError):
         pass
-    return (f"--wandb-project {wandb_project}: wandb has no API key on this machine: run `wandb login`, set "
-            f"WANDB_API_KEY, or WANDB_MODE=offline (then `wandb sync` the run directory)")
+    return (
+        f"--wandb-project {wandb_project}: wandb has no API key on this machine: run `wandb login`, set "
+        f"WANDB_API_KEY, or WANDB_MODE=offline (then `wandb sync` the run directory)"
+    )
+
 
 class MetricWriter:
     """TensorBoard and wandb scalars; a no-op unless configured (and on non-logging ranks)."""
@@ -178,7 +188,9 @@ class MetricWriter:
             save_dir = lg.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
             os.makedirs(save_dir, exist_ok=True)
             self.wandb = wandb.init(
-                project=lg.wandb_project, name=lg.wandb_exp_name, dir=save_dir,
+                project=lg.wandb_project,
+                name=lg.wandb_exp_name,
+                dir=save_dir,
                 config=cfg.to_flat_dict(),
             )
 

@@ -110,11 +110,16 @@ def foreach_copy_main_params_to_model_params(self) -> None:
     ``multi_tensor_scale_impl`` with scale 1.0: ``foreach_scale`` above, a ``_foreach_copy_`` already.)"""
     from megatron.core.fp8_utils import is_float8tensor
 
-    groups = [*zip(self.shard_fp32_from_float16_groups, self.model_float16_groups),
-              *zip(self.shard_fp32_groups, self.model_fp32_groups)]
-    if (self.is_stub_optimizer or self.ddp_config.use_megatron_fsdp
-            or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-            or any(is_float8tensor(p) for _, model_group in groups for p in model_group)):
+    groups = [
+        *zip(self.shard_fp32_from_float16_groups, self.model_float16_groups),
+        *zip(self.shard_fp32_groups, self.model_fp32_groups),
+    ]
+    if (
+        self.is_stub_optimizer
+        or self.ddp_config.use_megatron_fsdp
+        or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        or any(is_float8tensor(p) for _, model_group in groups for p in model_group)
+    ):
         return _UPSTREAM_COPY[0](self)
     dst, src = [], []
     for shard_main_group, model_group in groups:
@@ -123,7 +128,7 @@ def foreach_copy_main_params_to_model_params(self) -> None:
             assert world_range.size == shard_main_param.nelement()
             gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
             buffer = self.buffers[gbuf_index].buckets[bucket_id].param_data
-            dst.append(buffer.view(-1)[world_range.start:world_range.end])
+            dst.append(buffer.view(-1)[world_range.start : world_range.end])
             src.append(shard_main_param)
     if dst:
         torch._foreach_copy_(dst, src)
@@ -155,8 +160,11 @@ def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
     return applied, grad_norm
 
 
-def step_optimizer_fetching(optimizer, check_for_nan: bool, fetch: list[torch.Tensor | None] = (),
-                            ) -> tuple[bool, float | None, list[list[float] | None]]:
+def step_optimizer_fetching(
+    optimizer,
+    check_for_nan: bool,
+    fetch: list[torch.Tensor | None] = (),
+) -> tuple[bool, float | None, list[list[float] | None]]:
     """megatron-core's optimizer step, plus the non-finite guard, in ONE device-to-host copy.
 
     Returns (update applied, global gradient norm, each tensor of ``fetch`` flattened to host floats,
@@ -182,7 +190,7 @@ def step_optimizer_fetching(optimizer, check_for_nan: bool, fetch: list[torch.Te
         elif not child.is_stub_optimizer:
             child._copy_model_grads_to_main_grads()  # prepare_grads less its unscale-by-1.0 and found-inf sync
     (norm_sq,), fetched = fetch_to_host([grad_norm_squared(children), *fetch])  # the step's one copy
-    grad_norm = norm_sq ** 0.5  # as get_grad_norm_fp32 takes the root
+    grad_norm = norm_sq**0.5  # as get_grad_norm_fp32 takes the root
     fetched = fetched[1:] if fetched else [None] * len(fetch)
     if not math.isfinite(grad_norm):
         return False, grad_norm, fetched
@@ -191,7 +199,9 @@ def step_optimizer_fetching(optimizer, check_for_nan: bool, fetch: list[torch.Te
         if getattr(child, "is_stub_optimizer", False) or not params or child.config.clip_grad <= 0.0:
             continue
         clip_grad_by_total_norm_fp32(
-            params, max_norm=child.config.clip_grad, total_norm=grad_norm,
+            params,
+            max_norm=child.config.clip_grad,
+            total_norm=grad_norm,
             use_decoupled_grad=child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
         )
     return bool(optimizer.step_with_ready_grads()), grad_norm, fetched
@@ -209,7 +219,7 @@ def fetch_to_host(tensors: list[torch.Tensor | None]) -> tuple[list[float], list
         if t is None:
             out.append(None)
             continue
-        out.append(flat[start:start + t.numel()])
+        out.append(flat[start : start + t.numel()])
         start += t.numel()
     return out[0] or [], out
 
@@ -245,7 +255,7 @@ def grad_norm_squared(children: list) -> torch.Tensor:
         if grads:
             overflow = torch.zeros(1, dtype=torch.int, device=grads[0].device)
             norm, _ = multi_tensor_applier(l2_norm_impl, overflow, [grads], False)
-            sq = norm ** 2.0
+            sq = norm**2.0
         else:
             sq = torch.zeros(1, dtype=torch.float, device=torch.cuda.current_device())
         torch.distributed.all_reduce(sq, op=torch.distributed.ReduceOp.SUM, group=group)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ class StepTimers:
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         """``fn`` timed under ``name`` (for megatron-core's hooks, e.g. finalize_model_grads)."""
+
         def timed(*args: Any, **kwargs: Any):
             with self.time(name):
                 return fn(*args, **kwargs)
@@ -90,8 +92,10 @@ class ProfilerWindow:
         the window is already behind it."""
         if iteration_done + 1 >= self.end:
             self.done = True
-            return (f"WARNING: --profile-step-start {self.start} --profile-step-end {self.end}: the run starts after "
-                    f"iteration {iteration_done}, past the window; nothing is profiled")
+            return (
+                f"WARNING: --profile-step-start {self.start} --profile-step-end {self.end}: the run starts after "
+                f"iteration {iteration_done}, past the window; nothing is profiled"
+            )
         self._maybe_start(iteration_done)
         return None
 
@@ -104,7 +108,9 @@ class ProfilerWindow:
         warmup = 1 if following < self.start else 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.profiler = profile(
-            activities=activities, record_shapes=True, with_stack=False,
+            activities=activities,
+            record_shapes=True,
+            with_stack=False,
             schedule=schedule(wait=0, warmup=warmup, active=self.end - following - warmup, repeat=1),
             on_trace_ready=tensorboard_trace_handler(self.out_dir),
         )

@@ -16,7 +16,8 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -73,8 +74,13 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
         freqs = build_packed_rotary_freqs(rotary, mb.position_ids, mb.max_seqlen)
     cu = mb.cu_seqlens.to(device=mb.tokens.device, dtype=torch.int32)
     params = PackedMicrobatchParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
-        max_seqlen_kv=mb.max_seqlen, cu_seqlens_host=mb.cu_seqlens_host, rotary_freqs=freqs,
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+        cu_seqlens_host=mb.cu_seqlens_host,
+        rotary_freqs=freqs,
     )
     if model is not None and uses_static_shapes(model):  # --torch-compile: bounded shapes, nothing host-side
         return prepare_static_shapes(params, mb.tokens.shape[1], unwrap_model(model).config)
@@ -163,8 +169,11 @@ def first_step_without_param_sync(model: list[torch.nn.Module], first: bool):
 
 
 def run_forward_backward(
-    model: list[torch.nn.Module], microbatches: list[Microbatch], seq_length: int,
-    forward_only: bool = False, forward_step_func: Callable = forward_step,
+    model: list[torch.nn.Module],
+    microbatches: list[Microbatch],
+    seq_length: int,
+    forward_only: bool = False,
+    forward_step_func: Callable = forward_step,
 ) -> list[dict[str, torch.Tensor]]:
     """The schedule over the step's micro-batches; returns the last stage's loss reports. The
     schedule is ours (``pipeline/runtime.py``) when run.py attached one to the chunks for
@@ -177,9 +186,15 @@ def run_forward_backward(
     iterators = build_chunk_iterators(microbatches, len(model))
     runtime = get_schedule_runtime(model)
     if runtime is not None:
-        return runtime.run(forward_step_func=forward_step_func, data_iterator=iterators, model=model,
-                           num_microbatches=len(microbatches), seq_length=seq_length,
-                           micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
+        return runtime.run(
+            forward_step_func=forward_step_func,
+            data_iterator=iterators,
+            model=model,
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=microbatches[0].tokens.shape[0],
+            forward_only=forward_only,
+        )
     return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=iterators if len(model) > 1 else iterators[0],
@@ -198,9 +213,17 @@ def empty_unused_memory(ctx: ParallelContext, when: bool) -> None:
 
 
 def train_step(
-    model: list[torch.nn.Module], optimizer: Any, scheduler: Any, microbatches: list[Microbatch],
-    seq_length: int, global_batch_size: int, ctx: ParallelContext, check_for_nan: bool = True,
-    progress: StepProgress | None = None, timers: StepTimers | None = None, empty_memory_level: int = 0,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    microbatches: list[Microbatch],
+    seq_length: int,
+    global_batch_size: int,
+    ctx: ParallelContext,
+    check_for_nan: bool = True,
+    progress: StepProgress | None = None,
+    timers: StepTimers | None = None,
+    empty_memory_level: int = 0,
     agreement: Callable[[], torch.Tensor | None] | None = None,
 ) -> StepResult:
     """One step; ``agreement`` begins the exit agreement (``ExitDecider.start_agreement``) after the
@@ -217,11 +240,12 @@ def train_step(
     bits = agreement() if agreement is not None else None
     with timer("optimizer"):
         update_successful, grad_norm, (fetched, agreed_bits) = step_optimizer_fetching(
-            optimizer, check_for_nan, [on_device, bits])
+            optimizer, check_for_nan, [on_device, bits]
+        )
         if update_successful:
             scheduler.step(increment=global_batch_size)
     empty_unused_memory(ctx, empty_memory_level >= 2)
-    rows = [fetched[i:i + 2] for i in range(0, len(fetched), 2)] if fetched is not None else []
+    rows = [fetched[i : i + 2] for i in range(0, len(fetched), 2)] if fetched is not None else []
     local = sum_reported_losses(rows)
     bad_microbatch = next((i for i, row in enumerate(rows) if not all(map(math.isfinite, row))), None)
     non_finite = check_for_nan and not update_successful

@@ -30,15 +30,24 @@ from torch.overrides import TorchFunctionMode
 
 _T = torch.Tensor
 SYNC_FUNCS = {
-    _T.item: "item", _T.tolist: "tolist", _T.numpy: "numpy", _T.__bool__: "bool", _T.__float__: "float",
-    _T.__int__: "int", _T.__index__: "index", torch.equal: "equal", torch.nonzero: "nonzero",
-    _T.nonzero: "nonzero", _T.cpu: "cpu",
+    _T.item: "item",
+    _T.tolist: "tolist",
+    _T.numpy: "numpy",
+    _T.__bool__: "bool",
+    _T.__float__: "float",
+    _T.__int__: "int",
+    _T.__index__: "index",
+    torch.equal: "equal",
+    torch.nonzero: "nonzero",
+    _T.nonzero: "nonzero",
+    _T.cpu: "cpu",
 }
 _SKIP = (os.path.dirname(torch.__file__), __file__)
 
 
-_HOST_SIDE = tuple(os.path.join(os.path.dirname(torch.__file__), *p)
-                   for p in (("optim",), ("nn", "utils", "clip_grad.py")))
+_HOST_SIDE = tuple(
+    os.path.join(os.path.dirname(torch.__file__), *p) for p in (("optim",), ("nn", "utils", "clip_grad.py"))
+)
 
 
 def _is_cpu_target(args, kwargs) -> bool:
@@ -64,8 +73,11 @@ def _call_site() -> str:
     path = frame.f_code.co_filename
     for marker in ("site-packages/", "/megatron_ext/", "/bench/", "/tests/"):
         if marker in path:
-            path = marker.strip("/") + "/" + path.split(marker, 1)[1] if marker != "site-packages/" else \
-                path.split(marker, 1)[1]
+            path = (
+                marker.strip("/") + "/" + path.split(marker, 1)[1]
+                if marker != "site-packages/"
+                else path.split(marker, 1)[1]
+            )
             break
     return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
 

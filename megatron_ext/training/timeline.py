@@ -42,7 +42,8 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 SCHEDULE_MODULE = "megatron.core.pipeline_parallel.schedules"
 RUNTIME_MODULE = "megatron_ext.pipeline.runtime"
@@ -51,11 +52,27 @@ RUNTIME_MODULE = "megatron_ext.pipeline.runtime"
 class PipelineTimeline:
     """Records one rank's forward/backward spans per training step (see the module docstring)."""
 
-    def __init__(self, out_dir: str, rank: int, pp_rank: int, pp_size: int, vp_size: int | None,
-                 pipeline_id: int = 0, schedule: str | None = None, placement: str = "loop"):
+    def __init__(
+        self,
+        out_dir: str,
+        rank: int,
+        pp_rank: int,
+        pp_size: int,
+        vp_size: int | None,
+        pipeline_id: int = 0,
+        schedule: str | None = None,
+        placement: str = "loop",
+    ):
         self.path = os.path.join(out_dir, f"rank{rank}.jsonl")
-        self.meta = {"rank": rank, "pp_rank": pp_rank, "pp_size": pp_size, "vp_size": vp_size or 1,
-                     "pipeline": pipeline_id, "schedule": schedule, "placement": placement}
+        self.meta = {
+            "rank": rank,
+            "pp_rank": pp_rank,
+            "pp_size": pp_size,
+            "vp_size": vp_size or 1,
+            "pipeline": pipeline_id,
+            "schedule": schedule,
+            "placement": placement,
+        }
         os.makedirs(out_dir, exist_ok=True)
         open(self.path, "w").close()  # a new run starts a new trace
         self._events: list[tuple[str, int, int, float, float]] = []
@@ -132,11 +149,19 @@ class PipelineTimeline:
         return weight_step
 
     def _flush(self, iteration: int, start: float, end: float) -> None:
-        step = {"kind": "step", "step": iteration, **self.meta,
-                "num_microbatches": self._num_microbatches, "start": start, "end": end}
+        step = {
+            "kind": "step",
+            "step": iteration,
+            **self.meta,
+            "num_microbatches": self._num_microbatches,
+            "start": start,
+            "end": end,
+        }
         lines = [step]
-        lines += [{"kind": k, "step": iteration, "chunk": c, "mb": mb, "start": t0, "end": t1}
-                  for k, c, mb, t0, t1 in self._events]
+        lines += [
+            {"kind": k, "step": iteration, "chunk": c, "mb": mb, "start": t0, "end": t1}
+            for k, c, mb, t0, t1 in self._events
+        ]
         backwards = [e[4] for e in self._events if e[0] in ("B", "W")]
         if backwards:
             lines.append({"kind": "optimizer", "step": iteration, "start": max(backwards), "end": end})
@@ -150,5 +175,6 @@ def build_pp_timeline(out_dir: str, ctx: Any, schedule: str | None = None) -> Pi
     """The tracer for this rank of a ``ParallelContext``; ``schedule``: --pipeline-schedule."""
     # ranks of one pipeline replica share (dp_rank, tp_rank)
     pipeline_id = ctx.dp_rank * ctx.tp_size + ctx.tp_rank
-    return PipelineTimeline(out_dir, ctx.rank, ctx.pp_rank, ctx.pp_size, ctx.vp_size, pipeline_id, schedule,
-                            ctx.stage_placement)
+    return PipelineTimeline(
+        out_dir, ctx.rank, ctx.pp_rank, ctx.pp_size, ctx.vp_size, pipeline_id, schedule, ctx.stage_placement
+    )

@@ -31,15 +31,23 @@ import torch
 
 from megatron_ext.checkpoint.directory import get_checkpoint_dir, list_complete_checkpoints, read_tracker
 from megatron_ext.checkpoint.state import load_full_tensors
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
 
-VALUES = dict(num_layers=2, train_iters=6, pipeline_model_parallel_size=2, global_batch_size=4,
-              micro_batch_size=1, use_distributed_optimizer=False, hidden_dropout=0.1, attention_dropout=0.1)
+VALUES = dict(
+    num_layers=2,
+    train_iters=6,
+    pipeline_model_parallel_size=2,
+    global_batch_size=4,
+    micro_batch_size=1,
+    use_distributed_optimizer=False,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+)
 SLOW_WRITE_S = 0.5
 
 
@@ -96,8 +104,10 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     _patch_writer(rank)
     agreements = _count_agreements()
     lines: list[str] = []
-    run = build_tiny_run(tiny_values(**VALUES, save=f"{root}/async", save_interval=2, async_save=True,
-                                     exit_signal_handler=True), _dataset())
+    run = build_tiny_run(
+        tiny_values(**VALUES, save=f"{root}/async", save_interval=2, async_save=True, exit_signal_handler=True),
+        _dataset(),
+    )
     run.log = lines.append
     train(run)
     out["async"] = {"losses": [r["loss"] for r in run.records], "lines": lines, "agreements": len(agreements)}

@@ -30,10 +30,23 @@ from megatron_ext.testing import run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
-SYNCS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-         torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy)
-LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
-             group_query_attention=True, num_query_groups=2)
+SYNCS = (
+    torch.Tensor.tolist,
+    torch.Tensor.item,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.numpy,
+)
+LLAMA = dict(
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    group_query_attention=True,
+    num_query_groups=2,
+)
 
 
 class SyncRecorder(TorchFunctionMode):
@@ -69,19 +82,21 @@ def _rope_model_runs(packed: bool, bf16: bool) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.data.padding import collate
     from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.data.padding import collate
     from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
     from megatron_ext.training.step import get_packed_seq_params, unwrap_model
 
-    cfg = build_job_config(tiny_values(seq_length=64, packed_sequences=packed, micro_batch_size=1 if packed else 2,
-                                       bf16=bf16, **LLAMA))
+    cfg = build_job_config(
+        tiny_values(seq_length=64, packed_sequences=packed, micro_batch_size=1 if packed else 2, bf16=bf16, **LLAMA)
+    )
     ctx = build_parallel_context(cfg, torch.device("cpu"))
     resolved = resolve_config(cfg, ctx.world_size, 128)
-    (model,) = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement,
-                                                                      torch.device("cpu")))
+    (model,) = apply_mixed_precision(
+        cfg.training, build_model_chunks(cfg, resolved, ctx.placement, torch.device("cpu"))
+    )
     if packed:
         mb = collate([build_packed_sample([np.arange(n) % 100 for n in (5, 17, 9, 33)])])
         tokens, positions = mb.tokens, mb.position_ids
@@ -105,8 +120,13 @@ def _rope_model_runs(packed: bool, bf16: bool) -> dict:
     unwrap_model(model).rotary_pos_emb.__class__ = RotaryEmbedding  # megatron-core rotates
     control = None
     if packed:
-        control = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
-                                  max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+        control = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=mb.cu_seqlens,
+            cu_seqlens_kv=mb.cu_seqlens,
+            max_seqlen_q=mb.max_seqlen,
+            max_seqlen_kv=mb.max_seqlen,
+        )
     theirs = run(control)
     destroy_parallel_context()
     return dict(ours=ours, theirs=theirs, layers=cfg.model.num_layers)
@@ -119,8 +139,15 @@ def _modules(groups: int, dropout: float = 0.0, dtype=torch.float32):
 
     from megatron_ext.model.attention import VarlenDotProductAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=4 // groups,
-                               attention_dropout=dropout, bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4 // groups,
+        attention_dropout=dropout,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+    )
     args = (config, 1, AttnMaskType.causal, "self")
     return VarlenDotProductAttention(*args), DotProductAttention(*args)
 
@@ -159,8 +186,12 @@ def _dropout_under_tracker() -> dict:
     again = ours(q, k, v, None)
     ours.eval()
     no_dropout = ours(q, k, v, None)
-    return dict(same=torch.equal(first, again), advanced=advanced, default_untouched=default_untouched,
-                dropped=not torch.allclose(first, no_dropout))
+    return dict(
+        same=torch.equal(first, again),
+        advanced=advanced,
+        default_untouched=default_untouched,
+        dropped=not torch.allclose(first, no_dropout),
+    )
 
 
 def _packed_varlen_vs_loop() -> dict:
@@ -170,10 +201,15 @@ def _packed_varlen_vs_loop() -> dict:
     ours, _ = _modules(2)
     cu = (0, 5, 6, 19, 32)
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(32, 4, 16, generator=g), torch.randn(32, 2, 16, generator=g), torch.randn(32, 2, 16, generator=g)
+    q, k, v = (
+        torch.randn(32, 4, 16, generator=g),
+        torch.randn(32, 2, 16, generator=g),
+        torch.randn(32, 2, 16, generator=g),
+    )
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    params = PackedMicrobatchParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=13,
-                                    max_seqlen_kv=13, cu_seqlens_host=cu)
+    params = PackedMicrobatchParams(
+        qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=13, max_seqlen_kv=13, cu_seqlens_host=cu
+    )
     calls = []
 
     def fake_flash(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None):
@@ -199,8 +235,8 @@ def _syncs_in_packed_forward(controlled: bool) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.data.padding import collate
     from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.data.padding import collate
     from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
@@ -212,8 +248,13 @@ def _syncs_in_packed_forward(controlled: bool) -> dict:
     mb = collate([build_packed_sample([np.arange(n) % 100 for n in (5, 17, 9)])])
     if controlled:  # megatron-core's own THD rotary path and PackedSeqParams
         model.rotary_pos_emb.__class__ = RotaryEmbedding
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
-                                 max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=mb.cu_seqlens,
+            cu_seqlens_kv=mb.cu_seqlens,
+            max_seqlen_q=mb.max_seqlen,
+            max_seqlen_kv=mb.max_seqlen,
+        )
     else:
         params = get_packed_seq_params(mb, model)  # built once per micro-batch, outside the model
     recorder = SyncRecorder()
@@ -225,9 +266,9 @@ def _syncs_in_packed_forward(controlled: bool) -> dict:
 
 def _world(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ext.cpu_platform import apply_cpu_platform
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     apply_cpu_platform(torch.device("cpu"))
     ps.initialize_model_parallel(create_gloo_process_groups=False)
@@ -296,8 +337,8 @@ def _packed_rope_without_frequencies() -> str:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_ext.config import build_job_config
-    from megatron_ext.data.padding import collate
     from megatron_ext.data.packed_dataset import build_packed_sample
+    from megatron_ext.data.padding import collate
     from megatron_ext.derived import resolve_config
     from megatron_ext.model.gpt import build_model_chunks
     from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
@@ -306,8 +347,13 @@ def _packed_rope_without_frequencies() -> str:
     ctx = build_parallel_context(cfg, torch.device("cpu"))
     (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, 128), ctx.placement, torch.device("cpu"))
     mb = collate([build_packed_sample([np.arange(n) % 100 for n in (5, 17, 9)])])
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
-                             max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=mb.cu_seqlens,
+        cu_seqlens_kv=mb.cu_seqlens,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+    )
     try:
         model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, packed_seq_params=params)
         return "no error"

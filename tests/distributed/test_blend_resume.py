@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.config import build_job_config
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.run import build_training_run
 from megatron_ext.testing import VOCAB, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
@@ -39,18 +39,34 @@ def _corpora(root) -> list[str]:
 
 
 def _world(rank: int, world_size: int, root: str, prefixes: list[str]) -> dict:
-    common = tiny_values(mock_data=False, data_path=["0.3", prefixes[0], "0.7", prefixes[1]], packed_sequences=True,
-                         seq_length=64, num_layers=2, train_iters=6, global_batch_size=8, micro_batch_size=2,
-                         split="100,0,0", data_cache_path=root + "/cache")
+    common = tiny_values(
+        mock_data=False,
+        data_path=["0.3", prefixes[0], "0.7", prefixes[1]],
+        packed_sequences=True,
+        seq_length=64,
+        num_layers=2,
+        train_iters=6,
+        global_batch_size=8,
+        micro_batch_size=2,
+        split="100,0,0",
+        data_cache_path=root + "/cache",
+    )
 
     def build(**extra):
-        return build_training_run(build_job_config(dict(common, **extra)), device=torch.device("cpu"),
-                                  log=lambda s: None, metrics=False)
+        return build_training_run(
+            build_job_config(dict(common, **extra)), device=torch.device("cpu"), log=lambda s: None, metrics=False
+        )
 
     def seen(run, steps) -> list[list[int]]:  # the token sums of this rank's samples, step by step
         ctx = run.ctx
-        return [[int(run.train_ds[i]["tokens"].sum()) for mb in get_microbatch_indices(s * 8, 8, 2, ctx.dp_rank, 2)
-                 for i in mb] for s in steps]
+        return [
+            [
+                int(run.train_ds[i]["tokens"].sum())
+                for mb in get_microbatch_indices(s * 8, 8, 2, ctx.dp_rank, 2)
+                for i in mb
+            ]
+            for s in steps
+        ]
 
     out = {}
     run = build(save=root + "/ckpt", save_interval=3)

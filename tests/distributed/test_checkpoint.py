@@ -20,19 +20,23 @@ import torch
 
 from megatron_ext.checkpoint.directory import find_latest_checkpoint, read_tracker
 from megatron_ext.checkpoint.state import load_full_tensors
-from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.config import ConfigError
 from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.training.loop import train
-from megatron_ext.testing import build_tiny_run, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
 ITERS, K = 6, 3
 TOL = 1e-5  # layout-parity tolerance (tests/distributed/test_layout_parity.py)
 BASE = dict(num_layers=8, train_iters=ITERS, clip_grad=0.3, global_batch_size=8, micro_batch_size=2)
-SAVE_LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                   num_layers_per_virtual_pipeline_stage=2, use_distributed_optimizer=True)
+SAVE_LAYOUT = dict(
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=2,
+    num_layers_per_virtual_pipeline_stage=2,
+    use_distributed_optimizer=True,
+)
 CHECKPOINT_READERS = ("unverified", "verified")  # each load without and with --ckpt-verify
 RESHARD_LAYOUTS = {
     "PP4xDP2": dict(pipeline_model_parallel_size=4, use_distributed_optimizer=True),
@@ -70,8 +74,12 @@ def _fused_adam_state(optimizer) -> list[tuple[bool, bool, str]]:
     """(fused, foreach, step device and dtype) of every torch Adam param group and state."""
     from megatron_ext.optim import torch_adam_optimizers
 
-    return [(g["fused"], g["foreach"], f"{o.state[p]['step'].device.type}/{o.state[p]['step'].dtype}")
-            for o in torch_adam_optimizers(optimizer) for g in o.param_groups for p in g["params"]]
+    return [
+        (g["fused"], g["foreach"], f"{o.state[p]['step'].device.type}/{o.state[p]['step'].dtype}")
+        for o in torch_adam_optimizers(optimizer)
+        for g in o.param_groups
+        for p in g["params"]
+    ]
 
 
 def _load_resave_train(layout: dict, root: str, name: str, reader: str) -> list[dict]:
@@ -82,8 +90,10 @@ def _load_resave_train(layout: dict, root: str, name: str, reader: str) -> list[
 
 
 def _one_rank_world(rank: int, world_size: int, root: str) -> dict:
-    return {("single", reader): _load_resave_train(dict(use_distributed_optimizer=True), root, "single", reader)
-            for reader in CHECKPOINT_READERS}
+    return {
+        ("single", reader): _load_resave_train(dict(use_distributed_optimizer=True), root, "single", reader)
+        for reader in CHECKPOINT_READERS
+    }
 
 
 def _last_stage(per_rank: list[dict], key) -> list[dict]:

@@ -10,21 +10,31 @@ uninterrupted run.
 
 from __future__ import annotations
 
-
 import pytest
 
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
-from megatron_ext.testing import build_tiny_run, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
 PADDED_VOCAB = 8192
 # 8191 ids + EOD, padded to a multiple of 4096 x TP 2: PADDED_VOCAB rows
-VALUES = dict(vocab_size=PADDED_VOCAB - 1, make_vocab_size_divisible_by=PADDED_VOCAB // 2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
-              num_layers_per_virtual_pipeline_stage=1, hidden_size=128, use_distributed_optimizer=True,
-              global_batch_size=8, micro_batch_size=2, train_iters=5, clip_grad=0.3)
+VALUES = dict(
+    vocab_size=PADDED_VOCAB - 1,
+    make_vocab_size_divisible_by=PADDED_VOCAB // 2,
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=2,
+    num_layers=4,
+    num_layers_per_virtual_pipeline_stage=1,
+    hidden_size=128,
+    use_distributed_optimizer=True,
+    global_batch_size=8,
+    micro_batch_size=2,
+    train_iters=5,
+    clip_grad=0.3,
+)
 
 
 def _world(rank: int, world_size: int, root: str) -> dict:

@@ -20,10 +20,10 @@ import shutil
 import pytest
 
 from megatron_ext.checkpoint.directory import COMPLETE_MARKER
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.config import ConfigError
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
@@ -32,8 +32,10 @@ VALUES = dict(num_layers=2, train_iters=6, pipeline_model_parallel_size=2, globa
 
 
 def _train(rank: int, world_size: int, root: str | None, flags: dict) -> dict:
-    run = build_tiny_run(tiny_values(**VALUES, **flags, **(dict(save=root, save_interval=2) if root and not flags
-                                                             else {})), MarkovDataset(32, mask_every=1))
+    run = build_tiny_run(
+        tiny_values(**VALUES, **flags, **(dict(save=root, save_interval=2) if root and not flags else {})),
+        MarkovDataset(32, mask_every=1),
+    )
     lines = []
     run.log = lines.append
     try:
@@ -114,14 +116,17 @@ def _damage_free(root: str, tmp: str) -> str:
     return copy
 
 
-@pytest.mark.parametrize("how, needle", [
-    ("flipped", r"damaged checkpoint file \(checksum mismatch\): .*iter_0000004/__\d+_0.distcp bytes \d+\.\.\d+"),
-    ("truncated", r"damaged checkpoint file \(truncated\): .*iter_0000004/__\d+_0.distcp has \d+ bytes"),
-    ("common", r"damaged checkpoint file \(checksum mismatch\): .*iter_0000004/common.pt"),
-    ("missing", r"damaged checkpoint file \(missing\): .*iter_0000004/__\d+_0.distcp does not exist"),
-    # the marker holds the checksums: a damaged one must not turn --ckpt-verify off unannounced
-    ("marker", r"damaged checkpoint file: .*iter_0000004/complete.json is not the marker a save writes"),
-])
+@pytest.mark.parametrize(
+    "how, needle",
+    [
+        ("flipped", r"damaged checkpoint file \(checksum mismatch\): .*iter_0000004/__\d+_0.distcp bytes \d+\.\.\d+"),
+        ("truncated", r"damaged checkpoint file \(truncated\): .*iter_0000004/__\d+_0.distcp has \d+ bytes"),
+        ("common", r"damaged checkpoint file \(checksum mismatch\): .*iter_0000004/common.pt"),
+        ("missing", r"damaged checkpoint file \(missing\): .*iter_0000004/__\d+_0.distcp does not exist"),
+        # the marker holds the checksums: a damaged one must not turn --ckpt-verify off unannounced
+        ("marker", r"damaged checkpoint file: .*iter_0000004/complete.json is not the marker a save writes"),
+    ],
+)
 def test_damaged_checkpoint_fails_the_load_naming_the_file(saved, tmp_path, how, needle):
     import re
 
@@ -135,8 +140,9 @@ def test_damaged_checkpoint_fails_the_load_naming_the_file(saved, tmp_path, how,
 
 def test_fallback_loads_the_previous_checkpoint_and_continues_exactly(saved, tmp_path):
     root, reference = saved
-    out = run_ranks(_train, 2, _damage(root, str(tmp_path), "flipped"),
-                    {"ckpt_verify": True, "ckpt_fallback_on_corruption": True})
+    out = run_ranks(
+        _train, 2, _damage(root, str(tmp_path), "flipped"), {"ckpt_verify": True, "ckpt_fallback_on_corruption": True}
+    )
     assert [r["loaded"] for r in out] == [2, 2]
     assert out[-1]["losses"] == reference["losses"][2:]
 
@@ -153,4 +159,6 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(saved):
     root, _ = saved  # its newest checkpoint is iteration 6 = --train-iters
     out = run_ranks(_train, 2, root, {"ckpt_verify": False})
     assert [r["loaded"] for r in out] == [6, 6] and out[-1]["losses"] == []
-    assert any("nothing to train: the run is at iteration 6 and --train-iters is 6" in line for r in out for line in r["log"])
+    assert any(
+        "nothing to train: the run is at iteration 6 and --train-iters is 6" in line for r in out for line in r["log"]
+    )

@@ -23,10 +23,10 @@ import time
 import pytest
 
 from megatron_ext.checkpoint.directory import FAULT_ENV, list_complete_checkpoints, read_tracker
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import MarkovDataset, _worker, build_tiny_run, get_free_port, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
-from megatron_ext.testing import _worker, build_tiny_run, get_free_port, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -45,8 +45,10 @@ CASES = [
 
 
 def _train(rank: int, world_size: int, root: str | None, verify: bool = False, async_save: bool = False) -> dict:
-    values = tiny_values(**VALUES, **(dict(save=root, save_interval=2, keep_last=2, ckpt_verify=verify,
-                                           async_save=async_save) if root else {}))
+    values = tiny_values(
+        **VALUES,
+        **(dict(save=root, save_interval=2, keep_last=2, ckpt_verify=verify, async_save=async_save) if root else {}),
+    )
     run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
     loaded = load_checkpoint(run, root) if root else None
     train(run)
@@ -60,8 +62,10 @@ def run_until_killed(fn, world_size: int, *args, env: dict, timeout: float = 300
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = get_free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out, args, env), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, out, args, env), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

@@ -75,8 +75,11 @@ def test_every_file_and_directory_entry_is_fsynced_before_the_marker(tmp_path, a
     before_marker = {os.path.basename(path) for path, marker_existed in calls if not marker_existed}
     missing = [name for name in files if name != COMPLETE_MARKER and name not in before_marker]
     assert not missing, f"not fsynced before {COMPLETE_MARKER} existed: {missing}; fsyncs: {calls}"
-    tmp_dirs = [path for path, marker_existed in calls
-                if not marker_existed and os.path.basename(path).startswith("iter_0000002.tmp-")]
+    tmp_dirs = [
+        path
+        for path, marker_existed in calls
+        if not marker_existed and os.path.basename(path).startswith("iter_0000002.tmp-")
+    ]
     assert tmp_dirs, f"the temporary directory's entries were not fsynced before the marker: {calls}"
     assert COMPLETE_MARKER in {os.path.basename(path) for path, _ in calls}, calls
     # the rename that publishes it is made durable (the only fsyncs of the save directory follow it)

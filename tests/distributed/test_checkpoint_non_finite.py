@@ -34,16 +34,23 @@ import os
 import pytest
 
 from megatron_ext.checkpoint.directory import get_checkpoint_dir, list_complete_checkpoints, read_tracker
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import TrainingDiverged, train
 
 pytestmark = pytest.mark.distributed
 
 # every run is built for 6 iterations (one LR schedule, which a resume compares) and trained as far as a case needs
-VALUES = dict(num_layers=2, pipeline_model_parallel_size=2, global_batch_size=4, micro_batch_size=1,
-              save_interval=1, keep_last=1, train_iters=6)
+VALUES = dict(
+    num_layers=2,
+    pipeline_model_parallel_size=2,
+    global_batch_size=4,
+    micro_batch_size=1,
+    save_interval=1,
+    keep_last=1,
+    train_iters=6,
+)
 ABSURD_LR = 1e39  # an Adam update of about lr x 1 overflows fp32 (max 3.4e38)
 
 
@@ -55,8 +62,10 @@ def digest_files(path: str) -> dict[str, str] | None:
     """{file: sha256} of a checkpoint directory; None when it is gone."""
     if not os.path.isdir(path):
         return None
-    return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
-            for name in sorted(os.listdir(path))}
+    return {
+        name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
+        for name in sorted(os.listdir(path))
+    }
 
 
 def make_lr_absurd(run) -> None:
@@ -71,8 +80,7 @@ def train_to(run, iterations: int) -> None:
     train(run)
 
 
-def _diverge(rank: int, root: str, async_save: bool, diverging_ranks: tuple[int, ...], end: int = 6,
-             **values) -> dict:
+def _diverge(rank: int, root: str, async_save: bool, diverging_ranks: tuple[int, ...], end: int = 6, **values) -> dict:
     """Train 2 iterations (saved), make the lr absurd on ``diverging_ranks``, train on to ``end``."""
     run = build_tiny_run(tiny_values(**VALUES, save=root, async_save=async_save, **values), _dataset())
     train_to(run, 2)
@@ -84,8 +92,12 @@ def _diverge(rank: int, root: str, async_save: bool, diverging_ranks: tuple[int,
         error = None
     except TrainingDiverged as err:  # without the check: the NaN guard's, after the save was published
         error = (type(err).__name__, str(err))
-    out = {"error": error, "iteration": run.state.iteration, "kept": kept,
-           "intact": digest_files(get_checkpoint_dir(root, 2)) == kept if rank == 0 else None}
+    out = {
+        "error": error,
+        "iteration": run.state.iteration,
+        "kept": kept,
+        "intact": digest_files(get_checkpoint_dir(root, 2)) == kept if rank == 0 else None,
+    }
     destroy_parallel_context()
     return out
 
@@ -147,10 +159,37 @@ def test_the_surviving_checkpoint_resumes_the_run_that_never_diverged(world):
 
 # ----------------------------------------------------------------------------- the entry point
 
-ENTRY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--device", "cpu",
-         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--save-interval", "1",
-         "--keep-last", "1", "--bf16", "--use-distributed-optimizer", "--log-interval", "1"]
+ENTRY = [
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "127",
+    "--device",
+    "cpu",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "4",
+    "--save-interval",
+    "1",
+    "--keep-last",
+    "1",
+    "--bf16",
+    "--use-distributed-optimizer",
+    "--log-interval",
+    "1",
+]
 
 
 def _run_cli(argv: list[str]) -> tuple[int, str]:
@@ -224,8 +263,10 @@ def test_the_entry_point_refuses_non_finite_bf16_weights_with_exit_status_1(entr
 def test_a_full_disk_during_a_save_is_one_error_naming_the_directory_and_its_free_space(entry):
     root, results = entry
     printed = _one_error_line(results, "disk_full")
-    assert f"error: checkpoint of iteration 2 not saved to {root}/full: the write failed on rank 1: OSError(28, " \
-        in printed, printed
+    assert (
+        f"error: checkpoint of iteration 2 not saved to {root}/full: the write failed on rank 1: OSError(28, "
+        in printed
+    ), printed
     assert "No space left on device (injected)" in printed and "MiB free" in printed, printed
     assert [it for it, _ in list_complete_checkpoints(f"{root}/full")] == [1]
     assert not [n for n in os.listdir(f"{root}/full") if ".tmp-" in n], os.listdir(f"{root}/full")

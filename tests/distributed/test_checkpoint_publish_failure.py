@@ -117,6 +117,7 @@ def _save_into_read_only(rank: int, world_size: int, root: str) -> dict:
     apply_cpu_platform(torch.device("cpu"))
     directory.write_checkpoint(_state(rank, world_size), root, 2)
     if rank == 0:
+
         def makedirs(path, *args, **kwargs):
             raise OSError(errno.EROFS, "Read-only file system (injected)", path)
 

@@ -27,12 +27,42 @@ ITERATION = re.compile(r"iteration\s+(\d+)/")
 
 def _args(root: str) -> list[str]:
     return [
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--make-vocab-size-divisible-by", "32", "--pipeline-model-parallel-size", "2",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2000",
-        "--log-interval", "1", "--lr", "1e-3", "--split", "100,0,0",
-        "--save", root, "--load", root, "--save-interval", "1000", "--exit-signal-handler",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "127",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--make-vocab-size-divisible-by",
+        "32",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "2000",
+        "--log-interval",
+        "1",
+        "--lr",
+        "1e-3",
+        "--split",
+        "100,0,0",
+        "--save",
+        root,
+        "--load",
+        root,
+        "--save-interval",
+        "1000",
+        "--exit-signal-handler",
     ]
 
 
@@ -61,7 +91,7 @@ def _launch_and_signal(tmp_path, name: str, root: str, after: int, target: str) 
     (agent,) = [c for c in _children(proc.pid)]
     workers = _children(agent)
     assert len(workers) == 2, workers
-    for pid in ([agent] if target == "agent" else workers):
+    for pid in [agent] if target == "agent" else workers:
         os.kill(pid, signal.SIGTERM)
     [(rc, output)] = finish([proc], [log], timeout=120)
     return rc, output, seen

@@ -33,16 +33,24 @@ import torch
 
 from megatron_ext.checkpoint.checksum import file_digest, new_hasher
 from megatron_ext.checkpoint.directory import COMPLETE_MARKER
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.config import ConfigError
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
 
-VALUES = dict(num_layers=2, train_iters=6, global_batch_size=4, normalization="RMSNorm", swiglu=True,
-              disable_bias_linear=True, position_embedding_type="rope", hidden_dropout=0.1)
+VALUES = dict(
+    num_layers=2,
+    train_iters=6,
+    global_batch_size=4,
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    position_embedding_type="rope",
+    hidden_dropout=0.1,
+)
 LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2), "tp1": {}}  # 2 ranks: TP1 is DP2
 NAMED = r"damaged checkpoint file \(checksum mismatch\): \S*/iter_0000004/{file} bytes (\d+)\.\.(\d+)"
 # damage -> (saved layout, loading layout, what is flipped)
@@ -111,9 +119,14 @@ def _items(ckpt: str) -> dict[str, tuple[str, int, int]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(ckpt).read_metadata()
-    return {f"{i.fqn}@{tuple(i.offset) if i.offset is not None else ''}": (os.path.join(ckpt, s.relative_path),
-                                                                           s.offset, s.length)
-            for i, s in metadata.storage_data.items()}
+    return {
+        f"{i.fqn}@{tuple(i.offset) if i.offset is not None else ''}": (
+            os.path.join(ckpt, s.relative_path),
+            s.offset,
+            s.length,
+        )
+        for i, s in metadata.storage_data.items()
+    }
 
 
 def _in_item(item: tuple[str, int, int], part: str) -> int:
@@ -157,8 +170,14 @@ def _damage(ckpt: str, what: str) -> tuple[str, int, int]:
     elif what == "embedding":
         item, part = items["embedding.word_embeddings.weight@(0, 0)"], "data"
     else:  # a plain tensor item of rank 0's shard file: the first after the byte items
-        item = min((v for k, v in items.items() if k.startswith("decoder.") and "_extra_state" not in k
-                    and v[0].endswith("__0_0.distcp")), key=lambda v: v[1])
+        item = min(
+            (
+                v
+                for k, v in items.items()
+                if k.startswith("decoder.") and "_extra_state" not in k and v[0].endswith("__0_0.distcp")
+            ),
+            key=lambda v: v[1],
+        )
         part = what
     _flip(item[0], _in_item(item, part))
     return os.path.basename(item[0]), item[1], item[1] + item[2]
@@ -262,8 +281,11 @@ def test_a_file_that_would_run_code_is_refused_and_nothing_runs(loads, name):
     where = r"common\.pt" if "common" in name else r"__0_0\.distcp bytes \d+\.\.\d+"
     for rank, out in enumerate(results):
         error = out[name].get("error", "")
-        assert re.search(rf"unsafe checkpoint file: \S*/iter_0000004/{where} holds objects a checkpoint never "
-                         rf"holds .*may have been tampered with", error), (rank, out[name])
+        assert re.search(
+            rf"unsafe checkpoint file: \S*/iter_0000004/{where} holds objects a checkpoint never "
+            rf"holds .*may have been tampered with",
+            error,
+        ), (rank, out[name])
         assert "weights_only" not in error and "GLOBAL" in error, error
     assert not os.path.exists(sentinels[name]), "the pickle ran"
 

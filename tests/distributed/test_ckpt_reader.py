@@ -39,12 +39,13 @@ def _full() -> dict[str, torch.Tensor]:
 def _saved_layout(rank: int, tensors: dict) -> dict:
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-    rows = tensors["w_row"][4 * rank:4 * rank + 4]
+    rows = tensors["w_row"][4 * rank : 4 * rank + 4]
     return {
         "w_row": ShardedTensor.from_rank_offsets("w_row", rows, (0, rank, 2), replica_id=0),
         "w_rep": ShardedTensor.from_rank_offsets("w_rep", tensors["w_rep"], replica_id=rank),
-        "big": ShardedTensor.from_rank_offsets("big", tensors["big"][BIG * rank:BIG * (rank + 1)],
-                                               (0, rank, 2), replica_id=0),
+        "big": ShardedTensor.from_rank_offsets(
+            "big", tensors["big"][BIG * rank : BIG * (rank + 1)], (0, rank, 2), replica_id=0
+        ),
         "bf16": ShardedTensor.from_rank_offsets("bf16", tensors["bf16"], replica_id=rank),
         "ids": ShardedTensor.from_rank_offsets("ids", tensors["ids"], replica_id=rank),
         "obj": ShardedObject("obj", {"rank": rank}, (2,), (rank,), replica_id=0),
@@ -54,7 +55,7 @@ def _saved_layout(rank: int, tensors: dict) -> dict:
 def _resharded_layout(rank: int, tensors: dict) -> dict:
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-    cols = tensors["w_row"][:, 3 * rank:3 * rank + 3].contiguous()
+    cols = tensors["w_row"][:, 3 * rank : 3 * rank + 3].contiguous()
     return {
         "w_row": ShardedTensor.from_rank_offsets("w_row", cols, (1, rank, 2), replica_id=0),
         "w_rep": ShardedTensor.from_rank_offsets("w_rep", tensors["w_rep"], replica_id=rank),
@@ -107,8 +108,9 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for name, layout in (("saved", _saved_layout), ("resharded", _resharded_layout)):
         expected = {k: v.data for k, v in layout(rank, full).items() if k != "obj"}
-        reference = dist_checkpointing.load(_empty_like(layout(rank, full)), root,
-                                            sharded_strategy=TorchDistLoadShardedStrategy())
+        reference = dist_checkpointing.load(
+            _empty_like(layout(rank, full)), root, sharded_strategy=TorchDistLoadShardedStrategy()
+        )
         for verify in (False, True):
             strategy = VerifyingTorchDistLoadStrategy(table if verify else None, DEFAULT_ALGORITHM)
             ours = dist_checkpointing.load(_empty_like(layout(rank, full)), root, sharded_strategy=strategy)

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.distributed
 transformers = pytest.importorskip("transformers")
 
 from tools.convert_checkpoint import (  # noqa: E402
-    check_supported, convert_hf_to_megatron, convert_megatron_to_hf, hf_config_to_values,
+    check_supported,
+    convert_hf_to_megatron,
+    convert_megatron_to_hf,
+    hf_config_to_values,
 )
 
 VOCAB, SEQ, BATCH = 200, 16, 2
@@ -29,22 +32,38 @@ VOCAB, SEQ, BATCH = 200, 16, 2
 
 # Llama-3.1-style RoPE scaling: with theta 500000 and head_dim 16, the lowest frequencies have
 # wavelengths beyond 8192 / low_freq_factor and are divided by the factor, the middle ones smoothed
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 KINDS = {
     "llama untied": ("llama", dict(tie_word_embeddings=False)),
     "llama tied": ("llama", dict(tie_word_embeddings=True)),
-    "llama-3.1 rope scaling": ("llama", dict(tie_word_embeddings=False, rope_theta=500000.0,
-                                             rope_scaling=LLAMA3_ROPE, max_position_embeddings=16384)),
+    "llama-3.1 rope scaling": (
+        "llama",
+        dict(tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=16384),
+    ),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
 }
 
 
 def _make_hf(path: str, kind: str):
     model_type, extra = KINDS[kind]
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0, rms_norm_eps=1e-5,
-                  max_position_embeddings=64, attn_implementation="eager")
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
     common.update(extra)
     torch.manual_seed(0)
     if model_type == "llama":
@@ -68,16 +87,23 @@ def _convert(rank: int, world_size: int, hf_dir: str, save: str) -> str:
 
 def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torch.Tensor):
     from megatron_ext.checkpoint.parts import CheckpointMeta
-    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.data.microbatch import Microbatch
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.testing import build_tiny_run
+    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.training.step import run_forward_backward
 
-    values = {**hf_config_to_values(hf, 32), "tensor_model_parallel_size": 2,
-              "pipeline_model_parallel_size": 2, "mock_data": True, "tokenizer_type": "NullTokenizer",
-              "vocab_size": VOCAB - 1, "seq_length": tokens.shape[1], "micro_batch_size": BATCH,
-              "global_batch_size": BATCH}
+    values = {
+        **hf_config_to_values(hf, 32),
+        "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 2,
+        "mock_data": True,
+        "tokenizer_type": "NullTokenizer",
+        "vocab_size": VOCAB - 1,
+        "seq_length": tokens.shape[1],
+        "micro_batch_size": BATCH,
+        "global_batch_size": BATCH,
+    }
     seq = tokens.shape[1]
     run = build_tiny_run(values, None)
     model, ctx = run.model, run.ctx
@@ -90,8 +116,13 @@ def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torc
         out = chunk(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
         return out, lambda o: (o.sum() * 0.0, torch.tensor(1), {"logits": o.detach()})
 
-    mb = Microbatch(tokens=tokens, labels=tokens, position_ids=torch.arange(seq).expand(BATCH, seq),
-                    num_real_tokens=BATCH * seq, attention_pairs=BATCH * seq * seq)
+    mb = Microbatch(
+        tokens=tokens,
+        labels=tokens,
+        position_ids=torch.arange(seq).expand(BATCH, seq),
+        num_real_tokens=BATCH * seq,
+        attention_pairs=BATCH * seq * seq,
+    )
     reports = run_forward_backward(model, [mb], seq, forward_only=True, forward_step_func=forward_step)
     logits = None
     if ctx.is_last_stage:
@@ -149,28 +180,37 @@ def test_hf_to_ours_logits_and_round_trip(tmp_path, kind):
         torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("change,needle", [
-    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2'"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(rope_parameters={**LLAMA3_ROPE, "low_freq_factor": 2.0}), "converts only with low_freq_factor 1"),
-    (dict(rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 4096}),
-     "{'original_max_position_embeddings': 4096}"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "RoPE scaling 'yarn' is not supported"),
-    (dict(model_type="qwen2", use_sliding_window=True), "sliding-window attention is not supported"),
-    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5: only full-dimension RoPE converts"),
-    # --rotary-base is an integer: 3.7 would have converted as 3 (logits 5e-3 off transformers')
-    (dict(rope_theta=3.7), "rope_theta 3.7: not supported, --rotary-base takes an integer"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.5}), "rope_theta 10000.5: not supported"),
-    # an FP8 checkpoint's q_proj.weight is float8 with a weight_scale beside it: converted as plain
-    # weights it loaded 448 where HF's dequantized maximum was 0.07, without a word
-    # a tied Llama reward model converted silently into a causal LM (its score head dropped)
-    (dict(architectures=["LlamaForSequenceClassification"]),
-     "architectures ['LlamaForSequenceClassification']: only causal language models"),
-    (dict(quantization_config={"quant_method": "compressed-tensors"}),
-     "quantization_config (quant_method 'compressed-tensors'): quantized checkpoints are not supported"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type 'gpt2'"),
+        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(rope_parameters={**LLAMA3_ROPE, "low_freq_factor": 2.0}), "converts only with low_freq_factor 1"),
+        (
+            dict(rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 4096}),
+            "{'original_max_position_embeddings': 4096}",
+        ),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "RoPE scaling 'yarn' is not supported"),
+        (dict(model_type="qwen2", use_sliding_window=True), "sliding-window attention is not supported"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5: only full-dimension RoPE converts"),
+        # --rotary-base is an integer: 3.7 would have converted as 3 (logits 5e-3 off transformers')
+        (dict(rope_theta=3.7), "rope_theta 3.7: not supported, --rotary-base takes an integer"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.5}), "rope_theta 10000.5: not supported"),
+        # an FP8 checkpoint's q_proj.weight is float8 with a weight_scale beside it: converted as plain
+        # weights it loaded 448 where HF's dequantized maximum was 0.07, without a word
+        # a tied Llama reward model converted silently into a causal LM (its score head dropped)
+        (
+            dict(architectures=["LlamaForSequenceClassification"]),
+            "architectures ['LlamaForSequenceClassification']: only causal language models",
+        ),
+        (
+            dict(quantization_config={"quant_method": "compressed-tensors"}),
+            "quantization_config (quant_method 'compressed-tensors'): quantized checkpoints are not supported",
+        ),
+    ],
+)
 def test_unsupported_architectures_are_named(change, needle):
     hf = dict(model_type="llama", hidden_size=64, num_attention_heads=4, hidden_act="silu")
     with pytest.raises(ValueError, match="cannot convert") as err:
@@ -178,12 +218,17 @@ def test_unsupported_architectures_are_named(change, needle):
     assert needle in str(err.value)
 
 
-@pytest.mark.parametrize("text, needle", [
-    ('{"model_type": "llama", "hidden_size": 64,', "config.json is not valid JSON"),
-    ('[1, 2]', "config.json holds list, not an object"),
-    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "hidden_act": "silu"}',
-     "config.json: vocab_size must be a positive integer, got None"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('{"model_type": "llama", "hidden_size": 64,', "config.json is not valid JSON"),
+        ("[1, 2]", "config.json holds list, not an object"),
+        (
+            '{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "hidden_act": "silu"}',
+            "config.json: vocab_size must be a positive integer, got None",
+        ),
+    ],
+)
 def test_malformed_hf_config_is_named(tmp_path, text, needle):
     from tools.convert_checkpoint import _read_hf
 
@@ -196,11 +241,27 @@ def test_malformed_hf_config_is_named(tmp_path, text, needle):
 def test_checkpoints_trained_here_export_as_qwen2_or_scaled_llama():
     from tools.convert_checkpoint import build_hf_config
 
-    args = dict(swiglu=True, normalization="RMSNorm", disable_bias_linear=True, position_embedding_type="rope",
-                hidden_size=64, ffn_hidden_size=96, num_layers=2, num_attention_heads=4, group_query_attention=False,
-                norm_epsilon=1e-5, rotary_base=10000, seq_length=32, untie_embeddings_and_output_weights=True)
+    args = dict(
+        swiglu=True,
+        normalization="RMSNorm",
+        disable_bias_linear=True,
+        position_embedding_type="rope",
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_layers=2,
+        num_attention_heads=4,
+        group_query_attention=False,
+        norm_epsilon=1e-5,
+        rotary_base=10000,
+        seq_length=32,
+        untie_embeddings_and_output_weights=True,
+    )
     qwen = build_hf_config({**args, "add_qkv_bias": True}, {"padded_vocab_size": 256})
-    assert (qwen["model_type"], qwen["architectures"], qwen["use_sliding_window"]) == ("qwen2", ["Qwen2ForCausalLM"], False)
+    assert (qwen["model_type"], qwen["architectures"], qwen["use_sliding_window"]) == (
+        "qwen2",
+        ["Qwen2ForCausalLM"],
+        False,
+    )
     llama = build_hf_config({**args, "use_rope_scaling": True, "rope_scaling_factor": 32.0}, {"padded_vocab_size": 256})
     assert llama["model_type"] == "llama"
     assert llama["rope_parameters"] == {**LLAMA3_ROPE, "factor": 32.0, "rope_theta": 10000.0}
@@ -211,9 +272,21 @@ def test_checkpoints_trained_here_export_as_qwen2_or_scaled_llama():
 def test_partial_rotary_checkpoints_are_refused_not_exported_as_another_model():
     from tools.convert_checkpoint import build_hf_config
 
-    args = dict(swiglu=True, normalization="RMSNorm", disable_bias_linear=True, position_embedding_type="rope",
-                hidden_size=64, ffn_hidden_size=96, num_layers=2, num_attention_heads=4, group_query_attention=False,
-                norm_epsilon=1e-5, rotary_base=10000, seq_length=32, untie_embeddings_and_output_weights=True)
+    args = dict(
+        swiglu=True,
+        normalization="RMSNorm",
+        disable_bias_linear=True,
+        position_embedding_type="rope",
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_layers=2,
+        num_attention_heads=4,
+        group_query_attention=False,
+        norm_epsilon=1e-5,
+        rotary_base=10000,
+        seq_length=32,
+        untie_embeddings_and_output_weights=True,
+    )
     build_hf_config({**args, "rotary_percent": 1.0}, {"padded_vocab_size": 256})
     with pytest.raises(ValueError, match="--rotary-percent 0.5: HF Llama/Qwen2 rotate the whole head"):
         build_hf_config({**args, "rotary_percent": 0.5}, {"padded_vocab_size": 256})
@@ -262,27 +335,37 @@ def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path, capsys, dam
     capsys.readouterr()  # transformers' progress bar
     assert main(["hf-to-megatron", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "ours")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --hf-dir: {weights} is not a readable safetensors file (") and \
-        err.count("\n") == 1, err
+    assert (
+        err.startswith(f"error: --hf-dir: {weights} is not a readable safetensors file (") and err.count("\n") == 1
+    ), err
     assert "Traceback" not in err and not (tmp_path / "ours").exists(), err  # before any work
 
 
 def _load_converted(rank: int, world_size: int, save: str, hf: dict, extra: dict) -> int:
     from megatron_ext.checkpoint.parts import CheckpointMeta
-    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.testing import build_tiny_run
+    from megatron_ext.training.checkpointing import load_checkpoint
 
-    values = {**hf_config_to_values(hf, 32), "mock_data": True, "tokenizer_type": "NullTokenizer",
-              "vocab_size": VOCAB - 1, "seq_length": SEQ, "micro_batch_size": 1, "global_batch_size": 1, **extra}
+    values = {
+        **hf_config_to_values(hf, 32),
+        "mock_data": True,
+        "tokenizer_type": "NullTokenizer",
+        "vocab_size": VOCAB - 1,
+        "seq_length": SEQ,
+        "micro_batch_size": 1,
+        "global_batch_size": 1,
+        **extra,
+    }
     run = build_tiny_run(values, None)
     loaded = load_checkpoint(run, save, CheckpointMeta(tokenizer={}, padded_vocab_size=224))
     destroy_parallel_context()
     return loaded
 
 
-@pytest.mark.parametrize("extra", [dict(use_distributed_optimizer=True), dict(bf16=True)],
-                         ids=["distributed optimizer", "bf16"])
+@pytest.mark.parametrize(
+    "extra", [dict(use_distributed_optimizer=True), dict(bf16=True)], ids=["distributed optimizer", "bf16"]
+)
 def test_a_converted_checkpoint_loads_whatever_the_optimizer_form(tmp_path, extra):
     # it holds weights only: the checks that a resumed optimizer state has this run's form do not apply
     # (README: "the converted model loads at any TP/PP/VPP"; its "load it with" flags came first)
@@ -292,19 +375,37 @@ def test_a_converted_checkpoint_loads_whatever_the_optimizer_form(tmp_path, extr
     assert run_ranks(_load_converted, 1, save, hf, extra, timeout=300) == [0]
 
 
-LLAMA_HERE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
-                  group_query_attention=True, num_query_groups=2, ffn_hidden_size=96, rotary_base=50000,
-                  norm_epsilon=1e-5, untie_embeddings_and_output_weights=True)
+LLAMA_HERE = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    disable_bias_linear=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    rotary_base=50000,
+    norm_epsilon=1e-5,
+    untie_embeddings_and_output_weights=True,
+)
 
 
 def _save_with_distributed_optimizer(rank: int, world_size: int, save: str, tokens: torch.Tensor) -> torch.Tensor:
-    from megatron_ext.training.checkpointing import save_checkpoint
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.testing import MarkovDataset, build_tiny_run, tiny_values
+    from megatron_ext.training.checkpointing import save_checkpoint
     from megatron_ext.training.loop import train
 
-    run = build_tiny_run(tiny_values(**LLAMA_HERE, use_distributed_optimizer=True, train_iters=2, seq_length=SEQ,
-                                     global_batch_size=2, micro_batch_size=2), MarkovDataset(SEQ))
+    run = build_tiny_run(
+        tiny_values(
+            **LLAMA_HERE,
+            use_distributed_optimizer=True,
+            train_iters=2,
+            seq_length=SEQ,
+            global_batch_size=2,
+            micro_batch_size=2,
+        ),
+        MarkovDataset(SEQ),
+    )
     train(run)
     save_checkpoint(run, save)
     b, s = tokens.shape
@@ -341,16 +442,24 @@ def test_export_reads_the_weights_not_the_optimizer_state(tmp_path, monkeypatch)
 
 
 def _load_log(rank: int, world_size: int, save: str, hf: dict, extra: dict) -> list[str]:
-    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.config import build_job_config
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.run import build_training_run
+    from megatron_ext.training.checkpointing import load_checkpoint
 
     lines = []
-    values = {**hf_config_to_values(hf, 32), "mock_data": True, "tokenizer_type": "NullTokenizer",
-              "vocab_size": VOCAB - 1, "micro_batch_size": 1, "global_batch_size": 1, **extra}
-    run = build_training_run(build_job_config(values), device=torch.device("cpu"), data=(None, None),
-                             log=lines.append, metrics=False)
+    values = {
+        **hf_config_to_values(hf, 32),
+        "mock_data": True,
+        "tokenizer_type": "NullTokenizer",
+        "vocab_size": VOCAB - 1,
+        "micro_batch_size": 1,
+        "global_batch_size": 1,
+        **extra,
+    }
+    run = build_training_run(
+        build_job_config(values), device=torch.device("cpu"), data=(None, None), log=lines.append, metrics=False
+    )
     load_checkpoint(run, save)
     destroy_parallel_context()
     return lines

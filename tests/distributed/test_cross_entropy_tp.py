@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.testing import run_ranks
-from tests.unit.test_cross_entropy import _inputs, _loss_and_grad, _torch_reference, IGNORE
+from tests.unit.test_cross_entropy import IGNORE, _inputs, _loss_and_grad, _torch_reference
 
 pytestmark = pytest.mark.distributed
 
@@ -20,8 +20,13 @@ def _tp_world(rank: int, world_size: int, dtype) -> dict:
     group = dist.new_group(list(range(world_size)))
     loss, grad = _loss_and_grad(lambda x, t: vocab_parallel_cross_entropy(x, t, group), local, target, weight)
     ref, ref_grad = _loss_and_grad(_torch_reference, logits, target, weight)
-    return {"loss": loss, "grad": grad, "ref": ref, "ref_grad": ref_grad.chunk(world_size, dim=-1)[rank],
-            "target": target}
+    return {
+        "loss": loss,
+        "grad": grad,
+        "ref": ref,
+        "ref_grad": ref_grad.chunk(world_size, dim=-1)[rank],
+        "target": target,
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,8 +20,15 @@ from megatron_ext.testing import PackedMarkovDataset, build_tiny_run, run_ranks,
 
 pytestmark = pytest.mark.distributed
 
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
-             untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
+)
 
 
 def _seed_call(rank, world_size, values):
@@ -56,9 +63,17 @@ def _layer_calls(rank, world_size, steps):
     from megatron_ext.training.step import build_step_microbatches, forward_step, unwrap_model
     from megatron_ext.training.sync_counter import SyncCounter
 
-    values = tiny_values(num_layers=2, seq_length=64, micro_batch_size=1, global_batch_size=1, packed_sequences=True,
-                         sequence_padding="negotiated", pad_to_multiple_of=16, pad_length_bucket="power-of-two",
-                         **LLAMA)
+    values = tiny_values(
+        num_layers=2,
+        seq_length=64,
+        micro_batch_size=1,
+        global_batch_size=1,
+        packed_sequences=True,
+        sequence_padding="negotiated",
+        pad_to_multiple_of=16,
+        pad_length_bucket="power-of-two",
+        **LLAMA,
+    )
     dataset = PackedMarkovDataset(64, median=3.0)
     run = build_tiny_run(values, dataset)
     mark_static_shapes([run.model[0].module])
@@ -76,8 +91,12 @@ def _layer_calls(rank, world_size, steps):
         return (meta.type.__name__, tuple(meta.shape), meta.dtype) if torch.is_tensor(value) else value
 
     def record(module, args, kwargs):
-        signatures.add((tuple(check(a, f"args[{i}]") for i, a in enumerate(args)),
-                        tuple((k, check(v, k)) for k, v in sorted(kwargs.items()))))
+        signatures.add(
+            (
+                tuple(check(a, f"args[{i}]") for i, a in enumerate(args)),
+                tuple((k, check(v, k)) for k, v in sorted(kwargs.items())),
+            )
+        )
 
     layer.register_forward_pre_hook(record, with_kwargs=True)
     raw, bucketed = set(), set()
@@ -111,16 +130,22 @@ def _forward_syncs(rank, world_size):
     from megatron_ext.training.step import build_step_microbatches, get_packed_seq_params
     from megatron_ext.training.sync_counter import SyncCounter
 
-    values = tiny_values(num_layers=2, seq_length=64, micro_batch_size=1, global_batch_size=1, packed_sequences=True,
-                         **LLAMA)
+    values = tiny_values(
+        num_layers=2, seq_length=64, micro_batch_size=1, global_batch_size=1, packed_sequences=True, **LLAMA
+    )
     dataset = PackedMarkovDataset(64)
     run = build_tiny_run(values, dataset)
     mark_static_shapes([run.model[0].module])
     mb = build_step_microbatches(run, dataset, 0)[0][0]
     params = get_packed_seq_params(mb, run.model[0])  # outside the layers: host reads allowed here
     with SyncCounter() as counter:
-        run.model[0](input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
-                     labels=mb.labels.clamp(min=0), packed_seq_params=params).sum().backward()
+        run.model[0](
+            input_ids=mb.tokens,
+            position_ids=mb.position_ids,
+            attention_mask=None,
+            labels=mb.labels.clamp(min=0),
+            packed_seq_params=params,
+        ).sum().backward()
     return dict(counter.by_site)
 
 

@@ -26,8 +26,8 @@ def _build(rank: int, world_size: int, prefix: str, cache_dirs: list[str]) -> di
 
 @pytest.fixture(scope="module")
 def prefix(tmp_path_factory):
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     root = tmp_path_factory.mktemp("data")
     builder = IndexedDatasetBuilder(str(root / "d_text_document.bin"), dtype=np.uint16)

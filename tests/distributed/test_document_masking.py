@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
-from megatron_ext.derived import get_max_microbatch_length, resolve_config
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.microbatch import IGNORE_INDEX, fetch_step_samples
 from megatron_ext.data.padding import collate_step
 from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.derived import get_max_microbatch_length, resolve_config
 from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
 from megatron_ext.testing import VOCAB, run_ranks, tiny_values
@@ -26,9 +26,16 @@ pytestmark = pytest.mark.distributed
 
 SEQ = 64
 EOD = VOCAB - 1  # NullTokenizer --vocab-size 127: eod = 127
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-             group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
-             untie_embeddings_and_output_weights=True, ffn_hidden_size=128)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    group_query_attention=True,
+    num_query_groups=2,
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    ffn_hidden_size=128,
+)
 ALL = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
 
 
@@ -48,8 +55,9 @@ def corpus(tmp_path_factory) -> str:
 
 
 def _values(corpus: str, **flags) -> dict:
-    return tiny_values(data_path=[corpus], mock_data=False, seq_length=SEQ, split="100,0,0",
-                       data_cache_path=corpus + "_cache", **flags)
+    return tiny_values(
+        data_path=[corpus], mock_data=False, seq_length=SEQ, split="100,0,0", data_cache_path=corpus + "_cache", **flags
+    )
 
 
 def _split_at_eod(tokens: np.ndarray) -> list[tuple[int, int]]:
@@ -66,8 +74,9 @@ def test_windows_carry_eod_boundaries_restarted_positions_and_masked_eod_loss(co
     saw_eod = 0
     for i in range(12):
         (p,), (m,), (r,) = (fetch_step_samples(ds, [[i]])[0] for ds in (plain, masked, positions_only))
-        assert torch.equal(p["tokens"], m["tokens"]) and torch.equal(p["labels"][m["labels"] != IGNORE_INDEX],
-                                                                      m["labels"][m["labels"] != IGNORE_INDEX])
+        assert torch.equal(p["tokens"], m["tokens"]) and torch.equal(
+            p["labels"][m["labels"] != IGNORE_INDEX], m["labels"][m["labels"] != IGNORE_INDEX]
+        )
         tokens = p["tokens"].numpy()
         docs = _split_at_eod(tokens)
         saw_eod += len(docs) - 1
@@ -87,18 +96,24 @@ def _forward_check(rank: int, world_size: int, corpus: str) -> dict:
             cfg = build_job_config(_values(corpus, micro_batch_size=2, **overrides, **flags))
             ctx = build_parallel_context(cfg, torch.device("cpu"))
             torch.manual_seed(0)
-            (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
-                                          torch.device("cpu"))
+            (model,) = build_model_chunks(
+                cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement, torch.device("cpu")
+            )
             params = dict(model.named_parameters())
             tok = build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1)
             train_ds, _ = build_train_valid_datasets(cfg, tok, 8)
             raw = fetch_step_samples(train_ds, [[0, 1]])
             (mb,), _ = collate_step(raw, "static", None, 64, get_max_microbatch_length(cfg), pad_id=EOD)
-            logits = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
-                           packed_seq_params=get_packed_seq_params(mb, model) if mb.is_packed else None)
+            logits = model(
+                input_ids=mb.tokens,
+                position_ids=mb.position_ids,
+                attention_mask=None,
+                packed_seq_params=get_packed_seq_params(mb, model) if mb.is_packed else None,
+            )
             logits = logits.reshape(-1, logits.shape[-1])
-            F.cross_entropy(logits.float(), mb.labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                            reduction="sum").backward()
+            F.cross_entropy(
+                logits.float(), mb.labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            ).backward()
             grads = {n: p.grad.clone() for n, p in params.items()}
             model.zero_grad()
             # the reference: every document of both windows alone, causal, positions from 0,
@@ -116,8 +131,14 @@ def _forward_check(rank: int, world_size: int, corpus: str) -> dict:
                     alone.append((offset + s, offset + e, lg.detach()))
                 offset += len(tokens)
             ref = {n: p.grad.clone() for n, p in params.items()}
-            out[style, name] = dict(logits=logits.detach(), alone=alone, grads=grads, ref=ref,
-                                    packed=mb.is_packed, shape=tuple(mb.tokens.shape))
+            out[style, name] = dict(
+                logits=logits.detach(),
+                alone=alone,
+                grads=grads,
+                ref=ref,
+                packed=mb.is_packed,
+                shape=tuple(mb.tokens.shape),
+            )
             destroy_parallel_context()
     return out
 
@@ -161,7 +182,9 @@ def _train(rank: int, world_size: int, corpus: str, layout: dict) -> list[float]
 
 def test_training_with_document_masking_under_pp_vpp_dp_matches_one_process(corpus):
     ref = run_ranks(_train, 1, corpus, {})[0]
-    per_rank = run_ranks(_train, 4, corpus, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1))
+    per_rank = run_ranks(
+        _train, 4, corpus, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
+    )
     got = max(per_rank, key=len)  # the last pipeline stage reports the loss
     assert len(ref) == 4 and np.isfinite(ref).all()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)

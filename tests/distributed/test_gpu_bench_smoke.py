@@ -20,8 +20,22 @@ def _smoke(rank: int, world_size: int) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = gpu_throughput.main(["--device", "cpu", "--tiny", "--steps", "2", "--warmup", "0",
-                                    "--only", "gpt2", "packed-llama", "--accumulate", "2"])
+        code = gpu_throughput.main(
+            [
+                "--device",
+                "cpu",
+                "--tiny",
+                "--steps",
+                "2",
+                "--warmup",
+                "0",
+                "--only",
+                "gpt2",
+                "packed-llama",
+                "--accumulate",
+                "2",
+            ]
+        )
     return f"exit {code}\n{out.getvalue()}"
 
 
@@ -38,8 +52,24 @@ def _profile_smoke(rank: int, world_size: int) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = gpu_profile.main(["--device", "cpu", "--tiny", "--steps", "1", "--timed-steps", "1",
-                                 "--warmup", "1", "--rows", "3", "--python", "--accumulate", "2"])
+        code = gpu_profile.main(
+            [
+                "--device",
+                "cpu",
+                "--tiny",
+                "--steps",
+                "1",
+                "--timed-steps",
+                "1",
+                "--warmup",
+                "1",
+                "--rows",
+                "3",
+                "--python",
+                "--accumulate",
+                "2",
+            ]
+        )
     return f"exit {code}\n{out.getvalue()}"
 
 
@@ -63,15 +93,35 @@ def _ablation_smoke(rank: int, world_size: int) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = gpu_ablation.main(["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "0", "--micro-batch", "1"])
-        code += gpu_ablation.main(["--device", "cpu", "--tiny", "--shape", "llama", "--steps", "1", "--warmup", "0",
-                                   "--micro-batch", "1", "--only", "rope", "gqa-kernel"])
+        code += gpu_ablation.main(
+            [
+                "--device",
+                "cpu",
+                "--tiny",
+                "--shape",
+                "llama",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--micro-batch",
+                "1",
+                "--only",
+                "rope",
+                "gqa-kernel",
+            ]
+        )
 
     def state() -> tuple:
         side = gpu_throughput.Ours(gpu_throughput.shape_for("llama", tiny=True), 1)
         gpt_model = side.run.model[0].module.module
         fused = {g["fused"] for o in torch_adam_optimizers(side.run.optimizer) for g in o.param_groups}
-        found = (fused == {True}, gpt_model.config.gradient_accumulation_fusion, type(gpt_model).__name__,
-                 type(gpt_model.rotary_pos_emb).__name__)
+        found = (
+            fused == {True},
+            gpt_model.config.gradient_accumulation_fusion,
+            type(gpt_model).__name__,
+            type(gpt_model.rotary_pos_emb).__name__,
+        )
         side.close()
         return found
 
@@ -104,8 +154,9 @@ def _rope_bench(rank: int, world_size: int) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = rope.main(["--steps", "2", "--warmup", "1", "--seq-length", "64", "--micro-batch", "1",
-                          "--num-layers", "2"])
+        code = rope.main(
+            ["--steps", "2", "--warmup", "1", "--seq-length", "64", "--micro-batch", "1", "--num-layers", "2"]
+        )
     return f"exit {code}\n{out.getvalue()}"
 
 
@@ -118,7 +169,9 @@ def test_rope_bench_counts_fewer_kernels_for_the_same_logits():
     assert "(logits equal: True)" in report, report
     ratios = [float(x) for x in re.findall(r"kernels ([0-9.]+)x", report)]
     assert len(ratios) == 2 and all(r < 1.0 for r in ratios), report
-    assert re.search(r"ours\s+\d+ kernels \(0 cos\)", report) and re.search(r"megatron-core\s+\d+ kernels \(4 cos\)", report), report
+    assert re.search(r"ours\s+\d+ kernels \(0 cos\)", report) and re.search(
+        r"megatron-core\s+\d+ kernels \(4 cos\)", report
+    ), report
 
 
 def _packed_host_smoke(rank: int, world_size: int) -> str:

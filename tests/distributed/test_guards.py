@@ -45,8 +45,13 @@ def _alive(pid: int) -> bool:
 
 
 def _orphan_survives(guarded: bool) -> bool:
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, WORKER.format(guarded=guarded)], cwd=ROOT,
-                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, WORKER.format(guarded=guarded)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     worker = int(agent.stdout.readline())
     time.sleep(1.0)  # the worker has called prctl
     agent.kill()
@@ -76,8 +81,13 @@ time.sleep(120)
 
 def test_second_live_job_on_one_save_dir_is_refused_and_a_dead_one_blocks_nothing(tmp_path):
     save = str(tmp_path / "ckpt")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, save], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=ROOT))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, save],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(ConfigError, match=rf"--save {save} is in use by a live job \(pid {holder.pid} "):
@@ -116,8 +126,9 @@ def test_stalled_step_is_reported_with_where_and_stacks(tmp_path):
 
 
 def _progress(rank: int, world_size: int) -> tuple:
-    run = build_tiny_run(tiny_values(train_iters=2, pipeline_model_parallel_size=2, step_timeout_minutes=10.0),
-                         MarkovDataset(32))
+    run = build_tiny_run(
+        tiny_values(train_iters=2, pipeline_model_parallel_size=2, step_timeout_minutes=10.0), MarkovDataset(32)
+    )
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.training.loop import train
 
@@ -150,12 +161,23 @@ def test_a_step_that_raised_leaves_the_watchdog_disarmed(monkeypatch):
 
     monkeypatch.setattr(loop, "build_step_microbatches", lambda run, dataset, first: ([], 32))
     monkeypatch.setattr(loop, "train_step", failing_step)
-    watchdog = StepWatchdog(3600.0, lambda: "rank 0", StepProgress(), on_timeout=lambda report: None,
-                            out=io.StringIO())
+    watchdog = StepWatchdog(3600.0, lambda: "rank 0", StepProgress(), on_timeout=lambda report: None, out=io.StringIO())
     cfg = build_job_config({"mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 64})
-    run = types.SimpleNamespace(cfg=cfg, state=loop.TrainState(), watchdog=watchdog, optimizer=None, scheduler=None, timers=None, prefetcher=None,
-                                train_ds=None, timeline=None, model=[torch.nn.Linear(1, 1)], steps_this_run=0,
-                                global_batch_size=8, ctx=None)
+    run = types.SimpleNamespace(
+        cfg=cfg,
+        state=loop.TrainState(),
+        watchdog=watchdog,
+        optimizer=None,
+        scheduler=None,
+        timers=None,
+        prefetcher=None,
+        train_ds=None,
+        timeline=None,
+        model=[torch.nn.Linear(1, 1)],
+        steps_this_run=0,
+        global_batch_size=8,
+        ctx=None,
+    )
     try:
         with pytest.raises(RuntimeError, match="the forward step failed"):
             loop.run_training_iteration(run, loop.LogWindow())

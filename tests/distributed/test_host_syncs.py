@@ -27,8 +27,9 @@ def _count(rank, world_size, overrides):
     from megatron_ext.training.loop import LogWindow, train_one
     from megatron_ext.training.sync_counter import SyncCounter
 
-    values = tiny_values(num_layers=2, global_batch_size=4, micro_batch_size=2, train_iters=100, log_interval=1000,
-                         **overrides)
+    values = tiny_values(
+        num_layers=2, global_batch_size=4, micro_batch_size=2, train_iters=100, log_interval=1000, **overrides
+    )
     run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
     window, history = LogWindow(), []
     train_one(run, window, history)  # warm-up: the first step builds what later steps reuse
@@ -42,8 +43,9 @@ def _count(rank, world_size, overrides):
     return dict(counter.by_site), [float(x) for x in window.iteration_losses[-1]]
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(exit_signal_handler=True), dict(bf16=True)],
-                         ids=["fp32", "exit-signal-handler", "bf16"])
+@pytest.mark.parametrize(
+    "overrides", [{}, dict(exit_signal_handler=True), dict(bf16=True)], ids=["fp32", "exit-signal-handler", "bf16"]
+)
 def test_one_sync_per_step_on_the_training_thread(overrides):
     by_site, last = run_ranks(_count, 1, overrides)[0]
     assert sum(by_site.values()) <= STEPS, by_site

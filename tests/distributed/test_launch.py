@@ -35,7 +35,11 @@ def start_launcher(args: list[str], env: dict[str, str], log_path) -> subprocess
             full_env.pop(name, None)
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [LAUNCHER, *args], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+            [LAUNCHER, *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
@@ -72,10 +76,7 @@ def get_expected_groups(world_size: int, tp: int, pp: int) -> dict[str, set[tupl
     return {
         "tp": {tuple(range(start, start + tp)) for start in range(0, world_size, tp)},
         "pp": {tuple(range(r, world_size, stride_pp)) for r in range(stride_pp)},
-        "dp": {
-            tuple(p * stride_pp + d * tp + t for d in range(dp))
-            for p in range(pp) for t in range(tp)
-        },
+        "dp": {tuple(p * stride_pp + d * tp + t for d in range(dp)) for p in range(pp) for t in range(tp)},
     }
 
 
@@ -86,11 +87,23 @@ def test_two_node_topology(tmp_path):
     logs = [tmp_path / f"agent{node}.log" for node in range(nnodes)]
     procs = [
         start_launcher(
-            ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-             "--output-dir", str(out_dir)],
-            {"NNODES": str(nnodes), "NPROC_PER_NODE": str(nproc), "NODE_RANK": str(node),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RDZV_ID": rdzv_id,
-             "TRAIN_SCRIPT": os.path.join(REPO, "tools", "print_topology.py")},
+            [
+                "--tensor-model-parallel-size",
+                str(tp),
+                "--pipeline-model-parallel-size",
+                str(pp),
+                "--output-dir",
+                str(out_dir),
+            ],
+            {
+                "NNODES": str(nnodes),
+                "NPROC_PER_NODE": str(nproc),
+                "NODE_RANK": str(node),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RDZV_ID": rdzv_id,
+                "TRAIN_SCRIPT": os.path.join(REPO, "tools", "print_topology.py"),
+            },
             logs[node],
         )
         for node in range(nnodes)
@@ -134,10 +147,26 @@ ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*\| lm loss: ([0-9.e
 def test_end_to_end_training(tmp_path):
     tb_dir = tmp_path / "tb"
     proc = start_launcher(
-        ["--config", "configs/default.yaml", "--train-iters", "6", "--log-interval", "1",
-         "--eval-interval", "3", "--eval-iters", "1", "--tensorboard-dir", str(tb_dir),
-         "--save", str(tmp_path / "ckpt"), "--save-interval", "3"],
-        {"NPROC_PER_NODE": "8"}, tmp_path / "train.log",
+        [
+            "--config",
+            "configs/default.yaml",
+            "--train-iters",
+            "6",
+            "--log-interval",
+            "1",
+            "--eval-interval",
+            "3",
+            "--eval-iters",
+            "1",
+            "--tensorboard-dir",
+            str(tb_dir),
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--save-interval",
+            "3",
+        ],
+        {"NPROC_PER_NODE": "8"},
+        tmp_path / "train.log",
     )
     [(rc, output)] = finish([proc], [tmp_path / "train.log"], timeout=300)
     assert rc == 0, output[-6000:]

@@ -18,9 +18,16 @@ import torch
 
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import (
+    MarkovDataset,
+    build_tiny_run,
+    fetch_step_microbatches,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
+)
 from megatron_ext.training.loop import train
 from megatron_ext.training.step import run_forward_backward
-from megatron_ext.testing import build_tiny_run, fetch_step_microbatches, gather_full_grads, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -28,9 +35,16 @@ ITERS = 20
 CLIP = 0.3  # below the grad norms of this model and data: clipping scales every step
 BASE = dict(train_iters=ITERS, clip_grad=CLIP, global_batch_size=8, micro_batch_size=2)
 # Llama style: RMSNorm, SwiGLU (gated fc1, sharded as [gate; up] per TP rank), RoPE, GQA, untied.
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-             group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
-             untie_embeddings_and_output_weights=True, ffn_hidden_size=128)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    group_query_attention=True,
+    num_query_groups=2,
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    ffn_hidden_size=128,
+)
 
 TWO_RANK_LAYOUTS = {
     "TP2": (dict(tensor_model_parallel_size=2), 1e-5),
@@ -44,13 +58,22 @@ TWO_RANK_LAYOUTS = {
 }
 EIGHT_RANK_LAYOUTS = {
     "TP2xPP2xVPP2xDP2": (
-        dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-             num_layers_per_virtual_pipeline_stage=1, use_distributed_optimizer=True),
+        dict(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            num_layers_per_virtual_pipeline_stage=1,
+            use_distributed_optimizer=True,
+        ),
         1e-5,
     ),
     "llama TP2xPP2xVPP2xDP2+SP": (
-        dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-             num_layers_per_virtual_pipeline_stage=1, sequence_parallel=True, **LLAMA),
+        dict(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            num_layers_per_virtual_pipeline_stage=1,
+            sequence_parallel=True,
+            **LLAMA,
+        ),
         1e-5,
     ),
 }

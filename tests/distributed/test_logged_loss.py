@@ -54,35 +54,49 @@ class _Recorder:
         pass
 
 
-def _logged(log_interval: int, nan_at: int | None = None, tensorboard_log_interval: int = 1,
-            eval_interval: int = 0, exit_interval: int | None = None) -> dict:
+def _logged(
+    log_interval: int,
+    nan_at: int | None = None,
+    tensorboard_log_interval: int = 1,
+    eval_interval: int = 0,
+    exit_interval: int | None = None,
+) -> dict:
     evaluation = dict(eval_interval=eval_interval, eval_iters=1) if eval_interval else {}
     if exit_interval is not None:
         evaluation["exit_interval"] = exit_interval
-    run = build_tiny_run(tiny_values(**BASE, log_interval=log_interval, tensorboard_log_interval=tensorboard_log_interval,
-                                     **evaluation),
-                         MarkovDataset(32, mask_every=1), MarkovDataset(32, seed=1) if eval_interval else None)
+    run = build_tiny_run(
+        tiny_values(**BASE, log_interval=log_interval, tensorboard_log_interval=tensorboard_log_interval, **evaluation),
+        MarkovDataset(32, mask_every=1),
+        MarkovDataset(32, seed=1) if eval_interval else None,
+    )
     lines: list[str] = []
     run.log = lines.append
     run.writer = _Recorder()
     if nan_at is not None:
         _inject_nan(run, nan_at)
     train(run)
-    out = {"records": [(r["iteration"], r["loss"]) for r in run.records],
-           "lr": {r["iteration"]: r["lr"] for r in run.records},
-           "grad_norm": {r["iteration"]: r["grad_norm"] for r in run.records},
-           "lines": [line for line in lines if "lm loss:" in line],
-           "written": {step: values for step, values in run.writer.written if "learning rate" in values},
-           "steps": [step for step, _ in run.writer.written]}
+    out = {
+        "records": [(r["iteration"], r["loss"]) for r in run.records],
+        "lr": {r["iteration"]: r["lr"] for r in run.records},
+        "grad_norm": {r["iteration"]: r["grad_norm"] for r in run.records},
+        "lines": [line for line in lines if "lm loss:" in line],
+        "written": {step: values for step, values in run.writer.written if "learning rate" in values},
+        "steps": [step for step, _ in run.writer.written],
+    }
     destroy_parallel_context()
     return out
 
 
 def _world(rank: int, world_size: int) -> dict:
-    return {"every": _logged(1), "pairs": _logged(2), "nan every": _logged(1, nan_at=1),
-            "nan pairs": _logged(2, nan_at=1), "pairs, tb every 2": _logged(2, tensorboard_log_interval=2),
-            "fours, eval every 2": _logged(4, eval_interval=2),
-            "pairs, exit at 3": _logged(2, exit_interval=3)}
+    return {
+        "every": _logged(1),
+        "pairs": _logged(2),
+        "nan every": _logged(1, nan_at=1),
+        "nan pairs": _logged(2, nan_at=1),
+        "pairs, tb every 2": _logged(2, tensorboard_log_interval=2),
+        "fours, eval every 2": _logged(4, eval_interval=2),
+        "pairs, exit at 3": _logged(2, exit_interval=3),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +119,13 @@ def test_a_skipped_iteration_is_left_out_of_the_loss_and_counted_in_its_interval
     pairs = dict(logged["nan pairs"]["records"])
     assert pairs[2] == pytest.approx(every[2], rel=1e-12, abs=0)  # iteration 1 skipped: not averaged in
     assert pairs[4] == pytest.approx((every[3] + every[4]) / 2, rel=1e-12, abs=0)
-    nan_counts = [int(line.split("number of nan iterations:")[1].split("|")[0]) for line in logged["nan every"]["lines"]]
+    nan_counts = [
+        int(line.split("number of nan iterations:")[1].split("|")[0]) for line in logged["nan every"]["lines"]
+    ]
     assert nan_counts == [1, 0, 0, 0]  # per log interval, as Megatron-LM resets them at each line
-    nan_counts = [int(line.split("number of nan iterations:")[1].split("|")[0]) for line in logged["nan pairs"]["lines"]]
+    nan_counts = [
+        int(line.split("number of nan iterations:")[1].split("|")[0]) for line in logged["nan pairs"]["lines"]
+    ]
     assert nan_counts == [1, 0]
 
 
@@ -121,7 +139,9 @@ def test_tensorboard_gets_every_iterations_loss_lr_and_grad_norm_between_log_lin
         assert values["grad norm"] == pytest.approx(every["grad_norm"][iteration], rel=1e-12)
     assert sorted(logged["pairs, tb every 2"]["written"]) == [2, 4]
     nan = logged["nan pairs"]["written"]
-    assert "lm loss" not in nan[1] and "lm loss" in nan[2]  # a skipped update writes no loss (the log line leaves it out too)
+    assert (
+        "lm loss" not in nan[1] and "lm loss" in nan[2]
+    )  # a skipped update writes no loss (the log line leaves it out too)
 
 
 def test_an_evaluation_between_log_lines_writes_after_the_iterations_before_it(logged):

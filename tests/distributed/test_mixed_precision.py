@@ -15,20 +15,32 @@ import os
 import pytest
 import torch
 
-from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
 
 SEQ, ITERS, K, TOL = 64, 8, 4, 2e-2
 BASE = dict(seq_length=SEQ, train_iters=ITERS, global_batch_size=8, micro_batch_size=2, lr=3e-3, min_lr=3e-3)
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", group_query_attention=True,
-             num_query_groups=2, disable_bias_linear=True, ffn_hidden_size=128, untie_embeddings_and_output_weights=True)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    group_query_attention=True,
+    num_query_groups=2,
+    disable_bias_linear=True,
+    ffn_hidden_size=128,
+    untie_embeddings_and_output_weights=True,
+)
 PACKED = dict(packed_sequences=True, micro_batch_size=1, pad_to_multiple_of=16)
-LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
-              use_distributed_optimizer=True)
+LAYOUT = dict(
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=2,
+    num_layers_per_virtual_pipeline_stage=1,
+    use_distributed_optimizer=True,
+)
 
 
 def _losses(run) -> list[float]:
@@ -40,19 +52,27 @@ def _train(values: dict, data) -> tuple[list[float], dict]:
     model_dtypes = {p.dtype for chunk in run.model for p in chunk.parameters()}
     main_dtypes = {p.dtype for g in run.optimizer.param_groups for p in g["params"]}
     train(run)
-    info = {"model_dtypes": model_dtypes, "main_dtypes": main_dtypes, "skipped": run.state.skipped_iterations,
-            "scale": float(run.optimizer.get_loss_scale())}
+    info = {
+        "model_dtypes": model_dtypes,
+        "main_dtypes": main_dtypes,
+        "skipped": run.state.skipped_iterations,
+        "scale": float(run.optimizer.get_loss_scale()),
+    }
     destroy_parallel_context()
     return _losses(run), info
 
 
 def _one_process(rank: int, world_size: int, root: str) -> dict:
     out = {}
-    for name, extra in (("fp32", {}), ("bf16", dict(bf16=True)),
-                        ("fp16", dict(fp16=True, initial_loss_scale=2.0 ** 14, hysteresis=1, train_iters=12))):
+    for name, extra in (
+        ("fp32", {}),
+        ("bf16", dict(bf16=True)),
+        ("fp16", dict(fp16=True, initial_loss_scale=2.0**14, hysteresis=1, train_iters=12)),
+    ):
         out[name] = _train({**BASE, **extra}, MarkovDataset(SEQ, mask_every=1))
-    out["fp16 early save"] = {opt: _fp16_save_before_first_step(os.path.join(root, f"fp16-{opt}"), opt)
-                              for opt in (False, True)}
+    out["fp16 early save"] = {
+        opt: _fp16_save_before_first_step(os.path.join(root, f"fp16-{opt}"), opt) for opt in (False, True)
+    }
     out["bf16 packed"] = _train({**BASE, **PACKED, "bf16": True}, PackedMarkovDataset(SEQ))
     # a bf16 Llama checkpoint and its logits on fixed tokens, for the HF conversion
     run = build_tiny_run(tiny_values(**{**BASE, **LLAMA, "bf16": True, "train_iters": 3}), MarkovDataset(SEQ))
@@ -69,8 +89,14 @@ def _one_process(rank: int, world_size: int, root: str) -> dict:
 def _fp16_save_before_first_step(root: str, distributed_optimizer: bool) -> dict:
     """fp16 from a loss scale that overflows for the first steps: a save at step 2, before any
     optimizer step ran (no Adam state yet), then a resume to step 10, against the uninterrupted run."""
-    values = {**BASE, "fp16": True, "initial_loss_scale": 2.0 ** 16, "hysteresis": 1, "train_iters": 10,
-              "use_distributed_optimizer": distributed_optimizer}
+    values = {
+        **BASE,
+        "fp16": True,
+        "initial_loss_scale": 2.0**16,
+        "hysteresis": 1,
+        "train_iters": 10,
+        "use_distributed_optimizer": distributed_optimizer,
+    }
     reference, info = _train(values, MarkovDataset(SEQ, mask_every=1))
     run = build_tiny_run(tiny_values(**values, save=root, exit_interval=2), MarkovDataset(SEQ, mask_every=1))
     train(run)
@@ -80,8 +106,12 @@ def _fp16_save_before_first_step(root: str, distributed_optimizer: bool) -> dict
     load_checkpoint(run, root)
     train(run)
     destroy_parallel_context()
-    return {"reference": reference, "resumed": _losses(run), "skipped at save": skipped_at_save,
-            "skipped": info["skipped"]}
+    return {
+        "reference": reference,
+        "resumed": _losses(run),
+        "skipped at save": skipped_at_save,
+        "skipped": info["skipped"],
+    }
 
 
 def _eight_ranks(rank: int, world_size: int, root: str) -> dict:
@@ -128,7 +158,7 @@ def test_fp16_loss_scaler_skips_overflowing_steps_then_learns(single):
     losses, info = single[1]["fp16"]
     assert info["model_dtypes"] == {torch.float16} and info["main_dtypes"] == {torch.float32}
     # 2^14 overflows: token-sum gradients are sums over tokens until megatron-core divides them
-    assert 1 <= info["skipped"] <= 8 and info["scale"] < 2.0 ** 14, info
+    assert 1 <= info["skipped"] <= 8 and info["scale"] < 2.0**14, info
     assert losses[-1] < losses[0] - 0.1, losses
 
 

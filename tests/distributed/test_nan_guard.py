@@ -71,8 +71,9 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _skip_one(distributed_optimizer: bool, check: bool = True) -> dict:
-    values = tiny_values(**BASE, train_iters=2, use_distributed_optimizer=distributed_optimizer,
-                         check_for_nan_in_loss_and_grad=check)
+    values = tiny_values(
+        **BASE, train_iters=2, use_distributed_optimizer=distributed_optimizer, check_for_nan_in_loss_and_grad=check
+    )
     run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
     inject_nan(run, dp_rank=1, iterations={3})
     train(run)
@@ -82,9 +83,13 @@ def _skip_one(distributed_optimizer: bool, check: bool = True) -> dict:
     after_nan = _snapshot(run)
     run.cfg.training.train_iters = 5
     train(run)
-    out = {"unchanged": _same(before, after_nan), "nan_iterations": run.state.nan_iterations,
-           "skipped": run.state.skipped_iterations, "losses": [r["loss"] for r in run.records],
-           "finite_after": all(bool(torch.isfinite(v).all()) for v in _snapshot(run).values())}
+    out = {
+        "unchanged": _same(before, after_nan),
+        "nan_iterations": run.state.nan_iterations,
+        "skipped": run.state.skipped_iterations,
+        "losses": [r["loss"] for r in run.records],
+        "finite_after": all(bool(torch.isfinite(v).all()) for v in _snapshot(run).values()),
+    }
     destroy_parallel_context()
     return out
 

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint.directory import list_complete_checkpoints
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import TrainingDiverged, train
 from megatron_ext.training.step import unwrap_model
 
@@ -116,8 +116,11 @@ def _train_in_stages(run, stops: tuple[int, ...]) -> list[dict]:
 
 
 def _summary(run) -> dict:
-    return {"nan": run.state.nan_iterations, "skipped": run.state.skipped_iterations,
-            "records": [(r["iteration"], r["loss"], r["lr"]) for r in run.records]}
+    return {
+        "nan": run.state.nan_iterations,
+        "skipped": run.state.skipped_iterations,
+        "records": [(r["iteration"], r["loss"], r["lr"]) for r in run.records],
+    }
 
 
 def _skip_and_resume(root: str, **opt) -> dict:
@@ -169,8 +172,12 @@ def _diverge(root: str) -> dict:
     except TrainingDiverged as err:
         message = str(err)
     ctx = run.ctx
-    out = {"message": message, "iteration": run.state.iteration, "nan": run.state.nan_iterations,
-           "where": (ctx.rank, ctx.pp_rank, ctx.dp_rank, ctx.is_last_stage)}
+    out = {
+        "message": message,
+        "iteration": run.state.iteration,
+        "nan": run.state.nan_iterations,
+        "where": (ctx.rank, ctx.pp_rank, ctx.dp_rank, ctx.is_last_stage),
+    }
     destroy_parallel_context()
     return out
 
@@ -178,7 +185,7 @@ def _diverge(root: str) -> dict:
 def _fp16() -> dict:
     out = {}
     for name, iterations in (("inf loss", {5}), ("clean", set())):
-        run = _build(fp16=True, initial_loss_scale=2.0 ** 14, hysteresis=1, train_iters=5)
+        run = _build(fp16=True, initial_loss_scale=2.0**14, hysteresis=1, train_iters=5)
         inject_inf_loss(run, iterations)
         before, after = _train_in_stages(run, (4, 5))
         out[name] = {**_summary(run), "unchanged": _same(before, after)}
@@ -246,8 +253,10 @@ def test_repeated_inf_loss_stops_naming_rank_stage_and_microbatch(results):
     assert all(r["message"] == message for r in d)
     (bad,) = [r["where"] for r in d if r["where"][3] and r["where"][2] == BAD_DP_RANK]
     assert "3 consecutive iterations up to 4" in message and "first at iteration 2" in message, message
-    assert (f"the loss was not finite on rank {bad[0]} (pipeline stage {bad[1]}, tensor rank 0, data-parallel "
-            f"rank {bad[2]}, micro-batch {BAD_MICROBATCH})") in message, message
+    assert (
+        f"the loss was not finite on rank {bad[0]} (pipeline stage {bad[1]}, tensor rank 0, data-parallel "
+        f"rank {bad[2]}, micro-batch {BAD_MICROBATCH})"
+    ) in message, message
     assert message.count("rank ") == 3  # one rank named (with its tensor and data-parallel ranks)
     assert [it for it, _ in list_complete_checkpoints(os.path.join(root, "diverge"))] == [1]
 

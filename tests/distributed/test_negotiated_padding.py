@@ -14,17 +14,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
-from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.data.microbatch import IGNORE_INDEX
-from megatron_ext.data.padding import collate
+from megatron_ext.data.packed_dataset import build_packed_sample
+from megatron_ext.data.padding import collate, negotiate_step_length
 from megatron_ext.derived import resolve_config
 from megatron_ext.model.gpt import build_model_chunks
-from megatron_ext.data.packed_dataset import build_packed_sample
-from megatron_ext.data.padding import negotiate_step_length
+from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
+from megatron_ext.testing import VOCAB, PackedMarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values
 from megatron_ext.training.loop import train
-from megatron_ext.training.step import get_packed_seq_params, build_step_microbatches, run_forward_backward
-from megatron_ext.testing import VOCAB, build_tiny_run, gather_full_grads, PackedMarkovDataset, run_ranks, tiny_values
+from megatron_ext.training.step import build_step_microbatches, get_packed_seq_params, run_forward_backward
 
 pytestmark = pytest.mark.distributed
 
@@ -73,8 +72,14 @@ MODES = ("negotiated", "static", "variable")
 
 
 def _values(dataset: str = "", **kw) -> dict:
-    base = dict(seq_length=SEQ, micro_batch_size=1, global_batch_size=GBS, packed_sequences=True,
-                pad_to_multiple_of=MULTIPLE, train_iters=1)
+    base = dict(
+        seq_length=SEQ,
+        micro_batch_size=1,
+        global_batch_size=GBS,
+        packed_sequences=True,
+        pad_to_multiple_of=MULTIPLE,
+        train_iters=1,
+    )
     if dataset == "unpacked rows":
         base.update(ROWS)
     return tiny_values(**{**base, **kw})
@@ -86,20 +91,27 @@ def _reference(rank: int, world_size: int) -> dict:
     for name, make in DATASETS.items():
         cfg = build_job_config(_values())
         ctx = build_parallel_context(cfg, torch.device("cpu"))
-        (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
-                                      torch.device("cpu"))
+        (model,) = build_model_chunks(
+            cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement, torch.device("cpu")
+        )
         ds, total, count = make(), 0.0, 0
         for i in range(GBS):
             s = ds[i]
             mb = collate([s])  # the sample at its own length: no padding
-            logits = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
-                           packed_seq_params=get_packed_seq_params(mb, model))[0]
+            logits = model(
+                input_ids=mb.tokens,
+                position_ids=mb.position_ids,
+                attention_mask=None,
+                packed_seq_params=get_packed_seq_params(mb, model),
+            )[0]
             total = total + F.cross_entropy(logits.float(), s["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
             count += int((s["labels"] != IGNORE_INDEX).sum())
         (total / count).backward()
         offset = get_layer_offset(model)
-        out[name] = {"loss": float(total) / count,
-                     "grads": {get_global_name(n, offset): p.grad.clone() for n, p in model.named_parameters()}}
+        out[name] = {
+            "loss": float(total) / count,
+            "grads": {get_global_name(n, offset): p.grad.clone() for n, p in model.named_parameters()},
+        }
         destroy_parallel_context()
     return out
 
@@ -107,8 +119,16 @@ def _reference(rank: int, world_size: int) -> dict:
 def _count_collectives(fn):
     """Run fn() counting torch.distributed collectives by (caller module, op)."""
     counts: collections.Counter = collections.Counter()
-    names = ["all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-             "barrier", "all_gather_object", "reduce"]
+    names = [
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "barrier",
+        "all_gather_object",
+        "reduce",
+    ]
     originals = {n: getattr(dist, n) for n in names}
 
     def wrap(n):
@@ -119,6 +139,7 @@ def _count_collectives(fn):
             module = caller.f_globals.get("__name__", "?")
             counts[(module, n)] += 1
             return originals[n](*args, **kwargs)
+
         return counted
 
     for n in names:
@@ -149,8 +170,13 @@ def _layouts(rank: int, world_size: int) -> dict:
             counts = _count_collectives(lambda: train(run))
             keep = run.ctx.tp_rank == 0 and run.ctx.dp_rank == 0
             finite = all(torch.isfinite(p.main_grad).all() for c in run.model for p in c.parameters())
-            out[(name, mode)] = {"grads": grads if keep else {}, "losses": [r["loss"] for r in run.records],
-                                 "length": length, "counts": counts, "finite": finite}
+            out[(name, mode)] = {
+                "grads": grads if keep else {},
+                "losses": [r["loss"] for r in run.records],
+                "length": length,
+                "counts": counts,
+                "finite": finite,
+            }
             destroy_parallel_context()
     return out
 
@@ -186,8 +212,9 @@ def _merged(ranks, key):
 
 
 @pytest.mark.parametrize(
-    "key", [(n, m) for n in ("skewed", "unpacked rows") for m in MODES]
-    + [(n, "negotiated") for n in ("all shorter than the multiple", "one at seq-length")]
+    "key",
+    [(n, m) for n in ("skewed", "unpacked rows") for m in MODES]
+    + [(n, "negotiated") for n in ("all shorter than the multiple", "one at seq-length")],
 )
 def test_padding_changes_neither_loss_nor_gradients(key, ranks, reference):
     grads, losses = _merged(ranks, key)
@@ -219,8 +246,11 @@ def test_exactly_one_extra_collective_per_step(ranks):
         # diff above shows negotiation leaves them alone)
         # (nor are megatron-core's own that our wrappers now issue: the token count's broadcast and DP
         # all-reduce in training/finalize.py, the grad norm's all-reduce in training/optimizer.py, each once)
-        rehomed = ("megatron_ext.model.cross_entropy", "megatron_ext.training.finalize",
-                   "megatron_ext.training.optimizer")
+        rehomed = (
+            "megatron_ext.model.cross_entropy",
+            "megatron_ext.training.finalize",
+            "megatron_ext.training.optimizer",
+        )
         ours = {k: v for k, v in neg.items() if k[0].startswith("megatron_ext") and k[0] not in rehomed}
         assert all(v == 1 for k, v in neg.items() if k[0] in rehomed[1:]), neg
         allowed = {("megatron_ext.data.padding", "all_reduce"), ("megatron_ext.training.loop", "all_reduce")}

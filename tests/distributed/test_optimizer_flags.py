@@ -13,8 +13,14 @@ import pytest
 
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.testing import MarkovDataset, build_tiny_run, fetch_step_microbatches, gather_full_grads, run_ranks, \
-    tiny_values
+from megatron_ext.testing import (
+    MarkovDataset,
+    build_tiny_run,
+    fetch_step_microbatches,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
+)
 from megatron_ext.training.step import run_forward_backward
 
 pytestmark = pytest.mark.distributed
@@ -25,13 +31,26 @@ GRAD_TOL = 1e-2  # |g(bf16 buffers) - g(fp32 buffers)| / |g(fp32 buffers)|, per 
 
 def _one_rank(rank: int, world_size: int) -> dict:
     out = {}
-    run = build_tiny_run(tiny_values(untie_embeddings_and_output_weights=True, lr=3e-3, min_lr=3e-4,
-                                     decoupled_lr=6e-3, decoupled_min_lr=6e-4, lr_warmup_iters=4,
-                                     lr_decay_style="cosine", train_iters=10), MarkovDataset(32))
+    run = build_tiny_run(
+        tiny_values(
+            untie_embeddings_and_output_weights=True,
+            lr=3e-3,
+            min_lr=3e-4,
+            decoupled_lr=6e-3,
+            decoupled_min_lr=6e-4,
+            lr_warmup_iters=4,
+            lr_decay_style="cosine",
+            train_iters=10,
+        ),
+        MarkovDataset(32),
+    )
     names = {id(p): n for chunk in run.model for n, p in chunk.module.named_parameters()}
     run.scheduler.step(increment=run.global_batch_size)  # one step into the warm-up
-    out["groups"] = [(sorted(names[id(p)] for p in g["params"]), g["max_lr"], g["min_lr"], g["lr"])
-                     for g in run.optimizer.param_groups if g["params"]]
+    out["groups"] = [
+        (sorted(names[id(p)] for p in g["params"]), g["max_lr"], g["min_lr"], g["lr"])
+        for g in run.optimizer.param_groups
+        if g["params"]
+    ]
     destroy_parallel_context()
     for bf16_grads in (False, True):
         run = build_tiny_run(tiny_values(bf16=True, grad_reduce_in_bf16=bf16_grads), MarkovDataset(32, mask_every=1))

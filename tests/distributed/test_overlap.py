@@ -25,15 +25,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
 
-BASE = dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, use_distributed_optimizer=True,
-            global_batch_size=8, micro_batch_size=1, train_iters=6, eval_interval=2, eval_iters=1)
+BASE = dict(
+    pipeline_model_parallel_size=2,
+    num_layers_per_virtual_pipeline_stage=1,
+    use_distributed_optimizer=True,
+    global_batch_size=8,
+    micro_batch_size=1,
+    train_iters=6,
+    eval_interval=2,
+    eval_iters=1,
+)
 OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
 VARIANTS = {
     "plain": {},
@@ -71,6 +79,7 @@ def _count_collectives(flags: dict) -> dict:
         def call(*args, **kwargs):
             counts[name] += 1
             return fn(*args, **kwargs)
+
         return call
 
     pgb.dist_reduce_scatter_func = counting("reduce_scatter", saved[0])
@@ -93,8 +102,13 @@ def _world(rank: int, world_size: int, root: str) -> dict:
         val = _capture_validation(run)
         train(run)
         params = {n: p.detach().clone() for i, c in enumerate(run.model) for n, p in c.named_parameters()}
-        out[name] = {"losses": [r["loss"] for r in run.records], "val": val, "params": params,
-                     "buckets": [len(b.buckets) for c in run.model for b in c.buffers], "pp_rank": run.ctx.pp_rank}
+        out[name] = {
+            "losses": [r["loss"] for r in run.records],
+            "val": val,
+            "params": params,
+            "buckets": [len(b.buckets) for c in run.model for b in c.buffers],
+            "pp_rank": run.ctx.pp_rank,
+        }
         destroy_parallel_context()
     run = build_tiny_run(tiny_values(**BASE, **OVERLAP, load=f"{root}/--overlap-param-gather"), *_datasets())
     val = _capture_validation(run)
@@ -184,14 +198,17 @@ def test_resume_of_an_overlapped_run_is_exact(results):
 def _final_evaluation(rank: int, world_size: int) -> dict:
     from megatron_ext.data.builder import get_num_samples
 
-    run = build_tiny_run(tiny_values(global_batch_size=4, micro_batch_size=2, train_iters=5, eval_interval=2,
-                                     eval_iters=1), *_datasets())
+    run = build_tiny_run(
+        tiny_values(global_batch_size=4, micro_batch_size=2, train_iters=5, eval_interval=2, eval_iters=1), *_datasets()
+    )
     lines: list[str] = []
     run.log = lines.append
     train(run)
     destroy_parallel_context()
-    return {"validated at": [int(x.split("iteration")[1].split()[0]) for x in lines if "validation" in x],
-            "valid samples": get_num_samples(run.cfg.training, 4)[1]}
+    return {
+        "validated at": [int(x.split("iteration")[1].split()[0]) for x in lines if "validation" in x],
+        "valid samples": get_num_samples(run.cfg.training, 4)[1],
+    }
 
 
 def test_training_ends_with_a_validation_when_its_length_is_not_a_multiple_of_the_interval():

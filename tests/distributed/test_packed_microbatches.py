@@ -21,11 +21,19 @@ from megatron_ext.training.step import build_step_microbatches, run_forward_back
 pytestmark = pytest.mark.distributed
 
 SEQ, GBS, ITERS, TOL = 32, 16, 6, 1e-5
-BASE = dict(seq_length=SEQ, global_batch_size=GBS, train_iters=ITERS, packed_sequences=True,
-            pad_to_multiple_of=8, clip_grad=0.3)
+BASE = dict(
+    seq_length=SEQ, global_batch_size=GBS, train_iters=ITERS, packed_sequences=True, pad_to_multiple_of=8, clip_grad=0.3
+)
 LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", group_query_attention=True,
-             num_query_groups=2, disable_bias_linear=True, ffn_hidden_size=128)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    group_query_attention=True,
+    num_query_groups=2,
+    disable_bias_linear=True,
+    ffn_hidden_size=128,
+)
 STYLES = {"gpt2": {}, "llama": LLAMA}
 PACKS = (1, 2, 4)
 
@@ -36,15 +44,20 @@ def _runs(rank: int, world_size: int, cases: list[tuple[str, int]]) -> dict:
     for style, b in cases:
         # Llama style with sequence parallelism: each TP rank holds a slice of the joined THD sequence
         sp = dict(sequence_parallel=True) if layout and style == "llama" else {}
-        run = build_tiny_run(tiny_values(**BASE, **STYLES[style], **layout, **sp, micro_batch_size=b),
-                             PackedMarkovDataset(SEQ))
+        run = build_tiny_run(
+            tiny_values(**BASE, **STYLES[style], **layout, **sp, micro_batch_size=b), PackedMarkovDataset(SEQ)
+        )
         mbs, length = build_step_microbatches(run, run.train_ds, 0)
         run_forward_backward(run.model, mbs, length)
         grads = gather_full_grads(run)
         train(run)
         keep = run.ctx.tp_rank == 0 and run.ctx.dp_rank == 0
-        out[(style, b)] = {"grads": grads if keep else {}, "losses": [r["loss"] for r in run.records],
-                           "shapes": [tuple(mb.tokens.shape) for mb in mbs], "length": length}
+        out[(style, b)] = {
+            "grads": grads if keep else {},
+            "losses": [r["loss"] for r in run.records],
+            "shapes": [tuple(mb.tokens.shape) for mb in mbs],
+            "length": length,
+        }
         destroy_parallel_context()
     return out
 

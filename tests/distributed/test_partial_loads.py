@@ -14,16 +14,21 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint.state import plan_load
-
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
 
-VALUES = dict(num_layers=2, train_iters=6, pipeline_model_parallel_size=2, global_batch_size=4,
-              hidden_dropout=0.1, attention_dropout=0.1)
+VALUES = dict(
+    num_layers=2,
+    train_iters=6,
+    pipeline_model_parallel_size=2,
+    global_batch_size=4,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+)
 
 
 def _world(rank: int, world_size: int, root: str) -> dict:
@@ -32,16 +37,25 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     train(run)
     out["reference"] = [r["loss"] for r in run.records]
     destroy_parallel_context()
-    for name, flags in {"step 2": dict(ckpt_step=2), "finetune": dict(finetune=True, ckpt_step=4),
-                        "no rng": dict(no_load_rng=True, ckpt_step=4), "resume": dict(ckpt_step=4)}.items():
+    for name, flags in {
+        "step 2": dict(ckpt_step=2),
+        "finetune": dict(finetune=True, ckpt_step=4),
+        "no rng": dict(no_load_rng=True, ckpt_step=4),
+        "resume": dict(ckpt_step=4),
+    }.items():
         cfg_values = tiny_values(**VALUES, load=root, **flags)
         run = build_tiny_run(cfg_values, MarkovDataset(32, mask_every=1))
         plan, _ = plan_load(run.cfg)
         loaded = load_checkpoint(run, plan.path, step=plan.step, weights_only=plan.weights_only, load_rng=plan.load_rng)
         params = {n: p.detach().clone() for c in run.model for n, p in c.named_parameters()}
         moments = [float(s["exp_avg"].abs().sum()) for s in run.optimizer.optimizer.state.values() if "exp_avg" in s]
-        at_load = {"loaded": loaded, "iteration": run.state.iteration, "params": params,
-                   "moments": sum(moments), "lr": run.optimizer.param_groups[0]["lr"]}
+        at_load = {
+            "loaded": loaded,
+            "iteration": run.state.iteration,
+            "params": params,
+            "moments": sum(moments),
+            "lr": run.optimizer.param_groups[0]["lr"],
+        }
         train(run)
         out[name] = {**at_load, "losses": [r["loss"] for r in run.records]}
         destroy_parallel_context()
@@ -85,12 +99,21 @@ def _weights_only_loads(rank: int, world_size: int, root: str, extra: dict) -> d
     saved = {n: p.detach().float().clone() for c in run.model for n, p in c.named_parameters()}
     destroy_parallel_context()
     out = {}
-    for name, flags in {"finetune": dict(finetune=True, train_iters=1), "no-load-optim": dict(no_load_optim=True, train_iters=5)}.items():
-        run = build_tiny_run(tiny_values(**{**values, **flags}, load=root, lr=1e-12, min_lr=1e-12),
-                             MarkovDataset(32, mask_every=1))
+    for name, flags in {
+        "finetune": dict(finetune=True, train_iters=1),
+        "no-load-optim": dict(no_load_optim=True, train_iters=5),
+    }.items():
+        run = build_tiny_run(
+            tiny_values(**{**values, **flags}, load=root, lr=1e-12, min_lr=1e-12), MarkovDataset(32, mask_every=1)
+        )
         plan, _ = plan_load(run.cfg)
-        load_checkpoint(run, plan.path, load_optimizer=not run.cfg.checkpoint.no_load_optim,
-                        weights_only=plan.weights_only, load_rng=plan.load_rng)
+        load_checkpoint(
+            run,
+            plan.path,
+            load_optimizer=not run.cfg.checkpoint.no_load_optim,
+            weights_only=plan.weights_only,
+            load_rng=plan.load_rng,
+        )
         train(run)
         after = {n: p.detach().float() for c in run.model for n, p in c.named_parameters()}
         out[name] = max((after[n] - saved[n]).abs().max().item() for n in saved)
@@ -98,8 +121,11 @@ def _weights_only_loads(rank: int, world_size: int, root: str, extra: dict) -> d
     return out
 
 
-@pytest.mark.parametrize("extra", [dict(bf16=True), dict(bf16=True, use_distributed_optimizer=True), {}],
-                         ids=["bf16", "bf16 distributed optimizer", "fp32"])
+@pytest.mark.parametrize(
+    "extra",
+    [dict(bf16=True), dict(bf16=True, use_distributed_optimizer=True), {}],
+    ids=["bf16", "bf16 distributed optimizer", "fp32"],
+)
 def test_weights_only_loads_keep_the_loaded_weights_after_a_step(tmp_path, extra):
     # with --bf16 the optimizer's fp32 main parameters must be refreshed from the loaded weights, or
     # its first step writes the initial random weights back (the loss jumped back to ~ln(vocab))

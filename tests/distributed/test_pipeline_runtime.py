@@ -22,8 +22,15 @@ pytestmark = pytest.mark.distributed
 
 H, S, LAYERS = 8, 4, 8
 CASES = {
-    4: [("1F1B", 1, 4), ("Interleaved1F1B", 2, 8), ("ZBH1", 1, 8), ("ZBH1", 1, 5), ("InterleavedZeroBubble", 2, 8),
-        ("ZBVZeroBubble", 2, 8), ("ZBVZeroBubble", 2, 6)],
+    4: [
+        ("1F1B", 1, 4),
+        ("Interleaved1F1B", 2, 8),
+        ("ZBH1", 1, 8),
+        ("ZBH1", 1, 5),
+        ("InterleavedZeroBubble", 2, 8),
+        ("ZBVZeroBubble", 2, 8),
+        ("ZBVZeroBubble", 2, 6),
+    ],
     2: [("ZBH1", 1, 4), ("InterleavedZeroBubble", 2, 4), ("ZBVZeroBubble", 2, 4), ("ZBVZeroBubble", 2, 3)],
 }
 
@@ -58,7 +65,7 @@ class _WeightPath(torch.autograd.Function):
         def run_w():
             layer.record("W")
             y = torch.tanh(x @ a)
-            grad = (x.reshape(-1, H).t() @ (g * (1 - y * y)).reshape(-1, H))
+            grad = x.reshape(-1, H).t() @ (g * (1 - y * y)).reshape(-1, H)
             layer.weight.grad = grad if layer.weight.grad is None else layer.weight.grad + grad
 
         if layer.wgrad_queue is not None and layer.wgrad_queue.defer(run_w):
@@ -71,7 +78,7 @@ class Layer(torch.nn.Module):
     def __init__(self, index: int, chunk):
         super().__init__()
         gen = torch.Generator().manual_seed(1000 + index)
-        self.weight = torch.nn.Parameter(torch.randn(H, H, generator=gen) / H ** 0.5)
+        self.weight = torch.nn.Parameter(torch.randn(H, H, generator=gen) / H**0.5)
         self.wgrad_queue, self.chunk, self.events = None, chunk, None
 
     def record(self, kind: str) -> None:
@@ -148,8 +155,14 @@ def _run_case(rank: int, p: int, name: str, vp: int, m: int, deallocate: bool, f
     from megatron_ext.pipeline.placement import get_stage_index
     from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=1, pipeline_dtype=torch.float32,
-                               pipeline_model_parallel_size=p, deallocate_pipeline_outputs=deallocate)
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=H,
+        num_attention_heads=1,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=p,
+        deallocate_pipeline_outputs=deallocate,
+    )
     placement, per_stage = get_schedule_placement(name), LAYERS // (p * vp)
     stages = [get_stage_index(rank, c, p, vp, placement) for c in range(vp)]
     model = [Chunk(config, s * per_stage, per_stage, s == 0) for s in stages]
@@ -180,15 +193,27 @@ def _run_case(rank: int, p: int, name: str, vp: int, m: int, deallocate: bool, f
 
     schedules.forward_step, schedules.backward_step, rt.weight_step = forward_step, backward_step, weight_step
     try:
-        reports = runtime.run(forward_step_func=_forward_step, data_iterator=[iter(_batches(m)) for _ in model],
-                              model=model, num_microbatches=m, seq_length=S, micro_batch_size=1,
-                              forward_only=forward_only)
+        reports = runtime.run(
+            forward_step_func=_forward_step,
+            data_iterator=[iter(_batches(m)) for _ in model],
+            model=model,
+            num_microbatches=m,
+            seq_length=S,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
     finally:
         schedules.forward_step, schedules.backward_step, rt.weight_step = orig_f, orig_b, orig_w
-    grads = {s * per_stage + i: layer.weight.grad for s, chunk in zip(stages, model)
-             for i, layer in enumerate(chunk.layers)}
-    return {"grads": grads, "losses": [float(r["loss"]) for r in reports], "events": events,
-            "pending": queue.pending(), "order": runtime.get_order(m).ranks[rank]}
+    grads = {
+        s * per_stage + i: layer.weight.grad for s, chunk in zip(stages, model) for i, layer in enumerate(chunk.layers)
+    }
+    return {
+        "grads": grads,
+        "losses": [float(r["loss"]) for r in reports],
+        "events": events,
+        "pending": queue.pending(),
+        "order": runtime.get_order(m).ranks[rank],
+    }
 
 
 def _worker(rank: int, world_size: int) -> list[dict]:

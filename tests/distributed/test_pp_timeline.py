@@ -17,10 +17,10 @@ import pytest
 
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.pipeline.validate import get_schedule_name
+from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.loop import train
 from megatron_ext.training.timeline import build_pp_timeline
 from tools.timeline_analysis import check_schedule, get_bubble_theory, read_timeline
-from megatron_ext.training.loop import train
-from megatron_ext.testing import build_tiny_run, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -28,14 +28,28 @@ STEPS = 2
 LAYOUTS = {
     # name: (overrides, m, p, v)
     "PP4": (dict(pipeline_model_parallel_size=4, global_batch_size=16), 8, 4, 1),
-    "PP4xVPP2": (dict(pipeline_model_parallel_size=4, num_layers=8, num_layers_per_virtual_pipeline_stage=1,
-                      global_batch_size=16), 8, 4, 2),
-    "PP2xVPP2xDP2": (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
-                          global_batch_size=16), 4, 2, 2),
+    "PP4xVPP2": (
+        dict(
+            pipeline_model_parallel_size=4, num_layers=8, num_layers_per_virtual_pipeline_stage=1, global_batch_size=16
+        ),
+        8,
+        4,
+        2,
+    ),
+    "PP2xVPP2xDP2": (
+        dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, global_batch_size=16),
+        4,
+        2,
+        2,
+    ),
     # ours: F, B and W spans (stage 0's whole backward in its W slot: a B span, then the W span)
     "ZBH1 PP4": (dict(pipeline_model_parallel_size=4, global_batch_size=16, pipeline_schedule="ZBH1"), 8, 4, 1),
-    "ZBV PP4": (dict(pipeline_model_parallel_size=4, num_layers=8, global_batch_size=16,
-                     pipeline_schedule="ZBVZeroBubble"), 8, 4, 2),
+    "ZBV PP4": (
+        dict(pipeline_model_parallel_size=4, num_layers=8, global_batch_size=16, pipeline_schedule="ZBVZeroBubble"),
+        8,
+        4,
+        2,
+    ),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,16 +102,28 @@ def test_render_png(traces, tmp_path, name):
     _, m, p, v = LAYOUTS[name]
     out = tmp_path / "timeline.png"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "pp_timeline.py"), os.path.join(traces, name),
-         "--output", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "pp_timeline.py"),
+            os.path.join(traces, name),
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     # one row per rank: "rank R pp R  v V  m M  bubble X  model Y  theory Z ..."
-    rows = re.findall(r"^rank\s+(\d+)\s+pp\s+(\d+)\s+v\s+(\d+)\s+m\s+(\d+)\s+bubble\s+([\d.]+)\s+"
-                      r"model\s+([\d.]+)\s+theory\s+([\d.]+)", proc.stdout, re.M)
+    rows = re.findall(
+        r"^rank\s+(\d+)\s+pp\s+(\d+)\s+v\s+(\d+)\s+m\s+(\d+)\s+bubble\s+([\d.]+)\s+"
+        r"model\s+([\d.]+)\s+theory\s+([\d.]+)",
+        proc.stdout,
+        re.M,
+    )
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3], proc.stdout
     for _, _pp, vv, mm, measured, model, theory in rows:
         assert (int(vv), int(mm)) == (v, m)

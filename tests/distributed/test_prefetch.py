@@ -22,8 +22,12 @@ from megatron_ext.training.loop import train
 pytestmark = pytest.mark.distributed
 
 SEQ = 64
-MODES = {"prefetch": {}, "synchronous": dict(data_prefetch=False), "workers": dict(num_workers=2),
-         "workers_in_step": dict(num_workers=2, data_prefetch=False)}
+MODES = {
+    "prefetch": {},
+    "synchronous": dict(data_prefetch=False),
+    "workers": dict(num_workers=2),
+    "workers_in_step": dict(num_workers=2, data_prefetch=False),
+}
 
 
 class RecordingDataset(PackedMarkovDataset):
@@ -44,9 +48,17 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for mode, flags in MODES.items():
         log_path = os.path.join(root, f"{mode}-{rank}.log")
-        values = tiny_values(seq_length=SEQ, micro_batch_size=1, global_batch_size=8, packed_sequences=True,
-                             pad_to_multiple_of=16, train_iters=4, pipeline_model_parallel_size=2,
-                             num_layers_per_virtual_pipeline_stage=1, **flags)
+        values = tiny_values(
+            seq_length=SEQ,
+            micro_batch_size=1,
+            global_batch_size=8,
+            packed_sequences=True,
+            pad_to_multiple_of=16,
+            train_iters=4,
+            pipeline_model_parallel_size=2,
+            num_layers_per_virtual_pipeline_stage=1,
+            **flags,
+        )
         run = build_tiny_run(values, RecordingDataset(log_path))
         train(run)
         reads = {}
@@ -54,11 +66,15 @@ def _world(rank: int, world_size: int, root: str) -> dict:
             for line in f:
                 i, pid, thread = line.split(maxsplit=2)
                 reads.setdefault(int(i), (int(pid), thread.strip()))
-        first_steps = [[i for mb in get_microbatch_indices(s * 8, 8, 1, run.ctx.dp_rank, 2) for i in mb]
-                       for s in range(4)]
-        out[mode] = dict(records=[(r["loss"], r["grad_norm"]) for r in run.records],
-                         readers=[[reads[i] for i in step] for step in first_steps], pid=os.getpid(),
-                         waited=run.prefetcher.steps if run.prefetcher else 0)
+        first_steps = [
+            [i for mb in get_microbatch_indices(s * 8, 8, 1, run.ctx.dp_rank, 2) for i in mb] for s in range(4)
+        ]
+        out[mode] = dict(
+            records=[(r["loss"], r["grad_norm"]) for r in run.records],
+            readers=[[reads[i] for i in step] for step in first_steps],
+            pid=os.getpid(),
+            waited=run.prefetcher.steps if run.prefetcher else 0,
+        )
         destroy_parallel_context()
     return out
 

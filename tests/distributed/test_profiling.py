@@ -25,11 +25,24 @@ pytestmark = pytest.mark.distributed
 
 
 def _world(rank: int, world_size: int, tb: str) -> dict:
-    values = tiny_values(num_layers=2, pipeline_model_parallel_size=2, global_batch_size=4, train_iters=4,
-                         log_interval=2, timing_log_level=2, log_timers_to_tensorboard=True,
-                         log_memory_to_tensorboard=True, tensorboard_dir=tb, profile=True, use_pytorch_profiler=True,
-                         profile_step_start=1, profile_step_end=3, profile_ranks=["0", "1"], manual_gc=True,
-                         manual_gc_interval=2)
+    values = tiny_values(
+        num_layers=2,
+        pipeline_model_parallel_size=2,
+        global_batch_size=4,
+        train_iters=4,
+        log_interval=2,
+        timing_log_level=2,
+        log_timers_to_tensorboard=True,
+        log_memory_to_tensorboard=True,
+        tensorboard_dir=tb,
+        profile=True,
+        use_pytorch_profiler=True,
+        profile_step_start=1,
+        profile_step_end=3,
+        profile_ranks=["0", "1"],
+        manual_gc=True,
+        manual_gc_interval=2,
+    )
     run = build_tiny_run(values, MarkovDataset(32))
     run.writer = type(run.writer)(run.cfg, enabled=run.ctx.is_logging_rank)  # the tiny run writes no scalars
     lines = []

@@ -14,7 +14,12 @@ import pytest
 
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import (
-    MarkovDataset, PackedMarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values,
+    MarkovDataset,
+    PackedMarkovDataset,
+    build_tiny_run,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
 )
 from megatron_ext.training.step import build_step_microbatches, run_forward_backward
 
@@ -33,8 +38,10 @@ RECOMPUTE = {
     "full block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
     "control: other seed": dict(seed=4321),
 }
-DATA = {"unpacked": ({}, lambda: MarkovDataset(32, mask_every=1)),
-        "packed": (dict(packed_sequences=True), lambda: PackedMarkovDataset(32))}
+DATA = {
+    "unpacked": ({}, lambda: MarkovDataset(32, mask_every=1)),
+    "packed": (dict(packed_sequences=True), lambda: PackedMarkovDataset(32)),
+}
 
 
 def _grads(rank: int, world_size: int) -> dict:

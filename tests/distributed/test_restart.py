@@ -59,12 +59,38 @@ sys.exit(pretrain_gpt.run_cli())
 
 def _args(save: str | None, save_interval: int = 4) -> list[str]:
     return [
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--make-vocab-size-divisible-by", "32", "--pipeline-model-parallel-size", "2",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8",
-        "--log-interval", "1", "--lr", "1e-3", "--split", "100,0,0", "--exit-signal-handler",
-        "--max-nan-iterations", "2",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "127",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--make-vocab-size-divisible-by",
+        "32",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "8",
+        "--log-interval",
+        "1",
+        "--lr",
+        "1e-3",
+        "--split",
+        "100,0,0",
+        "--exit-signal-handler",
+        "--max-nan-iterations",
+        "2",
     ] + (["--save", save, "--save-interval", str(save_interval)] if save else [])
 
 
@@ -85,11 +111,14 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint_bit_identically(tmp
     ref, run = str(tmp_path / "ref"), str(tmp_path / "run")
     rc, output = _launch(tmp_path, "reference", _args(ref))
     assert rc == 0, output[-4000:]
-    rc, output = _launch(tmp_path, "restarted", _args(run), MAX_RESTARTS="2", TEST_CRASH_AT="6",
-                         TEST_CRASH_ATTEMPTS="0")
+    rc, output = _launch(
+        tmp_path, "restarted", _args(run), MAX_RESTARTS="2", TEST_CRASH_AT="6", TEST_CRASH_ATTEMPTS="0"
+    )
     assert rc == 0, output[-6000:]
-    assert _restarts(output) == ["launch/torchrun.sh: torchrun exit code 1 at iteration 6; restart 1 of 2, from "
-                                 "the newest complete checkpoint in --save"], output[-6000:]
+    assert _restarts(output) == [
+        "launch/torchrun.sh: torchrun exit code 1 at iteration 6; restart 1 of 2, from "
+        "the newest complete checkpoint in --save"
+    ], output[-6000:]
     assert f"> restart 1: resuming from the newest complete checkpoint in --save {run} (iteration 4)" in output
     assert f"loaded checkpoint {run}/iter_0000004 at iteration 4" in output, output[-4000:]
     # the survivor left at once (its peer's sockets closed), not SIGKILLed after torchrun's 30 s
@@ -110,27 +139,37 @@ def test_a_configuration_error_is_not_retried(tmp_path):
     rc, output = _launch(tmp_path, "config", _args(None), MAX_RESTARTS="2")
     assert rc == 2, output[-4000:]
     assert "error: invalid configuration:\n  - MAX_RESTARTS=2 needs --save DIR" in output, output[-4000:]
-    assert _restarts(output) == ["launch/torchrun.sh: not restarting: a worker stopped on a user error (the error: "
-                                 "block above), which a restart would repeat"], output[-4000:]
+    assert _restarts(output) == [
+        "launch/torchrun.sh: not restarting: a worker stopped on a user error (the error: "
+        "block above), which a restart would repeat"
+    ], output[-4000:]
 
 
 def test_a_diverged_run_is_not_retried(tmp_path):
-    rc, output = _launch(tmp_path, "diverged", _args(str(tmp_path / "ckpt")), MAX_RESTARTS="2",
-                         TEST_DIVERGE_FROM="3")
+    rc, output = _launch(tmp_path, "diverged", _args(str(tmp_path / "ckpt")), MAX_RESTARTS="2", TEST_DIVERGE_FROM="3")
     assert rc == 1, output[-4000:]
     assert "training diverged: 2 consecutive iterations up to 4" in output, output[-4000:]
-    assert _restarts(output) == ["launch/torchrun.sh: not restarting: a worker stopped on the run diverged (the "
-                                 "error: block above), which a restart would repeat"], output[-4000:]
+    assert _restarts(output) == [
+        "launch/torchrun.sh: not restarting: a worker stopped on the run diverged (the "
+        "error: block above), which a restart would repeat"
+    ], output[-4000:]
 
 
 def test_a_crash_recurring_at_the_same_iteration_stops_after_two_tries(tmp_path):
     root = str(tmp_path / "ckpt")
-    rc, output = _launch(tmp_path, "recurring", _args(root, save_interval=2), MAX_RESTARTS="3",
-                         TEST_CRASH_AT="3", TEST_CRASH_ATTEMPTS="all")
+    rc, output = _launch(
+        tmp_path,
+        "recurring",
+        _args(root, save_interval=2),
+        MAX_RESTARTS="3",
+        TEST_CRASH_AT="3",
+        TEST_CRASH_ATTEMPTS="all",
+    )
     assert rc == 1, output[-4000:]
     assert _restarts(output) == [
         "launch/torchrun.sh: torchrun exit code 1 at iteration 3; restart 1 of 3, from the newest complete "
         "checkpoint in --save",
         "launch/torchrun.sh: not restarting: the same failure (torchrun exit code 1 at iteration 3) happened 2 "
-        "times in a row"], output[-6000:]
+        "times in a row",
+    ], output[-6000:]
     assert output.count(f"loaded checkpoint {root}/iter_0000002 at iteration 2") == 1, output[-6000:]

@@ -23,20 +23,32 @@ import types
 
 import pytest
 
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.optim import torch_adam_optimizers
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
-from megatron_ext.optim import torch_adam_optimizers
 from megatron_ext.training.optimizer import build_scheduler
 
 pytestmark = pytest.mark.distributed
 
 K, ITERS, GBS = 3, 6, 8
-SAVED = dict(num_layers=2, pipeline_model_parallel_size=2, global_batch_size=GBS, micro_batch_size=2,
-             train_iters=ITERS, lr=1e-3, min_lr=1e-4, lr_decay_style="cosine", lr_warmup_iters=1,
-             lr_decay_iters=ITERS, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
+SAVED = dict(
+    num_layers=2,
+    pipeline_model_parallel_size=2,
+    global_batch_size=GBS,
+    micro_batch_size=2,
+    train_iters=ITERS,
+    lr=1e-3,
+    min_lr=1e-4,
+    lr_decay_style="cosine",
+    lr_warmup_iters=1,
+    lr_decay_iters=ITERS,
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    adam_eps=1e-8,
+)
 NEW = dict(SAVED, lr=4e-3, min_lr=2e-4, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6)
 
 
@@ -80,8 +92,13 @@ def _resume(root: str, values: dict, **flags) -> dict:
     assert load_checkpoint(run, root, step=K) == K
     updates = _record_updates(run)
     train(run)
-    out = {"updates": updates, "records": run.records, "num_groups": len(run.optimizer.param_groups),
-           "rank": run.ctx.rank, "warnings": [line for line in logs if line.startswith("WARNING")]}
+    out = {
+        "updates": updates,
+        "records": run.records,
+        "num_groups": len(run.optimizer.param_groups),
+        "rank": run.ctx.rank,
+        "warnings": [line for line in logs if line.startswith("WARNING")],
+    }
     destroy_parallel_context()
     return out
 
@@ -111,8 +128,10 @@ def _one_optimizer(root: str, distributed: bool) -> dict:
 
 
 def _world(rank: int, world_size: int, root: str) -> dict:
-    return {name: _one_optimizer(os.path.join(root, name), distributed)
-            for name, distributed in (("fp32", False), ("distributed", True))}
+    return {
+        name: _one_optimizer(os.path.join(root, name), distributed)
+        for name, distributed in (("fp32", False), ("distributed", True))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +170,12 @@ def test_use_checkpoint_keeps_the_checkpoints_schedule_and_adam_options(results,
         got = per_rank[name]["checkpoint's"]
         assert got["updates"] == expected_updates(SAVED, got["num_groups"], K + 1, ITERS)
     (warning,) = results[-1][name]["checkpoint's"]["warnings"]  # the logging rank says which values run
-    assert warning == ("WARNING: --use-checkpoint-opt-param-scheduler keeps the checkpoint's optimizer settings: "
-                       "--adam-beta1: the checkpoint's Adam beta1 is 0.9, this run's flags give 0.8; --adam-beta2: "
-                       "the checkpoint's Adam beta2 is 0.999, this run's flags give 0.95; --adam-eps: the "
-                       "checkpoint's Adam epsilon is 1e-08, this run's flags give 1e-06"), warning
+    assert warning == (
+        "WARNING: --use-checkpoint-opt-param-scheduler keeps the checkpoint's optimizer settings: "
+        "--adam-beta1: the checkpoint's Adam beta1 is 0.9, this run's flags give 0.8; --adam-beta2: "
+        "the checkpoint's Adam beta2 is 0.999, this run's flags give 0.95; --adam-eps: the "
+        "checkpoint's Adam epsilon is 1e-08, this run's flags give 1e-06"
+    ), warning
     assert results[-1][name]["override"]["warnings"] == []
 
 

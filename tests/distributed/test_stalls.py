@@ -101,7 +101,7 @@ def _verdicts(report: str) -> tuple[list[str], set[int]]:
     if any(line.startswith("  STOPPED") for line in lines):
         start = next(i for i, line in enumerate(lines) if line.startswith("  STOPPED")) + 1
         stopped = [line for line in lines[start:] if line.startswith("    ")]
-        stopped = stopped[:next((i for i, line in enumerate(lines[start:]) if not line.startswith("    ")), None)]
+        stopped = stopped[: next((i for i, line in enumerate(lines[start:]) if not line.startswith("    ")), None)]
     waiting = set()
     for line in lines:
         if line.startswith("  waiting for other ranks:"):
@@ -126,9 +126,11 @@ def test_a_rank_stalled_in_a_step_is_named_by_every_rank_and_the_waiting_ranks_a
     for rank, report in enumerate(reports):
         stopped, waiting = _verdicts(report)
         assert len(stopped) == 1, f"rank {rank}'s report:\n{report}"
-        assert stopped[0].startswith(f"    rank 2 (pipeline stage 2 of 4, tensor rank 0, data-parallel rank 0, host "
-                                     f"{host}): the training step of iteration 2, micro-batch 1 of model chunk 0, "
-                                     f"no progress for "), report
+        assert stopped[0].startswith(
+            f"    rank 2 (pipeline stage 2 of 4, tensor rank 0, data-parallel rank 0, host "
+            f"{host}): the training step of iteration 2, micro-batch 1 of model chunk 0, "
+            f"no progress for "
+        ), report
         assert "in _stall" in stopped[0]
         assert waiting == {0, 1, 3}, report
 
@@ -136,8 +138,14 @@ def test_a_rank_stalled_in_a_step_is_named_by_every_rank_and_the_waiting_ranks_a
 def test_a_rank_stalled_in_an_evaluation_is_caught_and_named(tmp_path):
     """Evaluations were watched by nothing but the collective timeout: PP2, rank 1 stops in the
     first evaluation forward; the step limit, per evaluation batch, catches it and names it."""
-    values = dict(pipeline_model_parallel_size=2, num_layers=2, train_iters=1, eval_interval=1, eval_iters=1,
-                  step_timeout_minutes=0.05)
+    values = dict(
+        pipeline_model_parallel_size=2,
+        num_layers=2,
+        train_iters=1,
+        eval_interval=1,
+        eval_iters=1,
+        step_timeout_minutes=0.05,
+    )
     reports = _run(tmp_path, 2, values, "eval", stalled_rank=1)
     assert reports[1] is not None, "the stalled evaluation was not caught"
     for report in filter(None, reports):
@@ -151,8 +159,13 @@ def test_a_rank_stalled_in_an_evaluation_is_caught_and_named(tmp_path):
 def test_a_rank_stalled_in_a_save_is_caught_by_the_save_limit_and_named(tmp_path):
     """No step limit, --save-timeout-minutes only: rank 1 stops before writing its shards; rank 0
     waits in the save's agreement. Both reports name rank 1 in the save."""
-    values = dict(pipeline_model_parallel_size=2, num_layers=2, train_iters=1, save=str(tmp_path / "ckpt"),
-                  save_timeout_minutes=0.05)
+    values = dict(
+        pipeline_model_parallel_size=2,
+        num_layers=2,
+        train_iters=1,
+        save=str(tmp_path / "ckpt"),
+        save_timeout_minutes=0.05,
+    )
     reports = _run(tmp_path, 2, values, "save", stalled_rank=1)
     assert all(reports), reports
     for report in reports:
@@ -224,8 +237,15 @@ def _with_and_without(rank: int, world_size: int, root: str):
     out = []
     for watched in (False, True):
         limits = dict(step_timeout_minutes=5, save_timeout_minutes=5) if watched else {}
-        values = tiny_values(pipeline_model_parallel_size=2, num_layers=2, train_iters=4, eval_interval=2,
-                             eval_iters=1, save=os.path.join(root, str(watched)), **limits)
+        values = tiny_values(
+            pipeline_model_parallel_size=2,
+            num_layers=2,
+            train_iters=4,
+            eval_interval=2,
+            eval_iters=1,
+            save=os.path.join(root, str(watched)),
+            **limits,
+        )
         run = build_tiny_run(values, MarkovDataset(32, mask_every=1), MarkovDataset(32, seed=9))
         lines = []
         run.log = lines.append

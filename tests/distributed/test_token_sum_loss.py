@@ -16,17 +16,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.data.microbatch import get_microbatch_indices
+from megatron_ext.config import build_job_config
+from megatron_ext.data.microbatch import IGNORE_INDEX, get_microbatch_indices
 from megatron_ext.data.padding import collate
-from megatron_ext.model.init_weights import get_global_name, get_layer_offset
-from megatron_ext.data.microbatch import IGNORE_INDEX
 from megatron_ext.derived import resolve_config
 from megatron_ext.model.gpt import build_model_chunks
+from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
-from megatron_ext.config import build_job_config
+from megatron_ext.testing import (
+    VOCAB,
+    MarkovDataset,
+    build_tiny_run,
+    fetch_step_microbatches,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
+)
 from megatron_ext.training.loop import train
 from megatron_ext.training.step import run_forward_backward
-from megatron_ext.testing import VOCAB, build_tiny_run, fetch_step_microbatches, gather_full_grads, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
@@ -41,8 +48,12 @@ LAYOUTS = {
     "PP2+VPP2": dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
 }
 LAYOUTS_8 = {
-    "TP2xPP2xVPP2xDP2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                             num_layers_per_virtual_pipeline_stage=1, use_distributed_optimizer=True),
+    "TP2xPP2xVPP2xDP2": dict(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        num_layers_per_virtual_pipeline_stage=1,
+        use_distributed_optimizer=True,
+    ),
 }
 VALUES = dict(global_batch_size=GBS, micro_batch_size=MBS, seq_length=SEQ, train_iters=1)
 
@@ -53,14 +64,16 @@ def _reference(rank: int, world_size: int) -> dict:
     for name, kw in DATASETS.items():
         cfg = build_job_config(tiny_values(**VALUES))
         ctx = build_parallel_context(cfg, torch.device("cpu"))
-        (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
-                                      torch.device("cpu"))
+        (model,) = build_model_chunks(
+            cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement, torch.device("cpu")
+        )
         batch = collate([MarkovDataset(SEQ, **kw)[i] for i in range(GBS)])
         logits = model(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None)
         labels = batch.labels  # [b, s], IGNORE_INDEX where masked
         valid = labels != IGNORE_INDEX
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             ignore_index=IGNORE_INDEX, reduction="sum")
+        ce = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         loss = ce / valid.sum()
         loss.backward()
         offset = get_layer_offset(model)
@@ -83,7 +96,8 @@ def _layouts(rank: int, world_size: int, layouts: dict) -> dict:
                 train(run)  # one iteration: its logged loss
                 keep = run.ctx.tp_rank == 0 and run.ctx.dp_rank == 0
                 out[(lname, dname, per_token)] = {
-                    "grads": grads if keep else {}, "loss": [r["loss"] for r in run.records],
+                    "grads": grads if keep else {},
+                    "loss": [r["loss"] for r in run.records],
                 }
                 destroy_parallel_context()
     return out

@@ -18,8 +18,15 @@ from megatron_ext.testing import MarkovDataset, PackedMarkovDataset, build_tiny_
 
 pytestmark = pytest.mark.distributed
 
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
-             untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
+)
 SELECTIVE = dict(recompute_granularity="selective")
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 SEQ = 32
@@ -111,8 +118,8 @@ TRAIN = dict(train_iters=ITERS, global_batch_size=4, save_interval=SAVED_AT, cli
 
 
 def _train(values: dict, dataset, load: str | None = None):
-    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.training.checkpointing import load_checkpoint
     from megatron_ext.training.loop import train
 
     run = build_tiny_run(values, dataset)
@@ -125,13 +132,14 @@ def _train(values: dict, dataset, load: str | None = None):
 
 
 def _train_across_the_flag(rank, world_size, root, style, packed, overrides):
-    import megatron_ext.model.compile as compile_module
-
     from torch._dynamo.backends.registry import lookup_backend
 
+    import megatron_ext.model.compile as compile_module
+
     compiles = []
-    compile_module.BACKEND = lambda gm, example_inputs: compiles.append(1) or lookup_backend("aot_eager")(
-        gm, example_inputs)
+    compile_module.BACKEND = lambda gm, example_inputs: (
+        compiles.append(1) or lookup_backend("aot_eager")(gm, example_inputs)
+    )
     dataset = _dataset(packed)
     values = _values(style, packed, **TRAIN, **overrides)
     eager, compiled = os.path.join(root, "eager"), os.path.join(root, "compiled")
@@ -178,9 +186,17 @@ def _count_compiles(rank, world_size, packed):
 
     compile_module.BACKEND = counting_backend
     seq = 64
-    values = _values("llama", packed, seq_length=seq, micro_batch_size=1, global_batch_size=PER_STEP,
-                     torch_compile=True, sequence_padding="negotiated", pad_to_multiple_of=8,
-                     pad_length_bucket="power-of-two")
+    values = _values(
+        "llama",
+        packed,
+        seq_length=seq,
+        micro_batch_size=1,
+        global_batch_size=PER_STEP,
+        torch_compile=True,
+        sequence_padding="negotiated",
+        pad_to_multiple_of=8,
+        pad_length_bucket="power-of-two",
+    )
     dataset = PackedMarkovDataset(seq, median=3.0) if packed else _VaryingLengths(seq)
     run = build_tiny_run(values, dataset)
     seen, late, documents = set(), [], set()
@@ -240,10 +256,15 @@ def _grads_with_and_without_lean_linears(rank, world_size, style):
         dataset = _dataset(False)
         run = build_tiny_run(_values(style, False, global_batch_size=4), dataset)
         reports = run_forward_backward(run.model, fetch_step_microbatches(dataset, [[0, 1], [2, 3]]), SEQ)
-        linears = sum(type(m.forward).__name__ == "method" and m.forward.__func__.__name__.startswith("_lean")
-                      for m in run.model[0].modules())
-        out[lean] = ([r["lm loss"] for r in reports],
-                     {n: p.main_grad.clone() for n, p in run.model[0].module.named_parameters()}, linears)
+        linears = sum(
+            type(m.forward).__name__ == "method" and m.forward.__func__.__name__.startswith("_lean")
+            for m in run.model[0].modules()
+        )
+        out[lean] = (
+            [r["lm loss"] for r in reports],
+            {n: p.main_grad.clone() for n, p in run.model[0].module.named_parameters()},
+            linears,
+        )
         destroy_parallel_context()
     return out
 
@@ -273,8 +294,9 @@ def _tp2(rank, world_size):
     explained = _explain(rank, world_size, "llama", True, dict(tensor_model_parallel_size=2, sequence_parallel=True))
     destroy_parallel_context()
     dataset = _dataset(True)
-    values = _values("llama", True, train_iters=3, global_batch_size=4, tensor_model_parallel_size=2,
-                     sequence_parallel=True)
+    values = _values(
+        "llama", True, train_iters=3, global_batch_size=4, tensor_model_parallel_size=2, sequence_parallel=True
+    )
     return explained, _train(values, dataset)[0], _train(dict(values, torch_compile=True), dataset)[0]
 
 

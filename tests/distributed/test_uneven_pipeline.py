@@ -10,16 +10,20 @@ losses.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import (
-    MarkovDataset, build_tiny_run, fetch_step_microbatches, gather_full_grads, run_ranks, tiny_values,
+    MarkovDataset,
+    build_tiny_run,
+    fetch_step_microbatches,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
 )
+from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
 from megatron_ext.training.step import run_forward_backward
 
@@ -29,12 +33,26 @@ TOL, ITERS = 1e-5, 6
 BASE = dict(train_iters=ITERS, clip_grad=0.3, global_batch_size=8, micro_batch_size=2)
 LAYOUTS = {
     "PP2 1|3": dict(num_layers=4, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
-    "PP4 embedding+loss": dict(num_layers=6, pipeline_model_parallel_size=4,
-                               account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
-    "PP4xVPP2 embedding+loss": dict(num_layers=6, pipeline_model_parallel_size=4, num_virtual_stages_per_pipeline_rank=2,
-                                    account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
-    "PP4xVPP2 2|2|2|4": dict(num_layers=10, pipeline_model_parallel_size=4, num_virtual_stages_per_pipeline_rank=2,
-                             decoder_first_pipeline_num_layers=2, decoder_last_pipeline_num_layers=4),
+    "PP4 embedding+loss": dict(
+        num_layers=6,
+        pipeline_model_parallel_size=4,
+        account_for_embedding_in_pipeline_split=True,
+        account_for_loss_in_pipeline_split=True,
+    ),
+    "PP4xVPP2 embedding+loss": dict(
+        num_layers=6,
+        pipeline_model_parallel_size=4,
+        num_virtual_stages_per_pipeline_rank=2,
+        account_for_embedding_in_pipeline_split=True,
+        account_for_loss_in_pipeline_split=True,
+    ),
+    "PP4xVPP2 2|2|2|4": dict(
+        num_layers=10,
+        pipeline_model_parallel_size=4,
+        num_virtual_stages_per_pipeline_rank=2,
+        decoder_first_pipeline_num_layers=2,
+        decoder_last_pipeline_num_layers=4,
+    ),
 }
 
 
@@ -45,8 +63,11 @@ def _run(values: dict) -> dict:
     grads = gather_full_grads(run)
     layers = [len(getattr(getattr(c.module, "decoder", None), "layers", [])) for c in run.model]
     train(run)
-    out = {"grads": grads if run.ctx.tp_rank == 0 and run.ctx.dp_rank == 0 else {},
-           "losses": [r["loss"] for r in run.records], "layers": layers}
+    out = {
+        "grads": grads if run.ctx.tp_rank == 0 and run.ctx.dp_rank == 0 else {},
+        "losses": [r["loss"] for r in run.records],
+        "layers": layers,
+    }
     destroy_parallel_context()
     return out
 
@@ -120,6 +141,10 @@ def test_one_virtual_stage_per_rank_trains_as_plain_1f1b():
     # a config's --num-layers-per-virtual-pipeline-stage that gives 1 virtual stage at this PP size
     # (the README's reshard of the default job to PP4) used to fail in megatron-core's layer build
     plain = run_ranks(_losses, 2, dict(num_layers=2, pipeline_model_parallel_size=2), timeout=300)
-    one = run_ranks(_losses, 2, dict(num_layers=2, pipeline_model_parallel_size=2,
-                                     num_layers_per_virtual_pipeline_stage=1), timeout=300)
+    one = run_ranks(
+        _losses,
+        2,
+        dict(num_layers=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
+        timeout=300,
+    )
     assert one == plain and len(plain[-1]) == 3

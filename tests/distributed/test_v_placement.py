@@ -30,21 +30,30 @@ pytestmark = pytest.mark.distributed
 
 LAYOUTS = {
     "PP 4": dict(pipeline_model_parallel_size=4, num_layers=8),
-    "PP 2 x DP 2, distributed optimizer": dict(pipeline_model_parallel_size=2, num_layers=4,
-                                               use_distributed_optimizer=True),
+    "PP 2 x DP 2, distributed optimizer": dict(
+        pipeline_model_parallel_size=2, num_layers=4, use_distributed_optimizer=True
+    ),
     # stages 0 and 2p-1 (rank 0 under V) give a layer's place to the embedding and to the loss
     "PP 2 x DP 2, embedding and loss counted as layers": dict(
-        pipeline_model_parallel_size=2, num_layers=6, account_for_embedding_in_pipeline_split=True,
-        account_for_loss_in_pipeline_split=True),
+        pipeline_model_parallel_size=2,
+        num_layers=6,
+        account_for_embedding_in_pipeline_split=True,
+        account_for_loss_in_pipeline_split=True,
+    ),
     # the embedding group per TP rank; SP: the activations between stages are sequence shards
-    "TP 2 x PP 2, SP": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
-                            sequence_parallel=True),
+    "TP 2 x PP 2, SP": dict(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4, sequence_parallel=True
+    ),
 }
 PLACEMENTS = {"loop": {}, "v": dict(pipeline_schedule="ZBVZeroBubble")}
 TIES = {"tied": {}, "untied": dict(untie_embeddings_and_output_weights=True)}
 # untied once (the output layer's own weight takes no special path otherwise)
-CASES = [(layout, tie) for layout in LAYOUTS for tie in TIES
-         if tie == "tied" or layout == "PP 2 x DP 2, distributed optimizer"]
+CASES = [
+    (layout, tie)
+    for layout in LAYOUTS
+    for tie in TIES
+    if tie == "tied" or layout == "PP 2 x DP 2, distributed optimizer"
+]
 
 
 def _stage_entries(run) -> dict[int, dict]:
@@ -60,8 +69,7 @@ def _stage_entries(run) -> dict[int, dict]:
             if isinstance(t, ShardedTensor):
                 entries[(t.key, tuple(t.global_offset), tuple(t.replica_id))] = t.data.detach().clone()
         model = unwrap_model(run.model[i])
-        out[stage] = {"entries": entries, "pre": model.pre_process, "post": model.post_process,
-                      "rank": run.ctx.pp_rank}
+        out[stage] = {"entries": entries, "pre": model.pre_process, "post": model.post_process, "rank": run.ctx.pp_rank}
     return out
 
 
@@ -101,8 +109,12 @@ def _world(rank: int, world_size: int) -> dict:
                 stages = _stage_entries(run)  # the initial weights (finalize changes only gradients)
                 grads, copies = _finalized_grads(run)
                 out[(layout, tie, placement)] = {
-                    "stages": stages, "grads": grads, "copies": copies,
-                    "loss_rank": run.ctx.is_last_stage, "dp_rank": run.ctx.dp_rank, "tp_rank": run.ctx.tp_rank,
+                    "stages": stages,
+                    "grads": grads,
+                    "copies": copies,
+                    "loss_rank": run.ctx.is_last_stage,
+                    "dp_rank": run.ctx.dp_rank,
+                    "tp_rank": run.ctx.tp_rank,
                     "placement": run.ctx.stage_placement,
                 }
                 destroy_parallel_context()

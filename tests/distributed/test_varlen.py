@@ -10,21 +10,28 @@ import torch.nn.functional as F
 
 from megatron_ext.config import build_job_config
 from megatron_ext.data.microbatch import IGNORE_INDEX
-from megatron_ext.derived import resolve_config
-from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.data.packed_dataset import build_packed_sample
 from megatron_ext.data.padding import collate_padded
+from megatron_ext.derived import resolve_config
+from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
+from megatron_ext.testing import VOCAB, PackedMarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values
 from megatron_ext.training.loop import train
-from megatron_ext.training.step import get_packed_seq_params, build_step_microbatches, run_forward_backward
-from megatron_ext.testing import VOCAB, build_tiny_run, gather_full_grads, PackedMarkovDataset, run_ranks, tiny_values
+from megatron_ext.training.step import build_step_microbatches, get_packed_seq_params, run_forward_backward
 
 pytestmark = pytest.mark.distributed
 
 SEQ = 64
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-             group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
-             untie_embeddings_and_output_weights=True, ffn_hidden_size=128)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    group_query_attention=True,
+    num_query_groups=2,
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    ffn_hidden_size=128,
+)
 STYLES = {"gpt2": {}, "llama": LLAMA}
 DOC_LENGTHS = [9, 17, 5, 20]
 
@@ -39,14 +46,19 @@ def _per_document_check(rank: int, world_size: int) -> dict:
     for style, overrides in STYLES.items():
         cfg = build_job_config(tiny_values(seq_length=SEQ, micro_batch_size=1, packed_sequences=True, **overrides))
         ctx = build_parallel_context(cfg, torch.device("cpu"))
-        (model,) = build_model_chunks(cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement,
-                                      torch.device("cpu"))
+        (model,) = build_model_chunks(
+            cfg, resolve_config(cfg, ctx.world_size, VOCAB), ctx.placement, torch.device("cpu")
+        )
         params = dict(model.named_parameters())
 
         def packed(docs):
             mb = collate_padded([build_packed_sample(docs)], SEQ, pad_id=0)  # padded to 64
-            logits = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
-                           packed_seq_params=get_packed_seq_params(mb, model))
+            logits = model(
+                input_ids=mb.tokens,
+                position_ids=mb.position_ids,
+                attention_mask=None,
+                packed_seq_params=get_packed_seq_params(mb, model),
+            )
             return logits[0], mb
 
         # packed forward + token-sum loss backward
@@ -71,8 +83,14 @@ def _per_document_check(rank: int, world_size: int) -> dict:
         changed[2] = (changed[2] + 1) % VOCAB
         with torch.no_grad():
             logits_changed, _ = packed(changed)
-        out[style] = dict(logits=logits.detach(), alone=alone, changed=logits_changed,
-                          grads_packed=grads_packed, grads_alone=grads_alone, pad=mb.tokens.shape[1])
+        out[style] = dict(
+            logits=logits.detach(),
+            alone=alone,
+            changed=logits_changed,
+            grads_packed=grads_packed,
+            grads_alone=grads_alone,
+            pad=mb.tokens.shape[1],
+        )
         destroy_parallel_context()
     return out
 
@@ -115,8 +133,16 @@ PAR = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_lay
 def _packed_training(rank: int, world_size: int, layout: dict) -> dict:
     out = {}
     for style, overrides in STYLES.items():
-        values = tiny_values(seq_length=SEQ, micro_batch_size=1, global_batch_size=8, packed_sequences=True,
-                             pad_to_multiple_of=16, train_iters=5, **overrides, **layout)
+        values = tiny_values(
+            seq_length=SEQ,
+            micro_batch_size=1,
+            global_batch_size=8,
+            packed_sequences=True,
+            pad_to_multiple_of=16,
+            train_iters=5,
+            **overrides,
+            **layout,
+        )
         run = build_tiny_run(values, PackedMarkovDataset(SEQ))
         mbs, length = build_step_microbatches(run, run.train_ds, 0)
         run_forward_backward(run.model, mbs, length)

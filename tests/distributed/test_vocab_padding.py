@@ -32,8 +32,9 @@ def _losses(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def results():
-    (one, megatron_rule), = run_ranks(_losses, 1, [dict(make_vocab_size_divisible_by=128),
-                                                    dict(make_vocab_size_divisible_by=256)])
+    ((one, megatron_rule),) = run_ranks(
+        _losses, 1, [dict(make_vocab_size_divisible_by=128), dict(make_vocab_size_divisible_by=256)]
+    )
     tp2 = run_ranks(_losses, 2, [dict(make_vocab_size_divisible_by=128, tensor_model_parallel_size=2)])[-1][0]
     return one, tp2, megatron_rule
 

@@ -26,14 +26,14 @@ import pytest
 import torch
 
 from megatron_ext.config import build_job_config
-from megatron_ext.derived import get_padded_vocab_size, resolve_config
 from megatron_ext.data.microbatch import get_microbatch_indices
-from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, wrap_with_ddp
+from megatron_ext.derived import get_padded_vocab_size, resolve_config
 from megatron_ext.model.compile import install_compilable_linears
+from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, wrap_with_ddp
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral, check_weight_grad_deferral
 from megatron_ext.parallel import StagePlacement, build_parallel_context, destroy_parallel_context
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
-from megatron_ext.testing import MarkovDataset, VOCAB, fetch_step_microbatches, run_ranks, tiny_values
+from megatron_ext.testing import VOCAB, MarkovDataset, fetch_step_microbatches, run_ranks, tiny_values
 from megatron_ext.training.step import forward_step, unwrap_model
 
 pytestmark = pytest.mark.distributed
@@ -52,8 +52,10 @@ class HandPipeline:
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()
-        chunks = [build_model_chunks(cfg, resolved, StagePlacement(r, 2, tp_rank, tp, None), torch.device("cpu"))[0]
-                  for r in range(2)]
+        chunks = [
+            build_model_chunks(cfg, resolved, StagePlacement(r, 2, tp_rank, tp, None), torch.device("cpu"))[0]
+            for r in range(2)
+        ]
         self.queue = WeightGradQueue()
         self.num_deferred = apply_weight_grad_deferral(chunks, self.queue) if defer else 0
         chunks = apply_mixed_precision(cfg.training, chunks)
@@ -102,8 +104,12 @@ class HandPipeline:
         return out
 
     def deferred_weights(self) -> dict[str, torch.nn.Parameter]:
-        return {f"{c}/{n}": p for c, chunk in enumerate(self.chunks) for n, p in unwrap_model(chunk).named_parameters()
-                if getattr(p, "skip_backward_post_hook", False)}
+        return {
+            f"{c}/{n}": p
+            for c, chunk in enumerate(self.chunks)
+            for n, p in unwrap_model(chunk).named_parameters()
+            if getattr(p, "skip_backward_post_hook", False)
+        }
 
 
 def _microbatches(dp_rank: int = 0, dp_size: int = 1):
@@ -129,9 +135,16 @@ def run_zero_bubble(values: dict, ddp: bool, microbatches) -> dict:
     untouched_before_w = all(grads[n] is None or not grads[n].any() for n in deferred)
     held = get_held_bytes(pipe.queue)
     ran = [pipe.weight_grads(i) for i in range(len(states))]
-    return {"grads": pipe.grads(), "boundary": pipe.boundary_grads, "untouched_before_w": untouched_before_w,
-            "num_deferred": pipe.num_deferred, "ran": ran, "pending": pipe.queue.pending(), "held": held,
-            "deferred": sorted(deferred)}
+    return {
+        "grads": pipe.grads(),
+        "boundary": pipe.boundary_grads,
+        "untouched_before_w": untouched_before_w,
+        "num_deferred": pipe.num_deferred,
+        "ran": ran,
+        "pending": pipe.queue.pending(),
+        "held": held,
+        "deferred": sorted(deferred),
+    }
 
 
 def run_installed_1f1b(values: dict, microbatches) -> dict:
@@ -146,10 +159,12 @@ def describe_plain_build(values: dict) -> dict:
     """What a build without the deferral looks like: megatron-core's linears and DDP untouched."""
     pipe = HandPipeline(values, defer=False, ddp=True)
     layers = [m for chunk in pipe.chunks for m in chunk.modules() if hasattr(m, "gradient_accumulation_fusion")]
-    return {"patched": [type(m).__name__ for m in layers if "_forward_impl" in vars(m) or hasattr(m, "wgrad_queue")],
-            "skip_flags": any(getattr(p, "skip_backward_post_hook", False) for c in pipe.chunks for p in c.parameters()),
-            "delay_wgrad_compute": any(c.ddp_config.delay_wgrad_compute for c in pipe.chunks),
-            "num_layers": len(layers)}
+    return {
+        "patched": [type(m).__name__ for m in layers if "_forward_impl" in vars(m) or hasattr(m, "wgrad_queue")],
+        "skip_flags": any(getattr(p, "skip_backward_post_hook", False) for c in pipe.chunks for p in c.parameters()),
+        "delay_wgrad_compute": any(c.ddp_config.delay_wgrad_compute for c in pipe.chunks),
+        "num_layers": len(layers),
+    }
 
 
 def get_held_bytes(queue: WeightGradQueue) -> int:
@@ -170,11 +185,15 @@ VARIANTS = {
     "unfused fp32": (dict(gradient_accumulation_fusion=False), True),
     "unfused bf16": (dict(bf16=True, gradient_accumulation_fusion=False), True),
     "no DDP": (dict(), False),
-    "untied, swiglu, biases off": (dict(untie_embeddings_and_output_weights=True, swiglu=True,
-                                        disable_bias_linear=True), True),
+    "untied, swiglu, biases off": (
+        dict(untie_embeddings_and_output_weights=True, swiglu=True, disable_bias_linear=True),
+        True,
+    ),
     "full recompute": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), True),
-    "selective recompute": (dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),
-                            True),
+    "selective recompute": (
+        dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),
+        True,
+    ),
 }
 
 
@@ -194,8 +213,12 @@ def _one_rank_world(rank: int, world_size: int) -> dict:
 
 
 def _refusal_message(cfg) -> str:
-    chunks = build_model_chunks(cfg, resolve_config(cfg, torch.distributed.get_world_size(), VOCAB - 1),
-                                StagePlacement(0, 1, 0, 1, None), torch.device("cpu"))
+    chunks = build_model_chunks(
+        cfg,
+        resolve_config(cfg, torch.distributed.get_world_size(), VOCAB - 1),
+        StagePlacement(0, 1, 0, 1, None),
+        torch.device("cpu"),
+    )
     try:
         check_weight_grad_deferral(chunks)
     except ValueError as e:
@@ -207,8 +230,12 @@ def _traceable_linear_refusal(cfg) -> str:
     """The deferral asked to take a chunk whose first layer runs our traceable linear (--torch-compile's,
     or the lean TP-1 eager one: model/compile.py), untied so that nothing else is refused."""
     cfg = build_job_config(tiny_values(**BASE, untie_embeddings_and_output_weights=True))
-    chunks = build_model_chunks(cfg, resolve_config(cfg, torch.distributed.get_world_size(), VOCAB - 1),
-                                StagePlacement(0, 1, 0, 1, None), torch.device("cpu"))
+    chunks = build_model_chunks(
+        cfg,
+        resolve_config(cfg, torch.distributed.get_world_size(), VOCAB - 1),
+        StagePlacement(0, 1, 0, 1, None),
+        torch.device("cpu"),
+    )
     check_weight_grad_deferral(chunks)  # megatron-core's linears: accepted
     assert install_compilable_linears(unwrap_model(chunks[0]).decoder.layers[0]) == 4
     try:
@@ -267,7 +294,9 @@ def test_a_chunk_with_the_tied_embedding_and_output_layer_is_refused(one_rank):
 def test_our_traceable_linear_is_refused_rather_than_bypassing_the_queue(one_rank):
     """Our linear accumulates the weight gradient inside its own backward: deferral over it would put
     nothing in the W queue (and the 1F1B-equality tests above would not see it at TP 1)."""
-    assert "'s decoder.layers.0." in one_rank["ours refused"] and "runs our traceable linear" in one_rank["ours refused"]
+    assert (
+        "'s decoder.layers.0." in one_rank["ours refused"] and "runs our traceable linear" in one_rank["ours refused"]
+    )
     assert "drop --torch-compile" in one_rank["ours refused"]
 
 
@@ -277,8 +306,9 @@ def test_our_traceable_linear_is_refused_rather_than_bypassing_the_queue(one_ran
 TP_VARIANTS = {
     "TP 2, SP": dict(sequence_parallel=True),
     "TP 2 (dgrad all-reduce)": dict(),
-    "TP 2, SP, full recompute": dict(sequence_parallel=True, recompute_granularity="full",
-                                     recompute_method="uniform", recompute_num_layers=1),
+    "TP 2, SP, full recompute": dict(
+        sequence_parallel=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    ),
 }
 
 
@@ -305,18 +335,28 @@ def expected_held_bytes(cfg, num_microbatches: int, tp: int) -> int:
     s, b, h = SEQ, MICRO, m.hidden_size
     ffn = 4 * h
     vocab = get_padded_vocab_size(VOCAB - 1, cfg)
-    per_layer = (s // tp * b * h + s * b * 3 * h // tp  # QKV
-                 + s * b * h // tp + s * b * h  # proj
-                 + s // tp * b * h + s * b * ffn // tp  # fc1
-                 + s * b * ffn // tp + s * b * h)  # fc2
+    per_layer = (
+        s // tp * b * h
+        + s * b * 3 * h // tp  # QKV
+        + s * b * h // tp
+        + s * b * h  # proj
+        + s // tp * b * h
+        + s * b * ffn // tp  # fc1
+        + s * b * ffn // tp
+        + s * b * h
+    )  # fc2
     output_layer = s // tp * b * h + s * b * vocab // tp
     return 4 * num_microbatches * (2 * m.num_layers * per_layer + output_layer)
 
 
 def _overlap_layout(rank: int, distributed_optimizer: bool, fused: bool = True) -> dict:
     """DP 2 under --overlap-grad-reduce: when each bucket's reduce starts, and the reduced grads."""
-    values = dict(overlap_grad_reduce=True, use_distributed_optimizer=distributed_optimizer, ddp_bucket_size=4000,
-                  gradient_accumulation_fusion=fused)
+    values = dict(
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=distributed_optimizer,
+        ddp_bucket_size=4000,
+        gradient_accumulation_fusion=fused,
+    )
     cfg = build_job_config(tiny_values(**BASE, **values))
     build_parallel_context(cfg, torch.device("cpu"))
     mbs = _microbatches(rank, 2)
@@ -359,18 +399,31 @@ def _overlap_steps(values: dict, microbatches, defer: bool) -> dict:
         phase[0] = "finish"
         for chunk in pipe.chunks:
             chunk.finish_grad_sync()
-    groups = sorted({(c, g, d) for c, chunk in enumerate(pipe.chunks) for g, group in enumerate(chunk.bucket_groups)
-                     for d in [any(getattr(p, "skip_backward_post_hook", False) for p in group.params)]})
+    groups = sorted(
+        {
+            (c, g, d)
+            for c, chunk in enumerate(pipe.chunks)
+            for g, group in enumerate(chunk.bucket_groups)
+            for d in [any(getattr(p, "skip_backward_post_hook", False) for p in group.params)]
+        }
+    )
     grads = {n: g for n, g in pipe.grads().items()}
-    return {"log": list(log), "groups": groups, "grads": grads, "boundary": pipe.boundary_grads,
-            "pending": pipe.queue.pending()}
+    return {
+        "log": list(log),
+        "groups": groups,
+        "grads": grads,
+        "boundary": pipe.boundary_grads,
+        "pending": pipe.queue.pending(),
+    }
 
 
 def _two_rank_world(rank: int, world_size: int) -> dict:
-    return {"tp": _tp_layout(rank),
-            "overlap": _overlap_layout(rank, distributed_optimizer=False),
-            "overlap distopt": _overlap_layout(rank, distributed_optimizer=True),
-            "overlap unfused": _overlap_layout(rank, distributed_optimizer=False, fused=False)}
+    return {
+        "tp": _tp_layout(rank),
+        "overlap": _overlap_layout(rank, distributed_optimizer=False),
+        "overlap distopt": _overlap_layout(rank, distributed_optimizer=True),
+        "overlap unfused": _overlap_layout(rank, distributed_optimizer=False, fused=False),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,15 @@ import torch
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.model.wgrad import accumulate_wgrad
 from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import (
+    MarkovDataset,
+    build_tiny_run,
+    fetch_step_microbatches,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
+)
 from megatron_ext.training.step import run_forward_backward
-from megatron_ext.testing import build_tiny_run, fetch_step_microbatches, gather_full_grads, MarkovDataset, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 

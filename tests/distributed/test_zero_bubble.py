@@ -35,33 +35,101 @@ from megatron_ext.testing import MarkovDataset, run_ranks
 pytestmark = pytest.mark.distributed
 
 VOCAB = 100  # NullTokenizer: ids 0..99, EOD 100
-BASE = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--device", "cpu", "--seq-length", "64",
-        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "1",
-        "--global-batch-size", "8", "--train-iters", "6", "--lr", "3e-3", "--min-lr", "3e-3",
-        "--lr-decay-style", "constant", "--clip-grad", "1.0", "--split", "90,10,0", "--log-interval", "1",
-        "--eval-interval", "6", "--eval-iters", "1", "--seed", "1234", "--make-vocab-size-divisible-by", "32"]
-PACKINGS = {"unpacked": [], "packed": ["--packed-sequences"],
-            "unpacked, 8 layers": ["--num-layers", "8"]}  # the V at PP 4 needs 2 x 4 chunks
+BASE = [
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    str(VOCAB),
+    "--device",
+    "cpu",
+    "--seq-length",
+    "64",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "6",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-3",
+    "--lr-decay-style",
+    "constant",
+    "--clip-grad",
+    "1.0",
+    "--split",
+    "90,10,0",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "6",
+    "--eval-iters",
+    "1",
+    "--seed",
+    "1234",
+    "--make-vocab-size-divisible-by",
+    "32",
+]
+PACKINGS = {
+    "unpacked": [],
+    "packed": ["--packed-sequences"],
+    "unpacked, 8 layers": ["--num-layers", "8"],
+}  # the V at PP 4 needs 2 x 4 chunks
 FOUR_RANK = {  # name: (flags, tolerance[, packings: both unless given])
     "ZBH1 PP4": (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "ZBH1"], 1e-6),
-    "ZBVZeroBubble PP4": (["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "ZBVZeroBubble"], 1e-6,
-                          ("unpacked, 8 layers",)),
+    "ZBVZeroBubble PP4": (
+        ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "ZBVZeroBubble"],
+        1e-6,
+        ("unpacked, 8 layers",),
+    ),
     "ZBH1 PP2xDP2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbh1"], 1e-5),
-    "InterleavedZeroBubble PP2xVPP2xDP2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                                           "InterleavedZeroBubble", "--num-virtual-stages-per-pipeline-rank",
-                                           "2"], 1e-5),
-    "ZBVZeroBubble PP2xDP2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble"],
-                              1e-5),
+    "InterleavedZeroBubble PP2xVPP2xDP2": (
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pipeline-schedule",
+            "InterleavedZeroBubble",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+        ],
+        1e-5,
+    ),
+    "ZBVZeroBubble PP2xDP2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble"], 1e-5),
 }
-FOUR_RANK_CASES = [(name, packing) for name, case in FOUR_RANK.items()
-                   for packing in (case[2] if len(case) > 2 else ("unpacked", "packed"))]
-MATRIX_FLAGS = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
-                "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+FOUR_RANK_CASES = [
+    (name, packing)
+    for name, case in FOUR_RANK.items()
+    for packing in (case[2] if len(case) > 2 else ("unpacked", "packed"))
+]
+MATRIX_FLAGS = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+]
 EIGHT_RANK = {  # name: (flags, packing), each on top of MATRIX_FLAGS; tolerance 1e-5
     "ZBH1": (["--pipeline-schedule", "ZBH1"], "unpacked"),
-    "InterleavedZeroBubble": (["--pipeline-schedule", "InterleavedZeroBubble",
-                               "--num-virtual-stages-per-pipeline-rank", "2"], "packed"),
+    "InterleavedZeroBubble": (
+        ["--pipeline-schedule", "InterleavedZeroBubble", "--num-virtual-stages-per-pipeline-rank", "2"],
+        "packed",
+    ),
     "ZBVZeroBubble": (["--pipeline-schedule", "ZBVZeroBubble"], "packed"),
 }
 
@@ -79,8 +147,9 @@ def data_prefix(tmp_path_factory) -> str:
             n = int(np.clip(rng.lognormal(np.log(40), 0.8), 5, 150))
             tokens = chain[i]["tokens"][:n] % VOCAB
             f.write(json.dumps({"text": " ".join(map(str, tokens))}) + "\n")
-    preprocess_data(path, os.path.join(root, "docs"), "NullTokenizer", vocab_size=VOCAB, append_eod=True,
-                    progress=False)
+    preprocess_data(
+        path, os.path.join(root, "docs"), "NullTokenizer", vocab_size=VOCAB, append_eod=True, progress=False
+    )
     return os.path.join(root, "docs_text_document")
 
 
@@ -90,9 +159,8 @@ def _main_runs(rank: int, world_size: int, runs: list[list[str]], grad_cases: tu
     under both schedules."""
     import pretrain_gpt
     from megatron_ext.parallel import destroy_parallel_context
-    from megatron_ext.training import loop
-
     from megatron_ext.pipeline.runtime import get_schedule_runtime
+    from megatron_ext.training import loop
 
     evals: list[float] = []
     schedules: list[str | None] = []
@@ -139,9 +207,13 @@ GRAD_BASE = dict(global_batch_size=8, micro_batch_size=1, num_layers=4)
 GRAD_CASES = {  # name: (ours, megatron-core's schedule on the same layout); each packed and unpacked
     "ZBH1 PP4": (dict(pipeline_model_parallel_size=4, pipeline_schedule="ZBH1"), dict(pipeline_model_parallel_size=4)),
     "InterleavedZeroBubble PP2xVPP2xDP2": (
-        dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2,
-             pipeline_schedule="InterleavedZeroBubble"),
-        dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2)),
+        dict(
+            pipeline_model_parallel_size=2,
+            num_virtual_stages_per_pipeline_rank=2,
+            pipeline_schedule="InterleavedZeroBubble",
+        ),
+        dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2),
+    ),
 }
 
 
@@ -194,14 +266,26 @@ def test_gradients_after_one_step_equal_megatron_core_s_schedule(main_results, n
 
 # ---- the deferral-on matrix, TP 2 x PP 2 x DP 2 ----
 
-MATRIX = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True,
-              recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-              use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
-              num_layers=8, global_batch_size=8, micro_batch_size=1)
+MATRIX = dict(
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=2,
+    sequence_parallel=True,
+    recompute_granularity="full",
+    recompute_method="uniform",
+    recompute_num_layers=1,
+    use_distributed_optimizer=True,
+    overlap_grad_reduce=True,
+    overlap_param_gather=True,
+    num_layers=8,
+    global_batch_size=8,
+    micro_batch_size=1,
+)
 MATRIX_CASES = {  # ours: (our flags, megatron-core's schedule on the same layout)
     "ZBH1": (dict(pipeline_schedule="ZBH1"), {}),
-    "InterleavedZeroBubble": (dict(pipeline_schedule="InterleavedZeroBubble", num_virtual_stages_per_pipeline_rank=2),
-                              dict(num_virtual_stages_per_pipeline_rank=2)),
+    "InterleavedZeroBubble": (
+        dict(pipeline_schedule="InterleavedZeroBubble", num_virtual_stages_per_pipeline_rank=2),
+        dict(num_virtual_stages_per_pipeline_rank=2),
+    ),
     "ZBVZeroBubble": (dict(pipeline_schedule="ZBVZeroBubble"), dict(num_virtual_stages_per_pipeline_rank=2)),
 }
 
@@ -225,8 +309,11 @@ def _one_step_grads(values: dict, record: bool, packed: bool = False) -> tuple[d
     if record:
         # a group holding a deferred weight may reduce after that weight's last W only; one holding none
         # (norms, biases, embeddings: their hooks fire in B) after the chunk's last backward action
-        groups = {id(g): (c, any(getattr(p, "skip_backward_post_hook", False) for p in g.params))
-                  for c, chunk in enumerate(run.model) for g in chunk.bucket_groups}
+        groups = {
+            id(g): (c, any(getattr(p, "skip_backward_post_hook", False) for p in g.params))
+            for c, chunk in enumerate(run.model)
+            for g in chunk.bucket_groups
+        }
         orig_w, orig_sync = rt.weight_step, _ParamAndGradBucketGroup.start_grad_sync
         orig_action = rt.ScheduleRuntime._run_action
         config = run.model[0].config

@@ -24,50 +24,93 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint.state import load_full_tensors
-
-from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.pipeline.runtime import get_schedule_runtime
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.testing import (
-    MarkovDataset, PackedMarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values,
+    MarkovDataset,
+    PackedMarkovDataset,
+    build_tiny_run,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
 )
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.training.loop import train
 from megatron_ext.training.optimizer import step_optimizer
 from megatron_ext.training.step import build_step_microbatches, run_forward_backward, unwrap_model
 
 pytestmark = pytest.mark.distributed
 
-ZBV_TIED, ZBV_UNTIED = dict(pipeline_schedule="ZBVZeroBubble"), dict(pipeline_schedule="ZBVZeroBubble",
-                                                                      untie_embeddings_and_output_weights=True)
-ZBH1, IZB = dict(pipeline_schedule="ZBH1"), dict(pipeline_schedule="InterleavedZeroBubble",
-                                                 num_virtual_stages_per_pipeline_rank=2)
+ZBV_TIED, ZBV_UNTIED = (
+    dict(pipeline_schedule="ZBVZeroBubble"),
+    dict(pipeline_schedule="ZBVZeroBubble", untie_embeddings_and_output_weights=True),
+)
+ZBH1, IZB = (
+    dict(pipeline_schedule="ZBH1"),
+    dict(pipeline_schedule="InterleavedZeroBubble", num_virtual_stages_per_pipeline_rank=2),
+)
 UNTIED = dict(untie_embeddings_and_output_weights=True)
 CHECKPOINT_LAYOUT = "PP 2 x DP 2, distributed optimizer, overlapped grad reduce"
 # layout: (flags, {case: flags}, data); each layout's reference is 1F1B ("1F1B", "1F1B untied")
 LAYOUTS = {
-    "PP 4": (dict(pipeline_model_parallel_size=4, num_layers=8, global_batch_size=16),
-             {"1F1B": {}, "ZBVZeroBubble tied": ZBV_TIED, "ZBH1": ZBH1, "InterleavedZeroBubble": IZB}, "unpacked"),
+    "PP 4": (
+        dict(pipeline_model_parallel_size=4, num_layers=8, global_batch_size=16),
+        {"1F1B": {}, "ZBVZeroBubble tied": ZBV_TIED, "ZBH1": ZBH1, "InterleavedZeroBubble": IZB},
+        "unpacked",
+    ),
     # no clipping: the global grad norm sums each rank's partial norm, grouped as the placement groups
     # the stages, so its last bits (and a clipped update's) depend on the schedule; Adam's do not
     CHECKPOINT_LAYOUT: (
-        dict(pipeline_model_parallel_size=2, num_layers=4, global_batch_size=16, use_distributed_optimizer=True,
-             overlap_grad_reduce=True, ddp_bucket_size=20000, clip_grad=0.0),
-        {"1F1B": {}, "1F1B untied": UNTIED, "ZBVZeroBubble tied": ZBV_TIED, "ZBVZeroBubble untied": ZBV_UNTIED,
-         "ZBH1": ZBH1, "InterleavedZeroBubble": IZB}, "unpacked"),
+        dict(
+            pipeline_model_parallel_size=2,
+            num_layers=4,
+            global_batch_size=16,
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            ddp_bucket_size=20000,
+            clip_grad=0.0,
+        ),
+        {
+            "1F1B": {},
+            "1F1B untied": UNTIED,
+            "ZBVZeroBubble tied": ZBV_TIED,
+            "ZBVZeroBubble untied": ZBV_UNTIED,
+            "ZBH1": ZBH1,
+            "InterleavedZeroBubble": IZB,
+        },
+        "unpacked",
+    ),
     # the embedding group per TP rank; the activations between stages are sequence shards
     "TP 2 x PP 2, sequence parallel": (
-        dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4, global_batch_size=8,
-             sequence_parallel=True),
-        {"1F1B": {}, "ZBVZeroBubble tied": ZBV_TIED}, "unpacked"),
+        dict(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            num_layers=4,
+            global_batch_size=8,
+            sequence_parallel=True,
+        ),
+        {"1F1B": {}, "ZBVZeroBubble tied": ZBV_TIED},
+        "unpacked",
+    ),
     # Float16Module's casts at V's last stage (rank 0), packed micro-batches' metadata per stage, W of
     # recomputed layers
     "PP 2 x DP 2, bf16, packed, full recompute": (
-        dict(pipeline_model_parallel_size=2, num_layers=4, global_batch_size=8, micro_batch_size=1, bf16=True,
-             packed_sequences=True, recompute_granularity="full", recompute_method="uniform",
-             recompute_num_layers=1),
-        {"1F1B": {}, "ZBVZeroBubble tied": ZBV_TIED, "ZBH1": ZBH1}, "packed"),
+        dict(
+            pipeline_model_parallel_size=2,
+            num_layers=4,
+            global_batch_size=8,
+            micro_batch_size=1,
+            bf16=True,
+            packed_sequences=True,
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+        ),
+        {"1F1B": {}, "ZBVZeroBubble tied": ZBV_TIED, "ZBH1": ZBH1},
+        "packed",
+    ),
 }
 DATA = {"unpacked": lambda: MarkovDataset(32, mask_every=1), "packed": lambda: PackedMarkovDataset(32)}
 CASES = [(layout, case) for layout, (_, cases, _) in LAYOUTS.items() for case in cases if not case.startswith("1F1B")]
@@ -87,8 +130,14 @@ def _step(values: dict, data: str, save: str | None = None) -> dict:
     reports = run_forward_backward(model, mbs, length)
     deferred = sum(getattr(p, "skip_backward_post_hook", False) for c in model for p in c.parameters())
     ours = sum(getattr(m, "traceable_linear", False) for c in model for m in c.modules())  # run.prepare_layers
-    out = {"grads": gather_full_grads(run), "losses": [float(r["lm loss"][0]) for r in reports],
-           "loss_rank": ctx.is_last_stage, "pending": queue.pending(), "deferred": deferred, "ours": ours}
+    out = {
+        "grads": gather_full_grads(run),
+        "losses": [float(r["lm loss"][0]) for r in reports],
+        "loss_rank": ctx.is_last_stage,
+        "pending": queue.pending(),
+        "deferred": deferred,
+        "ours": ours,
+    }
     if save is not None:
         assert step_optimizer(run.optimizer, True)[0]
         run.state.iteration = 1
@@ -120,9 +169,12 @@ def _train(values: dict) -> dict:
     run.log = lines.append
     train(run)
     destroy_parallel_context()
-    return {"records": [(r["iteration"], r["loss"]) for r in run.records],
-            "logged": [line for line in lines if "iteration" in line and "lm loss" in line],
-            "skipped": run.state.skipped_iterations, "scale": float(run.optimizer.get_loss_scale())}
+    return {
+        "records": [(r["iteration"], r["loss"]) for r in run.records],
+        "logged": [line for line in lines if "iteration" in line and "lm loss" in line],
+        "skipped": run.state.skipped_iterations,
+        "scale": float(run.optimizer.get_loss_scale()),
+    }
 
 
 def _load_into(values: dict, checkpoint: str) -> dict:
@@ -152,7 +204,7 @@ def _world(rank: int, world_size: int, root: str) -> dict:
 CHECKPOINTED = ("1F1B", "ZBVZeroBubble tied")
 # a loss scale that overflows in the first steps (skipped), then steps that apply; no clipping (as the
 # checkpoint layout: its global norm's last bits follow the placement)
-FP16 = dict(fp16=True, initial_loss_scale=2.0 ** 16, hysteresis=1, train_iters=5)
+FP16 = dict(fp16=True, initial_loss_scale=2.0**16, hysteresis=1, train_iters=5)
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,38 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "256",
-        "--max-position-embeddings", "256", "--data-path", "data/default/corpus_text_document", "--split", "98,2,0",
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "data/default/tokenizer.model",
-        "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2",
-        "--log-interval", "1", "--seed", "1234"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "256",
+    "--max-position-embeddings",
+    "256",
+    "--data-path",
+    "data/default/corpus_text_document",
+    "--split",
+    "98,2,0",
+    "--tokenizer-type",
+    "SentencePieceTokenizer",
+    "--tokenizer-model",
+    "data/default/tokenizer.model",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--seed",
+    "1234",
+]
 
 
 def _env(gpu: bool) -> dict:
@@ -39,8 +66,9 @@ def _env(gpu: bool) -> dict:
 
 
 def _run(args: list[str], gpu: bool, timeout: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(gpu), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=_env(gpu), capture_output=True, text=True, timeout=timeout
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(args)[:300]} failed ({proc.returncode}):\n{output[-6000:]}"
     return proc
@@ -251,11 +279,13 @@ def test_checkpoint_moves_between_gpu_and_cpu(tmp_path, first, second):
     # the same --train-iters on both sides: a resume checks the LR schedule against the checkpoint's
     flags = TINY + ["--micro-batch-size", "2", "--use-distributed-optimizer", "--train-iters", "3"]
     saved, copied = str(tmp_path / "saved"), str(tmp_path / "copied")
-    run_python(["pretrain_gpt.py", *flags, "--save", saved, "--device", first],
-               gpu=first == "cuda")
-    out = run_script(COPY.replace("sys.argv[1], sys.argv[2]", f"{saved!r}, {copied!r}")
-                     .replace("parse_args(sys.argv[3:])", f"parse_args({flags + ['--device', second, '--ckpt-verify']!r})"),
-                     gpu=second == "cuda")
+    run_python(["pretrain_gpt.py", *flags, "--save", saved, "--device", first], gpu=first == "cuda")
+    out = run_script(
+        COPY.replace("sys.argv[1], sys.argv[2]", f"{saved!r}, {copied!r}").replace(
+            "parse_args(sys.argv[3:])", f"parse_args({flags + ['--device', second, '--ckpt-verify']!r})"
+        ),
+        gpu=second == "cuda",
+    )
     assert out["iteration"] == 3 and out["keys"] > 10
     assert out["differ"] == [], f"{first} -> {second}: {out['differ']}"
     assert out["warned"], "RNG states of another device type must be re-seeded with a warning"
@@ -301,8 +331,16 @@ print(json.dumps({"pinned": pinned, "buffers": len(run.async_saver.snapshot._buf
 
 
 def test_async_save_on_gpu_snapshots_the_save_step(tmp_path):
-    flags = TINY + ["--micro-batch-size", "2", "--bf16", "--train-iters", "10", "--save", str(tmp_path / "async"),
-                    "--async-save"]
+    flags = TINY + [
+        "--micro-batch-size",
+        "2",
+        "--bf16",
+        "--train-iters",
+        "10",
+        "--save",
+        str(tmp_path / "async"),
+        "--async-save",
+    ]
     out = run_script(ASYNC.replace("sys.argv[1]", repr(str(tmp_path))).replace("sys.argv[2:]", repr(flags)))
     assert out["buffers"] > 0 and out["pinned"], out
     assert out["in_flight"], "the write should still have been running after the three steps"

@@ -10,8 +10,16 @@ from tests.gpu.test_gpu import TINY, _losses, run_python, run_script
 
 pytestmark = pytest.mark.gpu
 
-COMMON = TINY + ["--packed-sequences", "--micro-batch-size", "2", "--train-iters", "12", "--bf16",
-                 "--pad-length-bucket", "power-of-two"]
+COMMON = TINY + [
+    "--packed-sequences",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "12",
+    "--bf16",
+    "--pad-length-bucket",
+    "power-of-two",
+]
 
 
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2"]

@@ -38,16 +38,37 @@ def cluster(tmp_path_factory):
     if proc.returncode == 3:
         pytest.skip(proc.stderr.strip())
     assert proc.returncode == 0, proc.stderr
-    env = dict(os.environ, SLURM_CONF=os.path.join(root, "slurm.conf"), PATH=os.environ["PATH"] + ":/usr/sbin",
-               NPROC_PER_NODE="4", OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        SLURM_CONF=os.path.join(root, "slurm.conf"),
+        PATH=os.environ["PATH"] + ":/usr/sbin",
+        NPROC_PER_NODE="4",
+        OMP_NUM_THREADS="1",
+    )
     yield env
     subprocess.run([CLUSTER, "stop", root], timeout=60)
 
 
 def submit(env: dict, out: str, args: list[str], sbatch_options: list[str] = ()) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", *RESOURCES, *sbatch_options, "--output", out,
-                           "--export", f"ALL,MASTER_PORT={get_free_port()}", SBATCH, *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            *RESOURCES,
+            *sbatch_options,
+            "--output",
+            out,
+            "--export",
+            f"ALL,MASTER_PORT={get_free_port()}",
+            SBATCH,
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
@@ -78,8 +99,10 @@ def wait_for_log(path: str, pattern: str, timeout: float) -> str:
             if re.search(pattern, text):
                 return text
         time.sleep(1)
-    raise AssertionError(f"{pattern!r} not in {path} after {timeout} s:\n"
-                         f"{open(path, errors='replace').read()[-3000:] if os.path.exists(path) else '(no log)'}")
+    raise AssertionError(
+        f"{pattern!r} not in {path} after {timeout} s:\n"
+        f"{open(path, errors='replace').read()[-3000:] if os.path.exists(path) else '(no log)'}"
+    )
 
 
 def _stopped_at(log: str) -> int:
@@ -90,8 +113,22 @@ def _stopped_at(log: str) -> int:
 
 def test_default_job_runs_under_sbatch(cluster, tmp_path):
     out, save = str(tmp_path / "job.out"), str(tmp_path / "ckpt")
-    job = submit(cluster, out, ["--config", "configs/default.yaml", "--train-iters", "10", "--eval-interval", "5",
-                                "--save", save, "--save-interval", "5"])
+    job = submit(
+        cluster,
+        out,
+        [
+            "--config",
+            "configs/default.yaml",
+            "--train-iters",
+            "10",
+            "--eval-interval",
+            "5",
+            "--save",
+            save,
+            "--save-interval",
+            "5",
+        ],
+    )
     assert wait_for(cluster, job, 600) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
     log = open(out).read()
     assert "world 8 = TP 2 x PP 2 x DP 2 | virtual stages per pipeline rank 2" in log
@@ -101,9 +138,25 @@ def test_default_job_runs_under_sbatch(cluster, tmp_path):
 
 def test_scancel_signal_term_saves_and_ends_cleanly(cluster, tmp_path):
     out, save = str(tmp_path / "job.out"), str(tmp_path / "ckpt")
-    job = submit(cluster, out, ["--config", "configs/default.yaml", "--train-iters", "100000", "--log-interval", "1",
-                                "--eval-interval", "0", "--save", save, "--save-interval", "100000",
-                                "--exit-signal-handler"])
+    job = submit(
+        cluster,
+        out,
+        [
+            "--config",
+            "configs/default.yaml",
+            "--train-iters",
+            "100000",
+            "--log-interval",
+            "1",
+            "--eval-interval",
+            "0",
+            "--save",
+            save,
+            "--save-interval",
+            "100000",
+            "--exit-signal-handler",
+        ],
+    )
     wait_for_log(out, r"iteration\s+3/", 300)
     subprocess.run(["scancel", "--signal=TERM", job], env=cluster, check=True)
     assert wait_for(cluster, job, 300) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
@@ -115,9 +168,26 @@ def test_scancel_signal_term_saves_and_ends_cleanly(cluster, tmp_path):
 def test_signal_before_the_time_limit_saves_and_ends_cleanly(cluster, tmp_path):
     out, save = str(tmp_path / "job.out"), str(tmp_path / "ckpt")
     # Slurm sends the signal up to a minute before the 120 s mark: about 1-2 min into a 4 min job
-    job = submit(cluster, out, ["--config", "configs/default.yaml", "--train-iters", "100000", "--log-interval", "1",
-                                "--eval-interval", "0", "--save", save, "--save-interval", "100000",
-                                "--exit-signal-handler"], ["--time=4", "--signal=TERM@120"])
+    job = submit(
+        cluster,
+        out,
+        [
+            "--config",
+            "configs/default.yaml",
+            "--train-iters",
+            "100000",
+            "--log-interval",
+            "1",
+            "--eval-interval",
+            "0",
+            "--save",
+            save,
+            "--save-interval",
+            "100000",
+            "--exit-signal-handler",
+        ],
+        ["--time=4", "--signal=TERM@120"],
+    )
     assert wait_for(cluster, job, 400) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
     stopped = _stopped_at(open(out).read())
     assert stopped >= 1 and read_tracker(save) == stopped
@@ -136,7 +206,8 @@ def test_one_agent_per_node_whatever_the_jobs_tasks_per_node(cluster, tmp_path):
     worker, ranks, out = tmp_path / "worker.py", tmp_path / "ranks", str(tmp_path / "job.out")
     worker.write_text(WORKER)
     ranks.mkdir()
-    job = submit(dict(cluster, TRAIN_SCRIPT=str(worker)), out, [str(ranks)],
-                 ["--ntasks-per-node", "2", "--cpus-per-task", "2"])
+    job = submit(
+        dict(cluster, TRAIN_SCRIPT=str(worker)), out, [str(ranks)], ["--ntasks-per-node", "2", "--cpus-per-task", "2"]
+    )
     assert wait_for(cluster, job, 180) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
-    assert sorted(int(name.split(".")[0][len("rank"):]) for name in os.listdir(ranks)) == list(range(8))
+    assert sorted(int(name.split(".")[0][len("rank") :]) for name in os.listdir(ranks)) == list(range(8))

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from megatron_ext.config import ConfigError, build_job_config
-from megatron_ext.validation import validate
 from megatron_ext.data.blends import resolve_data_blends
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.microbatch import fetch_step_samples
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.testing import VOCAB, tiny_values
+from megatron_ext.validation import validate
 
 SEQ = 64
 EOD = VOCAB - 1
@@ -51,8 +51,15 @@ def _source(sample) -> str:
 
 
 def _values(tmp_path, **flags) -> dict:
-    values = tiny_values(mock_data=False, seq_length=SEQ, global_batch_size=8, train_iters=75,
-                         data_cache_path=str(tmp_path / "cache"), packed_sequences=True, split="90,10,0")
+    values = tiny_values(
+        mock_data=False,
+        seq_length=SEQ,
+        global_batch_size=8,
+        train_iters=75,
+        data_cache_path=str(tmp_path / "cache"),
+        packed_sequences=True,
+        split="90,10,0",
+    )
     values.update(flags)
     return values
 
@@ -135,8 +142,9 @@ def test_unweighted_gpt_blend_logs_its_windows(corpora, tmp_path):
     cfg = build_job_config(values)
     validate(cfg, 1)
     lines = []
-    train, _ = build_train_valid_datasets(cfg, build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1),
-                                          cfg.training.global_batch_size, log=lines.append)
+    train, _ = build_train_valid_datasets(
+        cfg, build_tokenizer("NullTokenizer", vocab_size=VOCAB - 1), cfg.training.global_batch_size, log=lines.append
+    )
     assert [n for n in ("corpus_A", "corpus_B") if any(n in line for line in lines)] == ["corpus_A", "corpus_B"]
     assert all("one epoch" in line for line in lines), lines
 
@@ -145,8 +153,9 @@ def test_unweighted_gpt_blend_logs_its_windows(corpora, tmp_path):
 def test_blend_per_split_reads_each_prefix_whole(corpora, tmp_path, packed):
     spec = tmp_path / "splits.json"
     spec.write_text(json.dumps({"train": f"0.25 {corpora['A']} 0.75 {corpora['B']}", "valid": corpora["C"]}))
-    train, valid = _build(_values(tmp_path, per_split_data_args_path=str(spec), eval_interval=25, eval_iters=2,
-                                  packed_sequences=packed))
+    train, valid = _build(
+        _values(tmp_path, per_split_data_args_path=str(spec), eval_interval=25, eval_iters=2, packed_sequences=packed)
+    )
     got = _sources(train, 200)
     assert set(got) == {"A", "B"} and abs(got.count("A") - 50) <= 2
     assert set(_sources(valid, len(valid) if packed else 40)) == {"C"}
@@ -156,8 +165,14 @@ def test_blend_per_split_reads_each_prefix_whole(corpora, tmp_path, packed):
 
 
 def test_one_document_per_row_blends_too(corpora, tmp_path):
-    train, _ = _build(_values(tmp_path, data_path=["0.25", corpora["A"], "0.75", corpora["B"]], packed_sequences=False,
-                              one_document_per_row=True))
+    train, _ = _build(
+        _values(
+            tmp_path,
+            data_path=["0.25", corpora["A"], "0.75", corpora["B"]],
+            packed_sequences=False,
+            one_document_per_row=True,
+        )
+    )
     got = _sources(train, 200)
     assert abs(got.count("A") - 50) <= 2 and set(got) == {"A", "B"}
 

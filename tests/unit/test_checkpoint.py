@@ -9,18 +9,29 @@ import os
 import pytest
 import torch
 
+from megatron_ext.checkpoint.compatibility import check_compatible
 from megatron_ext.checkpoint.directory import (
-    COMPLETE_MARKER, TRACKER_FILE, apply_retention, find_latest_checkpoint, get_checkpoint_dir,
-    list_complete_checkpoints, publish_checkpoint, read_tracker, select_checkpoints_to_delete,
+    COMPLETE_MARKER,
+    TRACKER_FILE,
+    apply_retention,
+    find_latest_checkpoint,
+    get_checkpoint_dir,
+    list_complete_checkpoints,
+    publish_checkpoint,
+    read_tracker,
+    select_checkpoints_to_delete,
     should_inject_fault,
 )
-from megatron_ext.checkpoint.compatibility import check_compatible
-from megatron_ext.checkpoint.parts import CheckpointMeta
-from megatron_ext.config import build_job_config
 from megatron_ext.checkpoint.exit_policy import (
-    DURATION_EXCEEDED, INTERVAL_REACHED, SIGNAL_RECEIVED, describe_exit, get_interval_flag,
+    DURATION_EXCEEDED,
+    INTERVAL_REACHED,
+    SIGNAL_RECEIVED,
+    describe_exit,
+    get_interval_flag,
     get_local_exit_flags,
 )
+from megatron_ext.checkpoint.parts import CheckpointMeta
+from megatron_ext.config import build_job_config
 
 
 def _complete(root, iteration):
@@ -40,10 +51,17 @@ def test_only_marked_final_directories_count(tmp_path):
     assert find_latest_checkpoint(str(tmp_path / "missing")) is None
 
 
-@pytest.mark.parametrize("iterations,keep,expected", [
-    ([2, 4, 6], 2, [2]), ([2, 4, 6], 1, [2, 4]), ([6], 1, []), ([2, 4], None, []), ([2, 4], 0, []),
-    ([4, 2, 6], 5, []),
-])
+@pytest.mark.parametrize(
+    "iterations,keep,expected",
+    [
+        ([2, 4, 6], 2, [2]),
+        ([2, 4, 6], 1, [2, 4]),
+        ([6], 1, []),
+        ([2, 4], None, []),
+        ([2, 4], 0, []),
+        ([4, 2, 6], 5, []),
+    ],
+)
 def test_retention_never_deletes_the_newest(iterations, keep, expected):
     assert select_checkpoints_to_delete(iterations, keep) == expected
 
@@ -87,8 +105,11 @@ def _cfg(**values):
 
 
 def test_mismatch_names_flag_and_both_values():
-    saved = {"args": _cfg(num_layers=8).to_flat_dict(), "padded_vocab_size": 128,
-             "tokenizer": {"type": "NullTokenizer", "vocab_size": 127}}
+    saved = {
+        "args": _cfg(num_layers=8).to_flat_dict(),
+        "padded_vocab_size": 128,
+        "tokenizer": {"type": "NullTokenizer", "vocab_size": 127},
+    }
     meta = CheckpointMeta(tokenizer={"type": "NullTokenizer", "vocab_size": 255}, padded_vocab_size=256)
     problems = check_compatible(saved, _cfg(num_layers=4, hidden_size=256), meta)
     text = "\n".join(problems)
@@ -110,14 +131,28 @@ def test_distributed_optimizer_switch_is_refused_unless_weights_only():
 def test_defaults_and_the_same_values_given_explicitly_are_one_model():
     meta = CheckpointMeta(tokenizer={}, padded_vocab_size=128)
     saved = {"args": _cfg(hidden_size=64, num_attention_heads=4).to_flat_dict()}  # ffn default 4 x 64, MHA
-    same = _cfg(hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, group_query_attention=True,
-                num_query_groups=4)
+    same = _cfg(
+        hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, group_query_attention=True, num_query_groups=4
+    )
     assert check_compatible(saved, same, meta) == []
-    text = "\n".join(check_compatible(saved, _cfg(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-                                                  group_query_attention=True, num_query_groups=2), meta))
+    text = "\n".join(
+        check_compatible(
+            saved,
+            _cfg(
+                hidden_size=64,
+                num_attention_heads=4,
+                ffn_hidden_size=128,
+                group_query_attention=True,
+                num_query_groups=2,
+            ),
+            meta,
+        )
+    )
     assert "--ffn-hidden-size: the checkpoint was saved with 256, this run has 128" in text, text
-    assert "--group-query-attention/--num-query-groups (key/value heads): the checkpoint was saved with 4, " \
-           "this run has 2" in text, text
+    assert (
+        "--group-query-attention/--num-query-groups (key/value heads): the checkpoint was saved with 4, "
+        "this run has 2" in text
+    ), text
     assert "None" not in text
     swiglu = "\n".join(check_compatible(saved, _cfg(hidden_size=64, num_attention_heads=4, swiglu=True), meta))
     assert "--swiglu" in swiglu and "--ffn-hidden-size" not in swiglu, swiglu  # both widths defaulted
@@ -136,7 +171,10 @@ def test_precision_switch_is_refused_where_the_optimizer_states_differ():
     # the distributed optimizer keeps fp32 main parameters and Adam state in every precision
     assert check_compatible(dist, _cfg(bf16=True, use_distributed_optimizer=True), meta) == []
     assert check_compatible(fp16, _cfg(bf16=True, use_distributed_optimizer=True), meta) == []
-    assert "saved in fp32, this run is fp16" in check_compatible(dist, _cfg(fp16=True, use_distributed_optimizer=True), meta)[0]
+    assert (
+        "saved in fp32, this run is fp16"
+        in check_compatible(dist, _cfg(fp16=True, use_distributed_optimizer=True), meta)[0]
+    )
 
 
 def test_a_resume_that_changes_what_the_model_computes_says_so():
@@ -160,15 +198,28 @@ def test_exit_flags():
 def test_hf_tensor_maps_are_inverse():
     from tools.convert_checkpoint import hf_to_megatron_tensors, megatron_to_hf_tensors
 
-    hf = dict(num_hidden_layers=1, hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=12, vocab_size=10, tie_word_embeddings=False)
+    hf = dict(
+        num_hidden_layers=1,
+        hidden_size=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=12,
+        vocab_size=10,
+        tie_word_embeddings=False,
+    )
     g = torch.Generator().manual_seed(0)
     shapes = {
-        "model.embed_tokens.weight": (10, 8), "lm_head.weight": (10, 8), "model.norm.weight": (8,),
-        "model.layers.0.self_attn.q_proj.weight": (8, 8), "model.layers.0.self_attn.k_proj.weight": (4, 8),
-        "model.layers.0.self_attn.v_proj.weight": (4, 8), "model.layers.0.self_attn.o_proj.weight": (8, 8),
-        "model.layers.0.input_layernorm.weight": (8,), "model.layers.0.post_attention_layernorm.weight": (8,),
-        "model.layers.0.mlp.gate_proj.weight": (12, 8), "model.layers.0.mlp.up_proj.weight": (12, 8),
+        "model.embed_tokens.weight": (10, 8),
+        "lm_head.weight": (10, 8),
+        "model.norm.weight": (8,),
+        "model.layers.0.self_attn.q_proj.weight": (8, 8),
+        "model.layers.0.self_attn.k_proj.weight": (4, 8),
+        "model.layers.0.self_attn.v_proj.weight": (4, 8),
+        "model.layers.0.self_attn.o_proj.weight": (8, 8),
+        "model.layers.0.input_layernorm.weight": (8,),
+        "model.layers.0.post_attention_layernorm.weight": (8,),
+        "model.layers.0.mlp.gate_proj.weight": (12, 8),
+        "model.layers.0.mlp.up_proj.weight": (12, 8),
         "model.layers.0.mlp.down_proj.weight": (8, 12),
     }
     state = {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
@@ -236,13 +287,19 @@ def test_async_save_needs_save_dir():
     cfg = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, async_save=True))
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1)
-    assert any("--async-save writes the checkpoints of --save in the background: give --save DIR" in p
-               for p in err.value.problems)
+    assert any(
+        "--async-save writes the checkpoints of --save in the background: give --save DIR" in p
+        for p in err.value.problems
+    )
 
 
 def test_async_save_bits_stay_out_of_the_exit_reasons():
     from megatron_ext.checkpoint.exit_policy import (
-        _AGREED_BITS, ASYNC_SAVE_FAILED, ASYNC_SAVE_NOT_FINITE, ASYNC_SAVE_WRITING, EXIT_FLAGS,
+        _AGREED_BITS,
+        ASYNC_SAVE_FAILED,
+        ASYNC_SAVE_NOT_FINITE,
+        ASYNC_SAVE_WRITING,
+        EXIT_FLAGS,
     )
 
     assert not (ASYNC_SAVE_WRITING | ASYNC_SAVE_FAILED | ASYNC_SAVE_NOT_FINITE) & EXIT_FLAGS
@@ -336,10 +393,13 @@ def test_the_finite_check_finds_every_nan_and_inf_and_nothing_else():
         t[position] = value
         return t
 
-    named = [(f"{dtype}-{n}-{pos}-{value}", one_bad(value, dtype, n, pos))
-             for dtype in (torch.float32, torch.bfloat16, torch.float16)
-             for n in (1, 7, 33, 4099) for pos in {0, n // 2, n - 1}
-             for value in (float("nan"), float("inf"), -float("inf"))]
+    named = [
+        (f"{dtype}-{n}-{pos}-{value}", one_bad(value, dtype, n, pos))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for n in (1, 7, 33, 4099)
+        for pos in {0, n // 2, n - 1}
+        for value in (float("nan"), float("inf"), -float("inf"))
+    ]
     big = torch.full((5,), 3.0e38)  # finite, near fp32's largest: a sum would overflow, the check must not
     fine = [("big", big), ("empty", torch.empty(0)), ("fp16 max", torch.full((3,), 65504.0, dtype=torch.float16))]
     bad, checked = find_non_finite(named + fine)
@@ -353,13 +413,16 @@ def test_a_refused_save_names_the_updates_since_the_last_finite_save():
     from megatron_ext.training.loop import describe_non_finite_save
 
     def describe(weights_finite_at, iteration, steps, newest=(4, "/ck/iter_0000004")):
-        run = types.SimpleNamespace(weights_finite_at=weights_finite_at, steps_this_run=steps,
-                                    state=types.SimpleNamespace(iteration=iteration))
+        run = types.SimpleNamespace(
+            weights_finite_at=weights_finite_at, steps_this_run=steps, state=types.SimpleNamespace(iteration=iteration)
+        )
         return describe_non_finite_save(run, NonFiniteCheckpoint("refused", 8, "/ck", newest))
 
     text = describe(4, 8, 8)
-    assert text.startswith("training diverged: one of the updates of iterations 5 to 8 made the weights non-finite "
-                           "(they were finite at the save of iteration 4; weights are checked at saves only)"), text
+    assert text.startswith(
+        "training diverged: one of the updates of iterations 5 to 8 made the weights non-finite "
+        "(they were finite at the save of iteration 4; weights are checked at saves only)"
+    ), text
     assert "Resume from that last good checkpoint (--load /ck loads it)" in text
     # --async-save refuses it a step later; a resumed run that has not saved yet names its start
     assert "the update of iteration 8 made" in describe(7, 9, 9)

@@ -18,7 +18,7 @@ def test_streaming_digest_equals_one_shot(algorithm, tmp_path):
     data = os.urandom(3 << 20)
     h = checksum.new_hasher(algorithm)
     for i in range(0, len(data), 777_777):
-        h.update(memoryview(data)[i:i + 777_777])
+        h.update(memoryview(data)[i : i + 777_777])
     one = checksum.new_hasher(algorithm)
     one.update(data)
     assert h.intdigest() == one.intdigest()

@@ -46,15 +46,18 @@ def _private_upstream_uses(path: pathlib.Path) -> set[str]:
     upstream_aliases = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            upstream_aliases |= {(a.asname or a.name).split(".")[0] for a in node.names
-                                 if a.name.split(".")[0] in ("megatron", "torch")}
+            upstream_aliases |= {
+                (a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in ("megatron", "torch")
+            }
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("megatron", "torch"):
             upstream_aliases |= {a.asname or a.name for a in node.names}
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("megatron", "torch"):
             found |= {f"import {node.module}.{a.name}" for a in node.names if a.name.startswith("_")}
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
         for t in targets:
             if not isinstance(t, ast.Attribute):
                 continue
@@ -63,7 +66,11 @@ def _private_upstream_uses(path: pathlib.Path) -> set[str]:
                 root = root.value
             if isinstance(root, ast.Name) and root.id in upstream_aliases:
                 found.add(f"assign {ast.unparse(t)}")
-            elif t.attr.startswith("_") and not t.attr.startswith("__") and not (isinstance(root, ast.Name) and root.id in ("self", "cls")):
+            elif (
+                t.attr.startswith("_")
+                and not t.attr.startswith("__")
+                and not (isinstance(root, ast.Name) and root.id in ("self", "cls"))
+            ):
                 found.add(f"assign {ast.unparse(t)}")
     return found
 
@@ -90,4 +97,3 @@ def test_version_drift_warns_once_and_never_fails(monkeypatch):
         compat.check_versions()
         compat.check_versions()
     assert len(caught) == 2  # one per drifting package, the first call only
-

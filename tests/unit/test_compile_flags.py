@@ -29,17 +29,36 @@ def _problems(values: dict, world_size: int = 1, cuda: bool = False) -> list[str
     return []
 
 
-@pytest.mark.parametrize("values,cuda,message", [
-    (dict(cuda_graph_impl="local"), False, "--cuda-graph-impl local needs CUDA"),
-    (dict(cuda_graph_impl="local", cuda_graph_scope="attn"), True, "--cuda-graph-scope attn"),
-    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), True, "with the NaN check on"),
-    (dict(cuda_graph_impl="local", recompute_granularity="full", recompute_method="uniform",
-          recompute_num_layers=1), True, "--recompute-granularity full"),
-    (dict(cuda_graph_warmup_steps=-1), False, "--cuda-graph-warmup-steps"),
-    (dict(torch_compile=True, cuda_graph_impl="local"), True, "--torch-compile with --cuda-graph-impl local"),
-    (dict(torch_compile=True, recompute_granularity="selective", recompute_modules=["mlp"], disable_bias_linear=True),
-     False, "--torch-compile with --recompute-modules mlp"),
-])
+@pytest.mark.parametrize(
+    "values,cuda,message",
+    [
+        (dict(cuda_graph_impl="local"), False, "--cuda-graph-impl local needs CUDA"),
+        (dict(cuda_graph_impl="local", cuda_graph_scope="attn"), True, "--cuda-graph-scope attn"),
+        (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), True, "with the NaN check on"),
+        (
+            dict(
+                cuda_graph_impl="local",
+                recompute_granularity="full",
+                recompute_method="uniform",
+                recompute_num_layers=1,
+            ),
+            True,
+            "--recompute-granularity full",
+        ),
+        (dict(cuda_graph_warmup_steps=-1), False, "--cuda-graph-warmup-steps"),
+        (dict(torch_compile=True, cuda_graph_impl="local"), True, "--torch-compile with --cuda-graph-impl local"),
+        (
+            dict(
+                torch_compile=True,
+                recompute_granularity="selective",
+                recompute_modules=["mlp"],
+                disable_bias_linear=True,
+            ),
+            False,
+            "--torch-compile with --recompute-modules mlp",
+        ),
+    ],
+)
 def test_refused_with_one_error_naming_the_flag(values, cuda, message):
     problems = _problems(values, cuda=cuda)
     assert sum(message in p for p in problems) == 1, problems
@@ -69,8 +88,13 @@ def test_torch_compile_with_megatron_cores_schedules_is_accepted(schedule):
 def test_transformer_engine_graphs_need_transformer_engine():
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("transformer_engine is installed here")
-    assert sum("transformer_engine is not installed" in p
-               for p in _problems(dict(cuda_graph_impl="transformer_engine"), cuda=True)) == 1
+    assert (
+        sum(
+            "transformer_engine is not installed" in p
+            for p in _problems(dict(cuda_graph_impl="transformer_engine"), cuda=True)
+        )
+        == 1
+    )
 
 
 def test_defaults_are_off():
@@ -85,5 +109,7 @@ def test_the_flags_reach_megatron_cores_config():
     config = build_transformer_config(cfg, resolve_config(cfg, 1, VOCAB - 1), torch.device("cpu"))
     assert (config.cuda_graph_impl, config.cuda_graph_scope, config.cuda_graph_warmup_steps) == ("local", [], 2)
     plain = build_job_config(tiny_values())
-    assert build_transformer_config(plain, resolve_config(plain, 1, VOCAB - 1), torch.device("cpu")).cuda_graph_impl \
+    assert (
+        build_transformer_config(plain, resolve_config(plain, 1, VOCAB - 1), torch.device("cpu")).cuda_graph_impl
         == "none"
+    )

@@ -67,7 +67,8 @@ def test_equals_megatron_cores_vocab_parallel_cross_entropy(dtype, monkeypatch):
     logits, target, weight = _inputs(dtype, seed=1)
     ours, ours_grad = _loss_and_grad(vocab_parallel_cross_entropy, logits, target, weight)
     theirs, theirs_grad = _loss_and_grad(
-        lambda x, t: upstream.vocab_parallel_cross_entropy(x.float(), t), logits, target, weight)
+        lambda x, t: upstream.vocab_parallel_cross_entropy(x.float(), t), logits, target, weight
+    )
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-5)  # ignored targets too
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
     torch.testing.assert_close(ours_grad.float(), theirs_grad.float(), **tol)

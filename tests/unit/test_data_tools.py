@@ -49,8 +49,14 @@ def test_preprocess_sentencepiece_matches_direct_tokenisation(tmp_path, tiny_jso
 
     sp = sentencepiece.SentencePieceProcessor(model_file=SHIPPED_MODEL)
     expected = [sp.encode(t) + ([sp.eos_id()] if append_eod else []) for t in DOCS if t]
-    stats = preprocess_data(tiny_jsonl, str(tmp_path / "out"), "SentencePieceTokenizer",
-                            SHIPPED_MODEL, append_eod=append_eod, progress=False)
+    stats = preprocess_data(
+        tiny_jsonl,
+        str(tmp_path / "out"),
+        "SentencePieceTokenizer",
+        SHIPPED_MODEL,
+        append_eod=append_eod,
+        progress=False,
+    )
     dataset, documents = read_documents(str(tmp_path / "out_text_document"))
     assert documents == expected
     assert dataset.index.dtype == numpy.uint16
@@ -63,8 +69,7 @@ def test_preprocess_sentencepiece_matches_direct_tokenisation(tmp_path, tiny_jso
 def test_preprocess_null_tokenizer(tmp_path, append_eod):
     texts = ["3 1 4 1 5", "9 2 6", "5 3 5 8 9 7 9"]
     path = write_jsonl(tmp_path / "ids.jsonl", texts)
-    preprocess_data(path, str(tmp_path / "ids"), "NullTokenizer", vocab_size=10,
-                    append_eod=append_eod, progress=False)
+    preprocess_data(path, str(tmp_path / "ids"), "NullTokenizer", vocab_size=10, append_eod=append_eod, progress=False)
     _, documents = read_documents(str(tmp_path / "ids_text_document"))
     expected = [[int(x) for x in t.split()] + ([10] if append_eod else []) for t in texts]
     assert documents == expected
@@ -74,11 +79,17 @@ def test_workers_do_not_change_output(tmp_path):
     texts = [f"Document number {i}: " + "word " * (i % 17) for i in range(300)]
     path = write_jsonl(tmp_path / "many.jsonl", texts)
     for workers in (1, 2):
-        preprocess_data(path, str(tmp_path / f"w{workers}"), "SentencePieceTokenizer",
-                        SHIPPED_MODEL, append_eod=True, workers=workers, progress=False)
+        preprocess_data(
+            path,
+            str(tmp_path / f"w{workers}"),
+            "SentencePieceTokenizer",
+            SHIPPED_MODEL,
+            append_eod=True,
+            workers=workers,
+            progress=False,
+        )
     for ext in (".bin", ".idx"):
-        with open(tmp_path / f"w1_text_document{ext}", "rb") as a, \
-                open(tmp_path / f"w2_text_document{ext}", "rb") as b:
+        with open(tmp_path / f"w1_text_document{ext}", "rb") as a, open(tmp_path / f"w2_text_document{ext}", "rb") as b:
             assert a.read() == b.read()
 
 
@@ -87,28 +98,50 @@ def test_malformed_json_names_line_and_leaves_nothing(tmp_path, workers):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": broken\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl line 4"):
-        preprocess_data(str(path), str(tmp_path / "out"), "SentencePieceTokenizer",
-                        SHIPPED_MODEL, workers=workers, progress=False)
+        preprocess_data(
+            str(path), str(tmp_path / "out"), "SentencePieceTokenizer", SHIPPED_MODEL, workers=workers, progress=False
+        )
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
 def test_missing_json_key_is_an_error(tmp_path):
     path = write_jsonl(tmp_path / "k.jsonl", ["abc"], key="content")
     with pytest.raises(ValueError, match="line 1: no key 'text'"):
-        preprocess_data(path, str(tmp_path / "out"), "NullTokenizer", vocab_size=10,
-                        progress=False)
+        preprocess_data(path, str(tmp_path / "out"), "NullTokenizer", vocab_size=10, progress=False)
 
 
 def test_cli_writes_megatron_lm_names(tmp_path, tiny_jsonl, capsys):
-    preprocess_main(["--input", tiny_jsonl, "--output-prefix", str(tmp_path / "cli"),
-                     "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
-                     SHIPPED_MODEL, "--append-eod", "--workers", "2", "--no-progress"])
+    preprocess_main(
+        [
+            "--input",
+            tiny_jsonl,
+            "--output-prefix",
+            str(tmp_path / "cli"),
+            "--tokenizer-type",
+            "GPTSentencePieceTokenizer",
+            "--tokenizer-model",
+            SHIPPED_MODEL,
+            "--append-eod",
+            "--workers",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert {"cli_text_document.bin", "cli_text_document.idx"} <= set(os.listdir(tmp_path))
     assert "5 documents" in capsys.readouterr().out
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        preprocess_main(["--input", tiny_jsonl, "--output-prefix", str(tmp_path / "x"),
-                         "--tokenizer-type", "NullTokenizer", "--no-progress"])
+        preprocess_main(
+            [
+                "--input",
+                tiny_jsonl,
+                "--output-prefix",
+                str(tmp_path / "x"),
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--no-progress",
+            ]
+        )
     assert exit_info.value.code == 2  # a user error: one error block on stderr, no traceback
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--vocab-size" in err
@@ -156,12 +189,12 @@ def test_train_tokenizer_defines_special_ids_and_is_deterministic(tmp_path):
 
     corpus = str(tmp_path / "c.jsonl")
     build_default_corpus(corpus, max_bytes=200_000, packages=())
-    models = [train_tokenizer(corpus, str(tmp_path / name), vocab_size=512)
-              for name in ("t1", "t2")]
+    models = [train_tokenizer(corpus, str(tmp_path / name), vocab_size=512) for name in ("t1", "t2")]
     sp, sp2 = (sentencepiece.SentencePieceProcessor(model_file=m) for m in models)
     # The .model bytes embed the output prefix, so compare the learned pieces and scores.
-    assert [(sp.id_to_piece(i), sp.get_score(i)) for i in range(512)] == \
-        [(sp2.id_to_piece(i), sp2.get_score(i)) for i in range(512)]
+    assert [(sp.id_to_piece(i), sp.get_score(i)) for i in range(512)] == [
+        (sp2.id_to_piece(i), sp2.get_score(i)) for i in range(512)
+    ]
     assert sp.get_piece_size() == 512
     assert [sp.id_to_piece(i) for i in range(4)] == ["<unk>", "<s>", "</s>", "<pad>"]
     assert sp.eos_id() == 2 and sp.pad_id() == 3
@@ -170,7 +203,9 @@ def test_train_tokenizer_defines_special_ids_and_is_deterministic(tmp_path):
 def test_train_tokenizer_names_a_vocabulary_size_the_text_cannot_fill(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"tiny text {i}"}) for i in range(20)) + "\n")
-    with pytest.raises(ValueError, match=r"--vocab-size 32000 is more pieces than .*c.jsonl holds: give --vocab-size \d+ or less"):
+    with pytest.raises(
+        ValueError, match=r"--vocab-size 32000 is more pieces than .*c.jsonl holds: give --vocab-size \d+ or less"
+    ):
         train_tokenizer(str(corpus), str(tmp_path / "t"), vocab_size=32000)
     with pytest.raises(ValueError, match="--vocab-size 100 is too small"):
         train_tokenizer(str(corpus), str(tmp_path / "t"), vocab_size=100)
@@ -204,10 +239,12 @@ def test_preprocess_is_byte_identical_to_megatron_lm_with_empty_documents(tmp_pa
 
     texts = ["", "First document.", "", "", "Second one, after empty ones.", ""]
     path = write_jsonl(tmp_path / "empty.jsonl", texts)
-    preprocess_data(path, str(tmp_path / "ours"), "SentencePieceTokenizer", SHIPPED_MODEL,
-                    append_eod=append_eod, progress=False)
-    megatron_lm_reference(path, str(tmp_path / "theirs"), build_tokenizer("SentencePieceTokenizer", SHIPPED_MODEL),
-                          append_eod)
+    preprocess_data(
+        path, str(tmp_path / "ours"), "SentencePieceTokenizer", SHIPPED_MODEL, append_eod=append_eod, progress=False
+    )
+    megatron_lm_reference(
+        path, str(tmp_path / "theirs"), build_tokenizer("SentencePieceTokenizer", SHIPPED_MODEL), append_eod
+    )
     for ext in (".bin", ".idx"):
         with open(tmp_path / f"ours_text_document{ext}", "rb") as a, open(tmp_path / f"theirs{ext}", "rb") as b:
             assert a.read() == b.read(), ext
@@ -265,14 +302,25 @@ def test_gzipped_input_in_both_tools(tmp_path, tiny_jsonl):
     with open(tiny_jsonl, "rb") as src, gzip.open(gz, "wb") as dst:
         dst.write(src.read())
     for name, path in (("plain", tiny_jsonl), ("gz", str(gz))):
-        preprocess_data(path, str(tmp_path / name), "SentencePieceTokenizer", SHIPPED_MODEL, append_eod=True,
-                        workers=2 if name == "gz" else 1, progress=False)
+        preprocess_data(
+            path,
+            str(tmp_path / name),
+            "SentencePieceTokenizer",
+            SHIPPED_MODEL,
+            append_eod=True,
+            workers=2 if name == "gz" else 1,
+            progress=False,
+        )
     for ext in (".bin", ".idx"):
-        assert (tmp_path / f"gz_text_document{ext}").read_bytes() == (tmp_path / f"plain_text_document{ext}").read_bytes()
+        assert (tmp_path / f"gz_text_document{ext}").read_bytes() == (
+            tmp_path / f"plain_text_document{ext}"
+        ).read_bytes()
     with pytest.raises(ValueError, match=r"--vocab-size 300 is fewer pieces than the characters of .*tiny\.jsonl need"):
         train_tokenizer(tiny_jsonl, str(tmp_path / "small"), vocab_size=300)
-    models = [train_tokenizer(path, str(tmp_path / name), vocab_size=310)
-              for name, path in (("t_plain", tiny_jsonl), ("t_gz", str(gz)))]
+    models = [
+        train_tokenizer(path, str(tmp_path / name), vocab_size=310)
+        for name, path in (("t_plain", tiny_jsonl), ("t_gz", str(gz)))
+    ]
     sp, sp_gz = (sentencepiece.SentencePieceProcessor(model_file=m) for m in models)
     assert [sp.id_to_piece(i) for i in range(310)] == [sp_gz.id_to_piece(i) for i in range(310)]
     truncated = tmp_path / "cut.jsonl.gz"
@@ -288,9 +336,12 @@ def test_lone_surrogate_names_the_line(tmp_path, workers, capsys):
 
     path = tmp_path / "sur.jsonl"
     path.write_text('{"text":"ok"}\n{"text":"bad \\ud800"}\n')  # valid JSON, but not Unicode text
-    with pytest.raises(ValueError, match=r"sur\.jsonl line 2: 'text' holds a lone surrogate \('\\ud800' at character 4\)"):
-        preprocess_data(str(path), str(tmp_path / "out"), "SentencePieceTokenizer", SHIPPED_MODEL,
-                        workers=workers, progress=False)
+    with pytest.raises(
+        ValueError, match=r"sur\.jsonl line 2: 'text' holds a lone surrogate \('\\ud800' at character 4\)"
+    ):
+        preprocess_data(
+            str(path), str(tmp_path / "out"), "SentencePieceTokenizer", SHIPPED_MODEL, workers=workers, progress=False
+        )
     assert sorted(os.listdir(tmp_path)) == ["sur.jsonl"]
     with pytest.raises(SystemExit) as exit_info:
         train_tokenizer_main(["--input", str(path), "--output-prefix", str(tmp_path / "t"), "--vocab-size", "300"])
@@ -304,14 +355,17 @@ def test_train_tokenizer_missing_empty_or_malformed_input_exits_2(tmp_path, caps
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n{"text": " \\n "}\n')
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
-    expected = {"nope.jsonl": r"--input \S*nope\.jsonl does not exist",
-                "empty.jsonl": r"empty\.jsonl holds no text to train on: 0 non-blank lines",
-                "blank.jsonl": r"blank\.jsonl holds no text to train on: 2 non-blank lines, 3 bytes",
-                "bad.jsonl": r"bad\.jsonl line 2: malformed JSON"}
+    expected = {
+        "nope.jsonl": r"--input \S*nope\.jsonl does not exist",
+        "empty.jsonl": r"empty\.jsonl holds no text to train on: 0 non-blank lines",
+        "blank.jsonl": r"blank\.jsonl holds no text to train on: 2 non-blank lines, 3 bytes",
+        "bad.jsonl": r"bad\.jsonl line 2: malformed JSON",
+    }
     for name, message in expected.items():
         with pytest.raises(SystemExit) as exit_info:
-            train_tokenizer_main(["--input", str(tmp_path / name), "--output-prefix", str(tmp_path / "out" / "t"),
-                                  "--vocab-size", "300"])
+            train_tokenizer_main(
+                ["--input", str(tmp_path / name), "--output-prefix", str(tmp_path / "out" / "t"), "--vocab-size", "300"]
+            )
         assert exit_info.value.code == 2, name
         err = capsys.readouterr().err
         assert err.startswith("error: --input") and err.count("\n") == 1, err  # one line, no traceback
@@ -325,17 +379,40 @@ def test_preprocess_counts_empty_documents_per_key_and_bytes_without_progress(tm
     import re
 
     words = "word " * 5000
-    path = _write_lines(tmp_path / "two.jsonl", [{"text": "", "title": words}, {"text": words, "title": ""},
-                                                {"text": words, "title": words}])
-    preprocess_main(["--input", path, "--output-prefix", str(tmp_path / "two"), "--json-keys", "text", "title",
-                     "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", SHIPPED_MODEL,
-                     "--no-progress", "--log-interval", "1"])
+    path = _write_lines(
+        tmp_path / "two.jsonl",
+        [{"text": "", "title": words}, {"text": words, "title": ""}, {"text": words, "title": words}],
+    )
+    preprocess_main(
+        [
+            "--input",
+            path,
+            "--output-prefix",
+            str(tmp_path / "two"),
+            "--json-keys",
+            "text",
+            "title",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            SHIPPED_MODEL,
+            "--no-progress",
+            "--log-interval",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert out.count(": 3 documents") == 2 and out.count("(1 of them empty") == 2, out
     rates = [float(rate) for rate in re.findall(r"([\d.]+) MB/s", out)]
     assert len(rates) == 3 and all(rate > 0 for rate in rates), out
-    stats = preprocess_data(path, str(tmp_path / "lib"), "SentencePieceTokenizer", SHIPPED_MODEL,
-                            json_keys=("text", "title"), progress=False)
+    stats = preprocess_data(
+        path,
+        str(tmp_path / "lib"),
+        "SentencePieceTokenizer",
+        SHIPPED_MODEL,
+        json_keys=("text", "title"),
+        progress=False,
+    )
     assert stats.num_empty == {"text": 1, "title": 1} and stats.num_bytes == os.path.getsize(path)
 
 
@@ -343,16 +420,30 @@ def test_preprocess_refuses_repeated_keys_and_inputs_training_would_refuse(tmp_p
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     no_title = _write_lines(tmp_path / "no_title.jsonl", [{"text": "some text", "title": ""}] * 3)
-    cases = [((no_title, "text", "text"), r"--json-keys text text names 'text' more than once"),
-             ((str(empty), "text"), r"empty\.jsonl holds no JSON line"),
-             ((no_title, "text", "title"), r"no_title\.jsonl: every one of its 3 documents is empty under 'title'")]
+    cases = [
+        ((no_title, "text", "text"), r"--json-keys text text names 'text' more than once"),
+        ((str(empty), "text"), r"empty\.jsonl holds no JSON line"),
+        ((no_title, "text", "title"), r"no_title\.jsonl: every one of its 3 documents is empty under 'title'"),
+    ]
     import re
 
     for (path, *keys), message in cases:
         with pytest.raises(SystemExit) as exit_info:
-            preprocess_main(["--input", path, "--output-prefix", str(tmp_path / "out"), "--json-keys", *keys,
-                             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", SHIPPED_MODEL,
-                             "--no-progress"])
+            preprocess_main(
+                [
+                    "--input",
+                    path,
+                    "--output-prefix",
+                    str(tmp_path / "out"),
+                    "--json-keys",
+                    *keys,
+                    "--tokenizer-type",
+                    "SentencePieceTokenizer",
+                    "--tokenizer-model",
+                    SHIPPED_MODEL,
+                    "--no-progress",
+                ]
+            )
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert re.search(message, err) and "Traceback" not in err, err
@@ -369,10 +460,27 @@ def test_sigterm_removes_the_temporary_files(tmp_path):
 
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", str(fifo),
-                             "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer",
-                             "--tokenizer-model", SHIPPED_MODEL, "--workers", "2", "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "preprocess_data.py"),
+            "--input",
+            str(fifo),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            SHIPPED_MODEL,
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     fd = None
     try:
@@ -384,7 +492,9 @@ def test_sigterm_removes_the_temporary_files(tmp_path):
                 time.sleep(0.05)
         os.set_blocking(fd, True)
         # 40 of the tool's batches of 256 lines: more than it keeps in flight, so tokens reach the .bin.tmp
-        os.write(fd, (json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 4}) + "\n").encode() * 10240)
+        os.write(
+            fd, (json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 4}) + "\n").encode() * 10240
+        )
         tmp_bin = tmp_path / "out_text_document.bin.tmp"
         while not (tmp_bin.exists() and tmp_bin.stat().st_size):  # tokens reached the file: mid-run
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
@@ -419,36 +529,64 @@ def test_preprocess_records_its_tokenizer_and_training_under_another_is_refused(
         record = json.load(f)
     assert record["tokenizer"] == build_tokenizer("NullTokenizer", vocab_size=100).identity()
     assert record["json_key"] == "text" and record["append_eod"] is True
-    assert sorted(os.listdir(tmp_path)) == ["ids.jsonl", "ids_text_document.bin", "ids_text_document.idx",
-                                            "ids_text_document.tokenizer.json"]  # no .tmp left
+    assert sorted(os.listdir(tmp_path)) == [
+        "ids.jsonl",
+        "ids_text_document.bin",
+        "ids_text_document.idx",
+        "ids_text_document.tokenizer.json",
+    ]  # no .tmp left
     assert check_tokenizer_record(prefix, build_tokenizer("NullTokenizer", vocab_size=100).identity()) == []
     (problem,) = check_tokenizer_record(prefix, build_tokenizer("NullTokenizer", vocab_size=120).identity())
-    assert "was tokenized with NullTokenizer (vocabulary 101)" in problem and "this run's tokenizer is " \
-           "NullTokenizer (vocabulary 121)" in problem and "--tokenizer-type/--tokenizer-model/--vocab-size" in problem
+    assert (
+        "was tokenized with NullTokenizer (vocabulary 101)" in problem
+        and "this run's tokenizer is NullTokenizer (vocabulary 121)" in problem
+        and "--tokenizer-type/--tokenizer-model/--vocab-size" in problem
+    )
 
     # sentencepiece: the same model under another name (and type) is the same tokenizer; another is not
     texts = [DOCS[0], DOCS[1], DOCS[3]] * 5
     sp_input = write_jsonl(tmp_path / "sp.jsonl", texts)
-    preprocess_data(sp_input, str(tmp_path / "sp"), "SentencePieceTokenizer", SHIPPED_MODEL, append_eod=True,
-                    progress=False)
+    preprocess_data(
+        sp_input, str(tmp_path / "sp"), "SentencePieceTokenizer", SHIPPED_MODEL, append_eod=True, progress=False
+    )
     sp_prefix = str(tmp_path / "sp_text_document")
     shutil.copy(SHIPPED_MODEL, tmp_path / "copy.model")
-    assert check_tokenizer_record(sp_prefix, build_tokenizer("GPTSentencePieceTokenizer",
-                                                             str(tmp_path / "copy.model")).identity()) == []
+    assert (
+        check_tokenizer_record(
+            sp_prefix, build_tokenizer("GPTSentencePieceTokenizer", str(tmp_path / "copy.model")).identity()
+        )
+        == []
+    )
     other = train_tokenizer(sp_input, str(tmp_path / "other"), vocab_size=320)
     (problem,) = check_tokenizer_record(sp_prefix, build_tokenizer("SentencePieceTokenizer", other).identity())
     assert f"from {SHIPPED_MODEL})" in problem and "files sha256" in problem
 
     # the entry point: one error naming the flag and the prefix, before any process group or model
-    job = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--device", "cpu", "--seq-length", "64",
-           "--split", "100,0,0"]
-    with pytest.raises(ConfigError, match=r"--data-path .*ids_text_document was tokenized with NullTokenizer "
-                                          r"\(vocabulary 101\)"):
+    job = [
+        "--data-path",
+        prefix,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--device",
+        "cpu",
+        "--seq-length",
+        "64",
+        "--split",
+        "100,0,0",
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"--data-path .*ids_text_document was tokenized with NullTokenizer "
+        r"\(vocabulary 101\)",
+    ):
         pretrain_gpt.main(job + ["--vocab-size", "120"])
     with open(prefix + ".tokenizer.json", "w") as f:
         f.write("{broken")
-    with pytest.raises(ConfigError, match=r"ids_text_document.tokenizer.json \(the tokenizer the pair was made "
-                                          r"with\) cannot be read"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ids_text_document.tokenizer.json \(the tokenizer the pair was made "
+        r"with\) cannot be read",
+    ):
         pretrain_gpt.main(job + ["--vocab-size", "100"])
 
 
@@ -461,8 +599,13 @@ def test_sigterm_during_the_renames_leaves_a_whole_dataset(tmp_path, monkeypatch
     from tools.preprocess_data import Interrupted
 
     prefix = str(tmp_path / "out_text_document")
-    preprocess_data(write_jsonl(tmp_path / "old.jsonl", ["1 2 3", "4 5"]), str(tmp_path / "out"), "NullTokenizer",
-                    vocab_size=100, progress=False)  # a previous dataset at the same prefix
+    preprocess_data(
+        write_jsonl(tmp_path / "old.jsonl", ["1 2 3", "4 5"]),
+        str(tmp_path / "out"),
+        "NullTokenizer",
+        vocab_size=100,
+        progress=False,
+    )  # a previous dataset at the same prefix
     new_input = write_jsonl(tmp_path / "new.jsonl", [" ".join(str(i % 50) for i in range(300))] * 7)
     real_replace, calls = os.replace, []
 
@@ -511,8 +654,7 @@ def test_a_worker_signalled_before_its_initializer_ends_quietly_or_ignores_ctrl_
     fork = multiprocessing.get_context("fork")
     with _sigterm_raises():  # as in preprocess_data, which starts its pool inside it
         with _pool_signals_held():
-            workers = [fork.Process(target=_start_like_a_pool_worker, args=(encoder, str(tmp_path)))
-                       for _ in range(2)]
+            workers = [fork.Process(target=_start_like_a_pool_worker, args=(encoder, str(tmp_path))) for _ in range(2)]
             for worker in workers:
                 worker.start()
         try:

@@ -75,8 +75,8 @@ def test_get_missing_dataset_files(tmp_path):
 
 def test_samples_are_shifted_windows_of_the_corpus(tokenizer, shipped_stream, tmp_path):
     train, valid, test = build_gpt_datasets(
-        tokenizer, SEQ, [200, 20, 0], [SHIPPED_PREFIX], split="98,2,0",
-        path_to_cache=str(tmp_path))
+        tokenizer, SEQ, [200, 20, 0], [SHIPPED_PREFIX], split="98,2,0", path_to_cache=str(tmp_path)
+    )
     assert test is None
     assert len(train) >= 200 and len(valid) >= 20
     for index in (0, 1, 57, len(train) - 1):
@@ -105,16 +105,23 @@ def test_blend_of_two_prefixes_follows_weights(tokenizer, tmp_path):
     # Second dataset: ids 8100..8179 only, so a sample's source is visible from its tokens.
     path = tmp_path / "ids.jsonl"
     rng = numpy.random.default_rng(0)
-    path.write_text("".join(
-        '{"text": "' + " ".join(map(str, rng.integers(8100, 8180, size=int(n)))) + '"}\n'
-        for n in rng.integers(20, 200, size=300)))
-    preprocess_data(str(path), str(tmp_path / "ids"), "NullTokenizer", vocab_size=8191,
-                    append_eod=True, progress=False)
+    path.write_text(
+        "".join(
+            '{"text": "' + " ".join(map(str, rng.integers(8100, 8180, size=int(n)))) + '"}\n'
+            for n in rng.integers(20, 200, size=300)
+        )
+    )
+    preprocess_data(str(path), str(tmp_path / "ids"), "NullTokenizer", vocab_size=8191, append_eod=True, progress=False)
     high_prefix = str(tmp_path / "ids_text_document")
     num_train = 2000
     train, _, _ = build_gpt_datasets(
-        tokenizer, SEQ, [num_train, 10, 10], ["0.25", SHIPPED_PREFIX, "0.75", high_prefix],
-        split="90,5,5", path_to_cache=str(tmp_path / "cache"))
+        tokenizer,
+        SEQ,
+        [num_train, 10, 10],
+        ["0.25", SHIPPED_PREFIX, "0.75", high_prefix],
+        split="90,5,5",
+        path_to_cache=str(tmp_path / "cache"),
+    )
     assert len(train) == num_train
     from_high = [bool(torch.all(train[i]["tokens"] >= 8100)) for i in range(num_train)]
     assert sum(from_high) / num_train == pytest.approx(0.75, abs=0.03)
@@ -122,8 +129,7 @@ def test_blend_of_two_prefixes_follows_weights(tokenizer, tmp_path):
 
 def test_mock_data(tmp_path):
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=500)
-    train, valid, test = build_gpt_datasets(tokenizer, SEQ, [30, 5, 5], mock_data=True,
-                                            path_to_cache=str(tmp_path))
+    train, valid, test = build_gpt_datasets(tokenizer, SEQ, [30, 5, 5], mock_data=True, path_to_cache=str(tmp_path))
     assert min(len(train), len(valid), len(test)) >= 5
     sample = train[3]
     assert sample["tokens"].shape == (SEQ,)
@@ -136,8 +142,7 @@ def test_mock_data(tmp_path):
 
 def test_missing_files_name_data_path(tokenizer, tmp_path):
     shutil.copy(SHIPPED_PREFIX + ".bin", tmp_path / "only_bin.bin")
-    for prefix, missing in ((str(tmp_path / "nope"), "nope.bin"),
-                            (str(tmp_path / "only_bin"), "only_bin.idx")):
+    for prefix, missing in ((str(tmp_path / "nope"), "nope.bin"), (str(tmp_path / "only_bin"), "only_bin.idx")):
         with pytest.raises(ValueError, match="--data-path") as info:
             build_gpt_datasets(tokenizer, SEQ, [10, 1, 1], [prefix], path_to_cache=str(tmp_path))
         assert missing in str(info.value)
@@ -147,8 +152,7 @@ def test_missing_files_name_data_path(tokenizer, tmp_path):
 
 def test_weighted_blend_needs_all_sample_counts(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="sample count"):
-        build_gpt_datasets(tokenizer, SEQ, [10, None, 1], ["1", SHIPPED_PREFIX],
-                           path_to_cache=str(tmp_path))
+        build_gpt_datasets(tokenizer, SEQ, [10, None, 1], ["1", SHIPPED_PREFIX], path_to_cache=str(tmp_path))
 
 
 def test_an_unwritable_index_cache_names_data_cache_path(tokenizer, tmp_path):
@@ -169,8 +173,9 @@ def test_the_window_line_says_how_many_epochs_the_run_reads(tokenizer, tmp_path)
 
     from megatron_ext.data.builder import describe_windows
 
-    train, _, _ = build_gpt_datasets(tokenizer, SEQ, [2000, 20, 0], [SHIPPED_PREFIX], split="98,2,0",
-                                     path_to_cache=str(tmp_path))
+    train, _, _ = build_gpt_datasets(
+        tokenizer, SEQ, [2000, 20, 0], [SHIPPED_PREFIX], split="98,2,0", path_to_cache=str(tmp_path)
+    )
     indexed = IndexedDataset(SHIPPED_PREFIX)  # kept: its lengths are a view of its memory map
     tokens = int(indexed.sequence_lengths[train.indices].sum())
     line = describe_windows(train, SEQ)

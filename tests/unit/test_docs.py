@@ -86,9 +86,11 @@ def test_every_relative_link_resolves():
 def test_link_check_finds_missing_files_and_anchors(tmp_path):
     (tmp_path / "other.md").write_text("# Other page\n\n## Run `it` (twice)\n\n## Run it twice\n")
     page = tmp_path / "page.md"
-    page.write_text("# Page\n[ok](other.md) [ok](other.md#run-it-twice) [ok](other.md#run-it-twice-1) "
-                    "[ok](#page) ![ok](other.md) [web](https://example.com/x.md)\n"
-                    "`[code](nowhere.md)`\n```\n[code](nowhere.md)\n```\n"
-                    "[bad](missing.md) [bad](other.md#nope) [bad](#nope)\n")
+    page.write_text(
+        "# Page\n[ok](other.md) [ok](other.md#run-it-twice) [ok](other.md#run-it-twice-1) "
+        "[ok](#page) ![ok](other.md) [web](https://example.com/x.md)\n"
+        "`[code](nowhere.md)`\n```\n[code](nowhere.md)\n```\n"
+        "[bad](missing.md) [bad](other.md#nope) [bad](#nope)\n"
+    )
     broken = find_broken_links(str(page))
     assert [b.split()[0] for b in broken] == ["missing.md", "other.md#nope", "#nope"], broken

@@ -17,8 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def listed_rows() -> list[tuple[str, int, int, list[str]]]:
     """(name, limit s, group, command) of every check ``--list`` prints."""
-    out = subprocess.run(["bash", "scripts/gpu_checks.sh", "--list"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["bash", "scripts/gpu_checks.sh", "--list"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     rows = []
     for line in out.splitlines():
         name, limit, group_word, group, *cmd = line.split()
@@ -46,8 +47,9 @@ def test_fails_fast_without_megatron_core(tmp_path):
     (tmp_path / "megatron").mkdir()
     (tmp_path / "megatron" / "__init__.py").write_text("")  # a megatron package without core
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", "--group", "1"], cwd=ROOT, capture_output=True, text=True,
-                          env=env)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_checks.sh", "--group", "1"], cwd=ROOT, capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 3 and "megatron-core is not importable" in proc.stderr, proc.stderr
 
 

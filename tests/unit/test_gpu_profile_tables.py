@@ -11,8 +11,9 @@ from bench import gpu_profile
 
 
 def event(key: str, count: int, cpu_total_us: float, self_cpu_us: float = 0.0, device=DeviceType.CPU):
-    return types.SimpleNamespace(key=key, count=count, cpu_time_total=cpu_total_us,
-                                 self_cpu_time_total=self_cpu_us, device_type=device)
+    return types.SimpleNamespace(
+        key=key, count=count, cpu_time_total=cpu_total_us, self_cpu_time_total=self_cpu_us, device_type=device
+    )
 
 
 def test_largest_differences_orders_by_absolute_difference_and_counts_missing_keys_as_zero():
@@ -27,9 +28,13 @@ def test_largest_differences_orders_by_absolute_difference_and_counts_missing_ke
 
 
 def test_runtime_rows_keep_cuda_api_calls_per_step_heaviest_first():
-    events = [event("cudaLaunchKernel", 600, 3000.0), event("cudaMalloc", 4, 9000.0),
-              event("aten::mm", 100, 50000.0), event("cudaStreamSynchronize", 8, 1000.0),
-              event("cudaMemcpyAsync", 2, 10.0, device=DeviceType.CUDA)]
+    events = [
+        event("cudaLaunchKernel", 600, 3000.0),
+        event("cudaMalloc", 4, 9000.0),
+        event("aten::mm", 100, 50000.0),
+        event("cudaStreamSynchronize", 8, 1000.0),
+        event("cudaMemcpyAsync", 2, 10.0, device=DeviceType.CUDA),
+    ]
     rows = gpu_profile.runtime_rows(events, steps=2)
     assert rows == [("cudaMalloc", 2.0, 4.5), ("cudaLaunchKernel", 300.0, 1.5), ("cudaStreamSynchronize", 4.0, 0.5)]
 
@@ -50,5 +55,7 @@ def test_python_groups_name_the_package_and_the_c_calls():
     assert group("~", "<method 'add_' of 'torch._C.TensorBase' objects>") == "C: torch operators called from Python"
     assert group("~", "<built-in method builtins.isinstance>") == "C: other builtins"
     assert group("/usr/lib/python3.12/contextlib.py", "__enter__") == "contextlib.py"
-    assert gpu_profile.function_label((f"{site}/megatron/core/transformer/attention.py", 875, "forward")) == \
-        "megatron.core/transformer/attention.py:875(forward)"
+    assert (
+        gpu_profile.function_label((f"{site}/megatron/core/transformer/attention.py", 875, "forward"))
+        == "megatron.core/transformer/attention.py:875(forward)"
+    )

@@ -14,35 +14,71 @@ import pytest
 import torch.distributed as dist
 
 from megatron_ext.config import ConfigError, build_job_config
-from megatron_ext.validation import validate
 from megatron_ext.heartbeat import (
-    Heartbeat, HeartbeatBoard, HeartbeatPublisher, StepProgress, classify, format_ranks, format_verdicts, get_wait,
-    open_store_connection, read_heartbeats, sample_thread,
+    Heartbeat,
+    HeartbeatBoard,
+    HeartbeatPublisher,
+    StepProgress,
+    classify,
+    format_ranks,
+    format_verdicts,
+    get_wait,
+    open_store_connection,
+    read_heartbeats,
+    sample_thread,
 )
 from megatron_ext.testing import get_free_port
+from megatron_ext.validation import validate
 
 MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128)
 
 
-def _beat(rank: int, seq: int, progress: int, idle_s: float, waiting: str = "", phase: str = "step",
-          **kw) -> Heartbeat:
-    return Heartbeat(rank=rank, host="node7", pp_rank=rank, pp_size=4, seq=seq, phase=phase, iteration=2,
-                     microbatch=1, chunk=0, progress=progress, idle_s=idle_s, waiting=waiting, at="f.py:1 in g", **kw)
+def _beat(rank: int, seq: int, progress: int, idle_s: float, waiting: str = "", phase: str = "step", **kw) -> Heartbeat:
+    return Heartbeat(
+        rank=rank,
+        host="node7",
+        pp_rank=rank,
+        pp_size=4,
+        seq=seq,
+        phase=phase,
+        iteration=2,
+        microbatch=1,
+        chunk=0,
+        progress=progress,
+        idle_s=idle_s,
+        waiting=waiting,
+        at="f.py:1 in g",
+        **kw,
+    )
 
 
 def test_verdicts_name_the_stopped_rank_not_the_ones_waiting_behind_it():
     recent = 0.3
-    first = {0: _beat(0, 10, 5, 2.0, "p2p_communication.py:238 in _communicate"), 1: _beat(1, 10, 7, 2.0),
-             2: _beat(2, 10, 3, 2.0), 3: _beat(3, 10, 9, 0.1), 4: _beat(4, 10, 4, 0.1)}
-    second = {0: _beat(0, 12, 5, 2.2, "p2p_communication.py:238 in _communicate"),
-              1: _beat(1, 12, 7, 2.2),  # computing, no progress: stopped
-              2: _beat(2, 10, 3, 2.0),  # seq unchanged: silent (dead or frozen)
-              3: _beat(3, 12, 9, 0.2),  # no new event, but its last one is recent: progressing
-              4: _beat(4, 12, 6, 0.05),  # new events: progressing
-              5: _beat(5, 12, 6, 9.0, phase="closed")}  # its heartbeat closed on purpose
+    first = {
+        0: _beat(0, 10, 5, 2.0, "p2p_communication.py:238 in _communicate"),
+        1: _beat(1, 10, 7, 2.0),
+        2: _beat(2, 10, 3, 2.0),
+        3: _beat(3, 10, 9, 0.1),
+        4: _beat(4, 10, 4, 0.1),
+    }
+    second = {
+        0: _beat(0, 12, 5, 2.2, "p2p_communication.py:238 in _communicate"),
+        1: _beat(1, 12, 7, 2.2),  # computing, no progress: stopped
+        2: _beat(2, 10, 3, 2.0),  # seq unchanged: silent (dead or frozen)
+        3: _beat(3, 12, 9, 0.2),  # no new event, but its last one is recent: progressing
+        4: _beat(4, 12, 6, 0.05),  # new events: progressing
+        5: _beat(5, 12, 6, 9.0, phase="closed"),
+    }  # its heartbeat closed on purpose
     verdicts = {v.rank: v.verdict for v in classify(first, second, 7, recent)}
-    assert verdicts == {0: "waiting", 1: "stopped", 2: "silent", 3: "progressing", 4: "progressing", 5: "closed",
-                        6: "missing"}
+    assert verdicts == {
+        0: "waiting",
+        1: "stopped",
+        2: "silent",
+        3: "progressing",
+        4: "progressing",
+        5: "closed",
+        6: "missing",
+    }
 
 
 def test_report_lines_name_each_culprit_in_full_and_group_the_waiting_ranks():
@@ -50,14 +86,17 @@ def test_report_lines_name_each_culprit_in_full_and_group_the_waiting_ranks():
     second = {r: _beat(r, 2, 5, 3.2, b.waiting) for r, b in first.items() if r != 5}
     lines = format_verdicts(classify(first, second, 6, 0.3))
     text = "\n".join(lines)
-    stopped = lines.index("  STOPPED (no progress, not waiting for another rank): the ranks holding the others "
-                          "up:")
-    assert lines[stopped + 1] == ("    rank 2 (pipeline stage 2 of 4, tensor rank 0, data-parallel rank 0, host "
-                                  "node7): the training step of iteration 2, micro-batch 1 of model chunk 0, no "
-                                  "progress for 3.2 s, at f.py:1 in g")
+    stopped = lines.index("  STOPPED (no progress, not waiting for another rank): the ranks holding the others up:")
+    assert lines[stopped + 1] == (
+        "    rank 2 (pipeline stage 2 of 4, tensor rank 0, data-parallel rank 0, host "
+        "node7): the training step of iteration 2, micro-batch 1 of model chunk 0, no "
+        "progress for 3.2 s, at f.py:1 in g"
+    )
     assert "    rank 5: never published one" in lines
-    assert ("  waiting for other ranks: ranks 0-1, 3-4, in the training step of iteration 2, in "
-            "distributed_c10d.py:9 in all_reduce") in lines
+    assert (
+        "  waiting for other ranks: ranks 0-1, 3-4, in the training step of iteration 2, in "
+        "distributed_c10d.py:9 in all_reduce"
+    ) in lines
     assert "no rank stopped outside a communication" not in text
 
 
@@ -90,8 +129,10 @@ def test_a_wait_is_a_communication_function_or_a_handle_wait_in_torch_or_megatro
     assert get_wait(_frame(tmp_path, "a/megatron/core", "handle.wait()")) == "mod.py:2 in f"
     assert get_wait(_frame(tmp_path, "b/ours", "handle.wait()")) == ""  # our code waits on local things
     assert get_wait(_frame(tmp_path, "c/megatron/core", "x = y @ z")) == ""
-    c10d = types.SimpleNamespace(f_code=types.SimpleNamespace(
-        co_filename="/x/torch/distributed/distributed_c10d.py", co_name="all_reduce"), f_lineno=3)
+    c10d = types.SimpleNamespace(
+        f_code=types.SimpleNamespace(co_filename="/x/torch/distributed/distributed_c10d.py", co_name="all_reduce"),
+        f_lineno=3,
+    )
     assert get_wait(c10d) == "distributed_c10d.py:3 in all_reduce"
 
 
@@ -143,7 +184,8 @@ def test_watchdog_limits_must_be_below_the_collective_timeout():
         validate(build_job_config({**MOCK, "save_timeout_minutes": 12, "distributed_timeout_minutes": 10}), 1)
     assert err.value.problems == [
         "--save-timeout-minutes 12 must be below --distributed-timeout-minutes 10, or the collective timeout ends "
-        "a stalled run first, naming no rank: lower it, or raise --distributed-timeout-minutes"]
+        "a stalled run first, naming no rank: lower it, or raise --distributed-timeout-minutes"
+    ]
     validate(build_job_config({**MOCK, "step_timeout_minutes": 0.05, "save_timeout_minutes": 9.5}), 1)
 
 
@@ -214,8 +256,10 @@ def test_in_a_large_world_only_the_first_ranks_to_time_out_read_every_heartbeat(
     publisher = HeartbeatPublisher(server, StepProgress(), identity, interval_s=0.01)
     publisher.publish()
     world = HeartbeatBoard.ALL_COLLECT_WORLD + 1
-    reports = [HeartbeatBoard(publisher, server, world, "rank 0", hosts_store=False).collect()
-               for _ in range(HeartbeatBoard.COLLECTORS + 1)]
+    reports = [
+        HeartbeatBoard(publisher, server, world, "rank 0", hosts_store=False).collect()
+        for _ in range(HeartbeatBoard.COLLECTORS + 1)
+    ]
     for lines in reports[:-1]:
         assert f"    ranks 1-{world - 1}: never published one" in lines
     (line,) = reports[-1]

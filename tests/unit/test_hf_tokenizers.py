@@ -14,7 +14,6 @@ import numpy
 import pytest
 
 from megatron_ext.checkpoint.compatibility import check_compatible
-
 from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.data.tokenizers import build_tokenizer
@@ -24,8 +23,12 @@ pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-TEXTS = ["Packed documents never attend across boundaries.", "", "def f(x):\n    return x * 2  # naïve café",
-         "Pipeline parallelism, tensor parallelism and data parallelism: " * 3]
+TEXTS = [
+    "Packed documents never attend across boundaries.",
+    "",
+    "def f(x):\n    return x * 2  # naïve café",
+    "Pipeline parallelism, tensor parallelism and data parallelism: " * 3,
+]
 
 
 def _train_bpe(vocab_size: int):
@@ -34,8 +37,11 @@ def _train_bpe(vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         tok.train_from_iterator([f.read()], trainer)
     return tok
@@ -48,13 +54,16 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("tokenizers")
     tok = _train_bpe(600)
     out = {}
-    for name, special in (("hf", dict(eos_token="<|endoftext|>")),
-                          ("hf_pad", dict(eos_token="<|endoftext|>", pad_token="<pad>")),
-                          ("hf_no_eos", {})):
+    for name, special in (
+        ("hf", dict(eos_token="<|endoftext|>")),
+        ("hf_pad", dict(eos_token="<|endoftext|>", pad_token="<pad>")),
+        ("hf_no_eos", {}),
+    ):
         PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(str(root / name))
         out[name] = str(root / name)
     PreTrainedTokenizerFast(tokenizer_object=_train_bpe(400), eos_token="<|endoftext|>").save_pretrained(
-        str(root / "hf_other"))
+        str(root / "hf_other")
+    )
     out["hf_other"] = str(root / "hf_other")
     os.makedirs(root / "gpt2")
     tok.model.save(str(root / "gpt2"))
@@ -90,8 +99,14 @@ def test_huggingface_directory_preprocesses_to_the_tokenizer_ids(files):
 
     reference = AutoTokenizer.from_pretrained(files["hf"])
     eod = reference.eos_token_id
-    preprocess_data(files["jsonl"], os.path.join(files["root"], "hf_out"), "HuggingFaceTokenizer", files["hf"],
-                    append_eod=True, progress=False)
+    preprocess_data(
+        files["jsonl"],
+        os.path.join(files["root"], "hf_out"),
+        "HuggingFaceTokenizer",
+        files["hf"],
+        append_eod=True,
+        progress=False,
+    )
     expected = [reference.encode(t, add_special_tokens=False) + [eod] for t in TEXTS if t]
     assert _documents(os.path.join(files["root"], "hf_out_text_document")) == expected
     tokenizer = build_tokenizer("HuggingFaceTokenizer", files["hf"])
@@ -102,8 +117,15 @@ def test_huggingface_directory_preprocesses_to_the_tokenizer_ids(files):
 
 def test_gpt2_bpe_files_preprocess_to_gpt2_ids(files):
     reference = _gpt2_reference(files["vocab"], files["merges"])
-    preprocess_data(files["jsonl"], os.path.join(files["root"], "gpt2_out"), "GPT2BPETokenizer", append_eod=True,
-                    progress=False, vocab_file=files["vocab"], merge_file=files["merges"])
+    preprocess_data(
+        files["jsonl"],
+        os.path.join(files["root"], "gpt2_out"),
+        "GPT2BPETokenizer",
+        append_eod=True,
+        progress=False,
+        vocab_file=files["vocab"],
+        merge_file=files["merges"],
+    )
     eod = reference.convert_tokens_to_ids("<|endoftext|>")
     expected = [reference.encode(t) + [eod] for t in TEXTS if t]
     assert _documents(os.path.join(files["root"], "gpt2_out_text_document")) == expected
@@ -112,13 +134,19 @@ def test_gpt2_bpe_files_preprocess_to_gpt2_ids(files):
     assert tokenizer.detokenize(expected[0][:-1]) == TEXTS[0]
 
 
-@pytest.mark.parametrize("kind, needle", [
-    ("hub id", "is not a local directory (hub ids are not downloaded"),
-    ("bare file", "a bare tokenizer file names no eos token; pass the tokenizer's directory"),
-    ("no eos", "the tokenizer defines no eos token"),
-    ("no merges", "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file"),
-    ("tiktoken", "--tokenizer-type TikTokenizer is not supported: megatron-core's TikTokenizer reads Megatron's own"),
-])
+@pytest.mark.parametrize(
+    "kind, needle",
+    [
+        ("hub id", "is not a local directory (hub ids are not downloaded"),
+        ("bare file", "a bare tokenizer file names no eos token; pass the tokenizer's directory"),
+        ("no eos", "the tokenizer defines no eos token"),
+        ("no merges", "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file"),
+        (
+            "tiktoken",
+            "--tokenizer-type TikTokenizer is not supported: megatron-core's TikTokenizer reads Megatron's own",
+        ),
+    ],
+)
 def test_tokenizer_errors_name_the_flag_and_the_fix(files, kind, needle):
     args = {
         "hub id": ("HuggingFaceTokenizer", "meta-llama/Meta-Llama-3-8B", {}),

@@ -49,8 +49,19 @@ while [[ $# -gt 0 && "$1" == -* ]]; do shift; done
 SLURM_NODEID=0 exec "$@"
 """
 
-LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "RDZV_ID", "TRAIN_SCRIPT",
-               "MEGATRON_EXT_ROOT", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+LAUNCH_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NNODES",
+    "NODE_RANK",
+    "NPROC_PER_NODE",
+    "RDZV_ID",
+    "TRAIN_SCRIPT",
+    "MEGATRON_EXT_ROOT",
+    "OMP_NUM_THREADS",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+)
 
 
 def make_fakes(tmp_path) -> str:
@@ -64,19 +75,36 @@ def make_fakes(tmp_path) -> str:
 
 def launch_env(tmp_path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    env.update(PATH=make_fakes(tmp_path) + os.pathsep + os.environ["PATH"],
-               FAKE_TORCHRUN_OUT=str(tmp_path / "torchrun.json"), **extra)
+    env.update(
+        PATH=make_fakes(tmp_path) + os.pathsep + os.environ["PATH"],
+        FAKE_TORCHRUN_OUT=str(tmp_path / "torchrun.json"),
+        **extra,
+    )
     return env
 
 
 def slurm_env(tmp_path, nodes: int, **extra: str) -> dict[str, str]:
-    return launch_env(tmp_path, SLURM_JOB_NODELIST=f"node[1-{nodes}]", SLURM_NNODES=str(nodes), SLURM_JOB_ID="4242",
-                      SLURM_SUBMIT_DIR=REPO, SLURM_CPUS_PER_TASK="4", FAKE_NODES=str(nodes), **extra)
+    return launch_env(
+        tmp_path,
+        SLURM_JOB_NODELIST=f"node[1-{nodes}]",
+        SLURM_NNODES=str(nodes),
+        SLURM_JOB_ID="4242",
+        SLURM_SUBMIT_DIR=REPO,
+        SLURM_CPUS_PER_TASK="4",
+        FAKE_NODES=str(nodes),
+        **extra,
+    )
 
 
 def run_sbatch(tmp_path, env: dict[str, str], args: list[str]) -> dict:
-    proc = subprocess.run(["bash", os.path.join(REPO, "launch", "slurm.sbatch"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "launch", "slurm.sbatch"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     with open(tmp_path / "torchrun.json") as f:
         return json.load(f)
@@ -85,13 +113,19 @@ def run_sbatch(tmp_path, env: dict[str, str], args: list[str]) -> dict:
 def test_sbatch_passes_flags_and_paths_with_spaces_and_quotes_through(tmp_path):
     root = tmp_path / "my repo"
     shutil.copytree(os.path.join(REPO, "launch"), root / "launch")
-    flags = ["--config", "my configs/a b.yaml", "--wandb-exp-name", "it's \"quoted\" $HOME *", "--empty", ""]
+    flags = ["--config", "my configs/a b.yaml", "--wandb-exp-name", 'it\'s "quoted" $HOME *', "--empty", ""]
     seen = run_sbatch(tmp_path, slurm_env(tmp_path, 2, MEGATRON_EXT_ROOT=str(root)), flags)
     argv, env = seen["argv"], seen["env"]
-    assert argv[-len(flags) - 1:] == [str(root / "pretrain_gpt.py"), *flags], argv
-    opts = dict(zip(argv[:-len(flags) - 1:2], argv[1:-len(flags) - 1:2]))
-    assert opts == {"--nnodes": "2", "--nproc-per-node": "8", "--node-rank": "0", "--rdzv-backend": "c10d",
-                    "--rdzv-endpoint": "addr-of-node1:29500", "--rdzv-id": "4242"}, argv
+    assert argv[-len(flags) - 1 :] == [str(root / "pretrain_gpt.py"), *flags], argv
+    opts = dict(zip(argv[: -len(flags) - 1 : 2], argv[1 : -len(flags) - 1 : 2]))
+    assert opts == {
+        "--nnodes": "2",
+        "--nproc-per-node": "8",
+        "--node-rank": "0",
+        "--rdzv-backend": "c10d",
+        "--rdzv-endpoint": "addr-of-node1:29500",
+        "--rdzv-id": "4242",
+    }, argv
     assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1", env
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "110" and env["MEGATRON_EXT_EXIT_MARKER_DIR"], env
 
@@ -116,9 +150,15 @@ def test_sigint_reaches_torchrun_before_its_workers_start(tmp_path):
     env = launch_env(tmp_path, NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", FAKE_TORCHRUN_SLEEP="120")
     # started as from a terminal or srun: SIGINT not ignored (this test process may have been started with it
     # ignored, and a shell cannot trap a signal ignored when it starts)
-    proc = subprocess.Popen([os.path.join(REPO, "launch", "torchrun.sh"), "--flag"], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [os.path.join(REPO, "launch", "torchrun.sh"), "--flag"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "torchrun.json").exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -197,11 +237,23 @@ sys.exit(step["rc"])
 def run_restarts(tmp_path, plan: list[dict], max_restarts: str, **extra: str) -> tuple[int, str, list[dict]]:
     """launch/torchrun.sh under MAX_RESTARTS with the playing torchrun: (exit code, stderr, one record per attempt)."""
     tmp_path.mkdir(exist_ok=True)
-    env = launch_env(tmp_path, NPROC_PER_NODE="2", MAX_RESTARTS=max_restarts, FAKE_PLAN=json.dumps(plan),
-                     FAKE_TORCHRUN_LOG=str(tmp_path / "attempts.jsonl"), **extra)
+    env = launch_env(
+        tmp_path,
+        NPROC_PER_NODE="2",
+        MAX_RESTARTS=max_restarts,
+        FAKE_PLAN=json.dumps(plan),
+        FAKE_TORCHRUN_LOG=str(tmp_path / "attempts.jsonl"),
+        **extra,
+    )
     (tmp_path / "bin" / "torchrun").write_text(FAKE_PLAYING_TORCHRUN)
-    proc = subprocess.run([os.path.join(REPO, "launch", "torchrun.sh"), "--save", "ckpt"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [os.path.join(REPO, "launch", "torchrun.sh"), "--save", "ckpt"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     log = tmp_path / "attempts.jsonl"
     attempts = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc.returncode, proc.stderr, attempts
@@ -227,8 +279,9 @@ def test_a_crash_is_restarted_with_fresh_markers_and_resumes_from_save(tmp_path)
 
 def test_the_markers_of_an_earlier_attempt_do_not_count(tmp_path):
     # attempt 0: rank 0 finished, rank 1 crashed; attempt 1: only rank 1 finished -> not a success
-    rc, err, attempts = run_restarts(tmp_path, [{"rc": 1, "ok": [0], "iteration": {"1": 3}},
-                                                {"rc": 1, "ok": [1], "iteration": {"0": 5}}], "1")
+    rc, err, attempts = run_restarts(
+        tmp_path, [{"rc": 1, "ok": [0], "iteration": {"1": 3}}, {"rc": 1, "ok": [1], "iteration": {"0": 5}}], "1"
+    )
     assert rc == 1 and len(attempts) == 2, (rc, err, attempts)
     assert "MAX_RESTARTS=1 restarts are used up" in err, err
 
@@ -246,8 +299,10 @@ def test_the_same_failure_twice_in_a_row_stops(tmp_path):
 
 
 def test_a_worker_that_says_do_not_retry_is_not_restarted(tmp_path):
-    user_error = {"rc": 1, "noretry": {"0": "2 a user error (the error: block above)",
-                                       "1": "2 a user error (the error: block above)"}}
+    user_error = {
+        "rc": 1,
+        "noretry": {"0": "2 a user error (the error: block above)", "1": "2 a user error (the error: block above)"},
+    }
     rc, err, attempts = run_restarts(tmp_path, [user_error, DONE], "3")
     assert rc == 2 and len(attempts) == 1, (rc, err, attempts)
     assert "not restarting: a worker stopped on a user error" in err, err
@@ -265,13 +320,14 @@ def test_no_restart_by_default_and_a_bad_max_restarts_is_one_error(tmp_path):
     for i, bad in enumerate(("two", "-1", "1.5", "3 ")):
         rc, err, attempts = run_restarts(tmp_path / f"bad{i}", [DONE], bad)
         assert rc == 2 and attempts == [], (bad, rc, err)
-        assert err.strip().splitlines() == [f"error: MAX_RESTARTS={bad} is not a number: give how many times to "
-                                            f"restart after a failure, e.g. MAX_RESTARTS=3 (0, the default: never)"]
+        assert err.strip().splitlines() == [
+            f"error: MAX_RESTARTS={bad} is not a number: give how many times to "
+            f"restart after a failure, e.g. MAX_RESTARTS=3 (0, the default: never)"
+        ]
 
 
 def test_restarted_multi_node_attempts_meet_at_their_own_rendezvous_id(tmp_path):
-    rc, err, attempts = run_restarts(tmp_path, [CRASH, DONE], "1", NNODES="2", MASTER_ADDR="10.0.0.1",
-                                     RDZV_ID="job7")
+    rc, err, attempts = run_restarts(tmp_path, [CRASH, DONE], "1", NNODES="2", MASTER_ADDR="10.0.0.1", RDZV_ID="job7")
     assert rc == 0, (rc, err)
     ids = [a["argv"][a["argv"].index("--rdzv-id") + 1] for a in attempts]
     assert ids == ["job7", "job7.restart1"], ids
@@ -279,11 +335,23 @@ def test_restarted_multi_node_attempts_meet_at_their_own_rendezvous_id(tmp_path)
 
 def test_a_launcher_asked_to_stop_does_not_restart(tmp_path):
     # preemption without --exit-signal-handler: torchrun dies of the forwarded SIGTERM, no worker finished
-    env = launch_env(tmp_path, NPROC_PER_NODE="2", MAX_RESTARTS="3", FAKE_TORCHRUN_LOG=str(tmp_path / "attempts.jsonl"),
-                     FAKE_PLAN=json.dumps([{"rc": 1, "iteration": {"0": 4}, "sleep": 60}, DONE]))
+    env = launch_env(
+        tmp_path,
+        NPROC_PER_NODE="2",
+        MAX_RESTARTS="3",
+        FAKE_TORCHRUN_LOG=str(tmp_path / "attempts.jsonl"),
+        FAKE_PLAN=json.dumps([{"rc": 1, "iteration": {"0": 4}, "sleep": 60}, DONE]),
+    )
     (tmp_path / "bin" / "torchrun").write_text(FAKE_PLAYING_TORCHRUN)
-    proc = subprocess.Popen([os.path.join(REPO, "launch", "torchrun.sh")], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [os.path.join(REPO, "launch", "torchrun.sh")],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "attempts.jsonl").exists() and time.monotonic() < deadline:

@@ -10,11 +10,23 @@ from megatron_ext.training.metrics import IterationStats, MetricWriter, format_i
 
 
 def test_iteration_line_has_megatron_fields():
-    line = format_iteration_line(IterationStats(
-        iteration=5, train_iters=100, consumed_samples=640, ms_per_iteration=123.4,
-        tokens_per_second=5000.0, learning_rate=3e-4, global_batch_size=128, lm_loss=10.40344,
-        grad_norm=1.25, skipped_iterations=0, nan_iterations=0, seq_length=256, padding_fraction=0.125,
-    ))
+    line = format_iteration_line(
+        IterationStats(
+            iteration=5,
+            train_iters=100,
+            consumed_samples=640,
+            ms_per_iteration=123.4,
+            tokens_per_second=5000.0,
+            learning_rate=3e-4,
+            global_batch_size=128,
+            lm_loss=10.40344,
+            grad_norm=1.25,
+            skipped_iterations=0,
+            nan_iterations=0,
+            seq_length=256,
+            padding_fraction=0.125,
+        )
+    )
     assert re.search(r"iteration\s+5/\s+100 \| consumed samples:\s+640 \|", line)
     assert "lm loss: 1.040344E+01" in line and "learning rate: 3.000000E-04" in line
     assert "grad norm: 1.250" in line and "tokens/s: 5000" in line
@@ -26,8 +38,9 @@ def test_iteration_line_has_megatron_fields():
 def test_tensorboard_and_offline_wandb_write_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = build_job_config({"tensorboard_dir": str(tmp_path / "tb"), "wandb_project": "test",
-                            "wandb_save_dir": str(tmp_path / "wb")})
+    cfg = build_job_config(
+        {"tensorboard_dir": str(tmp_path / "tb"), "wandb_project": "test", "wandb_save_dir": str(tmp_path / "wb")}
+    )
     writer = MetricWriter(cfg, enabled=True)
     writer.write({"lm loss": 3.0}, 1)
     writer.close()

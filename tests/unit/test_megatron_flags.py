@@ -45,10 +45,22 @@ EVAL_AND_LOGGING_ARGS=(
     --distributed-timeout-minutes 60 --save /tmp/ckpt --load /tmp/ckpt --tensorboard-dir /tmp/tb
 )
 """
-REFUSED = ["--apply-layernorm-1p", "--fp8-format",
-           "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
-WARNED = ["--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion", "--tiktoken-pattern v2",
-          "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--log-throughput"]
+REFUSED = [
+    "--apply-layernorm-1p",
+    "--fp8-format",
+    "--fp8-amax-history-len",
+    "--fp8-amax-compute-algo",
+    "--fp8-param-gather",
+]
+WARNED = [
+    "--use-mcore-models",
+    "--attention-backend fused",
+    "--cross-entropy-loss-fusion",
+    "--tiktoken-pattern v2",
+    "--no-create-attention-mask-in-dataloader",
+    "--no-mmap-bin-files",
+    "--log-throughput",
+]
 
 
 def script_argv() -> list[str]:
@@ -90,44 +102,86 @@ def test_without_the_refused_flags_the_script_runs_with_one_warning_per_no_op_fl
     assert all("changes nothing" in n for n in notes)
     t = cfg.training
     assert (t.train_samples, t.lr_decay_samples, t.lr_warmup_samples, t.empty_unused_memory_level) == (
-        1953125000, 1949218748, 3906252, 1)
+        1953125000,
+        1949218748,
+        3906252,
+        1,
+    )
     assert cfg.model.num_query_groups == 8 and cfg.parallel.overlap_param_gather
     # real fields now (issue 31): the embedding/output layer's own LR, bf16 gradient buffers
     assert (t.decoupled_lr, t.decoupled_min_lr, cfg.parallel.grad_reduce_in_bf16) == (5.0e-4, 4.5e-5, True)
     validate(cfg, 8, cuda=True)  # the rest of the script is a valid job for us
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--kv-channels", "64"], "--kv-channels 64: we use --hidden-size / --num-attention-heads = 128 per head"),
-    (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
-    (["--use-rotary-position-embeddings"], "add --position-embedding-type rope"),
-    (["--attention-backend", "fused", "--transformer-impl", "transformer_engine"], "choosing Transformer Engine's attention backend is not supported yet"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--kv-channels", "64"], "--kv-channels 64: we use --hidden-size / --num-attention-heads = 128 per head"),
+        (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
+        (["--use-rotary-position-embeddings"], "add --position-embedding-type rope"),
+        (
+            ["--attention-backend", "fused", "--transformer-impl", "transformer_engine"],
+            "choosing Transformer Engine's attention backend is not supported yet",
+        ),
+    ],
+)
 def test_accepted_flags_with_other_values_are_refused(argv, needle):
-    base = ["--hidden-size", "4096", "--num-attention-heads", "32", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "128"]
+    base = [
+        "--hidden-size",
+        "4096",
+        "--num-attention-heads",
+        "32",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+    ]
     with pytest.raises(ConfigError) as err:
         parse_args_with_notes(base + argv)
     assert any(needle in p for p in err.value.problems), err.value.problems
 
 
 def test_accepted_flags_stating_our_behaviour_are_silent():
-    cfg, notes = parse_args_with_notes(["--ckpt-format", "torch_dist", "--kv-channels", "16", "--hidden-size", "64",
-                                        "--num-attention-heads", "4", "--position-embedding-type", "rope",
-                                        "--use-rotary-position-embeddings", "--no-position-embedding"])
+    cfg, notes = parse_args_with_notes(
+        [
+            "--ckpt-format",
+            "torch_dist",
+            "--kv-channels",
+            "16",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--position-embedding-type",
+            "rope",
+            "--use-rotary-position-embeddings",
+            "--no-position-embedding",
+        ]
+    )
     assert notes == [] and cfg.model.position_embedding_type == "rope"
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr 1e-05 needs --decoupled-lr"),
-    (["--decoupled-lr", "1e-5", "--lr", "1e-4", "--min-lr", "2e-5"], "--min-lr 2e-05 (the default of --decoupled-min-lr) "
-                                                                     "is larger than --decoupled-lr 1e-05"),
-    (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "2e-4"], "--decoupled-min-lr 0.0002 is larger than --decoupled-lr"),
-    (["--decoupled-lr", "-1"], "--decoupled-lr must be a number >= 0"),
-    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
-    (["--grad-reduce-in-bf16", "--fp16"], "--grad-reduce-in-bf16 needs --bf16: the gradient buffers take the "
-                                          "parameters' dtype (fp16 here)"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr 1e-05 needs --decoupled-lr"),
+        (
+            ["--decoupled-lr", "1e-5", "--lr", "1e-4", "--min-lr", "2e-5"],
+            "--min-lr 2e-05 (the default of --decoupled-min-lr) is larger than --decoupled-lr 1e-05",
+        ),
+        (
+            ["--decoupled-lr", "1e-4", "--decoupled-min-lr", "2e-4"],
+            "--decoupled-min-lr 0.0002 is larger than --decoupled-lr",
+        ),
+        (["--decoupled-lr", "-1"], "--decoupled-lr must be a number >= 0"),
+        (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
+        (
+            ["--grad-reduce-in-bf16", "--fp16"],
+            "--grad-reduce-in-bf16 needs --bf16: the gradient buffers take the parameters' dtype (fp16 here)",
+        ),
+    ],
+)
 def test_decoupled_lr_and_bf16_grad_buffers_are_checked_before_any_work(argv, needle):
     cfg, _ = parse_args_with_notes(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"] + argv)
     with pytest.raises(ConfigError) as err:

@@ -32,7 +32,9 @@ def test_scale_writes_src_times_scale_into_dst(scale, dst_dtype):
     dst = [torch.zeros_like(t, dtype=dst_dtype) for t in src]
     foreach_scale(2048 * 32, None, [src, dst], scale)
     for s, d in zip(src, dst):
-        assert d.dtype == dst_dtype and torch.equal(d, (s * scale).to(dst_dtype))  # upstream's loop: dst.copy_(src * scale)
+        assert d.dtype == dst_dtype and torch.equal(
+            d, (s * scale).to(dst_dtype)
+        )  # upstream's loop: dst.copy_(src * scale)
 
 
 def test_scale_in_place_as_gradient_clipping_calls_it():

@@ -121,8 +121,10 @@ def test_documents_of_several_sequences_are_packed_whole(tmp_path):
     from megatron_ext.data.packed_dataset import build_packed_datasets
 
     rng = np.random.default_rng(0)
-    docs = [[list(rng.integers(1, 1000, int(rng.integers(2, 9)))) for _ in range(int(rng.integers(1, 5)))]
-            for _ in range(40)]
+    docs = [
+        [list(rng.integers(1, 1000, int(rng.integers(2, 9)))) for _ in range(int(rng.integers(1, 5)))]
+        for _ in range(40)
+    ]
     prefix = str(tmp_path / "sent_text_sentence")
     _write_sentence_dataset(prefix, docs)
     train, _, _ = build_packed_datasets(prefix, [1.0], 64, "best_fit", 0, [1, 1, 1], str(tmp_path))
@@ -135,7 +137,7 @@ def test_documents_of_several_sequences_are_packed_whole(tmp_path):
             tokens = tuple(sample["tokens"][s:e].tolist())
             assert tokens in whole, f"bin {b} holds {tokens}: not one whole document"
             assert sample["position_ids"][s:e].tolist() == list(range(e - s))
-            assert sample["labels"][s:e - 1].tolist() == list(tokens[1:]) and sample["labels"][e - 1] == IGNORE_INDEX
+            assert sample["labels"][s : e - 1].tolist() == list(tokens[1:]) and sample["labels"][e - 1] == IGNORE_INDEX
             seen.append(tokens)
     assert sorted(seen) == sorted(tuple(t for sentence in doc for t in sentence) for doc in docs)
 
@@ -152,8 +154,11 @@ def test_a_document_longer_than_seq_length_keeps_every_label(tmp_path, strategy)
     prefix = str(tmp_path / "long_text_document")
     _write_sentence_dataset(prefix, [[d] for d in docs])
     train, _, _ = build_packed_datasets(prefix, [1.0], 16, strategy, 0, [1, 1, 1], str(tmp_path / "cache"))
-    expected = {(d, i): (doc[i + 1] if i + 1 < len(doc) else IGNORE_INDEX) for d, doc in enumerate(docs)
-                for i in range(len(doc))}
+    expected = {
+        (d, i): (doc[i + 1] if i + 1 < len(doc) else IGNORE_INDEX)
+        for d, doc in enumerate(docs)
+        for i in range(len(doc))
+    }
     got = {}
     for i in range(train.index.num_bins):  # epoch 0: every bin once
         sample, b = train[i], train._bin(i)
@@ -177,8 +182,9 @@ def test_a_split_of_empty_documents_is_refused_by_name(tmp_path):
     _write_sentence_dataset(prefix, [[[1, 2, 3]] for _ in range(9)] + [[]])  # the last document is empty
     with pytest.raises(ConfigError, match=r"--split 9,1,0 leaves valid of .*tail_text_document.* without tokens"):
         build_packed_datasets(prefix, [0.9, 0.1, 0.0], 16, "best_fit", 0, [3, 2, 1], str(tmp_path), split_flag="9,1,0")
-    train, valid, _ = build_packed_datasets(prefix, [0.9, 0.1, 0.0], 16, "best_fit", 0, [3, 2, 1], str(tmp_path),
-                                            unused_splits=(1, 2))  # without evaluation nothing reads it
+    train, valid, _ = build_packed_datasets(
+        prefix, [0.9, 0.1, 0.0], 16, "best_fit", 0, [3, 2, 1], str(tmp_path), unused_splits=(1, 2)
+    )  # without evaluation nothing reads it
     assert valid is None and len(train) >= 3
 
 
@@ -233,5 +239,5 @@ def test_best_fit_matches_a_plain_reference(seed):
 
     lengths = np.minimum(64, np.maximum(1, np.random.default_rng(seed).lognormal(2.5, 1.0, 300).astype(np.int64)))
     order, offsets = pack_best_fit(lengths, 64)
-    got = [order[offsets[b]:offsets[b + 1]].tolist() for b in range(len(offsets) - 1)]
+    got = [order[offsets[b] : offsets[b + 1]].tolist() for b in range(len(offsets) - 1)]
     assert got == _best_fit_reference(lengths, 64)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_ext.data.microbatch import IGNORE_INDEX
 from megatron_ext.data.packed_dataset import build_packed_sample
 from megatron_ext.data.padding import collate_padded, collate_step, get_step_length, join_packs, pad_sample
-import numpy as np
 
 
 def test_step_length_rounds_up_and_never_exceeds_seq_length():

@@ -39,6 +39,7 @@ def test_deferred_weight_gradient_equals_the_direct_one():
     def backward_of_linear():  # what a layer does in its backward
         def wgrad():
             main_grad.add_(grad_out.t() @ x)
+
         if not queue.defer(wgrad):
             wgrad()
 

@@ -8,12 +8,16 @@ import dataclasses
 
 import pytest
 
-from megatron_ext.pipeline.actions import B, BW, F, W, Action, PipelineOrder
+from megatron_ext.pipeline.actions import BW, Action, B, F, PipelineOrder, W
 from megatron_ext.pipeline.p2p import ACTIVATION, GRADIENT, build_p2p_plan, get_output_message
 from megatron_ext.pipeline.schedules import GENERATORS, get_order
 from megatron_ext.pipeline.schedules.zero_bubble import build_v_order, get_memory_limit
 from megatron_ext.pipeline.simulate import (
-    ScheduleDeadlock, StageCosts, check_order, get_in_flight_peak, simulate_order,
+    ScheduleDeadlock,
+    StageCosts,
+    check_order,
+    get_in_flight_peak,
+    simulate_order,
 )
 
 GRID = [(p, m) for p in (2, 3, 4) for m in (1, 2, 3, 4, 5, 6, 8, 9, 12)] + [(8, 8), (8, 16), (8, 12)]
@@ -118,7 +122,7 @@ def test_forward_only_order_keeps_the_forwards_in_order():
 
 
 def _edit(order: PipelineOrder, rank: int, actions: list[Action]) -> PipelineOrder:
-    return dataclasses.replace(order, ranks=order.ranks[:rank] + (tuple(actions),) + order.ranks[rank + 1:])
+    return dataclasses.replace(order, ranks=order.ranks[:rank] + (tuple(actions),) + order.ranks[rank + 1 :])
 
 
 def test_checker_reports_missing_duplicate_and_misplaced_actions():
@@ -141,9 +145,17 @@ def test_checker_reports_order_violations_and_deadlocks():
     assert any("out of micro-batch order" in p for p in check_order(_edit(order, 1, out_of_order)))
     # rank 0 waits for mb 0's backward before forwarding mb 1, rank 1 for mb 1's forward before
     # running mb 0's backward: each waits for the other
-    cyclic = PipelineOrder("cyclic", 2, 1, 2, "loop", (
-        (Action(F, 0, 0), Action(BW, 0, 0), Action(F, 0, 1), Action(BW, 0, 1)),
-        (Action(F, 1, 0), Action(F, 1, 1), Action(BW, 1, 0), Action(BW, 1, 1))))
+    cyclic = PipelineOrder(
+        "cyclic",
+        2,
+        1,
+        2,
+        "loop",
+        (
+            (Action(F, 0, 0), Action(BW, 0, 0), Action(F, 0, 1), Action(BW, 0, 1)),
+            (Action(F, 1, 0), Action(F, 1, 1), Action(BW, 1, 0), Action(BW, 1, 1)),
+        ),
+    )
     assert any("deadlock" in p for p in check_order(cyclic))
     with pytest.raises(ScheduleDeadlock):
         simulate_order(cyclic, StageCosts.uniform(2, 1, 1, 1))

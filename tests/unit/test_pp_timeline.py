@@ -22,7 +22,15 @@ def _records(p, v, m, hop=0.0):
 def test_schedule_order_1f1b_small():
     # PP=2, m=4, rank 0: one warm-up forward, then 1F1B, then one cool-down backward
     assert ppt.get_schedule_order(0, 2, 1, 4) == [
-        ("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("F", 0, 3), ("B", 0, 2), ("B", 0, 3)]
+        ("F", 0, 0),
+        ("F", 0, 1),
+        ("B", 0, 0),
+        ("F", 0, 2),
+        ("B", 0, 1),
+        ("F", 0, 3),
+        ("B", 0, 2),
+        ("B", 0, 3),
+    ]
     # the last rank alternates from the start
     assert ppt.get_schedule_order(1, 2, 1, 4)[:4] == [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)]
 
@@ -57,10 +65,14 @@ def test_in_flight_bound(p, v, m):
 
 
 def test_hops_add_overhead_and_interleaving_pays_more_of_them():
-    base = {v: max(op.end for ops in ppt.simulate_schedule(4, v, 8, 1.0 / v, 2.0 / v).values() for op in ops)
-            for v in (1, 2)}
-    hop = {v: max(op.end for ops in ppt.simulate_schedule(4, v, 8, 1.0 / v, 2.0 / v, hop=0.01).values()
-                  for op in ops) for v in (1, 2)}
+    base = {
+        v: max(op.end for ops in ppt.simulate_schedule(4, v, 8, 1.0 / v, 2.0 / v).values() for op in ops)
+        for v in (1, 2)
+    }
+    hop = {
+        v: max(op.end for ops in ppt.simulate_schedule(4, v, 8, 1.0 / v, 2.0 / v, hop=0.01).values() for op in ops)
+        for v in (1, 2)
+    }
     assert base[1] == pytest.approx(8 * 3 * (1 + 3 / 8)) and base[2] == pytest.approx(8 * 3 * (1 + 3 / 16))
     assert hop[1] > base[1] and hop[2] > base[2]
     assert hop[1] / hop[2] < base[1] / base[2]
@@ -144,8 +156,9 @@ def test_tracer_hooks_schedule_and_restores(tmp_path, monkeypatch):
         with tracer.trace_step(step):
             outs = {}
             for c, mb in ((0, 0), (0, 1), (1, 0), (1, 1)):  # what an interleaved schedule calls
-                outs[c, mb] = schedules.forward_step(None, None, None, 2, None, None, None, 1,
-                                                     current_microbatch=mb, vp_stage=c)
+                outs[c, mb] = schedules.forward_step(
+                    None, None, None, 2, None, None, None, 1, current_microbatch=mb, vp_stage=c
+                )
             for c, mb in ((1, 0), (0, 0), (1, 1), (0, 1)):
                 schedules.backward_step(None, outs[c, mb][0], None, None, None)
         assert schedules.forward_step is _FakeSchedules.forward_step  # restored
@@ -155,10 +168,29 @@ def test_tracer_hooks_schedule_and_restores(tmp_path, monkeypatch):
     assert [x["step"] for x in lines].count(2) == 1 + 8 + 1  # meta, 4 F + 4 B, optimizer
     step2 = [x for x in lines if x["step"] == 2]
     assert step2[0] | {"start": 0, "end": 0} == {
-        "kind": "step", "step": 2, "rank": 3, "pp_rank": 1, "pp_size": 2, "vp_size": 2, "pipeline": 0,
-        "num_microbatches": 2, "start": 0, "end": 0, "schedule": None, "placement": "loop"}
+        "kind": "step",
+        "step": 2,
+        "rank": 3,
+        "pp_rank": 1,
+        "pp_size": 2,
+        "vp_size": 2,
+        "pipeline": 0,
+        "num_microbatches": 2,
+        "start": 0,
+        "end": 0,
+        "schedule": None,
+        "placement": "loop",
+    }
     assert [(x["kind"], x["chunk"], x["mb"]) for x in step2[1:9]] == [
-        ("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("B", 0, 0), ("B", 1, 1), ("B", 0, 1)]
+        ("F", 0, 0),
+        ("F", 0, 1),
+        ("F", 1, 0),
+        ("F", 1, 1),
+        ("B", 1, 0),
+        ("B", 0, 0),
+        ("B", 1, 1),
+        ("B", 0, 1),
+    ]
     assert step2[-1]["kind"] == "optimizer" and step2[-1]["start"] == step2[8]["end"]
     assert ppt.read_timeline(str(tmp_path))[2][3] == step2
 

@@ -49,11 +49,21 @@ def closed_form(cfg, vocab: int) -> tuple[int, int]:
     m = cfg.model
     groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
     layernorm = m.normalization == "LayerNorm"
-    layer = closed_form_layer(m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size, m.num_attention_heads, groups,
-                              m.swiglu, not m.disable_bias_linear, layernorm)
+    layer = closed_form_layer(
+        m.hidden_size,
+        m.ffn_hidden_size or 4 * m.hidden_size,
+        m.num_attention_heads,
+        groups,
+        m.swiglu,
+        not m.disable_bias_linear,
+        layernorm,
+    )
     embeddings = vocab * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1)
-    positions = (m.max_position_embeddings or m.seq_length) * m.hidden_size if m.position_embedding_type == \
-        "learned_absolute" else 0
+    positions = (
+        (m.max_position_embeddings or m.seq_length) * m.hidden_size
+        if m.position_embedding_type == "learned_absolute"
+        else 0
+    )
     final_norm = m.hidden_size * (2 if layernorm else 1)
     return m.num_layers * layer + embeddings + positions + final_norm, layer
 
@@ -64,8 +74,11 @@ def test_reference_config_is_valid_at_its_world_size(name):
     cfg = load(name)
     validate(cfg, world)  # pure: mock data, nothing built
     p = cfg.parallel
-    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, get_data_parallel_size(cfg, world)) == \
-        (tp, pp, dp)
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, get_data_parallel_size(cfg, world)) == (
+        tp,
+        pp,
+        dp,
+    )
     counts = get_chunk_layer_counts(cfg)
     assert len(counts) == pp * (vpp or 1) and sum(counts) == cfg.model.num_layers
     assert get_num_microbatches(cfg, world) == cfg.training.global_batch_size // dp
@@ -87,7 +100,9 @@ def test_reference_config_builds_the_published_parameter_count(name):
     assert reference == published  # the closed form reproduces the published figure
     count = count_parameters(cfg, vocab)
     assert count.total == published
-    assert len(count.chunks) == pp * (vpp or 1) and sorted(c.stage for c in count.chunks) == list(range(len(count.chunks)))
+    assert len(count.chunks) == pp * (vpp or 1) and sorted(c.stage for c in count.chunks) == list(
+        range(len(count.chunks))
+    )
     assert sum(c.num_layers for c in count.chunks) == cfg.model.num_layers
     # a middle chunk is its layers only; one TP rank holds 1/TP of its matrices and whole norms
     middle = [c for c in count.chunks if 0 < c.stage < len(count.chunks) - 1]
@@ -96,8 +111,9 @@ def test_reference_config_builds_the_published_parameter_count(name):
     row_biases = 0 if cfg.model.disable_bias_linear else 2 * h  # attention output and fc2 biases are not split
     for c in middle:
         assert c.parameters == c.num_layers * layer
-        assert c.per_tp_rank == c.num_layers * ((layer - norms_per_layer - row_biases) // tp + norms_per_layer
-                                                + row_biases)
+        assert c.per_tp_rank == c.num_layers * (
+            (layer - norms_per_layer - row_biases) // tp + norms_per_layer + row_biases
+        )
     # the model's figure changes with its vocabulary (the count reads the padded vocabulary it is given)
     assert count_parameters(cfg, padded + 1).total != published
 

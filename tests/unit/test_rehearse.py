@@ -28,6 +28,7 @@ GPT3_175B = os.path.join(ROOT, "configs", "gpt3-175b.yaml")
 
 def expected_groups(tp: int, pp: int, dp: int) -> dict[str, dict[int, set[int]]]:
     """rank -> the ranks of its TP, PP and DP group, from Megatron-LM's arithmetic."""
+
     def rank(t, d, p):
         return t + tp * (d + dp * p)
 
@@ -106,8 +107,17 @@ def test_uneven_split_is_shown_per_rank(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "128")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("NPROC_PER_NODE", raising=False)
-    rc = pretrain_gpt.run_cli(["--config", GPT3_175B, "--rehearse", "--decoder-first-pipeline-num-layers", "5",
-                               "--decoder-last-pipeline-num-layers", "7"])
+    rc = pretrain_gpt.run_cli(
+        [
+            "--config",
+            GPT3_175B,
+            "--rehearse",
+            "--decoder-first-pipeline-num-layers",
+            "5",
+            "--decoder-last-pipeline-num-layers",
+            "7",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "5/6/7 layers (uneven split)" in out
@@ -123,18 +133,25 @@ def test_group_map_with_v_placement_keeps_the_embedding_group_on_the_first_rank(
     assert {tuple(g) for g in gm.embedding_groups} == {(p[0],) for p in gm.pp_groups}
 
 
-@pytest.mark.parametrize("env, flags, message", [
-    # TP 4 over nodes of 2 ranks: TP groups would cross nodes
-    ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "2"}, [], "--tensor-model-parallel-size 4 does not divide the 2 ranks"),
-    # a world the layout (TP 4 x PP 8) does not divide
-    ({"WORLD_SIZE": "100"}, [], "--tensor-model-parallel-size"),
-    # no WORLD_SIZE: a rehearsal of one process is rarely what was meant
-    ({}, [], "--rehearse rehearses a launch of WORLD_SIZE ranks: set WORLD_SIZE"),
-    # a world that does not fill whole nodes
-    ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "6"}, [], "WORLD_SIZE 64 is not a multiple of the 6 ranks per node"),
-    # a batch the DP ranks cannot share: 128 samples over DP 16 in micro-batches of 16
-    ({"WORLD_SIZE": "512"}, ["--micro-batch-size", "16"], "--global-batch-size"),
-])
+@pytest.mark.parametrize(
+    "env, flags, message",
+    [
+        # TP 4 over nodes of 2 ranks: TP groups would cross nodes
+        (
+            {"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "2"},
+            [],
+            "--tensor-model-parallel-size 4 does not divide the 2 ranks",
+        ),
+        # a world the layout (TP 4 x PP 8) does not divide
+        ({"WORLD_SIZE": "100"}, [], "--tensor-model-parallel-size"),
+        # no WORLD_SIZE: a rehearsal of one process is rarely what was meant
+        ({}, [], "--rehearse rehearses a launch of WORLD_SIZE ranks: set WORLD_SIZE"),
+        # a world that does not fill whole nodes
+        ({"WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "6"}, [], "WORLD_SIZE 64 is not a multiple of the 6 ranks per node"),
+        # a batch the DP ranks cannot share: 128 samples over DP 16 in micro-batches of 16
+        ({"WORLD_SIZE": "512"}, ["--micro-batch-size", "16"], "--global-batch-size"),
+    ],
+)
 def test_a_bad_layout_fails_with_rc_2_naming_the_flag(capsys, monkeypatch, env, flags, message):
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
         monkeypatch.delenv(name, raising=False)
@@ -182,8 +199,17 @@ def test_v_schedule_puts_the_embedding_and_the_output_layer_on_pipeline_rank_0(c
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     monkeypatch.setattr(LanguageModule, "embedding_warning_printed", False, raising=False)  # warned once a process
-    cfg = parse_args(["--config", GPT3_175B, "--rehearse", "--pipeline-schedule", "ZBVZeroBubble",
-                      "--pipeline-model-parallel-size", "8"])
+    cfg = parse_args(
+        [
+            "--config",
+            GPT3_175B,
+            "--rehearse",
+            "--pipeline-schedule",
+            "ZBVZeroBubble",
+            "--pipeline-model-parallel-size",
+            "8",
+        ]
+    )
     r = rehearse(cfg, 128, {})
     assert (r.embedding_pp_rank, r.output_pp_rank) == (0, 0)
     assert [c.stage for c in r.params.chunks if c.pp_rank == 0] == [0, 15]

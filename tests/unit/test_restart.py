@@ -24,8 +24,9 @@ def _complete(root, iteration: int) -> None:
 
 def test_a_restart_resumes_from_saves_newest_checkpoint_whatever_the_first_start_loaded(tmp_path):
     save = str(tmp_path / "save")
-    values = tiny_values(save=save, load=str(tmp_path / "pretrained"), finetune=True, no_load_optim=True,
-                         no_load_rng=True, ckpt_step=3)
+    values = tiny_values(
+        save=save, load=str(tmp_path / "pretrained"), finetune=True, no_load_optim=True, no_load_rng=True, ckpt_step=3
+    )
     cfg = build_job_config(values)
     assert apply_restart(cfg, {}) is None and cfg.checkpoint.load == str(tmp_path / "pretrained")  # a first start
     note = apply_restart(cfg, RESTART)  # --save holds nothing yet: the first start's flags, as given
@@ -37,9 +38,11 @@ def test_a_restart_resumes_from_saves_newest_checkpoint_whatever_the_first_start
     note = apply_restart(cfg, RESTART)
     c = cfg.checkpoint
     assert (c.load, c.ckpt_step, c.finetune, c.no_load_optim, c.no_load_rng) == (save, None, False, False, False)
-    assert note == (f"> restart 2: resuming from the newest complete checkpoint in --save {save} (iteration 8) "
-                    f"(instead of the first start's --load {tmp_path / 'pretrained'}, --ckpt-step 3, --finetune, "
-                    f"--no-load-optim, --no-load-rng)")
+    assert note == (
+        f"> restart 2: resuming from the newest complete checkpoint in --save {save} (iteration 8) "
+        f"(instead of the first start's --load {tmp_path / 'pretrained'}, --ckpt-step 3, --finetune, "
+        f"--no-load-optim, --no-load-rng)"
+    )
     # the Megatron-LM idiom (--load = --save) and no --load at all: nothing replaced, said plainly
     for load in (save, None):
         cfg = build_job_config(tiny_values(save=save, load=load))

@@ -8,7 +8,11 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from megatron_ext.model.attention import (
-    PackedMicrobatchParams, RotaryTable, packed_coefficients, rotary_coefficients, rotate,
+    PackedMicrobatchParams,
+    RotaryTable,
+    packed_coefficients,
+    rotary_coefficients,
+    rotate,
 )
 
 

@@ -12,9 +12,9 @@ import pytest
 from megatron_ext.checkpoint.compatibility import check_optimizer_flags, check_scheduler_flags
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.derived import get_schedule_steps, get_train_iters
-from megatron_ext.validation import validate
 from megatron_ext.optim import apply_flag_settings, get_scheduler_state, load_scheduler_state, record_flag_settings
 from megatron_ext.training.optimizer import build_scheduler, get_schedule_lr_range
+from megatron_ext.validation import validate
 
 MOCK = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, global_batch_size=8, micro_batch_size=1)
 
@@ -47,10 +47,18 @@ def test_run_length_defaults_and_samples():
 def test_sample_flags_give_the_iteration_schedule(style):
     wsd_iters = dict(lr_wsd_decay_iters=4) if style == "WSD" else {}
     wsd_samples = dict(lr_wsd_decay_samples=32) if style == "WSD" else {}
-    by_iters = _cfg(train_iters=20, lr_warmup_iters=3, lr_decay_iters=16, lr_decay_style=style, lr=1e-3,
-                    min_lr=1e-4, **wsd_iters)
-    by_samples = _cfg(train_samples=160, lr_warmup_samples=24, lr_decay_samples=128, lr_decay_style=style, lr=1e-3,
-                      min_lr=1e-4, **wsd_samples)
+    by_iters = _cfg(
+        train_iters=20, lr_warmup_iters=3, lr_decay_iters=16, lr_decay_style=style, lr=1e-3, min_lr=1e-4, **wsd_iters
+    )
+    by_samples = _cfg(
+        train_samples=160,
+        lr_warmup_samples=24,
+        lr_decay_samples=128,
+        lr_decay_style=style,
+        lr=1e-3,
+        min_lr=1e-4,
+        **wsd_samples,
+    )
     by_samples.training.train_iters = get_train_iters(by_samples, 8)
     assert get_schedule_steps(by_iters, 8, 20) == get_schedule_steps(by_samples, 8, 20)
     assert _lrs(by_iters, 20) == _lrs(by_samples, 20)
@@ -65,8 +73,9 @@ def test_wsd_follows_warmup_stable_decay():
     """Written out: linear warm-up, the peak until the last lr_wsd_decay samples of the decay
     length, then 2 * 0.5^r - 1 of the way from min to peak (exponential), r the decay fraction."""
     lr, min_lr, gbs = 1e-3, 1e-4, 8
-    cfg = _cfg(train_samples=160, lr_warmup_samples=16, lr_decay_style="WSD", lr_wsd_decay_samples=64, lr=lr,
-               min_lr=min_lr)
+    cfg = _cfg(
+        train_samples=160, lr_warmup_samples=16, lr_decay_style="WSD", lr_wsd_decay_samples=64, lr=lr, min_lr=min_lr
+    )
     cfg.training.train_iters = 20
     expected = []
     for i in range(1, 21):
@@ -82,24 +91,50 @@ def test_wsd_follows_warmup_stable_decay():
     assert expected[-1] == pytest.approx(min_lr)  # ends at --min-lr
 
 
-@pytest.mark.parametrize("values, needle", [
-    (dict(train_iters=10, train_samples=80), "--train-iters 10 and --train-samples 80 are exclusive"),
-    (dict(train_samples=80, lr_warmup_iters=2), "--lr-warmup-iters 2 counts steps but --train-samples counts the run in samples: use --lr-warmup-samples"),
-    (dict(train_samples=80, lr_decay_iters=5), "use --lr-decay-samples"),
-    (dict(train_iters=10, lr_decay_samples=40), "--lr-decay-samples 40 needs --train-samples (with --train-iters use --lr-decay-iters)"),
-    (dict(train_iters=10, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters N"),
-    (dict(train_samples=80, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-samples N"),
-    (dict(train_iters=10, lr_decay_style="WSD", lr_wsd_decay_iters=11), "--lr-wsd-decay-iters 11 is longer than --lr-decay-iters 10"),
-    (dict(train_iters=10, lr_warmup_iters=10, lr_decay_iters=10), "--lr-warmup-iters 10 must lie in [0, --lr-decay-iters 10)"),
-    # the decay length was not given: its default, the run's length, is named
-    (dict(train_iters=5, lr_warmup_iters=5),
-     "--lr-warmup-iters 5 must lie in [0, --lr-decay-iters 5 (not given: it defaults to --train-iters 5))"),
-    (dict(train_samples=40, lr_warmup_samples=48, lr_decay_samples=40), "--lr-warmup-samples 48 must lie in [0, --lr-decay-samples 40)"),
-    (dict(train_iters=10, lr_warmup_fraction=0.1, lr_warmup_iters=1), "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive"),
-    (dict(train_iters=10, lr_warmup_fraction=1.5), "--lr-warmup-fraction must be in [0, 1)"),
-    (dict(train_samples=4), "--train-samples 4 is less than one global batch (8 samples)"),
-    (dict(rampup_batch_size=["16", "16", "1000"]), "--rampup-batch-size 16 16 1000: batch-size ramp-up is not supported"),
-])
+@pytest.mark.parametrize(
+    "values, needle",
+    [
+        (dict(train_iters=10, train_samples=80), "--train-iters 10 and --train-samples 80 are exclusive"),
+        (
+            dict(train_samples=80, lr_warmup_iters=2),
+            "--lr-warmup-iters 2 counts steps but --train-samples counts the run in samples: use --lr-warmup-samples",
+        ),
+        (dict(train_samples=80, lr_decay_iters=5), "use --lr-decay-samples"),
+        (
+            dict(train_iters=10, lr_decay_samples=40),
+            "--lr-decay-samples 40 needs --train-samples (with --train-iters use --lr-decay-iters)",
+        ),
+        (dict(train_iters=10, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters N"),
+        (dict(train_samples=80, lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-samples N"),
+        (
+            dict(train_iters=10, lr_decay_style="WSD", lr_wsd_decay_iters=11),
+            "--lr-wsd-decay-iters 11 is longer than --lr-decay-iters 10",
+        ),
+        (
+            dict(train_iters=10, lr_warmup_iters=10, lr_decay_iters=10),
+            "--lr-warmup-iters 10 must lie in [0, --lr-decay-iters 10)",
+        ),
+        # the decay length was not given: its default, the run's length, is named
+        (
+            dict(train_iters=5, lr_warmup_iters=5),
+            "--lr-warmup-iters 5 must lie in [0, --lr-decay-iters 5 (not given: it defaults to --train-iters 5))",
+        ),
+        (
+            dict(train_samples=40, lr_warmup_samples=48, lr_decay_samples=40),
+            "--lr-warmup-samples 48 must lie in [0, --lr-decay-samples 40)",
+        ),
+        (
+            dict(train_iters=10, lr_warmup_fraction=0.1, lr_warmup_iters=1),
+            "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive",
+        ),
+        (dict(train_iters=10, lr_warmup_fraction=1.5), "--lr-warmup-fraction must be in [0, 1)"),
+        (dict(train_samples=4), "--train-samples 4 is less than one global batch (8 samples)"),
+        (
+            dict(rampup_batch_size=["16", "16", "1000"]),
+            "--rampup-batch-size 16 16 1000: batch-size ramp-up is not supported",
+        ),
+    ],
+)
 def test_schedule_flags_are_checked_by_name(values, needle):
     with pytest.raises(ConfigError) as err:
         validate(_cfg(**values), 1)
@@ -110,8 +145,10 @@ def test_a_changed_wsd_phase_is_refused_on_resume_and_restored_when_the_checkpoi
     saved_cfg = _cfg(train_iters=20, lr_decay_style="WSD", lr_wsd_decay_iters=4)
     saved = get_scheduler_state(build_scheduler(saved_cfg, _stub_optimizer(), 8))
     assert saved["wsd_decay_steps"] == 32 and saved["lr_wsd_decay_style"] == "exponential"
-    for changed, flag in ((dict(lr_wsd_decay_iters=6), "--lr-wsd-decay-iters or --lr-wsd-decay-samples"),
-                          (dict(lr_wsd_decay_iters=4, lr_wsd_decay_style="linear"), "--lr-wsd-decay-style")):
+    for changed, flag in (
+        (dict(lr_wsd_decay_iters=6), "--lr-wsd-decay-iters or --lr-wsd-decay-samples"),
+        (dict(lr_wsd_decay_iters=4, lr_wsd_decay_style="linear"), "--lr-wsd-decay-style"),
+    ):
         cfg = _cfg(train_iters=20, lr_decay_style="WSD", **changed)
         problems = check_scheduler_flags(saved, build_scheduler(cfg, _stub_optimizer(), 8), cfg, 8)
         assert len(problems) == 1 and problems[0].startswith(flag), problems
@@ -122,16 +159,22 @@ def test_a_changed_wsd_phase_is_refused_on_resume_and_restored_when_the_checkpoi
 
 
 def _group(max_lr, min_lr, betas=(0.8, 0.95), eps=1e-6):
-    return {"params": [], "lr": 0.0, "weight_decay": 0.0, "max_lr": max_lr, "min_lr": min_lr, "betas": betas,
-            "eps": eps}
+    return {
+        "params": [],
+        "lr": 0.0,
+        "weight_decay": 0.0,
+        "max_lr": max_lr,
+        "min_lr": min_lr,
+        "betas": betas,
+        "eps": eps,
+    }
 
 
 def test_override_restores_each_groups_built_settings_by_index():
     """megatron-core's groups may carry their own LR (a decoupled LR for the embeddings): a load gives
     every group the checkpoint's values, and --override-opt-param-scheduler gives each group back what
     it was built with, not --lr for all."""
-    cfg = _cfg(train_iters=10, lr=1e-3, min_lr=1e-4, lr_decay_style="linear",
-               override_opt_param_scheduler=True)
+    cfg = _cfg(train_iters=10, lr=1e-3, min_lr=1e-4, lr_decay_style="linear", override_opt_param_scheduler=True)
     optimizer = types.SimpleNamespace(param_groups=[_group(1e-3, 1e-4), _group(5e-3, 5e-4)])  # group 1 decoupled
     recorded = record_flag_settings(optimizer)
     scheduler = build_scheduler(cfg, optimizer, 8)
@@ -159,8 +202,10 @@ def test_changed_adam_options_are_refused_unless_a_flag_says_which_wins():
     saved = {"optimizer": {0: {"optimizer": {"param_groups": [group, dict(group)]}}}}  # chained, mixed precision
     assert check_optimizer_flags(saved, _cfg(adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)) == []
     (problem,) = check_optimizer_flags(saved, _cfg(adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8))
-    assert problem.startswith("--adam-beta2: the checkpoint's Adam beta2 is 0.999, this run's flags give 0.95; "
-                              "add --override-opt-param-scheduler"), problem
+    assert problem.startswith(
+        "--adam-beta2: the checkpoint's Adam beta2 is 0.999, this run's flags give 0.95; "
+        "add --override-opt-param-scheduler"
+    ), problem
     for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         assert check_optimizer_flags(saved, _cfg(adam_beta2=0.95, **{flag: True})) == []
     sgd = {"optimizer": {"param_groups": [{"momentum": 0.9, "max_lr": 1e-3}]}}

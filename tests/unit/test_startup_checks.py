@@ -12,8 +12,8 @@ import types
 import numpy as np
 import pytest
 
-from megatron_ext.checkpoint.directory import COMPLETE_MARKER, TRACKER_FILE, probe_save_dir, resolve_load_path
 from megatron_ext.checkpoint.compatibility import check_scheduler_flags
+from megatron_ext.checkpoint.directory import COMPLETE_MARKER, TRACKER_FILE, probe_save_dir, resolve_load_path
 from megatron_ext.checkpoint.state import check_load_flags
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.data.indexed_check import check_indexed_dataset
@@ -113,9 +113,19 @@ def test_a_data_cache_path_that_is_a_file_stops_the_entry_point_before_any_work(
     blocker = tmp_path / "cache"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"--data-cache-path .*/cache is not a writable directory"):
-        pretrain_gpt.main(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-                           "--device", "cpu", "--data-cache-path", str(blocker)])
-
+        pretrain_gpt.main(
+            [
+                "--mock-data",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "100",
+                "--device",
+                "cpu",
+                "--data-cache-path",
+                str(blocker),
+            ]
+        )
 
 
 def test_a_start_up_error_gives_sigterm_and_ctrl_c_back_to_the_caller(tmp_path):
@@ -130,8 +140,20 @@ def test_a_start_up_error_gives_sigterm_and_ctrl_c_back_to_the_caller(tmp_path):
     blocker = tmp_path / "cache"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"--data-cache-path"):
-        pretrain_gpt.main(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-                           "--device", "cpu", "--exit-signal-handler", "--data-cache-path", str(blocker)])
+        pretrain_gpt.main(
+            [
+                "--mock-data",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "100",
+                "--device",
+                "cpu",
+                "--exit-signal-handler",
+                "--data-cache-path",
+                str(blocker),
+            ]
+        )
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
@@ -140,8 +162,17 @@ def test_a_start_up_error_gives_sigterm_and_ctrl_c_back_to_the_caller(tmp_path):
 
 
 def _scheduler(**values):
-    base = dict(max_lr=3e-4, min_lr=0.0, lr_decay_style="cosine", lr_warmup_steps=80, lr_decay_steps=800,
-                start_wd=0.01, end_wd=0.01, wd_incr_steps=800, wd_incr_style="constant")
+    base = dict(
+        max_lr=3e-4,
+        min_lr=0.0,
+        lr_decay_style="cosine",
+        lr_warmup_steps=80,
+        lr_decay_steps=800,
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=800,
+        wd_incr_style="constant",
+    )
     return types.SimpleNamespace(**{**base, **values})
 
 
@@ -152,16 +183,23 @@ def test_changed_schedule_flags_on_resume_name_both_values():
     (problem,) = check_scheduler_flags(saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600), _cfg(), 8)
     # the checkpoint's in samples only: its global batch size may not be this run's
     # (a run's length in samples is also --global-batch-size's: the line names both)
-    assert problem.startswith("the run's length (--train-iters x --global-batch-size, or --train-samples): the "
-                              "checkpoint's schedule runs over 800 samples, this run's over 1600 samples "
-                              "(200 iterations)"), problem
+    assert problem.startswith(
+        "the run's length (--train-iters x --global-batch-size, or --train-samples): the "
+        "checkpoint's schedule runs over 800 samples, this run's over 1600 samples "
+        "(200 iterations)"
+    ), problem
     assert "--override-opt-param-scheduler" in problem and "_steps" not in problem
     # with --lr-decay-iters given, the decay length is that flag's
-    problems = check_scheduler_flags(saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600),
-                                     _cfg(lr_decay_iters=200), 8)
-    assert any(p.startswith("--lr-decay-iters or --lr-decay-samples (default the run's length): the checkpoint's "
-                            "decay length is 800 samples, this run's flags give 1600 samples (200 iterations)")
-               for p in problems), problems
+    problems = check_scheduler_flags(
+        saved, _scheduler(lr_decay_steps=1600, wd_incr_steps=1600), _cfg(lr_decay_iters=200), 8
+    )
+    assert any(
+        p.startswith(
+            "--lr-decay-iters or --lr-decay-samples (default the run's length): the checkpoint's "
+            "decay length is 800 samples, this run's flags give 1600 samples (200 iterations)"
+        )
+        for p in problems
+    ), problems
     assert any("weight-decay schedule length is 800 samples" in p for p in problems), problems
     # a --lr-warmup-fraction warm-up is a fraction of samples (checkpoints before it was unrounded hold 5)
     (warmup,) = check_scheduler_flags({**saved, "lr_warmup_steps": 5}, _scheduler(lr_warmup_steps=5.6), _cfg(), 8)
@@ -182,6 +220,7 @@ def copy(tmp_path):
         (tmp_path / "c.bin").write_bytes(bin_bytes if bin_bytes is not None else open(SHIPPED + ".bin", "rb").read())
         (tmp_path / "c.idx").write_bytes(idx_bytes if idx_bytes is not None else open(SHIPPED + ".idx", "rb").read())
         return prefix
+
     return make
 
 
@@ -210,7 +249,9 @@ def test_validation_reports_a_truncated_pair_with_the_flag(copy):
     from megatron_ext.validation import validate
 
     prefix = copy(bin_bytes=open(SHIPPED + ".bin", "rb").read()[:1000])
-    cfg = build_job_config({"data_path": [prefix], "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": MODEL})
+    cfg = build_job_config(
+        {"data_path": [prefix], "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": MODEL}
+    )
     with pytest.raises(ConfigError, match=f"--data-path {prefix}: .*c.bin has 1000 bytes"):
         validate(cfg, 1)
 
@@ -236,15 +277,23 @@ def test_a_split_without_documents_is_never_requested_or_is_named(tmp_path):
 
     prefix = _small_dataset(tmp_path, 79)
     tok = build_tokenizer("NullTokenizer", vocab_size=127)
-    values = {"data_path": [prefix], "tokenizer_type": "NullTokenizer", "vocab_size": 127, "seq_length": 64,
-              "train_iters": 4, "split": "969,30,1", "data_cache_path": str(tmp_path / "cache")}
+    values = {
+        "data_path": [prefix],
+        "tokenizer_type": "NullTokenizer",
+        "vocab_size": 127,
+        "seq_length": 64,
+        "train_iters": 4,
+        "split": "969,30,1",
+        "data_cache_path": str(tmp_path / "cache"),
+    }
     train, valid = build_train_valid_datasets(build_job_config(values), tok, 8)
     assert len(train) >= 32 and valid is None
     with pytest.raises(ConfigError, match=r"--split 999,1,0 .*valid gets none"):
         build_train_valid_datasets(build_job_config({**values, "split": "999,1,0", "eval_interval": 2}), tok, 8)
     with pytest.raises(ConfigError, match=r"--split 999,1,0 leaves valid of .* \(79 documents\)"):
-        build_train_valid_datasets(build_job_config({**values, "split": "999,1,0", "eval_interval": 2,
-                                                     "packed_sequences": True}), tok, 8)
+        build_train_valid_datasets(
+            build_job_config({**values, "split": "999,1,0", "eval_interval": 2, "packed_sequences": True}), tok, 8
+        )
 
 
 def test_token_ids_outside_the_vocabulary_name_file_and_documents(tmp_path):
@@ -254,8 +303,11 @@ def test_token_ids_outside_the_vocabulary_name_file_and_documents(tmp_path):
     prefix = _small_dataset(tmp_path, 20)  # ids < 100
     train, _, _ = build_packed_datasets(prefix, [1.0, 0.0, 0.0], 256, "best_fit", 0, [8, 0, 0], str(tmp_path))
     assert fetch_step_samples(train, [[0, 1]], vocab_size=100)
-    with pytest.raises(ConfigError, match=r"token id 9\d is outside the tokenizer's vocabulary \[0, 90\) in "
-                                          r".*small.bin, documents? \d"):
+    with pytest.raises(
+        ConfigError,
+        match=r"token id 9\d is outside the tokenizer's vocabulary \[0, 90\) in "
+        r".*small.bin, documents? \d",
+    ):
         fetch_step_samples(train, [[0, 1]], vocab_size=90)
 
 
@@ -277,11 +329,21 @@ def test_token_ids_outside_the_vocabulary_name_documents_on_the_gptdataset_path(
     from megatron_ext.data.tokenizers import build_tokenizer
 
     tok = build_tokenizer("SentencePieceTokenizer", MODEL)
-    train, _, _ = build_gpt_datasets(tok, 64, [16, 1, 1], data_path=[SHIPPED], split="98,2,0",
-                                     path_to_cache=str(tmp_path), create_attention_mask=False)
+    train, _, _ = build_gpt_datasets(
+        tok,
+        64,
+        [16, 1, 1],
+        data_path=[SHIPPED],
+        split="98,2,0",
+        path_to_cache=str(tmp_path),
+        create_attention_mask=False,
+    )
     assert fetch_step_samples(train, [[0, 1]], vocab_size=tok.vocab_size)
-    with pytest.raises(ConfigError, match=r"outside the tokenizer's vocabulary \[0, 50\) in .*corpus_text_document"
-                                          r".bin, documents? \d+.* \(sample 0\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"outside the tokenizer's vocabulary \[0, 50\) in .*corpus_text_document"
+        r".bin, documents? \d+.* \(sample 0\)",
+    ):
         fetch_step_samples(train, [[0]], vocab_size=50)
 
 
@@ -317,10 +379,13 @@ def test_the_schedule_line_shows_the_schedulers_values_not_the_flags():
     from megatron_ext.config import build_job_config
     from megatron_ext.run import describe_schedule
 
-    cfg = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, lr=1e-3,
-                                min_lr=1e-4, train_iters=6))
-    checkpoints = SimpleNamespace(max_lr=3e-4, min_lr=3e-5, lr_decay_style="linear", lr_warmup_steps=4,
-                                  lr_decay_steps=16, wsd_decay_steps=None)
+    cfg = build_job_config(
+        dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128, lr=1e-3, min_lr=1e-4, train_iters=6)
+    )
+    checkpoints = SimpleNamespace(
+        max_lr=3e-4, min_lr=3e-5, lr_decay_style="linear", lr_warmup_steps=4, lr_decay_steps=16, wsd_decay_steps=None
+    )
     line = describe_schedule(SimpleNamespace(cfg=cfg, scheduler=checkpoints, global_batch_size=8), "schedule X")
-    assert line == ("> schedule X: 6 steps x 8 samples | lr 0.0003 -> 3e-05, warm-up 4 samples, "
-                    "linear decay over 16 samples"), line
+    assert line == (
+        "> schedule X: 6 steps x 8 samples | lr 0.0003 -> 3e-05, warm-up 4 samples, linear decay over 16 samples"
+    ), line

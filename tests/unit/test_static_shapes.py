@@ -7,15 +7,22 @@ import pytest
 import torch
 
 from megatron_ext.model.attention import (
-    MASKED, PackedMicrobatchParams, bucket_max_seqlen, document_bound, document_causal_attention,
-    masked_document_attention, pad_boundaries, prepare_static_packed_params,
+    MASKED,
+    PackedMicrobatchParams,
+    bucket_max_seqlen,
+    document_bound,
+    document_causal_attention,
+    masked_document_attention,
+    pad_boundaries,
+    prepare_static_packed_params,
 )
 
 
 def _params(cu: list[int]) -> PackedMicrobatchParams:
     t = torch.tensor(cu, dtype=torch.int32)
-    return PackedMicrobatchParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, max_seqlen_q=0, max_seqlen_kv=0,
-                                  cu_seqlens_host=tuple(cu))
+    return PackedMicrobatchParams(
+        qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, max_seqlen_q=0, max_seqlen_kv=0, cu_seqlens_host=tuple(cu)
+    )
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -10,11 +10,7 @@ from megatron_ext.data.tokenizers import build_tokenizer
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SHIPPED_MODEL = os.path.join(REPO, "data", "default", "tokenizer.model")
 
-SAMPLE_TEXT = (
-    "Return the sum of *x* and *y*.\n\n"
-    "    >>> add(2, 40)\n    42\n"
-    "Unicode: naïve café, 数据, tab\there."
-)
+SAMPLE_TEXT = "Return the sum of *x* and *y*.\n\n    >>> add(2, 40)\n    42\nUnicode: naïve café, 数据, tab\there."
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +30,7 @@ def test_null_tokenizer_matches_megatron_core():
     assert tokenizer.vocab_size == reference.vocab_size == 101
     assert tokenizer.pad == tokenizer.eod
     assert tokenizer.detokenize([5, 17, 99]) == "5 17 99"
-    assert tokenizer.identity() == {"type": "NullTokenizer", "model_sha256": None,
-                                    "vocab_size": 101}
+    assert tokenizer.identity() == {"type": "NullTokenizer", "model_sha256": None, "vocab_size": 101}
 
 
 def test_null_tokenizer_errors():
@@ -65,8 +60,7 @@ def test_sentencepiece_identity_and_alias():
     tokenizer = build_tokenizer("GPTSentencePieceTokenizer", SHIPPED_MODEL)
     with open(SHIPPED_MODEL, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
-    assert tokenizer.identity() == {"type": "GPTSentencePieceTokenizer", "model_sha256": sha,
-                                    "vocab_size": 8192}
+    assert tokenizer.identity() == {"type": "GPTSentencePieceTokenizer", "model_sha256": sha, "vocab_size": 8192}
     assert dict(tokenizer.unique_identifiers)["model_sha256"] == sha
 
 
@@ -74,10 +68,8 @@ def test_sentencepiece_identity_and_alias():
     "kwargs, flag",
     [
         (dict(tokenizer_type="SentencePieceTokenizer"), "--tokenizer-model"),
-        (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="/nonexistent.model"),
-         "--tokenizer-model"),
-        (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=SHIPPED_MODEL,
-              vocab_size=1000), "--vocab-size"),
+        (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="/nonexistent.model"), "--tokenizer-model"),
+        (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=SHIPPED_MODEL, vocab_size=1000), "--vocab-size"),
         (dict(tokenizer_type="GPT2BPETokenizer"), "--tokenizer-type"),
     ],
 )
@@ -91,8 +83,10 @@ def test_a_directory_given_as_sentencepiece_model_says_so_and_names_the_file_ins
     with pytest.raises(ValueError) as err:
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path))
     (problem,) = err.value.problems
-    assert problem == (f"--tokenizer-model {tmp_path} is a directory: SentencePieceTokenizer takes the sentencepiece "
-                       f".model file itself ({tmp_path} holds none; tools/train_tokenizer.py writes one)"), problem
+    assert problem == (
+        f"--tokenizer-model {tmp_path} is a directory: SentencePieceTokenizer takes the sentencepiece "
+        f".model file itself ({tmp_path} holds none; tools/train_tokenizer.py writes one)"
+    ), problem
     (tmp_path / "tokenizer.model").write_bytes(b"x")
     with pytest.raises(ValueError, match=f"is a directory: .* \\(e.g. {tmp_path}/tokenizer.model\\)"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path))

@@ -10,10 +10,10 @@ import torch
 
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.derived import get_stage_placement
-from megatron_ext.validation import validate
 from megatron_ext.model.v_placement import build_placed_float16_module, get_loop_equivalent
 from megatron_ext.parallel import ParallelContext, StagePlacement
 from megatron_ext.testing import tiny_values
+from megatron_ext.validation import validate
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -27,8 +27,23 @@ def test_v_puts_the_embedding_and_the_loss_on_rank_0(pp):
 
 def _ctx(pp_rank, tp_rank, dp_rank, placement, pp=4, tp=2, dp=2):
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)  # megatron-core's order tp-cp-ep-dp-pp
-    return ParallelContext(None, rank, tp * dp * pp, tp_rank, tp, pp_rank, pp, dp_rank, dp, 2,
-                           None, None, None, None, stage_placement=placement)
+    return ParallelContext(
+        None,
+        rank,
+        tp * dp * pp,
+        tp_rank,
+        tp,
+        pp_rank,
+        pp,
+        dp_rank,
+        dp,
+        2,
+        None,
+        None,
+        None,
+        None,
+        stage_placement=placement,
+    )
 
 
 def test_the_loss_rank_and_the_logging_rank_follow_the_placement():
@@ -43,8 +58,9 @@ def test_the_loss_rank_and_the_logging_rank_follow_the_placement():
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_a_v_chunk_is_named_as_the_same_stage_under_the_loop_placement(pp):
-    config = types.SimpleNamespace(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2,
-                                   pipeline_stage_placement="v")
+    config = types.SimpleNamespace(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2, pipeline_stage_placement="v"
+    )
     for rank in range(pp):
         # chunk 0 is stage r (loop: rank r, chunk 0); chunk 1 is stage 2p-1-r (loop: rank p-1-r, chunk 1)
         assert get_loop_equivalent(config, 0, rank) == (0, rank)
@@ -61,16 +77,23 @@ def test_the_schedule_names_the_placement():
 
 @pytest.mark.parametrize("flags", [dict(decoder_first_pipeline_num_layers=2), dict(decoder_last_pipeline_num_layers=2)])
 def test_first_and_last_rank_layer_counts_are_refused_under_v(flags):
-    values = {**tiny_values(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2, num_layers=8),
-              **flags}
+    values = {
+        **tiny_values(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2, num_layers=8),
+        **flags,
+    }
     validate(build_job_config(values), 2)  # the loop placement takes them
     with pytest.raises(ConfigError, match="ZBVZeroBubble places the first and the last pipeline stage on rank 0"):
         validate(build_job_config({**values, "pipeline_schedule": "ZBVZeroBubble"}), 2)
 
 
 def test_the_embedding_and_loss_counted_as_layers_are_taken_under_v():
-    values = tiny_values(pipeline_model_parallel_size=2, num_layers=6, account_for_embedding_in_pipeline_split=True,
-                         account_for_loss_in_pipeline_split=True, pipeline_schedule="ZBVZeroBubble")
+    values = tiny_values(
+        pipeline_model_parallel_size=2,
+        num_layers=6,
+        account_for_embedding_in_pipeline_split=True,
+        account_for_loss_in_pipeline_split=True,
+        pipeline_schedule="ZBVZeroBubble",
+    )
     validate(build_job_config(values), 2)  # 6 layers + 2 = 8 units, 2 per stage (2 implied chunks per rank)
     with pytest.raises(ConfigError, match="virtual stages 2 = 4"):  # 4 + 2 units do not fill 4 stages evenly
         validate(build_job_config({**values, "num_layers": 4}), 2)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.model.gpt import check_packed_sequence_support
 from megatron_ext.model.attention import block_diagonal_causal_mask, check_boundaries, document_causal_attention
+from megatron_ext.model.gpt import check_packed_sequence_support
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -19,11 +19,16 @@ def test_per_document_sdpa_equals_block_diagonal_mask(groups):
     q = torch.randn(t, heads, hn)
     k = torch.randn(t, heads // groups, hn)
     v = torch.randn(t, heads // groups, hn)
-    got = document_causal_attention(q, k, v, cu, scale=hn ** -0.5)
+    got = document_causal_attention(q, k, v, cu, scale=hn**-0.5)
     mask = block_diagonal_causal_mask(cu, t)  # independent reference: one dense SDPA
     kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                         attn_mask=mask, scale=hn ** -0.5).transpose(0, 1).reshape(t, -1)
+    ref = (
+        F.scaled_dot_product_attention(
+            q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask, scale=hn**-0.5
+        )
+        .transpose(0, 1)
+        .reshape(t, -1)
+    )
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
@@ -75,8 +80,17 @@ def test_varlen_call_is_causal_without_dropout_and_keeps_grouped_kv(monkeypatch)
 
     def flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None):
         """aten._flash_attention_forward's signature (the real one is CUDA-only)."""
-        calls.append(dict(heads_kv=k.shape[1], cu_same=cu_q is cu_k, max=(max_q, max_k), dropout_p=dropout_p,
-                          is_causal=is_causal, debug=return_debug_mask, scale=scale))
+        calls.append(
+            dict(
+                heads_kv=k.shape[1],
+                cu_same=cu_q is cu_k,
+                max=(max_q, max_k),
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                debug=return_debug_mask,
+                scale=scale,
+            )
+        )
         return torch.zeros_like(q), None, None, None, None
 
     monkeypatch.setattr(attention, "flash_attention_forward", flash)
@@ -124,18 +138,26 @@ def test_attention_notice_names_the_kernel_and_why(monkeypatch):
     try:
         assert "packed THD -> flash varlen" in attention.describe_attention_kernels("cuda", 0.0, False, True, bf16, 64)
         assert "--attention-dropout 0.1" in attention.describe_attention_kernels("cuda", 0.1, False, True, bf16, 64)
-        assert "bf16/fp16 only: --bf16" in attention.describe_attention_kernels("cuda", 0.0, False, True, torch.float32, 64)
+        assert "bf16/fp16 only: --bf16" in attention.describe_attention_kernels(
+            "cuda", 0.0, False, True, torch.float32, 64
+        )
         odd = attention.describe_attention_kernels("cuda", 0.0, False, True, bf16, 60)
         assert "per-document SDPA loop" in odd and "head dimension 60" in odd
     finally:
         attention.flash_varlen_supported.cache_clear()
 
 
-@pytest.mark.parametrize("capability,head_dim,expected", [
-    ((9, 0), 128, True), ((8, 0), 64, True), ((8, 6), 256, True),
-    ((7, 0), 64, False),  # V100: FlashAttention 2 has no kernels
-    ((9, 0), 60, False), ((9, 0), 512, False),  # head dims flash does not take
-])
+@pytest.mark.parametrize(
+    "capability,head_dim,expected",
+    [
+        ((9, 0), 128, True),
+        ((8, 0), 64, True),
+        ((8, 6), 256, True),
+        ((7, 0), 64, False),  # V100: FlashAttention 2 has no kernels
+        ((9, 0), 60, False),
+        ((9, 0), 512, False),  # head dims flash does not take
+    ],
+)
 def test_flash_varlen_needs_an_ampere_or_newer_gpu_and_a_flash_head_dim(monkeypatch, capability, head_dim, expected):
     attention = _fake_gpu(monkeypatch, capability)
     try:

@@ -18,8 +18,9 @@ def _chunk(**config) -> torch.nn.Module:
 
 def test_megatron_cores_embedding_wgrad_deferral_is_refused_with_it():
     with pytest.raises(ValueError, match="defer_embedding_wgrad_compute"):
-        check_weight_grad_deferral([_chunk(defer_embedding_wgrad_compute=False),
-                                    _chunk(defer_embedding_wgrad_compute=True)])
+        check_weight_grad_deferral(
+            [_chunk(defer_embedding_wgrad_compute=False), _chunk(defer_embedding_wgrad_compute=True)]
+        )
     check_weight_grad_deferral([_chunk(defer_embedding_wgrad_compute=False)])
 
 

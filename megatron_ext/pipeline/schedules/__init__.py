@@ -7,7 +7,7 @@ of its arguments, computed once per process (the greedy ones take tens of millis
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_ext.pipeline.actions import PipelineOrder
 from megatron_ext.pipeline.names import canonical_schedule_name

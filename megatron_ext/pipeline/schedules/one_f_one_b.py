@@ -13,11 +13,12 @@ w = min(2 (p - r - 1) + (v - 1) g, m v).
 
 from __future__ import annotations
 
-from megatron_ext.pipeline.actions import BW, F, Action, PipelineOrder
+from megatron_ext.pipeline.actions import BW, Action, F, PipelineOrder
 
 
-def get_megatron_core_rank_order(pp_rank: int, pp: int, vp: int, num_microbatches: int,
-                                 group_size: int | None = None) -> list[tuple[str, int, int]]:
+def get_megatron_core_rank_order(
+    pp_rank: int, pp: int, vp: int, num_microbatches: int, group_size: int | None = None
+) -> list[tuple[str, int, int]]:
     """(kind "F" | "B", local chunk, micro-batch) in the order megatron-core runs them on one rank."""
     p, r, v, m = pp, pp_rank, vp, num_microbatches
     if v == 1:
@@ -25,24 +26,27 @@ def get_megatron_core_rank_order(pp_rank: int, pp: int, vp: int, num_microbatche
         warmup = min(p - r - 1, m)
     else:
         g = group_size or p
-        table = [(mb, c) for lo in range(0, m, g)
-                 for c in range(v) for mb in range(lo, m if lo + g >= m else lo + g)]
+        table = [(mb, c) for lo in range(0, m, g) for c in range(v) for mb in range(lo, m if lo + g >= m else lo + g)]
         warmup = min(2 * (p - r - 1) + (v - 1) * g, m * v)
     fwd = [("F", c, mb) for mb, c in table]
     bwd = [("B", v - 1 - c, mb) for mb, c in table]
     order = fwd[:warmup]
     for k in range(len(table) - warmup):
         order += [fwd[warmup + k], bwd[k]]
-    return order + bwd[len(table) - warmup:]
+    return order + bwd[len(table) - warmup :]
 
 
-def build_megatron_core_order(name: str, pp: int, vp: int, num_microbatches: int,
-                              group_size: int | None = None) -> PipelineOrder:
+def build_megatron_core_order(
+    name: str, pp: int, vp: int, num_microbatches: int, group_size: int | None = None
+) -> PipelineOrder:
     """megatron-core's order for every rank (loop placement: stage = chunk x p + rank)."""
     ranks = tuple(
-        tuple(Action(F if kind == "F" else BW, c * pp + r, mb)
-              for kind, c, mb in get_megatron_core_rank_order(r, pp, vp, num_microbatches, group_size))
-        for r in range(pp))
+        tuple(
+            Action(F if kind == "F" else BW, c * pp + r, mb)
+            for kind, c, mb in get_megatron_core_rank_order(r, pp, vp, num_microbatches, group_size)
+        )
+        for r in range(pp)
+    )
     return PipelineOrder(name, pp, vp, num_microbatches, "loop", ranks)
 
 
@@ -50,6 +54,7 @@ def build_1f1b(pp: int, vp: int, num_microbatches: int, **_) -> PipelineOrder:
     return build_megatron_core_order("1F1B", pp, 1, num_microbatches)
 
 
-def build_interleaved_1f1b(pp: int, vp: int, num_microbatches: int, group_size: int | None = None,
-                           **_) -> PipelineOrder:
+def build_interleaved_1f1b(
+    pp: int, vp: int, num_microbatches: int, group_size: int | None = None, **_
+) -> PipelineOrder:
     return build_megatron_core_order("Interleaved1F1B", pp, vp, num_microbatches, group_size)

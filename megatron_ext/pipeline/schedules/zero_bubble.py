@@ -18,7 +18,7 @@ runs its whole backward in its W slot, as torch.distributed.pipelining does: not
 
 from __future__ import annotations
 
-from megatron_ext.pipeline.actions import B, F, W, Action, PipelineOrder
+from megatron_ext.pipeline.actions import Action, B, F, PipelineOrder, W
 from megatron_ext.pipeline.greedy import build_greedy_candidates, select_best_order
 from megatron_ext.pipeline.schedules.one_f_one_b import get_megatron_core_rank_order
 from megatron_ext.pipeline.simulate import StageCosts
@@ -38,13 +38,15 @@ def build_zbh1(pp: int, vp: int, num_microbatches: int, costs: StageCosts | None
     return _build_loop_zero_bubble("ZBH1", pp, 1, num_microbatches, costs)
 
 
-def build_interleaved_zero_bubble(pp: int, vp: int, num_microbatches: int, costs: StageCosts | None = None,
-                                  **_) -> PipelineOrder:
+def build_interleaved_zero_bubble(
+    pp: int, vp: int, num_microbatches: int, costs: StageCosts | None = None, **_
+) -> PipelineOrder:
     return _build_loop_zero_bubble("InterleavedZeroBubble", pp, vp, num_microbatches, costs)
 
 
-def _build_loop_zero_bubble(name: str, pp: int, vp: int, num_microbatches: int,
-                            costs: StageCosts | None) -> PipelineOrder:
+def _build_loop_zero_bubble(
+    name: str, pp: int, vp: int, num_microbatches: int, costs: StageCosts | None
+) -> PipelineOrder:
     costs = costs or get_default_costs(pp, vp)
     limit = get_memory_limit(pp)
     candidates = [build_lagged_w_order(name, pp, vp, num_microbatches)]
@@ -89,8 +91,10 @@ def build_v_order(pp: int, num_microbatches: int) -> PipelineOrder:
     then (F0, B0, W0, F1, B1, W1) while forwards remain; cool-down r pairs (B0, B1), p-r pairs
     (B0, W0), the remaining W1 and W0. Written for m >= 2p-1 micro-batches; with fewer, the actions
     of the micro-batches that do not exist are dropped (still a valid order: the checker says so)."""
-    ranks = tuple(tuple(a for a in _v_rank_order(pp, max(num_microbatches, 2 * pp - 1), r) if a.mb < num_microbatches)
-                  for r in range(pp))
+    ranks = tuple(
+        tuple(a for a in _v_rank_order(pp, max(num_microbatches, 2 * pp - 1), r) if a.mb < num_microbatches)
+        for r in range(pp)
+    )
     return PipelineOrder("ZBVZeroBubble", pp, 2, num_microbatches, "v", ranks)
 
 
