@@ -235,6 +235,8 @@ def main(argv=None) -> int:
         return 2
     throughput.PREFETCH = False
     throughput.ACCUMULATE = args.accumulate
+    if args.tiny:
+        throughput.use_tiny_shapes()
     shape = throughput.shape_for(args.shape, args.tiny)
     print(
         f"gpu_profile | {name} | torch {torch.__version__} | {args.shape}{' (--tiny)' if args.tiny else ''},"

@@ -66,14 +66,17 @@ LLAMA_24x2048 = dict(
 )
 VOCAB = 50257
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, ffn_hidden_size=None)
+# --tiny's vocabulary: at GPT-2's 50257 the output layer's bf16 GEMMs (software bf16 on most CPUs)
+# took ~20 s per smoke step and 6 minutes of the test suite; the code paths do not depend on it
+TINY_VOCAB = 1024
 DEVICE = torch.device("cuda", 0)  # --device cpu: a smoke run of the code paths on a CPU (tiny shapes)
 
 
 class RandomRows:
     """Unpacked samples: ``seq`` random tokens each (sample i is a function of i)."""
 
-    def __init__(self, seq: int, vocab: int = VOCAB):
-        self.seq, self.vocab = seq, vocab
+    def __init__(self, seq: int, vocab: int | None = None):
+        self.seq, self.vocab = seq, VOCAB if vocab is None else vocab
 
     def __len__(self) -> int:
         return 1 << 30
@@ -395,8 +398,16 @@ def start_on_one_device(device: str, tool: str) -> str | None:
     return torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "CPU (smoke run)"
 
 
+def use_tiny_shapes() -> None:
+    """--tiny: every section's model 2 x 64 at seq 128 with a 1024-token vocabulary (smoke runs)."""
+    global GPT2_124M, GPT_1_3B, LLAMA_24x2048, VOCAB
+    GPT2_124M = GPT_1_3B = TINY
+    LLAMA_24x2048 = {**LLAMA_24x2048, **TINY, "num_query_groups": 2}
+    VOCAB = TINY_VOCAB
+
+
 def main(argv=None) -> int:
-    global GPT2_124M, GPT_1_3B, LLAMA_24x2048, PREFETCH, ACCUMULATE
+    global PREFETCH, ACCUMULATE
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--steps", type=int, default=12)
@@ -439,8 +450,7 @@ def main(argv=None) -> int:
         p.error(f"--accumulate {args.accumulate}: needs at least 1 micro-batch per optimizer step")
     ACCUMULATE = args.accumulate
     if args.tiny:
-        GPT2_124M = GPT_1_3B = TINY
-        LLAMA_24x2048 = {**LLAMA_24x2048, **TINY, "num_query_groups": 2}
+        use_tiny_shapes()
     from megatron_ext.training.metrics import get_peak_tflops
 
     name = start_on_one_device(args.device, "gpu_throughput")
