@@ -188,9 +188,9 @@ def _lean_column_forward(self, input_, weight=None, runtime_gather_output=None):
     return output, self.bias if self.skip_bias_add else None
 
 
-def _lean_row_forward(self, input_):
-    """``RowParallelLinear.forward`` at TP 1 (bound to the instance): upstream's steps less the
-    identity scatter-to/reduce-from-TP-region autograd Functions. Returns (output, bias or None)."""
+def _row_matmul_and_bias(self, input_, reduce=None):
+    """The steps of ``RowParallelLinear.forward`` both row forwards below share: the local GEMM
+    (no TP-region Functions), then ``reduce`` of the partial sums if given, then the bias."""
     output = self._forward_impl(
         input=input_,
         weight=self.weight,
@@ -201,9 +201,17 @@ def _lean_row_forward(self, input_):
         grad_output_buffer=None,
         tp_group=self.tp_group,
     )
+    if reduce is not None:
+        output = reduce(output)
     if self.skip_bias_add:
         return output, self.bias
     return (output + self.bias if self.bias is not None else output), None
+
+
+def _lean_row_forward(self, input_):
+    """``RowParallelLinear.forward`` at TP 1 (bound to the instance): upstream's steps less the
+    identity scatter-to/reduce-from-TP-region autograd Functions. Returns (output, bias or None)."""
+    return _row_matmul_and_bias(self, input_)
 
 
 class _ReduceScatterToSequenceShards(torch.autograd.Function):
@@ -226,20 +234,7 @@ class _ReduceScatterToSequenceShards(torch.autograd.Function):
 def _sequence_parallel_row_forward(self, input_):
     """``RowParallelLinear.forward`` under sequence parallelism (bound to the instance, compiled layers
     only): upstream's steps with a reduce-scatter dynamo traces. Returns (output, bias or None)."""
-    output = self._forward_impl(
-        input=input_,
-        weight=self.weight,
-        bias=None,
-        gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-        allreduce_dgrad=False,
-        sequence_parallel=False,
-        grad_output_buffer=None,
-        tp_group=self.tp_group,
-    )
-    output = _ReduceScatterToSequenceShards.apply(output, self.tp_group)
-    if self.skip_bias_add:
-        return output, self.bias
-    return (output + self.bias if self.bias is not None else output), None
+    return _row_matmul_and_bias(self, input_, lambda out: _ReduceScatterToSequenceShards.apply(out, self.tp_group))
 
 
 def install_lean_forward(linear: torch.nn.Module) -> bool:
