@@ -129,6 +129,18 @@ def get_rng_tracker_options(cfg: JobConfig) -> dict:
     return {"use_cudagraphable_rng": True} if cfg.training.cuda_graph_impl == "local" else {}
 
 
+def ensure_rng_tracker(cfg: JobConfig) -> None:
+    """A run built on groups made for another (``build_training_run(ctx=...)``, two runs side by side)
+    gets the RNG tracker its flags need: CUDA graphs (``--cuda-graph-impl local``) need megatron-core's
+    graph-safe tracker, which the first run's seed call may not have asked for. Re-seeded with the same
+    seed, so the first run's streams start over as if it had asked for it."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    options = get_rng_tracker_options(cfg)
+    if options and not getattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", False):
+        model_parallel_cuda_manual_seed(cfg.training.seed, **options, force_reset_rng=True)
+
+
 def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelContext:
     """megatron-core's model-parallel groups for this job, and the RNG tracker seeds."""
     from megatron.core import parallel_state as ps

@@ -38,7 +38,7 @@ from megatron_ext.model.compile import apply_torch_compile, install_lean_linears
 from megatron_ext.model.gpt import apply_mixed_precision, build_model_chunks, use_transformer_engine, wrap_with_ddp
 from megatron_ext.model.wgrad_deferral import apply_weight_grad_deferral
 from megatron_ext.optim import record_flag_settings
-from megatron_ext.parallel import ParallelContext, build_parallel_context
+from megatron_ext.parallel import ParallelContext, build_parallel_context, ensure_rng_tracker
 from megatron_ext.pipeline.names import splits_backward
 from megatron_ext.pipeline.runtime import ScheduleRuntime, attach_schedule_runtime
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
@@ -71,7 +71,10 @@ def build_training_run(
     """
     device = device or select_device(cfg.parallel.device)
     log = log or functools.partial(print, flush=True)
-    ctx = ctx or build_parallel_context(cfg, device)
+    if ctx is None:
+        ctx = build_parallel_context(cfg, device)
+    else:
+        ensure_rng_tracker(cfg)
     resolve_train_iters(cfg, ctx.world_size)
     if tokenizer is None:
         d = cfg.data

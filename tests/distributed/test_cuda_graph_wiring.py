@@ -52,6 +52,33 @@ def test_the_seed_call_asks_for_the_graph_safe_rng_tracker():
     assert run_ranks(_seed_call, 1, tiny_values())[0] == [{}]
 
 
+def _tracker_beside(rank, world_size, first, second):
+    from megatron.core.tensor_parallel import random
+
+    from megatron_ext.parallel import build_parallel_context, destroy_parallel_context, ensure_rng_tracker
+
+    build_parallel_context(build_job_config(first), torch.device("cpu"))
+    calls, original = [], random.model_parallel_cuda_manual_seed
+    # the CPU build cannot make the graph-safe tracker (megatron-core asserts CUDA graph support): record
+    random.model_parallel_cuda_manual_seed = lambda *a, **k: calls.append(k)
+    try:
+        ensure_rng_tracker(build_job_config(second))  # what build_training_run(ctx=...) does
+    finally:
+        random.model_parallel_cuda_manual_seed = original
+        destroy_parallel_context()
+    return calls
+
+
+def test_a_graphed_run_built_beside_an_eager_one_reseeds_the_graph_safe_tracker():
+    """bench/gpu_throughput.py builds its CUDA-graph side on the eager side's groups (``ctx=``): megatron-
+    core's CudaGraphManager asserted 'RNG tracker does not support cudagraphs!' on the H100 until the
+    reused context re-seeded the tracker."""
+    eager, graphed = tiny_values(), tiny_values(cuda_graph_impl="local")
+    reseed = [{"use_cudagraphable_rng": True, "force_reset_rng": True}]
+    assert run_ranks(_tracker_beside, 1, eager, graphed)[0] == reseed
+    assert run_ranks(_tracker_beside, 1, eager, eager)[0] == []
+
+
 def _layer_calls(rank, world_size, steps):
     """What the first layer receives over ``steps`` packed micro-batches with static shapes (what
     --cuda-graph-impl local sets up on CUDA), megatron-core's argument check on each, and the syncs a
