@@ -349,7 +349,8 @@ VARIANT_ROWS: list = []  # (title, flags) of the rows beside A in the gpt2 secti
 
 def set_variants(args) -> None:
     """--torch-compile / --cuda-graph-impl local: extra rows in gpt2, every side in the packed sections
-    (with power-of-two length buckets: a handful of shapes to compile or capture)."""
+    (with power-of-two length buckets: a handful of shapes to compile; CUDA graphs: static padding, one
+    shape to capture)."""
     global VARIANT
     rows = []
     if args.torch_compile:
@@ -360,6 +361,8 @@ def set_variants(args) -> None:
     VARIANT = {k: v for _, flags in rows for k, v in flags.items()}
     if VARIANT:
         VARIANT["pad_length_bucket"] = "power-of-two"
+    if args.cuda_graph_impl:  # captured layers replay one shape: every micro-batch padded to its longest
+        VARIANT["sequence_padding"] = "static"
 
 
 def free_memory() -> None:

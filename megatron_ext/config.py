@@ -375,6 +375,10 @@ class TrainingConfig:
     cuda_graph_warmup_steps: int = _f(
         3, "Eager steps before megatron-core captures a layer's CUDA graph (Megatron-LM's default 3)."
     )
+    cuda_graph_max_documents: int | None = _f(
+        None,
+        "Packed micro-batches under --cuda-graph-impl local (ours): cu_seqlens is padded to this many documents so that every micro-batch has the one shape megatron-core's captured layers replay. Default: a power of two >= seq-length x micro-batch-size / 128, at least 16. A micro-batch with more documents stops the run naming this flag.",
+    )
     empty_unused_memory_level: int = _f(
         0,
         "Return cached CUDA memory to the driver: 1 after each forward-backward, 2 also after the optimizer step (as Megatron-LM; costs time; nothing on CPU).",

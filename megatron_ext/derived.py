@@ -305,6 +305,18 @@ class ResolvedConfig:
     max_microbatch_length: int  # --seq-length, or b x --seq-length with document boundaries
     uses_document_boundaries: bool
     uses_variable_lengths: bool
+    cuda_graph_max_documents: int | None  # packed boundaries' fixed count under CUDA graphs (else None)
+
+
+def get_cuda_graph_max_documents(cfg: JobConfig) -> int | None:
+    """Documents every packed micro-batch's boundaries are padded to under --cuda-graph-impl local
+    (captured layers replay one shape): --cuda-graph-max-documents, or a power of two >= the micro-
+    batch's length / 128 (documents of 128 tokens on average), at least 16. None otherwise."""
+    if cfg.training.cuda_graph_impl != "local" or not uses_document_boundaries(cfg.data):
+        return None
+    if cfg.training.cuda_graph_max_documents is not None:
+        return cfg.training.cuda_graph_max_documents
+    return max(16, 1 << max(0, get_max_microbatch_length(cfg) // 128 - 1).bit_length())
 
 
 def resolve_config(cfg: JobConfig, world_size: int, vocab_size: int) -> ResolvedConfig:
@@ -331,4 +343,5 @@ def resolve_config(cfg: JobConfig, world_size: int, vocab_size: int) -> Resolved
         max_microbatch_length=get_max_microbatch_length(cfg),
         uses_document_boundaries=uses_document_boundaries(d),
         uses_variable_lengths=uses_variable_lengths(d),
+        cuda_graph_max_documents=get_cuda_graph_max_documents(cfg),
     )

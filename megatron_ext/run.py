@@ -143,8 +143,8 @@ def prepare_layers(t: TrainingConfig, resolved: ResolvedConfig, chunks: list[tor
         return
     if not (resolved.uses_our_runtime and splits_backward(resolved.pipeline_schedule)):
         install_lean_linears(chunks)
-    if t.cuda_graph_impl == "local":  # captured layers need the same bounded shapes
-        mark_static_shapes(chunks)
+    if t.cuda_graph_impl == "local":  # captured layers replay one shape: fixed boundaries and lengths
+        mark_static_shapes(chunks, resolved.cuda_graph_max_documents)
 
 
 def build_step_data_spec(

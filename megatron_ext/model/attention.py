@@ -486,21 +486,40 @@ def pad_boundaries(cu_seqlens: torch.Tensor, documents: int) -> torch.Tensor:
 
 
 def prepare_static_packed_params(
-    params: PackedMicrobatchParams, num_tokens: int, dtype: torch.dtype, interleaved: bool, kernel: str
+    params: PackedMicrobatchParams,
+    num_tokens: int,
+    dtype: torch.dtype,
+    interleaved: bool,
+    kernel: str,
+    fixed_documents: int | None = None,
 ) -> StaticPackedParams:
     """``params`` (with ``cu_seqlens_host``) as ``StaticPackedParams``, once per micro-batch, outside
     the layers: boundaries checked, ``kernel`` (VARLEN or MASKED) recorded, ``cu_seqlens`` padded to
     ``document_bound``, ``max_seqlen`` bucketed, each token's document index for MASKED, rotary
-    coefficients in the activations' ``dtype``. No device-to-host copy."""
+    coefficients in the activations' ``dtype``. No device-to-host copy.
+
+    ``fixed_documents`` (CUDA graphs): one shape and one value for every micro-batch of the run, since
+    megatron-core 0.16.1 replays a layer's training graphs in capture order and matches each call's
+    arguments exactly (shapes, and the ints of a dataclass): ``cu_seqlens`` padded to exactly
+    ``fixed_documents``, ``max_seqlen`` the micro-batch's length (it only sizes the kernel's grid)."""
     host = params.cu_seqlens_host
     check_boundaries(host, num_tokens)
+    if fixed_documents is not None and len(host) - 1 > fixed_documents:
+        raise ValueError(
+            f"a packed micro-batch has {len(host) - 1} documents, more than the {fixed_documents} that "
+            f"--cuda-graph-impl local pads every micro-batch to (its captured layers replay one shape): "
+            f"raise --cuda-graph-max-documents to at least {document_bound(len(host) - 1)}"
+        )
     cu = params.cu_seqlens_q
     document_ids = None
     if kernel == MASKED:
         positions = torch.arange(num_tokens, device=cu.device, dtype=cu.dtype)
         document_ids = torch.searchsorted(cu[1:], positions, right=True)
-    cu = pad_boundaries(cu, document_bound(len(host) - 1))
-    longest = bucket_max_seqlen(max(b - a for a, b in zip(host, host[1:])), num_tokens)
+    if fixed_documents is not None:
+        cu, longest = pad_boundaries(cu, fixed_documents), num_tokens
+    else:
+        cu = pad_boundaries(cu, document_bound(len(host) - 1))
+        longest = bucket_max_seqlen(max(b - a for a, b in zip(host, host[1:])), num_tokens)
     cos = sin = None
     if params.rotary_freqs is not None:
         cos, sin = rotary_coefficients(params.rotary_freqs, dtype, interleaved)

@@ -359,11 +359,20 @@ def install_compilable_recompute(layer: torch.nn.Module) -> None:
 # ----------------------------------------------------------------------------- static shapes
 
 
-def mark_static_shapes(chunks: list[torch.nn.Module]) -> None:
+def mark_static_shapes(chunks: list[torch.nn.Module], fixed_documents: int | None = None) -> None:
     """Tell ``training/step.py`` to hand these chunks' layers bounded shapes and nothing host-side
-    (``prepare_static_shapes``): compiled layers and CUDA graphs need both."""
+    (``prepare_static_shapes``): compiled layers and CUDA graphs need both. ``fixed_documents`` (CUDA
+    graphs): packed boundaries padded to exactly this many documents, ``max_seqlen`` the micro-batch's
+    length: one shape for the whole run (``attention.prepare_static_packed_params``)."""
     for chunk in chunks:
         chunk.static_shapes = True
+        chunk.fixed_documents = fixed_documents
+
+
+def fixed_packed_documents(model: torch.nn.Module) -> int | None:
+    while not hasattr(model, "fixed_documents") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "fixed_documents", None)
 
 
 def uses_static_shapes(model: torch.nn.Module) -> bool:
@@ -372,7 +381,7 @@ def uses_static_shapes(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "static_shapes", False))
 
 
-def prepare_static_shapes(params, num_tokens: int, config):
+def prepare_static_shapes(params, num_tokens: int, config, fixed_documents: int | None = None):
     """Once per packed micro-batch, before the first layer: ``StaticPackedParams`` with the kernel
     chosen (flash varlen where it runs, else one masked SDPA), boundaries checked and padded,
     ``max_seqlen`` bucketed, rotary coefficients built in the layers' dtype
@@ -382,7 +391,7 @@ def prepare_static_shapes(params, num_tokens: int, config):
     available = device.type == "cuda" and flash_varlen_supported(device.index or 0, config.kv_channels)
     kernel = select_packed_kernel(device.type, config.attention_dropout, available, dtype)
     return prepare_static_packed_params(
-        params, num_tokens, dtype, config.rotary_interleaved, VARLEN if kernel == VARLEN else MASKED
+        params, num_tokens, dtype, config.rotary_interleaved, VARLEN if kernel == VARLEN else MASKED, fixed_documents
     )
 
 

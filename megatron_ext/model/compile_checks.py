@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from megatron_ext.derived import get_sequence_padding, uses_variable_lengths
 from megatron_ext.pipeline.names import splits_backward
 
 LOCAL_SCOPES = ("full", "full_iteration")
@@ -83,6 +84,16 @@ def _check_cuda_graphs(cfg: Any, cuda: bool) -> list[str]:
             "copies its data iterators' dict batches into static buffers, and ours yield Microbatch objects; "
             "use --cuda-graph-scope full (each whole layer)"
         )
+    lengths = "--packed-sequences" if cfg.data.packed_sequences else "--one-document-per-row"
+    if uses_variable_lengths(cfg.data) and get_sequence_padding(cfg.data) != "static":
+        out.append(
+            f"--cuda-graph-impl local with {lengths} and --sequence-padding {get_sequence_padding(cfg.data)}: "
+            f"megatron-core replays each layer's graphs with the shapes it captured, and negotiated or "
+            f"variable lengths change them; add --sequence-padding static"
+        )
+    documents = t.cuda_graph_max_documents
+    if documents is not None and not (isinstance(documents, int) and documents >= 1):
+        out.append(f"--cuda-graph-max-documents must be an integer >= 1, got {documents!r}")
     if cfg.model.recompute_granularity == "full" and scope != "full_iteration":
         out.append(
             "--cuda-graph-impl local with --recompute-granularity full: a recomputed layer runs outside its "

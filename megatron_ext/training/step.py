@@ -26,7 +26,12 @@ from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators
 from megatron_ext.guards import StepProgress
 from megatron_ext.model.attention import CoreAttentionRotaryEmbedding, PackedMicrobatchParams, build_packed_rotary_freqs
-from megatron_ext.model.compile import prepare_static_shapes, uses_static_shapes, warm_rotary_table
+from megatron_ext.model.compile import (
+    fixed_packed_documents,
+    prepare_static_shapes,
+    uses_static_shapes,
+    warm_rotary_table,
+)
 from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.pipeline.runtime import get_schedule_runtime
@@ -83,7 +88,8 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
         rotary_freqs=freqs,
     )
     if model is not None and uses_static_shapes(model):  # --torch-compile: bounded shapes, nothing host-side
-        return prepare_static_shapes(params, mb.tokens.shape[1], unwrap_model(model).config)
+        fixed = fixed_packed_documents(model)  # CUDA graphs: one shape for the run
+        return prepare_static_shapes(params, mb.tokens.shape[1], unwrap_model(model).config, fixed)
     return params
 
 

@@ -79,10 +79,11 @@ def test_a_graphed_run_built_beside_an_eager_one_reseeds_the_graph_safe_tracker(
     assert run_ranks(_tracker_beside, 1, eager, eager)[0] == []
 
 
-def _layer_calls(rank, world_size, steps):
-    """What the first layer receives over ``steps`` packed micro-batches with static shapes (what
-    --cuda-graph-impl local sets up on CUDA), megatron-core's argument check on each, and the syncs a
-    layer's forward and backward make."""
+def _layer_calls(rank, world_size, steps, fixed_documents=None):
+    """What the first layer receives over ``steps`` packed micro-batches with static shapes, megatron-
+    core's argument check on each, and the syncs a layer's forward and backward make. ``fixed_documents``:
+    what --cuda-graph-impl local sets up on CUDA (static padding, boundaries padded to a fixed count);
+    without it, the bucketed shapes of --torch-compile."""
     from megatron.core.transformer.cuda_graphs import ArgMetadata, _check_supported_type
 
     from megatron_ext.model.attention import bucket_max_seqlen, document_bound
@@ -96,14 +97,14 @@ def _layer_calls(rank, world_size, steps):
         micro_batch_size=1,
         global_batch_size=1,
         packed_sequences=True,
-        sequence_padding="negotiated",
+        sequence_padding="static" if fixed_documents else "negotiated",
         pad_to_multiple_of=16,
         pad_length_bucket="power-of-two",
         **LLAMA,
     )
     dataset = PackedMarkovDataset(64, median=3.0)
     run = build_tiny_run(values, dataset)
-    mark_static_shapes([run.model[0].module])
+    mark_static_shapes([run.model[0].module], fixed_documents)
     layer = unwrap_model(run.model[0]).decoder.layers[0]
     signatures, rejected, syncs = set(), [], 0
 
@@ -131,6 +132,8 @@ def _layer_calls(rank, world_size, steps):
         microbatches, _ = build_step_microbatches(run, dataset, step)
         cu = microbatches[0].cu_seqlens_host
         t, longest = cu[-1], max(b - a for a, b in zip(cu, cu[1:]))
+        if fixed_documents:  # static padding: the last document grows to the micro-batch's length
+            assert t == microbatches[0].tokens.shape[1] == 64, (t, microbatches[0].tokens.shape)
         raw.add((t, longest, len(cu) - 1))
         bucketed.add((t, bucket_max_seqlen(longest, t), document_bound(len(cu) - 1)))
         output, loss_func = forward_step(iter(microbatches), run.model[0])
@@ -149,6 +152,39 @@ def test_recorded_layer_arguments_pass_megatron_cores_check_in_a_few_shapes():
     assert not rejected, rejected
     assert signatures == bucketed < raw, (signatures, bucketed, raw)
     assert syncs == 0
+
+
+def test_cuda_graph_layers_see_one_argument_signature_for_the_whole_run():
+    """megatron-core 0.16.1 replays a layer's training graphs in capture order and matches every call's
+    arguments exactly (``_CudaGraphRunner.get_mismatch_errors``: shapes, and a dataclass's ints): on the
+    H100 a packed run with bucketed shapes stopped at its first new bucket ('no matching cudagraph
+    runners'). With CUDA graphs' fixed shapes (static padding, boundaries padded to a fixed document
+    count, max_seqlen the micro-batch's length), 20 micro-batches of many document layouts are one
+    signature, and every argument still passes megatron-core's check."""
+    signatures, _, raw, rejected, syncs = run_ranks(_layer_calls, 1, 20, 32)[0]
+    assert not rejected, rejected
+    assert signatures == 1 < raw, (signatures, raw)
+    assert syncs == 0
+
+
+def test_a_micro_batch_over_the_fixed_document_count_names_the_flag():
+    import pytest as _pytest
+
+    from megatron_ext.model.attention import MASKED, PackedMicrobatchParams, prepare_static_packed_params
+
+    cu = torch.tensor([0, 1, 2, 3, 8], dtype=torch.int32)
+    params = PackedMicrobatchParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=5,
+        max_seqlen_kv=5,
+        cu_seqlens_host=(0, 1, 2, 3, 8),
+    )
+    fixed = prepare_static_packed_params(params, 8, torch.float32, False, MASKED, fixed_documents=4)
+    assert fixed.cu_seqlens_q.tolist() == [0, 1, 2, 3, 8] and fixed.max_seqlen_q == 8
+    with _pytest.raises(ValueError, match="--cuda-graph-max-documents to at least 16"):
+        prepare_static_packed_params(params, 8, torch.float32, False, MASKED, fixed_documents=3)
 
 
 def _forward_syncs(rank, world_size):
