@@ -266,6 +266,40 @@ FLAGS = [
         _refuse("--fp8-param-gather: FP8 training is not supported"),
         "Refused: FP8 training is not supported.",
     ),
+    # Megatron-LM's rerun state machine (core_v0.16.1 megatron/training/arguments.py): a spiky loss (>= 10x the
+    # largest of the first 100) or large gradients re-run the step under --rerun-mode validate_results to tell
+    # a hardware fault from the data; there is no such machine here, and silently dropping the check would
+    # not be what the script asked for
+    MegatronFlag(
+        "--check-for-spiky-loss",
+        STORE_TRUE,
+        _refuse(
+            "--check-for-spiky-loss: Megatron-LM's spike check re-runs the step (its rerun state machine, "
+            "--rerun-mode validate_results), which is not here; leave it out (a non-finite loss or gradient is "
+            "still caught: --check-for-nan-in-loss-and-grad, on by default, skips that step)"
+        ),
+        "Refused: the loss-spike check re-runs steps with Megatron-LM's rerun state machine, which is not here.",
+    ),
+    MegatronFlag(
+        "--check-for-large-grads",
+        STORE_TRUE,
+        _refuse(
+            "--check-for-large-grads: Megatron-LM's large-gradient check re-runs the step (its rerun state "
+            "machine), which is not here; leave it out (--clip-grad bounds the update)"
+        ),
+        "Refused: the large-gradient check re-runs steps with Megatron-LM's rerun state machine, which is not here.",
+    ),
+    MegatronFlag(
+        "--rerun-mode",
+        1,
+        _one_of(
+            {"disabled": None},
+            "--rerun-mode {value}: Megatron-LM's rerun state machine (re-running a step to tell a hardware fault "
+            "from the data) is not here; use --rerun-mode disabled or leave it out (a non-finite loss or gradient "
+            "skips the step: --check-for-nan-in-loss-and-grad)",
+        ),
+        "Accepted as disabled (silent); validate_results and report_stats are refused: no rerun state machine here.",
+    ),
     MegatronFlag(
         "--use-checkpoint-args",
         STORE_TRUE,

@@ -188,3 +188,25 @@ def test_decoupled_lr_and_bf16_grad_buffers_are_checked_before_any_work(argv, ne
         validate(cfg, 1)
     assert any(needle in p for p in err.value.problems), err.value.problems
     assert len(err.value.problems) == 1, err.value.problems
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--check-for-spiky-loss"], "--check-for-spiky-loss: Megatron-LM's spike check re-runs the step"),
+        (["--check-for-large-grads"], "--check-for-large-grads: Megatron-LM's large-gradient check"),
+        (["--rerun-mode", "validate_results"], "--rerun-mode validate_results: Megatron-LM's rerun state machine"),
+        (["--rerun-mode", "report_stats"], "--rerun-mode report_stats: Megatron-LM's rerun state machine"),
+    ],
+)
+def test_the_rerun_state_machines_flags_are_refused_by_name(argv, needle):
+    """Issue 31: Megatron-LM's loss-spike and large-gradient checks re-run steps; without that machine each
+    flag is one error naming it (a silent no-op would drop a check the script asked for)."""
+    with pytest.raises(ConfigError) as err:
+        parse_args_with_notes(["--mock-data", *argv])
+    assert [p for p in err.value.problems if p.startswith(needle)], err.value.problems
+
+
+def test_rerun_mode_disabled_is_accepted_silently():
+    _, notes = parse_args_with_notes(["--mock-data", "--rerun-mode", "disabled"])
+    assert not [n for n in notes if "rerun" in n], notes
