@@ -228,6 +228,14 @@ _OPTIMIZER_FLAGS = {
 }
 
 
+# The embedding and output layer's parameter groups' own max_lr/min_lr (megatron-core's decoupled LR); a load
+# restores the groups' saved values like --lr's, so a changed flag is named the same way
+_DECOUPLED_LR_FLAGS = {
+    "decoupled_lr": "learning rate of the embedding and output layer",
+    "decoupled_min_lr": "minimum learning rate of the embedding and output layer",
+}
+
+
 def get_saved_adam_options(saved: dict[str, Any]) -> dict[str, set]:
     """{"beta1"/"beta2"/"eps": the values the checkpoint's parameter groups hold} (empty without Adam).
     These, not the saved flags, are what a load restores (torch keeps the saved groups' options), so a
@@ -254,11 +262,19 @@ def get_saved_adam_options(saved: dict[str, Any]) -> dict[str, set]:
 
 def describe_optimizer_flag_changes(saved: dict[str, Any], cfg: JobConfig) -> list[str]:
     """'--adam-beta1: the checkpoint's Adam beta1 is 0.9, this run's flags give 0.95' for each Adam
-    option this run's flags set differently from the checkpoint's optimizer (--lr and --min-lr are
-    the scheduler's, compared by ``check_scheduler_flags``)."""
-    if cfg.training.optimizer != "adam":
-        return []
+    option, and --decoupled-lr / --decoupled-min-lr, that this run's flags set differently from the
+    checkpoint's optimizer (--lr and --min-lr are the scheduler's, compared by ``check_scheduler_flags``)."""
     out = []
+    args = saved.get("args", {})
+    for field, label in _DECOUPLED_LR_FLAGS.items():  # the embedding and output layer's own LR (--decoupled-lr)
+        if field in args and args[field] != getattr(cfg.training, field):
+            flag = "--" + field.replace("_", "-")
+            out.append(
+                f"{flag}: the checkpoint's {label} is {args[field]!r}, this run's flags give "
+                f"{getattr(cfg.training, field)!r}"
+            )
+    if cfg.training.optimizer != "adam":
+        return out
     for name, values in get_saved_adam_options(saved).items():
         field, flag, label = _OPTIMIZER_FLAGS[name]
         current = getattr(cfg.training, field)

@@ -210,3 +210,22 @@ def test_changed_adam_options_are_refused_unless_a_flag_says_which_wins():
         assert check_optimizer_flags(saved, _cfg(adam_beta2=0.95, **{flag: True})) == []
     sgd = {"optimizer": {"param_groups": [{"momentum": 0.9, "max_lr": 1e-3}]}}
     assert check_optimizer_flags(sgd, _cfg(optimizer="sgd", adam_beta2=0.95)) == []
+
+
+def test_a_changed_decoupled_lr_is_named_like_a_changed_adam_option():
+    """Issue 31: a load restores the embedding and output groups' saved max_lr/min_lr, so a new
+    --decoupled-lr / --decoupled-min-lr would be dropped silently; named unless a flag says which wins."""
+    saved = {"args": {"decoupled_lr": 5e-4, "decoupled_min_lr": 5e-5}, "optimizer": {}}
+    same = _cfg(decoupled_lr=5e-4, decoupled_min_lr=5e-5)
+    assert check_optimizer_flags(saved, same) == []
+    problems = check_optimizer_flags(saved, _cfg(decoupled_lr=1e-3, decoupled_min_lr=5e-5))
+    assert problems == [
+        "--decoupled-lr: the checkpoint's learning rate of the embedding and output layer is 0.0005, this run's "
+        "flags give 0.001; add --override-opt-param-scheduler to use this run's flags or "
+        "--use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+    ], problems
+    (dropped,) = check_optimizer_flags(saved, _cfg(decoupled_lr=5e-4, decoupled_min_lr=None))
+    assert dropped.startswith("--decoupled-min-lr: the checkpoint's minimum learning rate"), dropped
+    for flag in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        assert check_optimizer_flags(saved, _cfg(decoupled_lr=1e-3, **{flag: True})) == []
+    assert check_optimizer_flags({"optimizer": {}}, _cfg(decoupled_lr=1e-3)) == []  # older checkpoints: no args
