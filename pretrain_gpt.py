@@ -106,18 +106,21 @@ def _train(
         run.watchdog.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    write_exit_marker()
+    write_exit_marker(run.state.iteration, cfg.training.train_iters)
     if save_lock is not None:
         save_lock.close()
     return history
 
 
-def write_exit_marker() -> None:
-    """Tell launch/torchrun.sh this rank finished cleanly (torchrun's own code cannot say so
-    after a SIGTERM)."""
+def write_exit_marker(iteration: int, train_iters: int) -> None:
+    """Tell launch/torchrun.sh this rank ended cleanly (torchrun's own code cannot say so after a
+    SIGTERM): "finished" at --train-iters, else "stopped <iteration>" (a signal or an exit flag ended
+    it early, after its checkpoint: a scheduler may start it again, launch/slurm.sbatch requeues)."""
     marker_dir = os.environ.get("MEGATRON_EXT_EXIT_MARKER_DIR")
     if marker_dir and os.path.isdir(marker_dir):
-        open(os.path.join(marker_dir, f"rank{os.environ.get('RANK', '0')}.ok"), "w").close()
+        state = "finished" if iteration >= train_iters else f"stopped {iteration}"
+        with open(os.path.join(marker_dir, f"rank{os.environ.get('RANK', '0')}.ok"), "w") as f:
+            f.write(state + "\n")
 
 
 def run_cli(argv: list[str] | None = None) -> int:

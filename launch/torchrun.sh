@@ -12,6 +12,14 @@
 # this script exports MEGATRON_EXT_EXIT_MARKER_DIR, a fresh node-local directory, and a worker
 # that finishes cleanly writes "$MEGATRON_EXT_EXIT_MARKER_DIR/rank<RANK>.ok". If all
 # NPROC_PER_NODE local workers left a marker the script exits 0, else with torchrun's code.
+# A worker's marker says "finished" (it trained to the end) or "stopped <iteration>" (a signal or
+# --exit-duration-in-mins/--exit-interval ended it early, after its checkpoint): all markers and one
+# "stopped" exits STOPPED_EXIT_CODE (0 by default, as before; launch/slurm.sbatch sets 75 to requeue).
+#
+# Exit codes: 0 finished (or stopped cleanly, above); 2 a user error; 1 the run diverged, or the same
+# failure recurred (a restart would repeat it); 75 (EX_TEMPFAIL) ended retryably: a crash that no
+# worker called final and no restart is left for, so a new start from the newest complete
+# checkpoint in --save may get past it (launch/slurm.sbatch requeues the job on 75).
 #
 # Automatic restart: MAX_RESTARTS (0: none, as before) more torchrun runs after a failed one,
 # each resuming from the newest complete checkpoint in --save (megatron_ext/restart.py: the
@@ -31,6 +39,13 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 NODE_RANK=${NODE_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 SAME_FAILURE_LIMIT=2
+RETRYABLE_EXIT_CODE=75
+STOPPED_EXIT_CODE=${STOPPED_EXIT_CODE:-0}
+if ! [[ "$STOPPED_EXIT_CODE" =~ ^[0-9]+$ ]] || (( 10#$STOPPED_EXIT_CODE > 255 )); then
+    echo "error: STOPPED_EXIT_CODE=$STOPPED_EXIT_CODE is not an exit code: give 0-255 (0, the default: a run" \
+         "stopped cleanly before its end exits 0)" >&2
+    exit 2
+fi
 if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
     echo "error: MAX_RESTARTS=$MAX_RESTARTS is not a number: give how many times to restart after a failure," \
          "e.g. MAX_RESTARTS=3 (0, the default: never)" >&2
@@ -99,6 +114,8 @@ while true; do
     dir=$MEGATRON_EXT_EXIT_MARKER_DIR
     markers=("$dir"/rank*.ok)
     if [[ "$NPROC_PER_NODE" =~ ^[0-9]+$ ]] && (( ${#markers[@]} == NPROC_PER_NODE )); then
+        stopped=$(grep -l '^stopped' "${markers[@]}" 2>/dev/null | head -n 1)
+        [[ -n "$stopped" ]] && exit $((10#$STOPPED_EXIT_CODE))
         exit 0
     fi
     no_retry=("$dir"/rank*.noretry)
@@ -108,7 +125,10 @@ while true; do
                                    "which a restart would repeat" >&2
         exit "${code:-$rc}"
     fi
-    (( rc == 0 || MAX_RESTARTS == 0 )) && exit "$rc"
+    (( rc == 0 )) && exit 0
+    if (( MAX_RESTARTS == 0 && ! stopping )); then
+        exit "$RETRYABLE_EXIT_CODE"  # a crash no worker called final: a new start may get past it
+    fi
     if (( stopping )); then
         echo "launch/torchrun.sh: not restarting: this launcher was asked to stop (SIGTERM/SIGINT)" >&2
         exit "$rc"
@@ -128,8 +148,9 @@ while true; do
         exit "$rc"
     fi
     if (( attempt >= MAX_RESTARTS )); then
-        echo "launch/torchrun.sh: not restarting: $failure, and MAX_RESTARTS=$MAX_RESTARTS restarts are used up" >&2
-        exit "$rc"
+        echo "launch/torchrun.sh: not restarting: $failure, and MAX_RESTARTS=$MAX_RESTARTS restarts are used up" \
+             "(exit $RETRYABLE_EXIT_CODE: a new start from the newest complete checkpoint may get past it)" >&2
+        exit "$RETRYABLE_EXIT_CODE"
     fi
     attempt=$((attempt + 1))
     echo "launch/torchrun.sh: $failure; restart $attempt of $MAX_RESTARTS, from the newest complete checkpoint" \

@@ -4,7 +4,8 @@ The launcher runs torchrun again after a failed attempt, up to ``MAX_RESTARTS`` 
 each attempt a fresh marker directory (``MEGATRON_EXT_EXIT_MARKER_DIR``, so that an earlier
 attempt's markers never count) in which every rank may leave:
 
-- ``rank<R>.ok``: the rank finished cleanly (``pretrain_gpt.write_exit_marker``);
+- ``rank<R>.ok``: the rank ended cleanly (``pretrain_gpt.write_exit_marker``): "finished" at
+  --train-iters, or "stopped <iteration>" when a signal or an exit flag ended it early (after its save);
 - ``rank<R>.noretry``: "do not retry", with the exit code and the reason on one line: a user error
   (exit 2: configuration, data, tokenizer, checkpoint directories) or a diverged run (exit 1:
   ``--max-nan-iterations``, non-finite weights at a save) would fail the same way again;

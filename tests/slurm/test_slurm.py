@@ -59,7 +59,8 @@ def submit(env: dict, out: str, args: list[str], sbatch_options: list[str] = ())
             "--output",
             out,
             "--export",
-            f"ALL,MASTER_PORT={get_free_port()}",
+            # MAX_REQUEUES=0: these jobs stop on a signal and must end there (COMPLETED 0:0), not requeue
+            f"ALL,MASTER_PORT={get_free_port()},MAX_REQUEUES=0",
             SBATCH,
             *args,
         ],

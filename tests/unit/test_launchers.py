@@ -33,6 +33,7 @@ time.sleep(float(os.environ.get("FAKE_TORCHRUN_SLEEP", "0")))
 # scontrol: `show hostnames` expands to FAKE_NODES names (node1, node2, ...); `show node X` gives
 # NodeAddr=addr-of-X, or fails as where node information is private (FAKE_SHOW_NODE_FAILS)
 FAKE_SCONTROL = """#!/usr/bin/env bash
+[[ "$1" == requeue ]] && { echo "requeue $2" >> "$FAKE_TORCHRUN_OUT.requeue"; exit 0; }
 case "$1 $2" in
   "show hostnames") exec seq -f 'node%g' 1 "${FAKE_NODES:-2}" ;;
   "show node")
@@ -43,8 +44,9 @@ esac
 exit 1
 """
 
-# srun: drops its options and runs the task once, as node 0
+# srun: drops its options and runs the task once, as node 0 (or exits FAKE_SRUN_RC without running it)
 FAKE_SRUN = """#!/usr/bin/env bash
+[[ -n "${FAKE_SRUN_RC:-}" ]] && { echo "STOPPED_EXIT_CODE=$STOPPED_EXIT_CODE" > "$FAKE_TORCHRUN_OUT.srun"; exit "$FAKE_SRUN_RC"; }
 while [[ $# -gt 0 && "$1" == -* ]]; do shift; done
 SLURM_NODEID=0 exec "$@"
 """
@@ -224,7 +226,9 @@ with open(os.environ["FAKE_TORCHRUN_LOG"], "a") as f:
                         **{{k: os.environ.get(k) for k in ("MEGATRON_EXT_RESTART_ATTEMPT", "MEGATRON_EXT_RESUME_FROM_SAVE",
                                                           "MEGATRON_EXT_MAX_RESTARTS")}}}}) + "\\n")
 for rank in step.get("ok", []):
-    open(os.path.join(marker_dir, "rank%d.ok" % rank), "w").close()
+    open(os.path.join(marker_dir, "rank%d.ok" % rank), "w").write("finished\\n")
+for rank, it in step.get("stopped", {{}}).items():
+    open(os.path.join(marker_dir, "rank%s.ok" % rank), "w").write("stopped %d\\n" % it)
 for rank, text in step.get("noretry", {{}}).items():
     open(os.path.join(marker_dir, "rank%s.noretry" % rank), "w").write(text + "\\n")
 for rank, it in step.get("iteration", {{}}).items():
@@ -282,8 +286,8 @@ def test_the_markers_of_an_earlier_attempt_do_not_count(tmp_path):
     rc, err, attempts = run_restarts(
         tmp_path, [{"rc": 1, "ok": [0], "iteration": {"1": 3}}, {"rc": 1, "ok": [1], "iteration": {"0": 5}}], "1"
     )
-    assert rc == 1 and len(attempts) == 2, (rc, err, attempts)
-    assert "MAX_RESTARTS=1 restarts are used up" in err, err
+    assert rc == 75 and len(attempts) == 2, (rc, err, attempts)  # ended retryably
+    assert "MAX_RESTARTS=1 restarts are used up (exit 75: a new start" in err, err
 
 
 def test_the_same_failure_twice_in_a_row_stops(tmp_path):
@@ -314,7 +318,7 @@ def test_a_worker_that_says_do_not_retry_is_not_restarted(tmp_path):
 
 def test_no_restart_by_default_and_a_bad_max_restarts_is_one_error(tmp_path):
     rc, err, attempts = run_restarts(tmp_path / "default", [CRASH, DONE], "0")
-    assert rc == 1 and len(attempts) == 1 and "launch/torchrun.sh:" not in err, (rc, err)
+    assert rc == 75 and len(attempts) == 1 and "launch/torchrun.sh:" not in err, (rc, err)  # ended retryably
     rc, err, attempts = run_restarts(tmp_path / "empty", [DONE], "")  # empty: the default
     assert rc == 0 and len(attempts) == 1, (rc, err)
     for i, bad in enumerate(("two", "-1", "1.5", "3 ")):
@@ -365,3 +369,65 @@ def test_a_launcher_asked_to_stop_does_not_restart(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
     assert "not restarting: this launcher was asked to stop (SIGTERM/SIGINT)" in err, err
     assert len((tmp_path / "attempts.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_clean_stop_before_the_end_exits_the_stopped_code(tmp_path):
+    """A worker's marker says "stopped <iteration>" when a signal or an exit flag ended it early: exit 0 as
+    before, or STOPPED_EXIT_CODE (launch/slurm.sbatch: 75, requeue); "finished" markers exit 0 either way."""
+    stopped = {"rc": 1, "ok": [0], "stopped": {"1": 40}}  # torchrun's code after a SIGTERM is not 0
+    rc, err, attempts = run_restarts(tmp_path / "a", [stopped], "0")
+    assert rc == 0 and len(attempts) == 1, (rc, err)
+    rc, err, attempts = run_restarts(tmp_path / "b", [stopped], "2", STOPPED_EXIT_CODE="75")
+    assert rc == 75 and len(attempts) == 1, (rc, err)  # a clean stop is never restarted by the launcher
+    rc, err, attempts = run_restarts(tmp_path / "c", [DONE], "0", STOPPED_EXIT_CODE="75")
+    assert rc == 0, (rc, err)
+    rc, err, attempts = run_restarts(tmp_path / "d", [DONE], "0", STOPPED_EXIT_CODE="x")
+    assert rc == 2 and attempts == [] and "STOPPED_EXIT_CODE=x is not an exit code" in err, (rc, err)
+
+
+def run_sbatch_ending(tmp_path, srun_rc: int, **extra: str) -> tuple[int, str, list[str], str]:
+    """launch/slurm.sbatch whose srun ends with ``srun_rc``: (exit code, stderr, scontrol requeues, what srun saw)."""
+    env = slurm_env(tmp_path, 2, FAKE_SRUN_RC=str(srun_rc), **extra)
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "launch", "slurm.sbatch"), "--save", "ckpt"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    requeues = tmp_path / "torchrun.json.requeue"
+    seen = (tmp_path / "torchrun.json.srun").read_text().strip()
+    return proc.returncode, proc.stderr, requeues.read_text().splitlines() if requeues.exists() else [], seen
+
+
+@pytest.mark.parametrize("srun_rc, requeued", [(0, False), (2, False), (1, False), (75, True), (137, False)])
+def test_sbatch_requeues_only_a_run_that_ended_retryably(tmp_path, srun_rc, requeued):
+    """Issue 31: 75 (a crash no worker called final, or a clean stop before --train-iters) requeues the job;
+    finished (0), a user error (2), a divergence or a recurring failure (1) never do; other codes (a node
+    lost, srun killed) are Slurm's to requeue (#SBATCH --requeue), not the script's."""
+    rc, err, requeues, seen = run_sbatch_ending(tmp_path, srun_rc)
+    assert seen == "STOPPED_EXIT_CODE=75"  # the launchers report a clean early stop as retryable
+    assert requeues == (["requeue 4242"] if requeued else []), (rc, err, requeues)
+    assert rc == (0 if requeued else srun_rc), (rc, err)
+    if requeued:
+        assert "requeueing job 4242 (1 of MAX_REQUEUES=3)" in err, err
+
+
+def test_sbatch_stops_requeueing_after_max_requeues(tmp_path):
+    rc, err, requeues, seen = run_sbatch_ending(tmp_path, 75, SLURM_RESTART_COUNT="3")
+    assert rc == 75 and requeues == [] and "requeued 3 times already (MAX_REQUEUES=3)" in err, (rc, err)
+    assert seen == "STOPPED_EXIT_CODE=0"  # no requeue left: a clean early stop ends the job as success
+    (tmp_path / "more").mkdir()
+    rc, err, requeues, _ = run_sbatch_ending(tmp_path / "more", 75, SLURM_RESTART_COUNT="3", MAX_REQUEUES="5")
+    assert rc == 0 and requeues == ["requeue 4242"], (rc, err)
+    (tmp_path / "bad").mkdir()
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "launch", "slurm.sbatch")],
+        cwd=tmp_path / "bad",
+        env=slurm_env(tmp_path / "bad", 2, MAX_REQUEUES="many"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "MAX_REQUEUES=many is not a number" in proc.stderr, proc.stderr
