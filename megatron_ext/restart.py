@@ -32,6 +32,7 @@ MARKER_DIR_ENV = "MEGATRON_EXT_EXIT_MARKER_DIR"
 RESUME_ENV = "MEGATRON_EXT_RESUME_FROM_SAVE"
 ATTEMPT_ENV = "MEGATRON_EXT_RESTART_ATTEMPT"
 MAX_RESTARTS_ENV = "MEGATRON_EXT_MAX_RESTARTS"
+REQUEUE_ENV = "MEGATRON_EXT_REQUEUE"  # launch/slurm.sbatch: how many times Slurm requeued the job
 
 
 def check_restart_settings(cfg: JobConfig, env: Mapping[str, str]) -> None:
@@ -54,6 +55,8 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
     c = cfg.checkpoint
     newest = find_latest_checkpoint(c.save)
     attempt = env.get(ATTEMPT_ENV, "?")
+    if attempt in ("0", "?") and env.get(REQUEUE_ENV):  # launch/slurm.sbatch's requeued job
+        attempt = f"{attempt} of requeue {env[REQUEUE_ENV]}"
     if newest is None:
         return f"> restart {attempt}: --save {c.save} holds no complete checkpoint yet: starting as the first run did"
     replaced = [

@@ -49,7 +49,7 @@ def cluster(tmp_path_factory):
     subprocess.run([CLUSTER, "stop", root], timeout=60)
 
 
-def submit(env: dict, out: str, args: list[str], sbatch_options: list[str] = ()) -> str:
+def submit(env: dict, out: str, args: list[str], sbatch_options: list[str] = (), requeues: int = 0) -> str:
     proc = subprocess.run(
         [
             "sbatch",
@@ -59,8 +59,8 @@ def submit(env: dict, out: str, args: list[str], sbatch_options: list[str] = ())
             "--output",
             out,
             "--export",
-            # MAX_REQUEUES=0: these jobs stop on a signal and must end there (COMPLETED 0:0), not requeue
-            f"ALL,MASTER_PORT={get_free_port()},MAX_REQUEUES=0",
+            # MAX_REQUEUES=0 (unless a test asks): a job stopped by a signal ends there (COMPLETED 0:0)
+            f"ALL,MASTER_PORT={get_free_port()},MAX_REQUEUES={requeues}",
             SBATCH,
             *args,
         ],
@@ -85,7 +85,7 @@ def wait_for(env: dict, job: str, timeout: float) -> tuple[str, str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_state(env, job)
-        if state[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        if state[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED"):
             return state
         time.sleep(2)
     subprocess.run(["scancel", job], env=env)
@@ -212,3 +212,25 @@ def test_one_agent_per_node_whatever_the_jobs_tasks_per_node(cluster, tmp_path):
     )
     assert wait_for(cluster, job, 180) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
     assert sorted(int(name.split(".")[0][len("rank") :]) for name in os.listdir(ranks)) == list(range(8))
+
+
+def test_a_job_stopped_before_its_end_requeues_and_resumes_from_its_checkpoint(cluster, tmp_path):
+    """Issue 31: a clean stop before --train-iters (here scancel --signal=TERM, as a preemption's SIGTERM or
+    the time limit's --signal=TERM@120 gives) ends the launchers with 75 while a requeue is left; the batch
+    script requeues the job, which resumes from the newest complete checkpoint in --save (no --load given)
+    and finishes: COMPLETED 0:0 after one requeue."""
+    out, save = str(tmp_path / "job.out"), str(tmp_path / "ckpt")
+    args = ["--config", "configs/default.yaml", "--train-iters", "12", "--log-interval", "1", "--eval-interval", "0"]
+    args += ["--save", save, "--save-interval", "100000", "--exit-signal-handler"]
+    job = submit(cluster, out, args, requeues=1)
+    wait_for_log(out, r"iteration\s+3/", 300)
+    subprocess.run(["scancel", "--signal=TERM", job], env=cluster, check=True)
+    assert wait_for(cluster, job, 600) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
+    log = open(out, errors="replace").read()  # --open-mode=append: both runs
+    stopped = _stopped_at(log)
+    assert f"requeueing job {job} (1 of MAX_REQUEUES=1)" in log, log[-3000:]
+    assert f"resuming from the newest complete checkpoint in --save {save} (iteration {stopped})" in log, log[-3000:]
+    assert re.search(r"iteration\s+12/\s+12", log), log[-3000:]
+    text = subprocess.run(["scontrol", "show", "job", job], env=cluster, capture_output=True, text=True).stdout
+    assert re.search(r"Restarts=1\b", text), text
+    assert read_tracker(save) == 12
