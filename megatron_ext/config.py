@@ -145,6 +145,10 @@ class ModelConfig:
     add_qkv_bias: bool = _f(False, "Biases on the query/key/value projection only (Qwen2), with --disable-bias-linear.")
     normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.")
+    apply_layernorm_1p: bool = _f(
+        False,
+        "Zero-centred norm weights (Megatron-LM's; megatron-core's layernorm_zero_centered_gamma): every LayerNorm/RMSNorm scales by 1 + gamma, gamma initialised to 0. Like every 1-D parameter, gamma gets no weight decay (megatron-core 0.16.1's param groups). The Hugging Face conversion adds/subtracts the 1.",
+    )
     swiglu: bool = _f(False, "SwiGLU MLP (Llama).")
     disable_bias_linear: bool = _f(False, "No biases in linear layers (Llama).")
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output layer instead of the tied input embedding.")
