@@ -21,8 +21,9 @@ from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
 from megatron_ext.checkpoint.directory import CheckpointWriteFailed, probe_save_dir  # noqa: E402
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.state import plan_load  # noqa: E402
-from megatron_ext.config import ConfigError, JobConfig, report_error_once  # noqa: E402
+from megatron_ext.config import ConfigError, JobConfig  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_ext.error_report import report_error_once  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.rehearse import rehearse_job  # noqa: E402

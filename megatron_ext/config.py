@@ -13,7 +13,6 @@ place before anything is built, are ``validation.validate``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +144,10 @@ class ModelConfig:
     add_qkv_bias: bool = _f(False, "Biases on the query/key/value projection only (Qwen2), with --disable-bias-linear.")
     normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.")
+    apply_layernorm_1p: bool = _f(
+        False,
+        "Zero-centred norm weights (Megatron-LM's; megatron-core's layernorm_zero_centered_gamma): every LayerNorm/RMSNorm scales by 1 + gamma, gamma initialised to 0. Like every 1-D parameter, gamma gets no weight decay (megatron-core 0.16.1's param groups). The Hugging Face conversion adds/subtracts the 1.",
+    )
     swiglu: bool = _f(False, "SwiGLU MLP (Llama).")
     disable_bias_linear: bool = _f(False, "No biases in linear layers (Llama).")
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output layer instead of the tied input embedding.")
@@ -408,6 +411,17 @@ class LoggingConfig:
         choices=[0, 1, 2],
     )
     log_timers_to_tensorboard: bool = _f(False, "Write the step timers to TensorBoard too.")
+    log_straggler: bool = _f(
+        False,
+        "Report the slowest and fastest ranks at each log line (Megatron-LM's flag; its detector needs CUDA, ours times each rank's own work on CPUs too: compute in the forward/backward steps, optimizer, data wait, from the step timers, CUDA events on GPUs) and name, with node, pipeline stage and DP rank, every rank slower than --straggler-threshold over its stage's median: one all-gather of 8 numbers per rank at log steps only (docs/failures.md).",
+    )
+    straggler_minmax_count: int = _f(
+        1, "With --log-straggler: how many slowest and fastest ranks each report lists (Megatron-LM's flag)."
+    )
+    straggler_threshold: float = _f(
+        0.2,
+        "With --log-straggler (ours): a rank whose own work per step (compute + optimizer + data) exceeds the median of its pipeline stage's other ranks (all other ranks when it is alone in its stage) by more than this fraction is named (0.2: 20% slower).",
+    )
     log_memory_to_tensorboard: bool = _f(
         False, "Write memory (CUDA allocated/reserved, or the CPU's max RSS) to TensorBoard at each log line."
     )
@@ -530,49 +544,6 @@ class ConfigError(ValueError):
 
     def __reduce__(self):  # from a worker process with its problems intact (not re-split per character)
         return type(self), (self.problems,)
-
-
-def get_launch_id() -> str | None:
-    """What the ranks of one launch on one host share and no other launch does, or None for a
-    process launched alone: the launcher process (torchrun's agent, Slurm's step daemon, ...) by
-    pid and start time (a pid alone is reused), and Slurm's job and step where present. Not
-    TORCHELASTIC_RUN_ID or MASTER_ADDR/PORT: every plain torchrun launch has run id "none"."""
-    if int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")) or 1) <= 1:
-        return None
-    parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks
-    except (OSError, IndexError):
-        started = "?"
-    slurm = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
-    return f"{parent}-{started}-{slurm}"
-
-
-def report_error_once(message: str) -> bool:
-    """Print ``error: message`` to stderr unless another rank of this launch on this host already
-    did (every rank usually finds the same problem); returns whether this rank printed it. A
-    process launched alone always prints; so does every launch, the same command again included."""
-    import hashlib
-    import sys
-    import tempfile
-
-    launch = get_launch_id()
-    if launch is not None:
-        digest = hashlib.sha256(f"{launch}:{message}".encode()).hexdigest()[:20]
-        try:
-            os.close(
-                os.open(
-                    os.path.join(tempfile.gettempdir(), f"megatron_ext-error-{digest}"),
-                    os.O_CREAT | os.O_EXCL | os.O_WRONLY,
-                )
-            )
-        except FileExistsError:
-            return False
-        except OSError:
-            pass  # no temporary directory: print rather than stay silent
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return True
 
 
 def build_job_config(values: dict[str, Any]) -> JobConfig:

@@ -235,14 +235,6 @@ FLAGS = [
     ),
     # refused: they would change the model or the training, and we lack them
     MegatronFlag(
-        "--apply-layernorm-1p",
-        STORE_TRUE,
-        _refuse(
-            "--apply-layernorm-1p (zero-centred LayerNorm weight) is not supported: the model would differ; leave it out"
-        ),
-        "Refused: zero-centred LayerNorm weights are not supported (the model would differ).",
-    ),
-    MegatronFlag(
         "--fp8-format",
         1,
         _refuse("--fp8-format: FP8 training is not supported (it needs Transformer Engine's FP8 recipes); use --bf16"),

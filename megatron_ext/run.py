@@ -42,6 +42,7 @@ from megatron_ext.parallel import ParallelContext, build_parallel_context, ensur
 from megatron_ext.pipeline.names import splits_backward
 from megatron_ext.pipeline.runtime import ScheduleRuntime, attach_schedule_runtime
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
+from megatron_ext.straggler import StragglerDetector
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import build_optimizer, build_scheduler, get_schedule_lr_range
@@ -94,7 +95,9 @@ def build_training_run(
     optimizer = build_optimizer(cfg, model, device)
     scheduler = build_scheduler(cfg, optimizer, global_batch_size)
     configure_model_hooks(model, optimizer)
-    timers = StepTimers(cfg.logging.timing_log_level, device)
+    # --log-straggler needs the level-1 timers (and times compute), whatever the log line shows
+    lg = cfg.logging
+    timers = StepTimers(max(lg.timing_log_level, int(lg.log_straggler)), device, compute=lg.log_straggler)
     if timers.enabled("grad-reduce"):  # inside the schedule: time megatron-core's finalize hook
         model[0].config.finalize_model_grads_func = timers.wrap(
             "grad-reduce", model[0].config.finalize_model_grads_func
@@ -124,7 +127,10 @@ def build_training_run(
         if cfg.logging.pp_timeline
         else None,
         watchdog=build_step_watchdog(cfg, ctx),
-        timers=timers if cfg.logging.timing_log_level else None,
+        timers=timers if lg.timing_log_level or lg.log_straggler else None,
+        straggler=StragglerDetector(ctx, lg.straggler_threshold, lg.straggler_minmax_count)
+        if lg.log_straggler
+        else None,
         profiler=build_profiler(cfg, ctx),
         manual_gc=ManualGC(cfg.logging.manual_gc_interval) if cfg.logging.manual_gc else None,
         async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,

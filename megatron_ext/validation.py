@@ -82,6 +82,7 @@ def _check_positive(cfg: JobConfig) -> list[str]:
         ("seq_length", m),
         ("micro_batch_size", t),
         ("log_interval", cfg.logging),
+        ("straggler_minmax_count", cfg.logging),
         ("tensorboard_log_interval", cfg.logging),
         ("make_vocab_size_divisible_by", m),
         ("pad_to_multiple_of", d),
@@ -129,6 +130,9 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(t, name) < 1.0:
             out.append(f"{_flag(name)} must be in [0, 1), got {getattr(t, name)}")
+    threshold = cfg.logging.straggler_threshold
+    if not (isinstance(threshold, (int, float)) and 0.0 < threshold < float("inf")):
+        out.append(f"--straggler-threshold must be a fraction > 0 (0.2: 20% slower than the median), got {threshold!r}")
     return out
 
 

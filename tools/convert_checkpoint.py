@@ -23,7 +23,10 @@ Tensor layouts (megatron-core, checked against 0.16.1):
   --rope-scaling-factor F``: megatron-core fixes the low/high frequency factors (1, 4) and the
   original context (8192), so other values are refused;
 - Qwen2/2.5: q/k/v biases (implied by ``model_type``) map to ``--add-qkv-bias``, grouped like the
-  weight rows; sliding-window attention is refused.
+  weight rows; sliding-window attention is refused;
+- ``--apply-layernorm-1p`` (zero-centred gamma): our norms scale by ``1 + weight``, Hugging Face's
+  by ``weight``: the export adds 1 to every norm weight, and ``hf-to-megatron --apply-layernorm-1p``
+  subtracts it (the checkpoint then records the flag, which its runs must give).
 """
 
 from __future__ import annotations
@@ -175,6 +178,16 @@ def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str
 
 # ----------------------------------------------------------------------------- tensors
 
+# the norm weights, in our names and HF's: (1 + gamma) under --apply-layernorm-1p, gamma in HF
+OUR_NORMS = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "final_layernorm.weight")
+HF_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
+
+
+def shift_norm_weights(state: dict[str, torch.Tensor], names: tuple[str, ...], by: float) -> dict[str, torch.Tensor]:
+    """``state`` with ``by`` added to every norm weight (a key ending in one of ``names``), in fp32
+    (a zero-centred gamma near 0 keeps its precision until the 1 is added)."""
+    return {k: (v.float() + by).to(v.dtype) if k.endswith(names) else v for k, v in state.items()}
+
 
 def _dims(hf: dict[str, Any]) -> tuple[int, int, int]:
     heads = hf["num_attention_heads"]
@@ -183,9 +196,10 @@ def _dims(hf: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def hf_to_megatron_tensors(
-    hf_state: dict[str, torch.Tensor], hf: dict[str, Any], padded_vocab: int
+    hf_state: dict[str, torch.Tensor], hf: dict[str, Any], padded_vocab: int, zero_centered_gamma: bool = False
 ) -> dict[str, torch.Tensor]:
-    """{our single-process parameter name: tensor} from HF Llama tensors (pure)."""
+    """{our single-process parameter name: tensor} from HF Llama tensors (pure); with
+    ``zero_centered_gamma`` (--apply-layernorm-1p) each norm weight is HF's minus 1."""
     heads, groups, d = _dims(hf)
     hidden = hf["hidden_size"]
     out = {}
@@ -212,11 +226,14 @@ def hf_to_megatron_tensors(
     out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
     if not hf.get("tie_word_embeddings", False):
         out["output_layer.weight"] = _pad_rows(hf_state["lm_head.weight"], padded_vocab)
-    return out
+    return shift_norm_weights(out, OUR_NORMS, -1.0) if zero_centered_gamma else out
 
 
-def megatron_to_hf_tensors(ours: dict[str, torch.Tensor], hf: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Inverse of ``hf_to_megatron_tensors`` (drops the vocabulary padding)."""
+def megatron_to_hf_tensors(
+    ours: dict[str, torch.Tensor], hf: dict[str, Any], zero_centered_gamma: bool = False
+) -> dict[str, torch.Tensor]:
+    """Inverse of ``hf_to_megatron_tensors`` (drops the vocabulary padding; adds 1 to each norm
+    weight with ``zero_centered_gamma``)."""
     heads, groups, d = _dims(hf)
     hidden, vocab = hf["hidden_size"], hf["vocab_size"]
     out = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"][:vocab]}
@@ -241,6 +258,8 @@ def megatron_to_hf_tensors(ours: dict[str, torch.Tensor], hf: dict[str, Any]) ->
     out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
     if not hf.get("tie_word_embeddings", False):
         out["lm_head.weight"] = ours["output_layer.weight"][:vocab]
+    if zero_centered_gamma:
+        out = shift_norm_weights(out, HF_NORMS, 1.0)
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
@@ -333,18 +352,24 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def convert_hf_to_megatron(
-    hf_dir: str, save: str, tp: int = 1, divisible_by: int = 128, log: Callable[[str], None] = print
+    hf_dir: str,
+    save: str,
+    tp: int = 1,
+    divisible_by: int = 128,
+    log: Callable[[str], None] = print,
+    apply_layernorm_1p: bool = False,
 ) -> str:
-    """HF Llama directory -> ``save/iter_0000000`` (weights, args, the HF config)."""
+    """HF Llama directory -> ``save/iter_0000000`` (weights, args, the HF config); with
+    ``apply_layernorm_1p`` a checkpoint of zero-centred norm weights (HF's minus 1)."""
     from megatron_ext.checkpoint.directory import FORMAT_VERSION, write_checkpoint
     from megatron_ext.checkpoint.state import build_model_sharded_state_dict
 
     check_empty_save_dir(save)
     hf, hf_state = _read_hf(hf_dir)
     log(f"read {len(hf_state)} tensors from {hf_dir} ({hf['num_hidden_layers']} layers)")
-    values = hf_config_to_values(hf, divisible_by)
+    values = {**hf_config_to_values(hf, divisible_by), "apply_layernorm_1p": apply_layernorm_1p}
     padded = get_padded_vocab(hf["vocab_size"], divisible_by, tp)
-    ours = hf_to_megatron_tensors(hf_state, hf, padded)
+    ours = hf_to_megatron_tensors(hf_state, hf, padded, zero_centered_gamma=apply_layernorm_1p)
 
     def save_chunk(chunk, cfg) -> str:
         params = dict(chunk.named_parameters())
@@ -439,7 +464,7 @@ def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = 
     except NAMED_ERRORS as err:
         raise ValueError(f"--load {load}: {err}; nothing was written to {hf_dir}") from None
     ours = unstack_layers(full, args["num_layers"])
-    tensors = megatron_to_hf_tensors(ours, hf)
+    tensors = megatron_to_hf_tensors(ours, hf, zero_centered_gamma=bool(args.get("apply_layernorm_1p")))
     os.makedirs(hf_dir, exist_ok=True)
     weights = os.path.join(hf_dir, "model.safetensors")
     save_file(tensors, weights, metadata={"format": "pt"})
@@ -548,6 +573,11 @@ def main(argv: list[str] | None = None) -> int:
         help="TP size of the runs that will load it (only checked: it must divide the multiple)",
     )
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    a.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="write zero-centred norm weights (HF's minus 1), for runs with --apply-layernorm-1p",
+    )
     b = sub.add_parser(
         "megatron-to-hf",
         help="our checkpoint -> HF Llama / Qwen2 (safetensors + config.json); "
@@ -571,7 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.direction == "hf-to-megatron":
             convert_hf_to_megatron(
-                args.hf_dir, args.save, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
+                args.hf_dir,
+                args.save,
+                args.tensor_model_parallel_size,
+                args.make_vocab_size_divisible_by,
+                apply_layernorm_1p=args.apply_layernorm_1p,
             )
         else:
             convert_megatron_to_hf(args.load, args.hf_dir)

@@ -23,6 +23,7 @@ MODEL_SHAPE_SETTINGS = (
     "group_query_attention",
     "num_query_groups",
     "normalization",
+    "apply_layernorm_1p",  # the same weights mean another model with or without the 1
     "swiglu",
     "disable_bias_linear",
     "untie_embeddings_and_output_weights",

@@ -50,6 +50,7 @@ def build_transformer_config(cfg: JobConfig, resolved: ResolvedConfig, device: t
         attention_dropout=m.attention_dropout,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
+        layernorm_zero_centered_gamma=m.apply_layernorm_1p,  # our (1 + gamma) norms: model/norm.py
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=not m.disable_bias_linear,
@@ -246,6 +247,7 @@ def build_model_chunks(
         tp_rank=placement.tp_rank,
         tp_size=placement.tp_size,
         gated_mlp=m.swiglu,
+        zero_centered_norms=m.apply_layernorm_1p,
     )
     return chunks
 

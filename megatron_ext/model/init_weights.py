@@ -11,7 +11,7 @@ holds is named after the word embedding it copies.
 
 Values (GPT-2 / Megatron conventions): linear and embedding weights ~ N(0, std); the residual
 output projections (``linear_proj``, ``linear_fc2``) ~ N(0, std / sqrt(2 L)); biases 0; norm
-weights 1. Cost: each rank draws the full tensor of each of its parameters once (TP x the draws
+weights 1 (0 with --apply-layernorm-1p: those norms scale by 1 + weight). Cost: each rank draws the full tensor of each of its parameters once (TP x the draws
 of a sharded init); negligible next to training.
 """
 
@@ -41,12 +41,17 @@ def get_param_seed(seed: int, global_name: str) -> int:
 
 
 def build_full_tensor(
-    seed: int, global_name: str, full_shape: Iterable[int], std: float, num_layers: int
+    seed: int,
+    global_name: str,
+    full_shape: Iterable[int],
+    std: float,
+    num_layers: int,
+    zero_centered_norms: bool = False,
 ) -> torch.Tensor:
     """The full (unsharded) initial value of one parameter, fp32 on the CPU."""
     shape = tuple(full_shape)
     if _NORM_WEIGHT.search(global_name):
-        return torch.ones(shape)
+        return torch.zeros(shape) if zero_centered_norms else torch.ones(shape)
     if global_name.endswith("bias") or _NORM_BIAS.search(global_name):
         return torch.zeros(shape)
     if _SCALED.search(global_name):
@@ -106,8 +111,10 @@ def apply_layout_independent_init(
     tp_rank: int,
     tp_size: int,
     gated_mlp: bool,
+    zero_centered_norms: bool = False,
 ) -> dict[str, str]:
-    """Overwrite every parameter of ``chunks`` (unwrapped GPTModels) in place.
+    """Overwrite every parameter of ``chunks`` (unwrapped GPTModels) in place (norm weights 0 where
+    ``zero_centered_norms``, i.e. --apply-layernorm-1p).
 
     Returns {local name in chunk i ("<i>/<name>"): global name} for inspection and tests.
     """
@@ -119,7 +126,9 @@ def apply_layout_independent_init(
             global_name = get_global_name(local_name, offset)
             if tied_output and global_name == "output_layer.weight":
                 global_name = "embedding.word_embeddings.weight"
-            full = build_full_tensor(seed, global_name, get_full_shape(param, tp_size), std, num_layers)
+            full = build_full_tensor(
+                seed, global_name, get_full_shape(param, tp_size), std, num_layers, zero_centered_norms
+            )
             gated = gated_mlp and "linear_fc1" in global_name
             with torch.no_grad():
                 param.copy_(slice_for_tp(full, param, tp_rank, tp_size, gated))

@@ -39,6 +39,7 @@ from megatron_ext.derived import ResolvedConfig
 from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.restart import IterationRecord
+from megatron_ext.straggler import StragglerDetector
 from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss, reduce_reported_loss
 from megatron_ext.training.metrics import (
@@ -102,7 +103,7 @@ class TrainingRun:
     timeline: PipelineTimeline | None = None
     # --step-timeout-minutes / --save-timeout-minutes: the watchdog and the progress it reports (None when off)
     watchdog: StepWatchdog | None = None
-    # --timing-log-level (level 0: times nothing), --profile on this rank, --manual-gc
+    # --timing-log-level or --log-straggler (None: times nothing), --profile on this rank, --manual-gc
     timers: StepTimers | None = None
     profiler: ProfilerWindow | None = None
     manual_gc: ManualGC | None = None
@@ -121,6 +122,8 @@ class TrainingRun:
     prefetcher: StepPrefetcher | None = None
     # under launch/torchrun.sh: the iteration each step starts, for its restart decisions (restart.py)
     iteration_record: IterationRecord | None = None
+    # --log-straggler: gathers every rank's step timers at log steps and names slow ranks
+    straggler: StragglerDetector | None = None
 
 
 @dataclasses.dataclass
@@ -236,7 +239,8 @@ def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
             ):  # the next, while this one runs
                 run.prefetcher.request(state.consumed_samples + run.global_batch_size)
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
-    with traced, first_step_without_param_sync(run.model, run.steps_this_run == 0):
+    computed = run.timers.trace_compute() if run.timers else contextlib.nullcontext()  # --log-straggler
+    with traced, computed, first_step_without_param_sync(run.model, run.steps_this_run == 0):
         run.steps_this_run += 1
         result = train_step(
             run.model,
@@ -321,9 +325,13 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
             }
         )
     timers = run.timers.report() if run.timers is not None else {}
+    # collective (every rank logs at the same steps): one all-gather of the ranks' timers
+    straggler_lines = run.straggler.report(timers) if run.straggler is not None else []
     if run.ctx.is_logging_rank:
         _log_iteration(run, loss, result, window, totals, length)
         _log_timers_and_memory(run, timers)
+        for line in straggler_lines:
+            run.log(line)
     window.__init__()
     return loss
 
@@ -362,7 +370,7 @@ def write_iteration_scalars(run: TrainingRun, per_iteration: torch.Tensor, windo
 
 def _log_timers_and_memory(run: TrainingRun, timers: dict[str, float]) -> None:
     lg, iteration = run.cfg.logging, run.state.iteration
-    if timers:
+    if timers and lg.timing_log_level:  # (--log-straggler alone times the steps but prints its own lines)
         run.log(f"  timers (ms per iteration, this rank): {format_timers(timers)}")
         if lg.log_timers_to_tensorboard:
             run.writer.write({f"timers/{name}": ms for name, ms in timers.items()}, iteration)

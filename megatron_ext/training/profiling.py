@@ -5,7 +5,9 @@
   ``finalize_model_grads`` (the DP gradient reduce, tied embeddings, token-count scaling) inside the
   schedule. Times are wall clock on this rank, averaged over the log interval; on CUDA each timer
   synchronises the device at its ends (as Megatron-LM's timers do), so leave it at 0 for throughput
-  runs.
+  runs. With ``--log-straggler`` they also time ``compute`` (megatron-core's forward and backward
+  steps, our runtime's weight steps: ``trace_compute``) for ``straggler.py``, and on CUDA they record
+  events instead, read at the log step (one wait for the device there, none per step).
 - ``ProfilerWindow`` (``--profile --use-pytorch-profiler``): ``torch.profiler`` records iterations
   ``--profile-step-start`` to ``--profile-step-end`` on the ``--profile-ranks`` and writes one
   trace per rank into ``--tensorboard-dir`` (TensorBoard's profiler plugin reads it), as
@@ -25,18 +27,26 @@ from typing import Any
 
 import torch
 
-TIMER_NAMES = ("data", "forward-backward", "grad-reduce", "optimizer")
+TIMER_NAMES = ("data", "forward-backward", "compute", "grad-reduce", "optimizer")
+SCHEDULE_MODULE = "megatron.core.pipeline_parallel.schedules"
+RUNTIME_MODULE = "megatron_ext.pipeline.runtime"
 
 
 class StepTimers:
     """Accumulated milliseconds per timer since the last report (see the module docstring)."""
 
-    def __init__(self, level: int, device: torch.device):
-        self.level, self.device = level, device
+    def __init__(self, level: int, device: torch.device, compute: bool = False):
+        """``compute``: also time the forward/backward steps (``trace_compute``), and on CUDA with
+        events rather than synchronising (--log-straggler)."""
+        self.level, self.device, self.compute = level, device, compute
+        self.events = compute and device.type == "cuda"
         self.totals: dict[str, float] = {}
+        self._pending: list[tuple[str, Any, Any]] = []  # (name, start event, end event), CUDA events only
         self.steps = 0
 
     def enabled(self, name: str) -> bool:
+        if name == "compute":
+            return self.compute
         return self.level >= (2 if name == "grad-reduce" else 1)
 
     def _sync(self) -> None:
@@ -47,6 +57,16 @@ class StepTimers:
     def time(self, name: str) -> Iterator[None]:
         if not self.enabled(name):
             yield
+            return
+        if self.events:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending.append((name, start, end))
             return
         self._sync()
         start = time.perf_counter()
@@ -65,8 +85,33 @@ class StepTimers:
 
         return timed
 
+    @contextlib.contextmanager
+    def trace_compute(self) -> Iterator[None]:
+        """Around one training step: megatron-core's ``forward_step`` / ``backward_step`` and our
+        runtime's ``weight_step`` timed under ``compute`` (module globals every schedule resolves at
+        call time, restored on exit, as ``training/timeline.py`` does); nothing without ``compute``."""
+        if not self.compute:
+            yield
+            return
+        import importlib
+
+        schedules = importlib.import_module(SCHEDULE_MODULE)
+        runtime = importlib.import_module(RUNTIME_MODULE)
+        originals = schedules.forward_step, schedules.backward_step, runtime.weight_step
+        schedules.forward_step, schedules.backward_step = (self.wrap("compute", f) for f in originals[:2])
+        runtime.weight_step = self.wrap("compute", originals[2])
+        try:
+            yield
+        finally:
+            schedules.forward_step, schedules.backward_step, runtime.weight_step = originals
+
     def report(self) -> dict[str, float]:
         """Mean milliseconds per step of each timer since the last report; resets."""
+        if self._pending:
+            self._pending[-1][2].synchronize()  # the log step's one wait for the device
+            for name, start, end in self._pending:
+                self.totals[name] = self.totals.get(name, 0.0) + start.elapsed_time(end)
+            self._pending.clear()
         out = {k: v / max(self.steps, 1) for k, v in self.totals.items()}
         self.totals, self.steps = {}, 0
         return out

@@ -4,6 +4,8 @@ HF -> ours (converted in one forked process), loaded under TP2 x PP2 (4 forked r
 last stage's logits, gathered over TP, equal the ``transformers`` model's logits on the same
 tokens within 1e-4 relative (fp32). Ours -> HF reproduces the original tensors exactly. GQA
 (4 heads, 2 groups), a non-default RoPE theta and RMSNorm epsilon; tied and untied embeddings.
+With --apply-layernorm-1p the converted checkpoint holds HF's norm weights minus 1: its (1 + gamma)
+model's logits equal the plain HF model's, and the export adds the 1 back exactly.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ KINDS = {
         dict(tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=16384),
     ),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+    "llama untied --apply-layernorm-1p": ("llama", dict(tie_word_embeddings=False)),
 }
 
 
@@ -81,11 +84,11 @@ def _make_hf(path: str, kind: str):
     return model
 
 
-def _convert(rank: int, world_size: int, hf_dir: str, save: str) -> str:
-    return convert_hf_to_megatron(hf_dir, save, tp=2, divisible_by=32, log=lambda s: None)
+def _convert(rank: int, world_size: int, hf_dir: str, save: str, one_p: bool = False) -> str:
+    return convert_hf_to_megatron(hf_dir, save, tp=2, divisible_by=32, log=lambda s: None, apply_layernorm_1p=one_p)
 
 
-def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torch.Tensor):
+def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torch.Tensor, one_p: bool = False):
     from megatron_ext.checkpoint.parts import CheckpointMeta
     from megatron_ext.data.microbatch import Microbatch
     from megatron_ext.parallel import destroy_parallel_context
@@ -103,6 +106,7 @@ def _logits_tp2pp2(rank: int, world_size: int, save: str, hf: dict, tokens: torc
         "seq_length": tokens.shape[1],
         "micro_batch_size": BATCH,
         "global_batch_size": BATCH,
+        "apply_layernorm_1p": one_p,
     }
     seq = tokens.shape[1]
     run = build_tiny_run(values, None)
@@ -160,8 +164,9 @@ def test_hf_to_ours_logits_and_round_trip(tmp_path, kind):
         with torch.no_grad():
             assert ((unscaled(tokens).logits - expected).norm() / expected.norm()).item() > 1e-4
 
-    run_ranks(_convert, 1, hf_dir, save, timeout=300)
-    logits = run_ranks(_logits_tp2pp2, 4, save, hf, tokens, timeout=300)[-1]
+    one_p = kind.endswith("--apply-layernorm-1p")
+    run_ranks(_convert, 1, hf_dir, save, one_p, timeout=300)
+    logits = run_ranks(_logits_tp2pp2, 4, save, hf, tokens, one_p, timeout=300)[-1]
     rel = ((logits - expected).norm() / expected.norm()).item()
     assert rel <= 2e-5, f"logits differ by {rel:.2e} relative"
 

@@ -44,7 +44,9 @@ def _count(rank, world_size, overrides):
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, dict(exit_signal_handler=True), dict(bf16=True)], ids=["fp32", "exit-signal-handler", "bf16"]
+    "overrides",
+    [{}, dict(exit_signal_handler=True), dict(bf16=True), dict(log_straggler=True)],
+    ids=["fp32", "exit-signal-handler", "bf16", "log-straggler"],  # --log-straggler: only at log steps
 )
 def test_one_sync_per_step_on_the_training_thread(overrides):
     by_site, last = run_ranks(_count, 1, overrides)[0]

@@ -669,7 +669,7 @@ def test_overlap_flags_parse_with_megatron_names():
 
 
 def _rank_reports(message: str, results) -> None:
-    from megatron_ext.config import report_error_once
+    from megatron_ext.error_report import report_error_once
 
     results.put(report_error_once(message))
 

@@ -46,7 +46,6 @@ EVAL_AND_LOGGING_ARGS=(
 )
 """
 REFUSED = [
-    "--apply-layernorm-1p",
     "--fp8-format",
     "--fp8-amax-history-len",
     "--fp8-amax-compute-algo",
@@ -110,6 +109,7 @@ def test_without_the_refused_flags_the_script_runs_with_one_warning_per_no_op_fl
     assert cfg.model.num_query_groups == 8 and cfg.parallel.overlap_param_gather
     # real fields now (issue 31): the embedding/output layer's own LR, bf16 gradient buffers
     assert (t.decoupled_lr, t.decoupled_min_lr, cfg.parallel.grad_reduce_in_bf16) == (5.0e-4, 4.5e-5, True)
+    assert cfg.model.apply_layernorm_1p  # our (1 + gamma) norms
     validate(cfg, 8, cuda=True)  # the rest of the script is a valid job for us
 
 
