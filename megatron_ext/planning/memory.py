@@ -253,8 +253,9 @@ class RankMemory:
     """One GPU's predicted bytes by kind (``total`` adds the margin)."""
 
     state: StateBytes
-    activations: float  # saved for backward, at the schedule's peak
+    activations: float  # saved for backward, at the schedule's peak (the recompute transient included)
     temporaries: float  # outside autograd (module docstring)
+    recompute_transient: float = 0.0  # of ``activations``: the layers full recompute rebuilds at once in the backward
 
     @property
     def margin(self) -> float:
