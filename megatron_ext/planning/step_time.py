@@ -58,12 +58,23 @@ class StepTime:
 
 
 @functools.lru_cache(maxsize=4096)
-def get_pipeline_units(schedule: str, pp: int, vp: int, m: int, hop_units: float) -> tuple[float, float]:
-    """(makespan, ideal) of the schedule in chunk-forward units (forward 1, B 1, W 1)."""
+def _simulate_units(schedule: str, pp: int, vp: int, m: int, hop_units: float) -> float:
     order = get_order(schedule, pp, vp, m)
-    costs = StageCosts.uniform(pp * vp, 1.0, 1.0, 1.0)
-    sim = simulate_order(order, costs, hop=hop_units)
-    return sim.makespan, costs.ideal(order)
+    return simulate_order(order, StageCosts.uniform(pp * vp, 1.0, 1.0, 1.0), hop=hop_units).makespan
+
+
+def get_pipeline_units(schedule: str, pp: int, vp: int, m: int, hop_units: float) -> tuple[float, float]:
+    """(makespan, ideal) of the schedule in chunk-forward units (forward 1, B 1, W 1). Beyond
+    ``simulated`` = max(4 p, 16) micro-batches (a multiple of p) the steady state adds the same
+    time per micro-batch: the makespan is extrapolated from the simulations at that m and p more
+    (the greedy zero-bubble orders at m = 1536 would take minutes to generate)."""
+    ideal = 3.0 * vp * m
+    simulated = -(-max(4 * pp, 16) // pp) * pp
+    if m <= simulated + pp:
+        return _simulate_units(schedule, pp, vp, m, hop_units), ideal
+    low = _simulate_units(schedule, pp, vp, simulated, hop_units)
+    high = _simulate_units(schedule, pp, vp, simulated + pp, hop_units)
+    return high + (high - low) / pp * (m - simulated - pp), ideal
 
 
 def predict_step_time(
