@@ -9,6 +9,7 @@ setup(
     "packing, negotiated padding, token-sum loss and a CPU/gloo platform layer",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*", "tools", "tools.*"]),
+    package_data={"megatron_ext.planning": ["calibration.json"]},  # the memory model's measured coefficients
     py_modules=["pretrain_gpt"],
     install_requires=[
         # On CPU-only machines install torch==2.13.0 (the CPU build) first: a bare torch

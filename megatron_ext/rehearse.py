@@ -47,6 +47,7 @@ from megatron_ext.derived import (
 )
 from megatron_ext.model.param_count import ParameterCount, count_parameters
 from megatron_ext.model.v_placement import get_v_embedding_ranks
+from megatron_ext.planning.memory import StateBytes, get_state_bytes
 from megatron_ext.validation import check_data_tokenizer, validate
 
 DEFAULT_RANKS_PER_NODE = 8
@@ -153,38 +154,6 @@ def check_group_map(gm: GroupMap) -> list[str]:
         f"order {get_megatron_order()!r}: use a --tensor-model-parallel-size that divides the ranks per node"
         for g in spanning[:1]
     ]
-
-
-# ----------------------------------------------------------------------------- state memory
-
-
-@dataclasses.dataclass(frozen=True)
-class StateBytes:
-    """One rank's model state: weights, DDP gradient buffer, optimizer state (its DP shard with the
-    distributed optimizer). Bucket padding is left out (at most a bucket's alignment per bucket)."""
-
-    parameters: int
-    gradients: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer
-
-
-def get_state_bytes(cfg: JobConfig, num_params: int, dp: int) -> StateBytes:
-    """Bytes of ``num_params`` parameters held by one rank, as megatron-core keeps them: weights in
-    the training dtype; gradients in fp32 buffers (bf16 with --grad-reduce-in-bf16); Adam's two
-    moments (SGD's momentum) in fp32, plus fp32 main parameters under bf16/fp16, sharded over DP with
-    --use-distributed-optimizer. bf16 Adam: 18 bytes a parameter, 6 + 12/DP distributed
-    (Megatron-LM's ``theoretical_memory_usage`` figures)."""
-    t, p = cfg.training, cfg.parallel
-    mixed = t.bf16 or t.fp16
-    weight = 2 if mixed else 4
-    grad = 2 if p.grad_reduce_in_bf16 else 4
-    optimizer = (8 if t.optimizer == "adam" else 4) + (4 if mixed else 0)
-    shard = -(-num_params // dp) if p.use_distributed_optimizer else num_params
-    return StateBytes(num_params * weight, num_params * grad, shard * optimizer)
 
 
 # ----------------------------------------------------------------------------- the rehearsal

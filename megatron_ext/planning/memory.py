@@ -1,0 +1,278 @@
+"""The memory model: bytes one GPU of a layout holds at its peak, from exact counts and measured
+coefficients; pure (no process group, nothing allocated).
+
+Per rank of pipeline rank r:
+
+- **State** (exact, from the parameter counts of ``model/param_count.py``): weights in the training
+  dtype; megatron-core's DDP gradient buffers (``main_grad``: fp32, bf16 with --grad-reduce-in-bf16);
+  optimizer state (Adam's m and v in fp32, plus fp32 main parameters under bf16/fp16), divided over
+  DP with --use-distributed-optimizer. bf16 Adam: 18 bytes a parameter, 6 + 12/DP distributed.
+- **Activations saved for the backward** (calibrated): per token and TP rank, a layer saves
+  ``sum_k c_k x_k`` bytes, with x the features of ``layer_features`` (hidden / (TP if sequence
+  parallel), hidden / TP, K and V width / TP, MLP width / TP, heads x sequence / TP, ...) and c the
+  coefficients ``tools/calibrate_memory.py`` fitted to measurements of the real megatron-core layers
+  (``calibration.json``), one set per family (GPT with and without dropout, Llama: SwiGLU, GQA, RoPE),
+  precision and recompute; the embedding and the head (final norm, output layer, loss) likewise.
+  A (stage, micro-batch) holds its bytes from its forward until its backward (BW) or weight
+  gradient (W): the peak walks the schedule's own action list (``pipeline/schedules``), so 1F1B's
+  rank r holds p - r micro-batches and interleaved / zero-bubble orders what their lists say.
+  Full recompute keeps each layer's input and rebuilds one layer's activations in its backward (a
+  transient of one layer without recompute).
+- **Temporaries outside autograd** (stated, not measured): the fp32 logits and the cross-entropy's
+  fp32 temporaries on the last stage (2 x 4 bytes x vocabulary / TP per token), the sequence-parallel
+  all-gather buffer (2 x hidden x dtype per token: the forward's gather and the backward's re-gather),
+  and the received P2P buffers of one micro-batch (hidden / SP x dtype per token, twice).
+- **Margin** (stated): ``MARGIN_FIXED_GIB`` for the CUDA context, NCCL's buffers and the DDP
+  communication buckets, plus ``MARGIN_FRACTION`` of the rest for allocator fragmentation.
+
+What the calibration validates (tests/distributed/test_memory_model.py): the saved-for-backward
+bytes and the state bytes per rank on CPU runs, within 5%; not the temporaries, nor the margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+from megatron_ext.config import JobConfig
+from megatron_ext.derived import get_ffn_hidden_size, get_num_query_groups
+from megatron_ext.pipeline.actions import BW, F, PipelineOrder, W
+
+CALIBRATION_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
+GIB = 1024**3
+MARGIN_FIXED_GIB = 1.0
+MARGIN_FRACTION = 0.10
+
+LAYER_FEATURES = ("seq_hidden", "hidden", "kv", "ffn", "heads_seq", "heads", "head_dim_per_sample", "one_seq", "one")
+EMBEDDING_FEATURES = ("seq_hidden", "one_seq", "one", "tp_split")
+HEAD_FEATURES = ("seq_hidden", "hidden", "vocab", "one_seq", "one", "tp_split")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the activation bytes depend on."""
+
+    hidden: int
+    heads: int
+    query_groups: int
+    ffn: int
+    seq_length: int
+    micro_batch: int
+    padded_vocab: int
+    tp: int
+    sequence_parallel: bool
+    swiglu: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_length * self.micro_batch
+
+
+def _common(s: Shape) -> dict[str, float]:
+    sp = s.tp if s.sequence_parallel else 1
+    return {
+        "seq_hidden": s.hidden / sp,
+        "hidden": s.hidden / s.tp,
+        "one_seq": 1 / sp,
+        "one": 1.0,
+        "tp_split": float(s.tp > 1),  # the vocabulary-parallel embedding's out-of-range mask
+    }
+
+
+def layer_features(s: Shape) -> list[float]:
+    """Per-token feature values of one layer on one TP rank (``LAYER_FEATURES``' order)."""
+    head_dim = s.hidden // s.heads
+    x = _common(s) | {
+        "kv": 2 * s.query_groups * head_dim / s.tp,
+        "ffn": s.ffn / s.tp,
+        "heads_seq": s.heads * s.seq_length / s.tp,
+        "heads": s.heads / s.tp,
+        "head_dim_per_sample": head_dim / s.micro_batch,  # a table per sequence position, shared by the batch
+    }
+    return [x[k] for k in LAYER_FEATURES]
+
+
+def embedding_features(s: Shape) -> list[float]:
+    x = _common(s)
+    return [x[k] for k in EMBEDDING_FEATURES]
+
+
+def head_features(s: Shape) -> list[float]:
+    x = _common(s) | {"vocab": s.padded_vocab / s.tp}
+    return [x[k] for k in HEAD_FEATURES]
+
+
+@functools.cache
+def load_calibration(path: str = CALIBRATION_PATH) -> dict:
+    with open(path) as f:
+        return json.load(f)["buckets"]
+
+
+def get_family(cfg: JobConfig) -> str:
+    m = cfg.model
+    if m.swiglu:
+        return "llama"
+    return "gpt" if (m.hidden_dropout or m.attention_dropout) else "gpt-nodropout"
+
+
+def get_recompute_kind(cfg: JobConfig) -> str:
+    m = cfg.model
+    granularity = m.recompute_granularity or ("selective" if m.recompute_activations else None)
+    return granularity or "none"
+
+
+def get_shape(cfg: JobConfig, padded_vocab: int) -> Shape:
+    m, p = cfg.model, cfg.parallel
+    return Shape(
+        hidden=m.hidden_size,
+        heads=m.num_attention_heads,
+        query_groups=get_num_query_groups(m),
+        ffn=get_ffn_hidden_size(m),
+        seq_length=m.seq_length,
+        micro_batch=cfg.training.micro_batch_size,
+        padded_vocab=padded_vocab,
+        tp=p.tensor_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        swiglu=m.swiglu,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PerToken:
+    """Bytes saved per token of one micro-batch on one TP rank."""
+
+    layer: float
+    embedding: float
+    head: float
+
+
+def get_saved_per_token(
+    family: str, precision: str, recompute: str, shape: Shape, path: str = CALIBRATION_PATH
+) -> PerToken:
+    entry = load_calibration(path)[f"{family}/{precision}/{recompute}"]
+
+    def dot(part: str, names: tuple[str, ...], x: list[float]) -> float:
+        return sum(entry[part][n] * v for n, v in zip(names, x))
+
+    return PerToken(
+        layer=dot("layer", LAYER_FEATURES, layer_features(shape)),
+        embedding=dot("embedding", EMBEDDING_FEATURES, embedding_features(shape)),
+        head=dot("head", HEAD_FEATURES, head_features(shape)),
+    )
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """One rank's model state: weights, DDP gradient buffer, optimizer state (its DP shard with the
+    distributed optimizer). Bucket padding is left out (at most a bucket's alignment per bucket)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def get_state_bytes(cfg: JobConfig, num_params: int, dp: int) -> StateBytes:
+    """Bytes of ``num_params`` parameters held by one rank, as megatron-core keeps them: weights in
+    the training dtype; gradients in fp32 buffers (bf16 with --grad-reduce-in-bf16); Adam's two
+    moments (SGD's momentum) in fp32, plus fp32 main parameters under bf16/fp16, sharded over DP with
+    --use-distributed-optimizer. bf16 Adam: 18 bytes a parameter, 6 + 12/DP distributed
+    (Megatron-LM's ``theoretical_memory_usage`` figures)."""
+    t, p = cfg.training, cfg.parallel
+    mixed = t.bf16 or t.fp16
+    weight = 2 if mixed else 4
+    grad = 2 if p.grad_reduce_in_bf16 else 4
+    optimizer = (8 if t.optimizer == "adam" else 4) + (4 if mixed else 0)
+    shard = -(-num_params // dp) if p.use_distributed_optimizer else num_params
+    return StateBytes(num_params * weight, num_params * grad, shard * optimizer)
+
+
+# ----------------------------------------------------------------------------- activations over a schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputePlan:
+    """How full recompute applies to a chunk of ``n`` layers: ``groups`` checkpointed inputs kept
+    per micro-batch, ``plain`` layers without recompute, ``transient`` layers rebuilt at once."""
+
+    kind: str  # none | selective | full
+    method: str | None = None  # uniform | block
+    num_layers: int = 1
+
+    def split(self, n: int) -> tuple[float, int, int]:
+        """(checkpointed layer inputs, layers saving everything, layers rebuilt at once in backward)."""
+        if self.kind != "full":
+            return 0.0, n, 0
+        if self.method == "block":
+            k = min(self.num_layers, n)
+            return float(k), n - k, 1 if k else 0
+        return n / self.num_layers, 0, self.num_layers
+
+
+def get_stage_bytes(
+    layers_per_stage: list[int], tokens: int, saved: PerToken, full_input: float, plan: RecomputePlan
+) -> list[float]:
+    """Bytes one micro-batch leaves on each stage until its backward. ``saved`` is the per-token
+    figure of the job's recompute kind; under full recompute ``full_input`` (the per-token bytes
+    of a checkpointed layer: its input) and ``saved.layer`` the bytes of a plain layer."""
+    last = len(layers_per_stage) - 1
+    out = []
+    for s, n in enumerate(layers_per_stage):
+        kept, plain, _ = plan.split(n)
+        per_token = kept * full_input + plain * saved.layer
+        per_token += (saved.embedding if s == 0 else 0) + (saved.head if s == last else 0)
+        out.append(per_token * tokens)
+    return out
+
+
+def get_activation_peak(order: PipelineOrder | None, pp_rank: int, stage_bytes: list[float]) -> float:
+    """Peak bytes pipeline rank ``pp_rank`` holds walking its action list: a (stage, micro-batch)
+    adds its bytes at its F and frees them at its BW or W. No order (no pipelining): one micro-batch."""
+    if order is None:
+        return stage_bytes[0]
+    live = peak = 0.0
+    for a in order.ranks[pp_rank]:
+        if a.kind == F:
+            live += stage_bytes[a.stage]
+            peak = max(peak, live)
+        elif a.kind in (W, BW):
+            live -= stage_bytes[a.stage]
+    return peak
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """One GPU's predicted bytes by kind (``total`` adds the margin)."""
+
+    state: StateBytes
+    activations: float  # saved for backward, at the schedule's peak (the recompute transient included)
+    temporaries: float  # outside autograd (module docstring)
+    recompute_transient: float = 0.0  # of ``activations``: the layers full recompute rebuilds at once in the backward
+
+    @property
+    def margin(self) -> float:
+        return MARGIN_FIXED_GIB * GIB + MARGIN_FRACTION * (self.state.total + self.activations + self.temporaries)
+
+    @property
+    def total(self) -> float:
+        return self.state.total + self.activations + self.temporaries + self.margin
+
+
+def get_temporaries(shape: Shape, dtype_bytes: int, last_stage: bool, pipelined: bool) -> float:
+    """Stated bytes outside autograd (module docstring) for one micro-batch."""
+    t = shape.tokens
+    sp = shape.tp if shape.sequence_parallel else 1
+    out = 2 * 4 * shape.padded_vocab / shape.tp * t if last_stage else 0.0
+    if shape.sequence_parallel:
+        out += 2 * shape.hidden * dtype_bytes * t
+    if pipelined:
+        out += 2 * shape.hidden / sp * dtype_bytes * t
+    return out

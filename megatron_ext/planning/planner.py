@@ -1,0 +1,195 @@
+"""The layout planner: every layout of a model on a cluster, checked by the project's own
+validation, priced by the memory model (``predict.py``) and the time model (``step_time.py``),
+ranked by predicted step time among those that fit.
+
+Enumerated: TP dividing the GPUs of a node (TP never spans nodes), PP dividing the layers and the
+GPUs, schedule (1F1B, ZBH1; Interleaved1F1B and InterleavedZeroBubble for every VPP that divides a
+rank's layers, up to ``MAX_VPP``; ZBVZeroBubble), micro-batch size 1, 2, 4, recompute none /
+selective / full (uniform, 1 layer), the distributed optimizer on when DP > 1; sequence parallelism
+on with TP > 1. Constraints (``--fix tp=8``) pin any of tp, pp, vpp, schedule, mbs, recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from megatron_ext.config import ConfigError, JobConfig
+from megatron_ext.derived import get_num_microbatches, get_padded_vocab_size
+from megatron_ext.planning.memory import GIB, RankMemory
+from megatron_ext.planning.predict import count_parts, predict_memory
+from megatron_ext.planning.step_time import Cluster, StepTime, predict_step_time
+from megatron_ext.training.metrics import num_floating_point_operations
+from megatron_ext.validation import validate
+
+MAX_VPP = 8
+MICRO_BATCHES = (1, 2, 4)
+RECOMPUTE = {
+    "none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
+    "selective": dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vpp: int  # chunks per rank (1: none)
+    schedule: str | None  # None: no pipelining
+    micro_batch: int
+    recompute: str
+    distributed_optimizer: bool
+
+    def flags(self) -> list[str]:
+        """The pretrain_gpt.py flags that select this layout."""
+        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        out += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp) if self.vpp > 1 else "0"]
+        if self.schedule:
+            out += ["--pipeline-schedule", self.schedule]
+        out += ["--micro-batch-size", str(self.micro_batch)]
+        # (no --no-* spelling exists for these two: over a config that sets them, a layout without them
+        # needs them removed from the config, which ``describe_flags`` says)
+        out += ["--sequence-parallel"] if self.tp > 1 else []
+        out += ["--use-distributed-optimizer"] if self.distributed_optimizer else []
+        r = RECOMPUTE[self.recompute]
+        if r["recompute_granularity"]:
+            out += ["--recompute-granularity", r["recompute_granularity"]]
+        if r["recompute_method"]:
+            out += [
+                "--recompute-method",
+                r["recompute_method"],
+                "--recompute-num-layers",
+                str(r["recompute_num_layers"]),
+            ]
+        return out
+
+    def describe(self) -> str:
+        pipe = (
+            f"PP {self.pp}"
+            + (f" x VPP {self.vpp}" if self.vpp > 1 else "")
+            + (f" {self.schedule}" if self.schedule else "")
+        )
+        return (
+            f"TP {self.tp} x {pipe}, micro-batch {self.micro_batch}, recompute {self.recompute}"
+            f"{', distributed optimizer' if self.distributed_optimizer else ''}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    dp: int
+    num_microbatches: int
+    memory: RankMemory | None  # the worst pipeline rank; None when the layout is invalid
+    time: StepTime | None
+    problems: tuple[str, ...]  # why it does not fit or is not valid (empty: it fits)
+
+
+def apply_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
+    p = dataclasses.replace(
+        cfg.parallel,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=None,
+        pipeline_schedule=layout.schedule,
+        sequence_parallel=layout.tp > 1,
+        use_distributed_optimizer=layout.distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather and layout.distributed_optimizer,
+    )
+    m = dataclasses.replace(cfg.model, recompute_activations=False, recompute_modules=[], **RECOMPUTE[layout.recompute])
+    t = dataclasses.replace(cfg.training, micro_batch_size=layout.micro_batch)
+    return dataclasses.replace(cfg, parallel=p, model=m, training=t)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(cfg: JobConfig, cluster: Cluster, fixed: dict[str, str]) -> list[Layout]:
+    layers = cfg.model.num_layers
+    out = []
+    for tp in _divisors(cluster.gpus_per_node):
+        for pp in _divisors(layers):
+            if cluster.gpus % (tp * pp):
+                continue
+            dp = cluster.gpus // (tp * pp)
+            pipes = [(1, None)]
+            if pp > 1:
+                per_rank = layers // pp
+                pipes = [(1, "1F1B"), (1, "ZBH1"), (2, "ZBVZeroBubble")]
+                pipes += [
+                    (v, s)
+                    for v in _divisors(per_rank)[1:]
+                    if v <= MAX_VPP
+                    for s in ("Interleaved1F1B", "InterleavedZeroBubble")
+                ]
+            for (vpp, schedule), mbs, recompute in itertools.product(pipes, MICRO_BATCHES, RECOMPUTE):
+                layout = Layout(tp, pp, vpp, schedule, mbs, recompute, dp > 1)
+                if all(
+                    str(getattr(layout, k if k != "mbs" else "micro_batch")).lower() == v.lower()
+                    for k, v in fixed.items()
+                ):
+                    out.append(layout)
+    return out
+
+
+def get_problems(job: JobConfig, world_size: int) -> tuple[str, ...]:
+    """``validation.validate``'s problems (empty when valid)."""
+    try:
+        validate(job, world_size, cuda=True)
+    except ConfigError as err:
+        return tuple(err.problems)
+    return ()
+
+
+def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, cache: dict | None = None) -> Candidate:
+    """``cache``: validation results by layout without its recompute (the planner's recompute
+    settings are valid for every layout: full recompute of 1 layer in uniform groups)."""
+    job = apply_layout(cfg, layout)
+    dp = cluster.gpus // (layout.tp * layout.pp)
+    key = dataclasses.replace(layout, recompute="none")
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = get_problems(job, cluster.gpus)
+    if cache[key]:
+        return Candidate(layout, dp, 0, None, None, cache[key])
+    m = get_num_microbatches(job, cluster.gpus)
+    ranks = predict_memory(job, cluster.gpus, vocab_size, count_parts(job, vocab_size, layout.tp))
+    worst = max(ranks, key=lambda r: r.total)
+    problems = ()
+    if worst.total > cluster.gpu_memory_gib * GIB:
+        problems = (f"needs {worst.total / GIB:.1f} GiB on its fullest GPU, {cluster.gpu_memory_gib:g} GiB available",)
+    mc, t = job.model, job.training
+    tokens = m * dp * layout.micro_batch * mc.seq_length
+    flops = num_floating_point_operations(mc, get_padded_vocab_size(vocab_size, job), tokens, tokens * mc.seq_length)
+    if layout.recompute == "full":
+        flops *= 4 / 3
+    time = predict_step_time(
+        cluster,
+        flops,
+        layout.micro_batch * mc.seq_length,
+        mc.hidden_size,
+        mc.num_layers,
+        layout.tp,
+        layout.pp,
+        layout.vpp,
+        dp,
+        m,
+        layout.schedule,
+        layout.tp > 1,
+        2 if (t.bf16 or t.fp16) else 4,
+        max(r.state.gradients for r in ranks),
+        job.parallel.overlap_grad_reduce,
+    )
+    return Candidate(layout, dp, m, worst, time, problems)
+
+
+def plan(cfg: JobConfig, cluster: Cluster, vocab_size: int, fixed: dict[str, str]) -> list[Candidate]:
+    """Every enumerated layout evaluated; those that fit first, by predicted step time."""
+    cache: dict = {}
+    candidates = [
+        evaluate(cfg, layout, cluster, vocab_size, cache) for layout in enumerate_layouts(cfg, cluster, fixed)
+    ]
+    return sorted(candidates, key=lambda c: (bool(c.problems), c.time.total if c.time else float("inf")))

@@ -1,0 +1,160 @@
+"""Predicted memory of a job's layout per pipeline rank (``planning/memory.py``'s model applied to
+a ``JobConfig``), and the parameter counts it needs, exact and cheap enough to rank hundreds of
+layouts.
+
+``count_parts(cfg, vocab, tp)``: the parameters one TP rank holds of a layer, of the embedding and
+of the head (final norm and output layer; alone on the last stage it carries a copy of tied word
+embeddings), from three tiny builds on the ``meta`` device of the same model
+(``model/param_count.count_parameters``: 2 layers at PP 2, 4 layers at PP 2, 1 layer at PP 1);
+any even layout's per-rank count follows by addition, equal to ``count_parameters`` of that layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_ext.config import JobConfig
+from megatron_ext.derived import (
+    get_chunk_layer_counts,
+    get_data_parallel_size,
+    get_num_microbatches,
+    get_padded_vocab_size,
+    get_schedule_name,
+    get_virtual_pipeline_size,
+)
+from megatron_ext.model.param_count import count_parameters
+from megatron_ext.pipeline.actions import PipelineOrder
+from megatron_ext.pipeline.schedules import get_order
+from megatron_ext.planning.memory import (
+    RankMemory,
+    RecomputePlan,
+    get_activation_peak,
+    get_family,
+    get_recompute_kind,
+    get_saved_per_token,
+    get_shape,
+    get_stage_bytes,
+    get_state_bytes,
+    get_temporaries,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartCounts:
+    """Parameters one TP rank holds, by part (module docstring)."""
+
+    layer: int
+    embedding: int
+    head: int  # on a last stage that also holds the embedding (PP 1)
+    head_alone: int  # on a last stage without the embedding (a tied output layer's copy included)
+
+
+def _with(cfg: JobConfig, **parallel) -> JobConfig:
+    layers = parallel.pop("num_layers")
+    p = dataclasses.replace(
+        cfg.parallel,
+        num_layers_per_virtual_pipeline_stage=None,
+        num_virtual_stages_per_pipeline_rank=None,
+        decoder_first_pipeline_num_layers=None,
+        decoder_last_pipeline_num_layers=None,
+        account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False,
+        pipeline_schedule=None,
+        **parallel,
+    )
+    return dataclasses.replace(cfg, parallel=p, model=dataclasses.replace(cfg.model, num_layers=layers))
+
+
+_PARTS_CACHE: dict[tuple[str, int, int], PartCounts] = {}
+
+
+def _count_parts(cfg: JobConfig, vocab_size: int, tp: int) -> PartCounts:
+    def held(layers: int, pp: int) -> list[int]:
+        return count_parameters(
+            _with(cfg, num_layers=layers, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), vocab_size
+        ).per_pp_rank()
+
+    two, four, one = held(2, 2), held(4, 2), held(1, 1)
+    layer = four[0] - two[0]
+    embedding = two[0] - layer
+    return PartCounts(layer, embedding, one[0] - embedding - layer, two[1] - layer)
+
+
+def count_parts(cfg: JobConfig, vocab_size: int, tp: int) -> PartCounts:
+    """Parameters per part on one of ``tp`` ranks (cached per model, vocabulary and TP)."""
+    key = (repr(cfg.model), vocab_size, tp)
+    if key not in _PARTS_CACHE:
+        _PARTS_CACHE[key] = _count_parts(cfg, vocab_size, tp)
+    return _PARTS_CACHE[key]
+
+
+def get_stage_layers(cfg: JobConfig) -> list[int]:
+    """Transformer layers of each stage, in the order a micro-batch's forward runs them (a stage
+    holds the layers the loop placement gives it, whichever rank runs it: model/v_placement.py)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    v = get_virtual_pipeline_size(cfg) or 1
+    counts = get_chunk_layer_counts(cfg)
+    assert counts is not None, "an invalid layout (validation.validate first)"
+    return [counts[(s % pp) * v + s // pp] for s in range(pp * v)]
+
+
+def get_rank_parameters(parts: PartCounts, stage_layers: list[int], order: PipelineOrder | None) -> list[int]:
+    """Parameters one rank of each pipeline rank holds."""
+    pp = order.pp if order is not None else 1
+    last = len(stage_layers) - 1
+    out = [0] * pp
+    for s, n in enumerate(stage_layers):
+        r = order.rank_of(s) if order is not None else 0
+        out[r] += n * parts.layer + (parts.embedding if s == 0 else 0)
+        if s == last:
+            out[r] += parts.head if last == 0 else parts.head_alone
+    return out
+
+
+def get_schedule(cfg: JobConfig) -> str:
+    """The schedule a run of ``cfg`` uses (megatron-core's default without --pipeline-schedule)."""
+    return get_schedule_name(cfg) or ("Interleaved1F1B" if get_virtual_pipeline_size(cfg) else "1F1B")
+
+
+def get_pipeline_order(cfg: JobConfig, world_size: int) -> PipelineOrder | None:
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if pp == 1:
+        return None
+    vp = get_virtual_pipeline_size(cfg) or 1
+    return get_order(get_schedule(cfg), pp, vp, get_num_microbatches(cfg, world_size))
+
+
+def predict_memory(
+    cfg: JobConfig, world_size: int, vocab_size: int, parts: PartCounts | None = None
+) -> list[RankMemory]:
+    """Each pipeline rank's predicted memory per GPU (``memory.py``); ``cfg`` must be valid."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    padded = get_padded_vocab_size(vocab_size, cfg)
+    shape = get_shape(cfg, padded)
+    precision = "bf16" if (t.bf16 or t.fp16) else "fp32"
+    family, kind = get_family(cfg), get_recompute_kind(cfg)
+    saved = get_saved_per_token(family, precision, kind, shape)
+    plain = get_saved_per_token(family, precision, "none", shape) if kind == "full" else saved
+    plan = RecomputePlan(kind, m.recompute_method, m.recompute_num_layers or 1)
+    # under full recompute a checkpointed layer keeps ``saved.layer`` (its input), a plain one ``plain.layer``
+    per_token = dataclasses.replace(saved, layer=plain.layer)
+    stage_layers = get_stage_layers(cfg)
+    stage_bytes = get_stage_bytes(stage_layers, shape.tokens, per_token, saved.layer, plan)
+    order = get_pipeline_order(cfg, world_size)
+    params = get_rank_parameters(
+        parts or count_parts(cfg, vocab_size, p.tensor_model_parallel_size), stage_layers, order
+    )
+    dp = get_data_parallel_size(cfg, world_size)
+    transient = max(plan.split(n)[2] for n in stage_layers) * plain.layer * shape.tokens
+    last_rank = order.rank_of(len(stage_layers) - 1) if order is not None else 0
+    out = []
+    for r, n in enumerate(params):
+        out.append(
+            RankMemory(
+                state=get_state_bytes(cfg, n, dp),
+                activations=get_activation_peak(order, r, stage_bytes) + transient,
+                recompute_transient=transient,
+                temporaries=get_temporaries(shape, 2 if precision == "bf16" else 4, r == last_rank, order is not None),
+            )
+        )
+    return out

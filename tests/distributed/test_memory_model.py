@@ -1,0 +1,127 @@
+"""The memory model (megatron_ext/planning) against measurement: per rank, the peak bytes saved for
+the backward over a real training step (``SavedBytesMeter`` around megatron-core's schedule, one
+count per storage) and the state bytes (weights, DDP gradient buffers, optimizer state after the
+step) within 5% of ``predict_memory``, on 4 forked gloo ranks, for layouts that exercise what the
+model claims: 1F1B's in-flight count per stage (PP 4, PP 2 x DP 2), interleaving's (TP 2 x PP 2 x
+VPP 2 with sequence parallelism, bf16), selective and full recompute, the distributed optimizer.
+
+What this validates is what autograd saves and the state; not the temporaries outside autograd or
+the margin (``memory.py`` states those). Known gap: under full recompute the in-flight checkpointed
+inputs are exact, but the transient of the layer rebuilt in the backward is modelled as one whole
+layer without recompute and measures 0.47-0.84 of that (here +39% on rank 0 of PP 4, where one
+layer weighs as much as 4.5 micro-batches' checkpointed inputs): that layout is checked as bounded
+(in-flight inputs <= measured <= prediction), not within 5%.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.planning.meter import SavedBytesMeter
+from megatron_ext.planning.predict import predict_memory
+from megatron_ext.testing import VOCAB, MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.step import build_step_microbatches, train_step
+
+pytestmark = pytest.mark.distributed
+
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    position_embedding_type="rope",
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+)
+BASE = dict(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=64, micro_batch_size=1)
+LAYOUTS = {
+    "PP4 1F1B, GPT dropout, full recompute": dict(
+        pipeline_model_parallel_size=4,
+        global_batch_size=8,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+    ),
+    "PP2 x DP2 1F1B, Llama fp32": dict(pipeline_model_parallel_size=2, global_batch_size=8, **LLAMA),
+    "PP2 x DP2, Llama bf16, selective recompute, distributed optimizer": dict(
+        pipeline_model_parallel_size=2,
+        global_batch_size=8,
+        bf16=True,
+        recompute_granularity="selective",
+        use_distributed_optimizer=True,
+        **LLAMA,
+    ),
+    "TP2 x PP2 x VPP2 with SP, Llama bf16": dict(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        num_virtual_stages_per_pipeline_rank=2,
+        sequence_parallel=True,
+        global_batch_size=4,
+        bf16=True,
+        **LLAMA,
+    ),
+}
+
+
+def get_measured_state(run) -> tuple[int, int, int]:
+    """(weight, gradient-buffer, optimizer-state bytes) this rank allocated."""
+    params = [p for chunk in run.model for p in chunk.parameters()]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for chunk in run.model for b in chunk.buffers)
+    model_storages = {p.untyped_storage().data_ptr() for p in params}
+    seen, optimizer = set(), 0
+    for child in getattr(run.optimizer, "chained_optimizers", [run.optimizer]):
+        inner = child.optimizer
+        tensors = [p for g in inner.param_groups for p in g["params"]]
+        tensors += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in model_storages and ptr not in seen:
+                seen.add(ptr)
+                optimizer += t.untyped_storage().nbytes()
+    return weights, grads, optimizer
+
+
+def _measure(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, flags in LAYOUTS.items():
+        run = build_tiny_run(tiny_values(**BASE, **flags), MarkovDataset(BASE["seq_length"]))
+        mbs, length = build_step_microbatches(run, run.train_ds, 0)
+        meter = SavedBytesMeter(p for chunk in run.model for p in chunk.parameters())
+        with meter.track():
+            train_step(run.model, run.optimizer, run.scheduler, mbs, length, flags["global_batch_size"], run.ctx)
+        out[name] = dict(pp_rank=run.ctx.pp_rank, saved=meter.peak, state=get_measured_state(run))
+        destroy_parallel_context()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(_measure, 4)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_predicted_memory_within_5_percent(measured, name):
+    from megatron_ext.config import build_job_config
+
+    cfg = build_job_config(tiny_values(**BASE, **LAYOUTS[name]))
+    predicted = predict_memory(cfg, 4, VOCAB - 1)
+    for rank, result in enumerate(measured):
+        got = result[name]
+        want = predicted[got["pp_rank"]]
+        saved_error = want.activations / got["saved"] - 1
+        state = sum(got["state"])
+        state_error = want.state.total / state - 1
+        print(
+            f"{name} | rank {rank} (pp {got['pp_rank']}): saved {got['saved']:,} predicted {want.activations:,.0f} "
+            f"({saved_error:+.2%}); state {state:,} predicted {want.state.total:,} ({state_error:+.2%})"
+        )
+        assert abs(state_error) <= 0.05, (name, rank, got, want)
+        if "full recompute" in name:
+            assert want.activations - want.recompute_transient <= got["saved"] <= want.activations, (name, rank)
+        else:
+            assert abs(saved_error) <= 0.05, (name, rank, got, want)

@@ -1,0 +1,126 @@
+"""Plan a job's layout: the few best TP / PP / VPP / schedule / micro-batch / recompute choices for
+a model on a cluster, by predicted step time among those that fit in memory, with the memory per
+GPU, the bubble, the communication per step and the pretrain_gpt.py flags (docs/planning.md).
+
+    python tools/plan_layout.py --config configs/llama3-70b.yaml --gpus 512 --gpus-per-node 8 \\
+        --gpu-memory-gib 80 [--seq-length 8192] [--global-batch-size 512] [--fix tp=8 --fix schedule=ZBH1]
+        [--top 5] [--show "tp=4 pp=8 vpp=5"]
+
+The model and the training flags come from the config (``--config``, or any pretrain_gpt.py flags
+after ``--``), loaded as pretrain_gpt.py loads them. ``--show`` prints the layouts matching the
+given settings whether or not they fit, with why not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()
+
+from megatron_ext.arguments import parse_args  # noqa: E402
+from megatron_ext.config import JobConfig  # noqa: E402
+from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_ext.planning.memory import GIB  # noqa: E402
+from megatron_ext.planning.planner import Candidate, plan  # noqa: E402
+from megatron_ext.planning.step_time import (  # noqa: E402
+    DEFAULT_ACHIEVABLE,
+    DEFAULT_INTER_NODE_GBPS,
+    DEFAULT_INTRA_NODE_GBPS,
+    Cluster,
+)
+
+
+def parse_settings(items: list[str]) -> dict[str, str]:
+    """["tp=8", "schedule=ZBH1 pp=4"] -> {"tp": "8", "schedule": "ZBH1", "pp": "4"}."""
+    out = {}
+    for item in " ".join(items).split():
+        key, _, value = item.partition("=")
+        if key not in ("tp", "pp", "vpp", "schedule", "mbs", "recompute") or not value:
+            raise SystemExit(
+                f"error: --fix/--show takes KEY=VALUE with KEY one of tp, pp, vpp, schedule, mbs, recompute: {item!r}"
+            )
+        out[key] = value
+    return out
+
+
+def describe(c: Candidate, rank: int | None = None) -> str:
+    head = f"{'' if rank is None else f'{rank}. '}{c.layout.describe()} | DP {c.dp}, {c.num_microbatches} micro-batches"
+    if c.memory is None:
+        return head + "\n   invalid: " + "; ".join(c.problems)
+    mem, t = c.memory, c.time
+    lines = [
+        head + f" | step {t.total:.2f} s predicted (bubble {t.bubble:.1%}, DP exposed {t.dp_exposed:.2f} s)",
+        f"   memory on the fullest GPU {mem.total / GIB:.1f} GiB = weights {mem.state.parameters / GIB:.1f} + grads "
+        f"{mem.state.gradients / GIB:.1f} + optimizer {mem.state.optimizer / GIB:.1f} + activations "
+        f"{mem.activations / GIB:.1f} + temporaries {mem.temporaries / GIB:.1f} + margin {mem.margin / GIB:.1f}",
+        "   comm per GPU per step: " + ", ".join(f"{k.upper()} {v / GIB:.1f} GiB" for k, v in t.comm_bytes.items()),
+        "   flags: " + " ".join(c.layout.flags()),
+    ]
+    if c.problems:
+        lines.append("   does not fit: " + "; ".join(c.problems))
+    return "\n".join(lines)
+
+
+def load_config(args: argparse.Namespace, extra: list[str]) -> JobConfig:
+    argv = (["--config", args.config] if args.config else []) + extra
+    if args.seq_length:
+        argv += ["--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length)]
+    if args.global_batch_size:
+        argv += ["--global-batch-size", str(args.global_batch_size)]
+    return parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="a pretrain_gpt.py config (YAML/TOML); more flags after --")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100 SXM: 989)")
+    p.add_argument("--achievable", type=float, default=DEFAULT_ACHIEVABLE, help="fraction of peak the GEMMs reach")
+    p.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_NODE_GBPS)
+    p.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_GBPS)
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--global-batch-size", type=int)
+    p.add_argument("--fix", action="append", default=[], help="pin a setting: tp=8, schedule=ZBH1, ...")
+    p.add_argument("--show", action="append", default=[], help="print the layouts matching these settings, fit or not")
+    p.add_argument("--top", type=int, default=5)
+    args, extra = p.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    start = time.perf_counter()
+    cfg = load_config(args, extra)
+    d = cfg.data
+    vocab = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file).vocab_size
+    cluster = Cluster(
+        args.gpus, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.achievable,
+        args.intra_node_gbps, args.inter_node_gbps,
+    )  # fmt: skip
+    show = parse_settings(args.show)
+    candidates = plan(cfg, cluster, vocab, {**parse_settings(args.fix), **show})
+    fitting = [c for c in candidates if not c.problems]
+    print(
+        f"{cfg.model.num_layers} layers x hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}, global batch "
+        f"{cfg.training.global_batch_size} on {args.gpus} GPUs ({args.gpus_per_node} per node, {args.gpu_memory_gib:g} GiB, "
+        f"{args.peak_tflops:g} TFLOP/s x {args.achievable:g}): {len(candidates)} layouts, "
+        f"{sum(c.memory is not None for c in candidates)} valid, {len(fitting)} fit"
+    )
+    for i, c in enumerate(fitting[: args.top], 1):
+        print(describe(c, i))
+    if show:
+        print(f"layouts matching --show {' '.join(args.show)}:")
+        for c in candidates:
+            if c.problems:
+                print(describe(c))
+    print(f"planned in {time.perf_counter() - start:.1f} s")
+    return 0 if fitting else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
