@@ -12,6 +12,7 @@ any even layout's per-rank count follows by addition, equal to ``count_parameter
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from megatron_ext.config import JobConfig
 from megatron_ext.derived import (
@@ -116,12 +117,26 @@ def get_schedule(cfg: JobConfig) -> str:
     return get_schedule_name(cfg) or ("Interleaved1F1B" if get_virtual_pipeline_size(cfg) else "1F1B")
 
 
+def get_memory_microbatches(pp: int, m: int) -> int:
+    """Micro-batches of the order whose peak in flight the memory model reads: ``m``, at most max(4 p, 16)
+    (a multiple of p). Past the warm-up the peak is flat in m (1F1B's p - r, interleaving's
+    2(p - r - 1) + (v - 1) p + 1, the zero-bubble orders' 1F1B count; ``test_memory_model`` checks it
+    against full orders), and the greedy zero-bubble orders at m = 1536 take minutes to generate."""
+    return min(m, -(-max(4 * pp, 16) // pp) * pp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _get_order(schedule: str, pp: int, vp: int, m: int) -> PipelineOrder:
+    return get_order(schedule, pp, vp, m)
+
+
 def get_pipeline_order(cfg: JobConfig, world_size: int) -> PipelineOrder | None:
     pp = cfg.parallel.pipeline_model_parallel_size
     if pp == 1:
         return None
     vp = get_virtual_pipeline_size(cfg) or 1
-    return get_order(get_schedule(cfg), pp, vp, get_num_microbatches(cfg, world_size))
+    m = get_memory_microbatches(pp, get_num_microbatches(cfg, world_size))
+    return _get_order(get_schedule(cfg), pp, vp, m)
 
 
 def predict_memory(
