@@ -2,7 +2,8 @@
 
 ``run_ranks(fn, N)`` forks N gloo ranks from the calling process and collects what each returns.
 Forking from a process that already imported torch and megatron-core costs well under a second
-per world (a fresh interpreter costs 7-10 s here). Any rank's exception is re-raised in the
+per world (a fresh interpreter costs 7-10 s here); the parent's objects are frozen for the fork, so
+that the ranks' garbage collections skip them. Any rank's exception is re-raised in the
 caller with that rank's traceback; a rank that hangs fails the call after ``timeout`` seconds.
 
 The tiny job's data is a fixed random first-order Markov chain over a small vocabulary (so the
@@ -13,6 +14,7 @@ through ``megatron_ext.run.build_training_run``, the same assembly as ``pretrain
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -88,8 +90,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600, e
         ctx.Process(target=_worker, args=(fn, r, world_size, port, out, args, env or {}))  # may fork DataLoader workers
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # The ranks' garbage collections skip the parent's objects (torch, megatron-core, pytest: some
+    # 450,000): otherwise each full collection in a rank walks them all, copying every page it
+    # touches, 0.25 s alone and 1-2 s with 8 ranks on 2 cores (destroy_parallel_context runs one
+    # per layout). Python's recipe for fork without exec; the parent unfreezes once they are forked.
+    gc.freeze()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        gc.unfreeze()
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
