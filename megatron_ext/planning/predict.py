@@ -12,7 +12,6 @@ any even layout's per-rank count follows by addition, equal to ``count_parameter
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from megatron_ext.config import JobConfig
 from megatron_ext.derived import (
@@ -25,7 +24,6 @@ from megatron_ext.derived import (
 )
 from megatron_ext.model.param_count import count_parameters
 from megatron_ext.pipeline.actions import PipelineOrder
-from megatron_ext.pipeline.schedules import get_order
 from megatron_ext.planning.memory import (
     RankMemory,
     RecomputePlan,
@@ -38,6 +36,7 @@ from megatron_ext.planning.memory import (
     get_state_bytes,
     get_temporaries,
 )
+from megatron_ext.planning.step_time import get_cached_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,18 +124,13 @@ def get_memory_microbatches(pp: int, m: int) -> int:
     return min(m, -(-max(4 * pp, 16) // pp) * pp)
 
 
-@functools.lru_cache(maxsize=1024)
-def _get_order(schedule: str, pp: int, vp: int, m: int) -> PipelineOrder:
-    return get_order(schedule, pp, vp, m)
-
-
 def get_pipeline_order(cfg: JobConfig, world_size: int) -> PipelineOrder | None:
     pp = cfg.parallel.pipeline_model_parallel_size
     if pp == 1:
         return None
     vp = get_virtual_pipeline_size(cfg) or 1
     m = get_memory_microbatches(pp, get_num_microbatches(cfg, world_size))
-    return _get_order(get_schedule(cfg), pp, vp, m)
+    return get_cached_order(get_schedule(cfg), pp, vp, m)
 
 
 def predict_memory(
