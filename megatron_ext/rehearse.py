@@ -14,9 +14,10 @@ no process group, no GPU and no memory for the weights.
 3. The model: each distinct (pipeline stage, virtual stage) chunk built once on the ``meta``
    device (``model/param_count.py``): parameters per rank, which pipeline ranks hold the embedding
    and the output layer, uneven splits.
-4. Memory per rank, of the state only: parameter, gradient-buffer and optimizer-state bytes from
-   the exact counts (``get_state_bytes``). Activations, temporary buffers and allocator slack are
-   the layout planner's (issue 32), not estimated here.
+4. Memory per rank: parameter, gradient-buffer and optimizer-state bytes from the exact counts
+   (``get_state_bytes``), and the layout planner's prediction of the rest (``planning/predict.py``:
+   activations at the schedule's peak from the calibrated model, temporaries outside autograd, the
+   stated margin): what ``tools/plan_layout.py`` prints for this layout.
 5. The samples each DP rank reads in the first step of a fresh run, from the run's own
    assignment (``data.microbatch.get_microbatch_indices``); their contents are not read.
 
@@ -47,7 +48,8 @@ from megatron_ext.derived import (
 )
 from megatron_ext.model.param_count import ParameterCount, count_parameters
 from megatron_ext.model.v_placement import get_v_embedding_ranks
-from megatron_ext.planning.memory import StateBytes, get_state_bytes
+from megatron_ext.planning.memory import RankMemory, StateBytes, get_state_bytes
+from megatron_ext.planning.predict import predict_memory
 from megatron_ext.validation import check_data_tokenizer, validate
 
 DEFAULT_RANKS_PER_NODE = 8
@@ -173,6 +175,7 @@ class Rehearsal:
     embedding_pp_rank: int  # the pipeline rank holding the word embedding (stage 0)
     output_pp_rank: int  # ... and the output layer (the last stage)
     state_bytes: tuple[StateBytes, ...]  # per pipeline rank: what each of its ranks holds
+    predicted: tuple[RankMemory, ...]  # per pipeline rank: the planner's memory model (planning/predict.py)
     first_step_samples: tuple[tuple[tuple[int, ...], ...], ...]  # [dp rank][micro-batch] -> global sample indices
     seconds: float
 
@@ -233,6 +236,7 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
         embedding_pp_rank=next(c.pp_rank for c in params.chunks if c.stage == 0),
         output_pp_rank=next(c.pp_rank for c in params.chunks if c.stage == last_stage),
         state_bytes=tuple(get_state_bytes(cfg, n, dp) for n in params.per_pp_rank()),
+        predicted=tuple(predict_memory(cfg, world_size, tokenizer.vocab_size)),
         first_step_samples=samples,
         seconds=time.perf_counter() - start,
     )
@@ -295,8 +299,9 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
     )
     precision = precision_name(cfg.training.bf16, cfg.training.fp16)
     lines.append(
-        f"per rank (state only: {precision} weights, gradient buffers, {cfg.training.optimizer} state"
-        f"{' sharded over DP' if p.use_distributed_optimizer else ''}; activations not estimated):"
+        f"per rank ({precision} weights, gradient buffers, {cfg.training.optimizer} state"
+        f"{' sharded over DP' if p.use_distributed_optimizer else ''}, exact; then the planner's prediction of "
+        f"the whole GPU: activations at the schedule's peak, temporaries, margin):"
     )
     for pp_rank, state in enumerate(r.state_bytes):
         chunks = [c for c in counts.chunks if c.pp_rank == pp_rank]
@@ -310,6 +315,12 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
             f" | {counts.per_pp_rank()[pp_rank]:,} parameters | {_size(state.total)} = weights "
             f"{_size(state.parameters)} + grads {_size(state.gradients)} + optimizer {_size(state.optimizer)}"
         )
+        if r.predicted:
+            mem = r.predicted[pp_rank]
+            lines.append(
+                f"        predicted {mem.total / GIB:.1f} GiB = state {mem.state.total / GIB:.1f} + activations "
+                f"{mem.activations / GIB:.1f} + temporaries {mem.temporaries / GIB:.1f} + margin {mem.margin / GIB:.1f}"
+            )
     samples = r.first_step_samples
     m = len(samples[0])
     lines.append(

@@ -85,6 +85,14 @@ def test_llama3_70b_rehearsal_group_map_parameters_state_and_samples(world):
     for n, state in zip(per_pp, r.state_bytes):
         assert (state.parameters, state.gradients, state.optimizer) == (2 * n, 2 * n, 12 * -(-n // dp))
 
+    # the planner's whole-GPU prediction per pipeline rank, the same as the planner gives this layout,
+    # on the exact state (its own parameter counts, from tiny meta builds, agree with the rehearsal's)
+    from megatron_ext.planning.predict import predict_memory
+
+    assert len(r.predicted) == pp and [m.state for m in r.predicted] == list(r.state_bytes)
+    assert [m.total for m in r.predicted] == [m.total for m in predict_memory(cfg, world, r.vocab_size)]
+    assert all(m.total > m.state.total + m.activations > m.state.total for m in r.predicted)
+
     # first step: 128 samples; DP rank d reads d, d + DP, d + 2 DP, ... (micro-batches of 1)
     assert len(r.first_step_samples) == dp
     for d, mbs in enumerate(r.first_step_samples):
