@@ -54,11 +54,11 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
         return None
     c = cfg.checkpoint
     newest = find_latest_checkpoint(c.save)
-    attempt = env.get(ATTEMPT_ENV, "?")
-    if attempt in ("0", "?") and env.get(REQUEUE_ENV):  # launch/slurm.sbatch's requeued job
-        attempt = f"{attempt} of requeue {env[REQUEUE_ENV]}"
+    what = f"restart {env.get(ATTEMPT_ENV, '?')}"
+    if env.get(ATTEMPT_ENV, "0") == "0" and env.get(REQUEUE_ENV):  # launch/slurm.sbatch's requeued job
+        what = f"requeue {env[REQUEUE_ENV]}"
     if newest is None:
-        return f"> restart {attempt}: --save {c.save} holds no complete checkpoint yet: starting as the first run did"
+        return f"> {what}: --save {c.save} holds no complete checkpoint yet: starting as the first run did"
     replaced = [
         f"{flag} {value}"
         for flag, value in (
@@ -78,10 +78,7 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
     ]
     c.load, c.ckpt_step, c.finetune, c.no_load_optim, c.no_load_rng = c.save, None, False, False, False
     instead = f" (instead of the first start's {', '.join(replaced)})" if replaced else ""
-    return (
-        f"> restart {attempt}: resuming from the newest complete checkpoint in --save {c.save} "
-        f"(iteration {newest[0]}){instead}"
-    )
+    return f"> {what}: resuming from the newest complete checkpoint in --save {c.save} (iteration {newest[0]}){instead}"
 
 
 def write_no_retry_marker(code: int, reason: str, env: Mapping[str, str] | None = None) -> None:

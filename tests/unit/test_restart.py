@@ -74,3 +74,13 @@ def test_markers_go_to_the_attempts_directory_only(tmp_path):
     assert open_iteration_record({"RANK": "0"}) is None
     write_no_retry_marker(1, "x", {"RANK": "0", "MEGATRON_EXT_EXIT_MARKER_DIR": str(tmp_path / "gone")})
     assert sorted(os.listdir(tmp_path)) == ["rank5.iteration", "rank5.noretry"]
+
+
+def test_a_requeued_slurm_job_says_requeue_not_restart(tmp_path):
+    """launch/slurm.sbatch exports MEGATRON_EXT_RESUME_FROM_SAVE and MEGATRON_EXT_REQUEUE on a requeued job
+    (the launcher's attempt 0): the log line names the requeue."""
+    cfg = build_job_config(tiny_values(save=str(tmp_path / "ckpt")))
+    env = {"MEGATRON_EXT_RESUME_FROM_SAVE": "1", "MEGATRON_EXT_RESTART_ATTEMPT": "0", "MEGATRON_EXT_REQUEUE": "2"}
+    assert apply_restart(cfg, env).startswith("> requeue 2: --save ")
+    env = {**env, "MEGATRON_EXT_RESTART_ATTEMPT": "1"}  # a launcher restart inside the requeued job
+    assert apply_restart(cfg, env).startswith("> restart 1: --save ")
