@@ -187,9 +187,18 @@ def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, 
 
 
 def plan(cfg: JobConfig, cluster: Cluster, vocab_size: int, fixed: dict[str, str]) -> list[Candidate]:
-    """Every enumerated layout evaluated; those that fit first, by predicted step time."""
+    """Every enumerated layout evaluated; those that fit first, by predicted step time, then by memory on
+    the fullest GPU (of two equally fast layouts, the one with more headroom: recompute none and selective
+    often tie in time)."""
     cache: dict = {}
     candidates = [
         evaluate(cfg, layout, cluster, vocab_size, cache) for layout in enumerate_layouts(cfg, cluster, fixed)
     ]
-    return sorted(candidates, key=lambda c: (bool(c.problems), c.time.total if c.time else float("inf")))
+    return sorted(
+        candidates,
+        key=lambda c: (
+            bool(c.problems),
+            c.time.total if c.time else float("inf"),
+            c.memory.total if c.memory else float("inf"),
+        ),
+    )

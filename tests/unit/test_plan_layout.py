@@ -38,3 +38,24 @@ def test_show_says_why_a_layout_does_not_fit(capsys):
     assert re.search(r"does not fit: needs [\d.]+ GiB on its fullest GPU, 80 GiB available", out), out
     main(["--config", CONFIG, "--gpus", "512", "--show", "tp=1 pp=1 mbs=1"])  # DP 512 > global batch 128
     assert "invalid: --global-batch-size 128 is not divisible" in capsys.readouterr().out
+
+
+def test_of_two_equally_fast_layouts_the_one_with_less_memory_comes_first(monkeypatch):
+    """Recompute none and selective tie in predicted time on Llama (flash attention: nothing of s x s to
+    recompute); the planner lists the one with more headroom first, whatever order it enumerated them in
+    (reversed here, so that the larger one comes first unless the planner orders ties by memory)."""
+    from megatron_ext.planning import planner
+    from megatron_ext.planning.planner import plan
+    from megatron_ext.planning.step_time import Cluster
+
+    enumerate_layouts = planner.enumerate_layouts
+    monkeypatch.setattr(planner, "enumerate_layouts", lambda *a: list(reversed(enumerate_layouts(*a))))
+
+    cfg = parse_args(["--config", os.path.join(ROOT, "configs", "llama3-8b.yaml")])
+    cluster = Cluster(gpus=64, gpus_per_node=8, gpu_memory_gib=80.0)
+    fits = [c for c in plan(cfg, cluster, cfg.data.vocab_size, {"tp": "2", "pp": "1", "mbs": "1"}) if not c.problems]
+    assert len(fits) >= 2
+    for a, b in zip(fits, fits[1:]):
+        assert (a.time.total, a.memory.total) <= (b.time.total, b.memory.total), (a.layout, b.layout)
+    tied = [c for c in fits if c.time.total == fits[0].time.total]
+    assert len(tied) >= 2, [(c.layout.recompute, c.time.total) for c in fits]  # the tie this orders
