@@ -95,13 +95,8 @@ def build_training_run(
     optimizer = build_optimizer(cfg, model, device)
     scheduler = build_scheduler(cfg, optimizer, global_batch_size)
     configure_model_hooks(model, optimizer)
-    # --log-straggler needs the level-1 timers (and times compute), whatever the log line shows
     lg = cfg.logging
-    timers = StepTimers(max(lg.timing_log_level, int(lg.log_straggler)), device, compute=lg.log_straggler)
-    if timers.enabled("grad-reduce"):  # inside the schedule: time megatron-core's finalize hook
-        model[0].config.finalize_model_grads_func = timers.wrap(
-            "grad-reduce", model[0].config.finalize_model_grads_func
-        )
+    timers = build_step_timers(lg, model, device)
     if data is None:
         data = build_train_valid_datasets(cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None)
 
@@ -127,7 +122,7 @@ def build_training_run(
         if cfg.logging.pp_timeline
         else None,
         watchdog=build_step_watchdog(cfg, ctx),
-        timers=timers if lg.timing_log_level or lg.log_straggler else None,
+        timers=timers,
         straggler=StragglerDetector(ctx, lg.straggler_threshold, lg.straggler_minmax_count)
         if lg.log_straggler
         else None,
@@ -151,6 +146,20 @@ def prepare_layers(t: TrainingConfig, resolved: ResolvedConfig, chunks: list[tor
         install_lean_linears(chunks)
     if t.cuda_graph_impl == "local":  # captured layers replay one shape: fixed boundaries and lengths
         mark_static_shapes(chunks, resolved.cuda_graph_max_documents)
+
+
+def build_step_timers(lg: Any, model: list[torch.nn.Module], device: torch.device) -> StepTimers | None:
+    """--timing-log-level's timers (None when nothing is timed); --log-straggler needs the level-1 timers
+    (and times compute), whatever the log line shows. Level 2 times megatron-core's finalize hook, inside
+    the schedule."""
+    if not (lg.timing_log_level or lg.log_straggler):
+        return None
+    timers = StepTimers(max(lg.timing_log_level, int(lg.log_straggler)), device, compute=lg.log_straggler)
+    if timers.enabled("grad-reduce"):
+        model[0].config.finalize_model_grads_func = timers.wrap(
+            "grad-reduce", model[0].config.finalize_model_grads_func
+        )
+    return timers
 
 
 def build_step_data_spec(
