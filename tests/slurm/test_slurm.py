@@ -1,13 +1,15 @@
 """launch/slurm.sbatch under a real Slurm: a one-host cluster of two nodes (tools/slurm_local_cluster.sh).
 
 The default job (TP2 x PP2 x VPP2 x DP2: 8 ranks, 4 per node, two torchrun agents meeting at the
-first node's NodeAddr) is submitted with ``sbatch``; then preemption two ways: ``scancel
---signal=TERM`` (Slurm signals every task of the step: launch/torchrun.sh on each node) and a
-``--signal=TERM@120`` before a ``--time=4`` limit. Each must save the iteration it stops at and end
-COMPLETED with exit code 0. And one torchrun agent per node when the job asks for more tasks per node.
+first node's NodeAddr) is submitted with ``sbatch``, stopped by ``scancel --signal=TERM`` (Slurm
+signals every task of the step: launch/torchrun.sh on each node) and requeued: it saves the iteration
+it stops at, resumes from it and finishes, COMPLETED 0:0. A ``--signal=TERM@120`` before a ``--time=4``
+limit with no requeue left saves and ends COMPLETED 0:0 there. And one torchrun agent per node when
+the job asks for more tasks per node.
 
-Skipped, with the reason, where Slurm (Debian's slurm-wlm + munge) is not installed or the tests
-do not run as root; about 4 minutes on 2 cores otherwise. By hand: see tools/slurm_local_cluster.sh.
+Skipped, with the reason, where Slurm (Debian's slurm-wlm + munge) is not installed or the tests do
+not run as root (scripts/test.sh installs them where it can); about 4 minutes on 2 cores otherwise. By
+hand: see tools/slurm_local_cluster.sh.
 """
 
 from __future__ import annotations
@@ -112,60 +114,6 @@ def _stopped_at(log: str) -> int:
     return int(match.group(1))
 
 
-def test_default_job_runs_under_sbatch(cluster, tmp_path):
-    out, save = str(tmp_path / "job.out"), str(tmp_path / "ckpt")
-    job = submit(
-        cluster,
-        out,
-        [
-            "--config",
-            "configs/default.yaml",
-            "--train-iters",
-            "10",
-            "--eval-interval",
-            "5",
-            "--save",
-            save,
-            "--save-interval",
-            "5",
-        ],
-    )
-    assert wait_for(cluster, job, 600) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
-    log = open(out).read()
-    assert "world 8 = TP 2 x PP 2 x DP 2 | virtual stages per pipeline rank 2" in log
-    assert re.search(r"iteration\s+10/\s+10", log) and "validation loss at iteration 10" in log
-    assert [it for it, _ in list_complete_checkpoints(save)] == [5, 10] and read_tracker(save) == 10
-
-
-def test_scancel_signal_term_saves_and_ends_cleanly(cluster, tmp_path):
-    out, save = str(tmp_path / "job.out"), str(tmp_path / "ckpt")
-    job = submit(
-        cluster,
-        out,
-        [
-            "--config",
-            "configs/default.yaml",
-            "--train-iters",
-            "100000",
-            "--log-interval",
-            "1",
-            "--eval-interval",
-            "0",
-            "--save",
-            save,
-            "--save-interval",
-            "100000",
-            "--exit-signal-handler",
-        ],
-    )
-    wait_for_log(out, r"iteration\s+3/", 300)
-    subprocess.run(["scancel", "--signal=TERM", job], env=cluster, check=True)
-    assert wait_for(cluster, job, 300) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
-    stopped = _stopped_at(open(out).read())
-    assert stopped >= 3 and read_tracker(save) == stopped
-    assert [it for it, _ in list_complete_checkpoints(save)] == [stopped]
-
-
 def test_signal_before_the_time_limit_saves_and_ends_cleanly(cluster, tmp_path):
     out, save = str(tmp_path / "job.out"), str(tmp_path / "ckpt")
     # Slurm sends the signal up to a minute before the 120 s mark: about 1-2 min into a 4 min job
@@ -214,23 +162,27 @@ def test_one_agent_per_node_whatever_the_jobs_tasks_per_node(cluster, tmp_path):
     assert sorted(int(name.split(".")[0][len("rank") :]) for name in os.listdir(ranks)) == list(range(8))
 
 
-def test_a_job_stopped_before_its_end_requeues_and_resumes_from_its_checkpoint(cluster, tmp_path):
-    """Issue 31: a clean stop before --train-iters (here scancel --signal=TERM, as a preemption's SIGTERM or
-    the time limit's --signal=TERM@120 gives) ends the launchers with 75 while a requeue is left; the batch
-    script requeues the job, which resumes from the newest complete checkpoint in --save (no --load given)
-    and finishes: COMPLETED 0:0 after one requeue."""
+def test_the_default_job_stopped_by_scancel_requeues_and_resumes_from_its_checkpoint(cluster, tmp_path):
+    """The default job under sbatch (8 ranks on two nodes, validation and checkpoints at intervals), stopped
+    by ``scancel --signal=TERM`` (what a preemption's SIGTERM gives, Slurm signalling every task of the
+    step: launch/torchrun.sh on each node). Issue 31: a clean stop before --train-iters ends the launchers
+    with 75 while a requeue is left; the batch script requeues the job, which resumes from the newest
+    complete checkpoint in --save (no --load given) and finishes: COMPLETED 0:0 after one requeue.
+    (A stop with no requeue left ending COMPLETED 0:0: the time-limit test below.)"""
     out, save = str(tmp_path / "job.out"), str(tmp_path / "ckpt")
-    args = ["--config", "configs/default.yaml", "--train-iters", "12", "--log-interval", "1", "--eval-interval", "0"]
-    args += ["--save", save, "--save-interval", "100000", "--exit-signal-handler"]
+    args = ["--config", "configs/default.yaml", "--train-iters", "12", "--log-interval", "1", "--eval-interval", "6"]
+    args += ["--save", save, "--save-interval", "6", "--exit-signal-handler"]
     job = submit(cluster, out, args, requeues=1)
     wait_for_log(out, r"iteration\s+3/", 300)
     subprocess.run(["scancel", "--signal=TERM", job], env=cluster, check=True)
     assert wait_for(cluster, job, 600) == ("COMPLETED", "0:0"), open(out).read()[-3000:]
     log = open(out, errors="replace").read()  # --open-mode=append: both runs
+    assert "world 8 = TP 2 x PP 2 x DP 2 | virtual stages per pipeline rank 2" in log
     stopped = _stopped_at(log)
     assert f"requeueing job {job} (1 of MAX_REQUEUES=1)" in log, log[-3000:]
     assert f"resuming from the newest complete checkpoint in --save {save} (iteration {stopped})" in log, log[-3000:]
-    assert re.search(r"iteration\s+12/\s+12", log), log[-3000:]
+    assert re.search(r"iteration\s+12/\s+12", log) and "validation loss at iteration 12" in log, log[-3000:]
     text = subprocess.run(["scontrol", "show", "job", job], env=cluster, capture_output=True, text=True).stdout
     assert re.search(r"Restarts=1\b", text), text
     assert read_tracker(save) == 12
+    assert {6, 12} <= {it for it, _ in list_complete_checkpoints(save)}  # older ones: retention
