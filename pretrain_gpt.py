@@ -22,7 +22,7 @@ from megatron_ext.checkpoint.directory import CheckpointWriteFailed, probe_save_
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider  # noqa: E402
 from megatron_ext.checkpoint.state import plan_load  # noqa: E402
 from megatron_ext.config import ConfigError, JobConfig  # noqa: E402
-from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.error_report import report_error_once  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
@@ -76,7 +76,7 @@ def _train(
     # one live job per --save (held until this process ends; the kernel releases it on any death)
     save_lock = lock_save_dir(cfg.checkpoint.save) if os.environ.get("RANK", "0") == "0" else None
     d = cfg.data
-    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
+    tokenizer = build_tokenizer(**get_tokenizer_args(d))
     check_data_tokenizer(cfg.data, tokenizer.identity())  # data made by another tokenizer: one error, before any work
 
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)

@@ -28,6 +28,8 @@ setup(
         "convert": ["safetensors", "transformers"],
         # --tokenizer-type HuggingFaceTokenizer / GPT2BPETokenizer
         "hf": ["transformers", "tokenizers"],
+        # --tokenizer-type TikTokenizer (megatron-core's, Megatron's tiktoken .json vocabulary)
+        "tiktoken": ["tiktoken"],
         # ruff pinned: a new release adds rules and changes formatting (ruff.toml, scripts/test.sh).
         "test": [
             "pytest",
@@ -38,6 +40,7 @@ setup(
             "safetensors",
             "transformers",
             "tokenizers",
+            "tiktoken",
         ],
         # GPU clusters: Transformer Engine layer spec and kernels (needs CUDA to build).
         "gpu": ["transformer-engine[pytorch]"],

@@ -307,6 +307,21 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
             f"attention head keeps its own key/value head (as in Megatron-LM); add --group-query-attention "
             f"for grouped-query attention"
         )
+    d = cfg.data
+    if d.tokenizer_type != "TikTokenizer":  # Megatron-LM ignores them with other tokenizers
+        given = [
+            ("--tiktoken-pattern", d.tiktoken_pattern),
+            ("--tiktoken-special-tokens", " ".join(d.tiktoken_special_tokens)),
+            (
+                "--tiktoken-num-special-tokens",
+                d.tiktoken_num_special_tokens if d.tiktoken_num_special_tokens != 1000 else None,
+            ),
+        ]
+        notes += [
+            f"{flag} {value} changes nothing with --tokenizer-type {d.tokenizer_type} (a TikTokenizer flag)"
+            for flag, value in given
+            if value
+        ]
     if t.eval_interval and t.eval_iters == 0:
         t.eval_interval = 0  # Megatron-LM: no validation without validation batches
         notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")

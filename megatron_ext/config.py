@@ -214,14 +214,31 @@ class DataConfig:
     )
     tokenizer_type: str = _f(
         "SentencePieceTokenizer",
-        "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer (a local tokenizer directory) or GPT2BPETokenizer (--vocab-file, --merge-file).",
+        "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer (a local tokenizer directory), GPT2BPETokenizer (--vocab-file, --merge-file) or TikTokenizer (Megatron's tiktoken .json; needs the tiktoken package).",
     )
     tokenizer_model: str | None = _f(
-        None, "Sentencepiece .model, or a local Hugging Face tokenizer directory (nothing is downloaded)."
+        None,
+        "Sentencepiece .model, a local Hugging Face tokenizer directory (nothing is downloaded), or TikTokenizer's .json vocabulary.",
     )
     vocab_file: str | None = _f(None, "GPT2BPETokenizer: vocab.json.")
     merge_file: str | None = _f(None, "GPT2BPETokenizer: merges.txt.")
-    vocab_size: int | None = _f(None, "Vocabulary size for NullTokenizer (EOD is the id vocab_size).")
+    vocab_size: int | None = _f(
+        None,
+        "Vocabulary size for NullTokenizer (EOD is the id vocab_size); for TikTokenizer the vocabulary with its special tokens (default 131072, as megatron-core).",
+    )
+    tiktoken_pattern: str | None = _f(
+        None,
+        "TikTokenizer: the pre-tokenizer's split pattern, v1 or v2 (megatron-core's default: v2).",
+        choices=["v1", "v2"],
+    )
+    tiktoken_num_special_tokens: int = _f(
+        1000, "TikTokenizer: ids reserved for special tokens before the vocabulary's ranks (Megatron-LM's default)."
+    )
+    tiktoken_special_tokens: list[str] = _f(
+        [],
+        "TikTokenizer: the special tokens' names, first ids first; must include <unk> <s> </s> <mask> <pad> <cls> <sep> (the default list).",
+        nargs="*",
+    )
     data_cache_path: str | None = _f(None, "Where megatron-core caches its sample indices (default: beside the data).")
     packed_sequences: bool = _f(
         False,

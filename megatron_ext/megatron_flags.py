@@ -92,12 +92,6 @@ def _attention_backend(value, cfg):
     return None, f"--attention-backend {value}: not a Megatron-LM attention backend"
 
 
-def _tiktoken_pattern(value, cfg):
-    if cfg.data.tokenizer_type == "TikTokenizer":
-        return None, None  # the tokenizer's own check names what is wrong
-    return f"--tiktoken-pattern {value} changes nothing with --tokenizer-type {cfg.data.tokenizer_type}", None
-
-
 FLAGS = [
     MegatronFlag(
         "--use-mcore-models",
@@ -226,12 +220,6 @@ FLAGS = [
         _attention_backend,
         "Accepted with the local spec, no effect (one warning line: attention runs on torch SDPA, "
         "packed sequences on flash's varlen kernel on CUDA in bf16/fp16); refused with Transformer Engine.",
-    ),
-    MegatronFlag(
-        "--tiktoken-pattern",
-        1,
-        _tiktoken_pattern,
-        "Accepted, no effect (one warning line) with tokenizers other than TikTokenizer.",
     ),
     # refused: they would change the model or the training, and we lack them
     MegatronFlag(

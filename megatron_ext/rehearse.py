@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 
 from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.data.microbatch import get_microbatch_indices
-from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args
 from megatron_ext.derived import (
     get_data_parallel_size,
     get_global_batch_size,
@@ -213,7 +213,7 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
     if problems:
         raise ConfigError(problems)
     d = cfg.data
-    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
+    tokenizer = build_tokenizer(**get_tokenizer_args(d))
     check_data_tokenizer(d, tokenizer.identity())
 
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, get_data_parallel_size(cfg, world_size)

@@ -29,7 +29,7 @@ from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
 from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
-from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args
 from megatron_ext.derived import ResolvedConfig, resolve_config, resolve_train_iters
 from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
@@ -79,7 +79,7 @@ def build_training_run(
     resolve_train_iters(cfg, ctx.world_size)
     if tokenizer is None:
         d = cfg.data
-        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file)
+        tokenizer = build_tokenizer(**get_tokenizer_args(d))
     resolved = resolve_config(cfg, ctx.world_size, tokenizer.vocab_size)
     global_batch_size = resolved.global_batch_size
 

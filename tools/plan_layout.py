@@ -26,7 +26,7 @@ quiet_known_warnings()
 
 from megatron_ext.arguments import parse_args  # noqa: E402
 from megatron_ext.config import JobConfig  # noqa: E402
-from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.planning.memory import GIB  # noqa: E402
 from megatron_ext.planning.planner import Candidate, plan  # noqa: E402
 from megatron_ext.planning.step_time import (  # noqa: E402
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     cfg = load_config(args, extra)
     d = cfg.data
-    vocab = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_size, d.vocab_file, d.merge_file).vocab_size
+    vocab = build_tokenizer(**get_tokenizer_args(d)).vocab_size
     cluster = Cluster(
         args.gpus, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.achievable,
         args.intra_node_gbps, args.inter_node_gbps,

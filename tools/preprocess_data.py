@@ -219,6 +219,7 @@ def preprocess_data(
     progress: bool = True,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    tiktoken_options: dict | None = None,
 ) -> PreprocessStats:
     """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.{bin,idx}`` per key."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -232,6 +233,7 @@ def preprocess_data(
         vocab_size=vocab_size,
         vocab_file=vocab_file,
         merge_file=merge_file,
+        **(tiktoken_options or {}),  # tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens
     )
     encoder = _Encoder(input_path, json_keys, tokenizer_args, append_eod)
     encoder.initialize()  # fail fast on tokenizer flags, and gives us the dtype
@@ -359,7 +361,12 @@ def main(argv=None) -> None:
     )
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    group.add_argument(
+        "--vocab-size", type=int, default=None, help="for NullTokenizer; TikTokenizer's whole vocabulary"
+    )
+    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"], help="TikTokenizer (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer")
+    group.add_argument("--tiktoken-special-tokens", nargs="*", default=None, help="TikTokenizer")
     group.add_argument("--append-eod", action="store_true", help="end each document with EOD")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
@@ -382,6 +389,11 @@ def main(argv=None) -> None:
             progress=not args.no_progress,
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
+            tiktoken_options=dict(
+                tiktoken_pattern=args.tiktoken_pattern,
+                tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                tiktoken_special_tokens=args.tiktoken_special_tokens,
+            ),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

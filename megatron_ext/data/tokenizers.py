@@ -24,8 +24,13 @@ Two types, with Megatron-LM's ``--tokenizer-type`` names:
   ``--merge-file`` (merges.txt), built with the ``tokenizers`` library (megatron-core 0.16.1's
   path for this type ignores the merge file and fetches "gpt2" from the hub); ``eod`` =
   ``<|endoftext|>``, which the vocabulary must hold; ``pad`` = eod.
-- ``TikTokenizer`` and Megatron-LM's legacy ``Llama2Tokenizer``/``Llama3Tokenizer`` are refused with
-  the type to use instead.
+- ``TikTokenizer``: Megatron's tiktoken vocabulary (a ``.json`` list of ``{rank, token_bytes,
+  token_str}``) through megatron-core's ``TikTokenTokenizer`` (needs the ``tiktoken`` package):
+  ``--tiktoken-num-special-tokens`` ids (default 1000) come first, then the ranks; ``--vocab-size`` is
+  the whole vocabulary (default 2**17). ``eod`` is ``</s>`` (id 2 with the default special tokens),
+  ``pad`` is ``<pad>`` (id 4).
+- Megatron-LM's legacy ``Llama2Tokenizer``/``Llama3Tokenizer`` are refused with the type to use
+  instead.
 
 ``identity()`` is what checkpoints store, so a resumed run can refuse a different tokenizer.
 """
@@ -41,11 +46,12 @@ NULL_TYPES = ("NullTokenizer",)
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 HF_TYPES = ("HuggingFaceTokenizer",)
 GPT2_TYPES = ("GPT2BPETokenizer",)
-TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES + HF_TYPES + GPT2_TYPES
+TIKTOKEN_TYPES = ("TikTokenizer",)
+TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES + HF_TYPES + GPT2_TYPES + TIKTOKEN_TYPES
+# megatron-core's TikTokenTokenizer defaults (its module's constants, repeated for the checks)
+TIKTOKEN_DEFAULT_VOCAB_SIZE = 2**17
+TIKTOKEN_REQUIRED_SPECIAL = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
 REFUSED_TYPES = {
-    "TikTokenizer": "megatron-core's TikTokenizer reads Megatron's own JSON vocabulary and needs the tiktoken "
-    "package; for Llama-3 and other tiktoken-style models use --tokenizer-type HuggingFaceTokenizer "
-    "--tokenizer-model <the model's local tokenizer directory>",
     "Llama3Tokenizer": "use --tokenizer-type HuggingFaceTokenizer --tokenizer-model <Llama-3's local tokenizer directory>",
     "Llama2Tokenizer": "use --tokenizer-type SentencePieceTokenizer --tokenizer-model <Llama-2's tokenizer.model> (or "
     "HuggingFaceTokenizer with its directory)",
@@ -313,6 +319,101 @@ class GPT2BPETokenizer(_TokenizerFiles):
         return self._impl.decode([int(i) for i in ids])
 
 
+class TikTokenizer(_TokenizerFiles):
+    """Megatron's tiktoken vocabulary (.json) through megatron-core's ``TikTokenTokenizer``.
+
+    Ids: the special tokens first (``num_special_tokens`` of them: the named ones, then
+    ``<SPECIAL_i>`` fillers), then the vocabulary's ranks shifted by ``num_special_tokens``, up to
+    ``vocab_size``. ``eod`` is ``</s>``, ``pad`` is ``<pad>``.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        vocab_size: int | None = None,
+        pattern: str | None = None,
+        num_special_tokens: int = 1000,
+        special_tokens: list[str] | None = None,
+    ):
+        try:
+            import tiktoken  # noqa: F401 - megatron-core's module swallows the ImportError
+            from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import TikTokenTokenizer as _Impl
+        except ImportError as err:
+            raise ConfigError(
+                [f"--tokenizer-type TikTokenizer needs the tiktoken package ({err}); pip install tiktoken"]
+            ) from None
+        self.tokenizer_type, self.model_path = "TikTokenizer", path
+        vocab_size = int(vocab_size or TIKTOKEN_DEFAULT_VOCAB_SIZE)
+        problems = _check_tiktoken_vocabulary(path, vocab_size, num_special_tokens, special_tokens)
+        if problems:
+            raise ConfigError(problems)
+        kwargs = dict(num_special_tokens=num_special_tokens, vocab_size=vocab_size, pattern=pattern or "v2")
+        if special_tokens:
+            kwargs["special_tokens"] = list(special_tokens)
+        self._impl = _Impl(path, **kwargs)
+        self._eod, self._pad = int(self._impl.eos_id), int(self._impl.pad_id)
+        # the ids depend on the file and on the options: all of them go into the identity
+        digest = hashlib.sha256(get_file_sha256(path).encode())
+        digest.update(repr((kwargs["pattern"], num_special_tokens, self._impl.special_tokens[:16])).encode())
+        self._sha256 = digest.hexdigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._impl.vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(i) for i in self._impl.text_to_ids(text)]
+
+    def detokenize(self, ids) -> str:
+        # tiktoken's Encoding decodes the bytes of all ids at once; megatron-core's ids_to_text decodes
+        # each token alone, which garbles a character whose bytes span two tokens
+        return self._impl.tokenizer.decode([int(i) for i in ids])
+
+
+def _check_tiktoken_vocabulary(
+    path: str, vocab_size: int, num_special_tokens: int, special_tokens: list[str] | None
+) -> list[str]:
+    """What megatron-core's TikTokenTokenizer would assert on, as errors naming the flags."""
+    import json
+
+    names = list(special_tokens) if special_tokens else list(TIKTOKEN_REQUIRED_SPECIAL)
+    out = []
+    missing = [t for t in TIKTOKEN_REQUIRED_SPECIAL if t not in names]
+    if missing or len(set(names)) != len(names):
+        out.append(
+            f"--tiktoken-special-tokens must name each token once and include {' '.join(TIKTOKEN_REQUIRED_SPECIAL)}"
+            f" (missing: {' '.join(missing) or 'none'})"
+        )
+    if not len(names) <= num_special_tokens < vocab_size:
+        out.append(
+            f"--tiktoken-num-special-tokens {num_special_tokens} must be at least the {len(names)} special tokens "
+            f"and below --vocab-size {vocab_size}"
+        )
+        return out
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+        ok = isinstance(vocab, list) and all(
+            isinstance(x, dict) and x.keys() == {"rank", "token_bytes", "token_str"} and x["rank"] == i
+            for i, x in enumerate(vocab)
+        )
+    except (OSError, ValueError) as err:
+        vocab, ok = [], False
+        out.append(f"--tokenizer-model {path}: not a readable JSON file ({' '.join(str(err).split())[:200]})")
+    if not ok and not out:
+        out.append(
+            f"--tokenizer-model {path}: not Megatron's tiktoken vocabulary (a JSON list of "
+            f'{{"rank": i, "token_bytes": base64, "token_str": ...}} in rank order)'
+        )
+    elif ok and len(vocab) < vocab_size - num_special_tokens:
+        out.append(
+            f"--vocab-size {vocab_size} needs {vocab_size - num_special_tokens} ranks after the "
+            f"{num_special_tokens} special ids (--tiktoken-num-special-tokens), but --tokenizer-model {path} "
+            f"has {len(vocab)}: give --vocab-size {len(vocab) + num_special_tokens} or less"
+        )
+    return out
+
+
 def describe_model_files(directory: str) -> str:
     """Which sentencepiece ``.model`` files a directory given as --tokenizer-model holds, as a hint."""
     try:
@@ -377,6 +478,13 @@ def check_tokenizer_flags(
                 f"fetch the tokenizer beforehand, e.g. huggingface-cli download, and pass its directory)"
             ]
         return []
+    if tokenizer_type in TIKTOKEN_TYPES:
+        if not tokenizer_model or not os.path.isfile(tokenizer_model) or not tokenizer_model.endswith(".json"):
+            return [
+                f"--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json, Megatron's tiktoken vocabulary "
+                f"(got {tokenizer_model}{'' if not tokenizer_model or os.path.isfile(tokenizer_model) else ': no such file'})"
+            ]
+        return []
     missing = [
         f"{flag} {path}" if path else flag
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file))
@@ -396,6 +504,9 @@ def build_tokenizer(
     vocab_size: int | None = None,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
+    tiktoken_special_tokens: list[str] | None = None,
 ):
     """Build the tokenizer named by ``--tokenizer-type``.
 
@@ -407,6 +518,10 @@ def build_tokenizer(
         raise ConfigError(problems)
     if tokenizer_type in NULL_TYPES:
         return NullTokenizer(int(vocab_size))
+    if tokenizer_type in TIKTOKEN_TYPES:  # --vocab-size is this tokenizer's own size
+        return TikTokenizer(
+            tokenizer_model, vocab_size, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens
+        )
     if tokenizer_type in SENTENCEPIECE_TYPES:
         tokenizer = SentencePieceTokenizer(tokenizer_model, tokenizer_type)
     elif tokenizer_type in HF_TYPES:
@@ -422,3 +537,17 @@ def build_tokenizer(
             ]
         )
     return tokenizer
+
+
+def get_tokenizer_args(data) -> dict:
+    """build_tokenizer's arguments from the data config (``cfg.data``): every tokenizer flag."""
+    return dict(
+        tokenizer_type=data.tokenizer_type,
+        tokenizer_model=data.tokenizer_model,
+        vocab_size=data.vocab_size,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        tiktoken_pattern=data.tiktoken_pattern,
+        tiktoken_num_special_tokens=data.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=list(data.tiktoken_special_tokens) or None,
+    )

@@ -141,10 +141,7 @@ def test_gpt2_bpe_files_preprocess_to_gpt2_ids(files):
         ("bare file", "a bare tokenizer file names no eos token; pass the tokenizer's directory"),
         ("no eos", "the tokenizer defines no eos token"),
         ("no merges", "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file"),
-        (
-            "tiktoken",
-            "--tokenizer-type TikTokenizer is not supported: megatron-core's TikTokenizer reads Megatron's own",
-        ),
+        ("tiktoken", "--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json"),
     ],
 )
 def test_tokenizer_errors_name_the_flag_and_the_fix(files, kind, needle):
@@ -153,7 +150,7 @@ def test_tokenizer_errors_name_the_flag_and_the_fix(files, kind, needle):
         "bare file": ("HuggingFaceTokenizer", os.path.join(files["hf"], "tokenizer.json"), {}),
         "no eos": ("HuggingFaceTokenizer", files["hf_no_eos"], {}),
         "no merges": ("GPT2BPETokenizer", None, dict(vocab_file=files["vocab"])),
-        "tiktoken": ("TikTokenizer", "/x/tokenizer.model", {}),
+        "tiktoken": ("TikTokenizer", "/x/tokenizer.model", {}),  # test_tiktokenizer.py: the type itself
     }[kind]
     with pytest.raises(ConfigError) as err:
         build_tokenizer(args[0], args[1], **args[2])
