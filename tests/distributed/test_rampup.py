@@ -9,7 +9,7 @@ world records every step's (global batch, micro-batches on this rank) as the loo
 settled batch) and a checksum of the final weights. A one-process run is the reference for DP2 (with
 and without DataLoader workers), PP2 under 1F1B and under ZBH1 (our runtime); a DP2 run saved after
 step 5 (mid-ramp, 12 samples consumed) and resumed trains steps 6-12 bit for bit as the uninterrupted
-run did.
+run did. A one-process run under --step-batch-size-schedule takes main's calculator's batches.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import evaluate, train
+from tests.unit.megatron_main_step_batch import StepBatchsizeNumMicroBatchesCalculator
 
 pytestmark = pytest.mark.distributed
 
@@ -39,6 +40,9 @@ RAMP = dict(
     lr_warmup_samples=8,
     untie_embeddings_and_output_weights=True,  # each weight on one stage: the weight checksum adds up
 )
+# Megatron-LM main's schedule: thresholds in tokens (32 per sample): batch 2, then 4 from sample 8,
+# 8 from sample 24; the last entry is the global batch (no --global-batch-size)
+STEP = dict(RAMP, rampup_batch_size=[], global_batch_size=None, step_batch_size_schedule="0:2 256:4 768:8")
 LAYOUTS = {
     "DP2": {},
     "DP2 workers": dict(num_workers=2),
@@ -83,7 +87,7 @@ def _train(values: dict, load: str | None = None, step: int | None = None) -> di
 
 def _world(rank: int, world_size: int, root: str | None) -> dict:
     if world_size == 1:
-        return {"one": _train(RAMP)}
+        return {"one": _train(RAMP), "step": _train(STEP)}
     out = {name: _train(dict(RAMP, **values)) for name, values in LAYOUTS.items()}
     out["saved"] = _train(dict(RAMP, save=root, save_interval=5))
     out["resumed"] = _train(dict(RAMP, load=root), load=root, step=5)
@@ -91,8 +95,13 @@ def _world(rank: int, world_size: int, root: str | None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one():
-    return run_ranks(_world, 1, None, timeout=300)[0]["one"]
+def ones():
+    return run_ranks(_world, 1, None, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def one(ones):
+    return ones["one"]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +124,18 @@ def test_one_process_ramps_as_megatron_core(one):
     assert [b for b, _ in one["steps"]] == [2, 2, 2, 2, 4, 4, 6, 6, 8, 8, 8, 8] and one["consumed"] == 60
     losses = [r[1] for r in one["records"]]
     assert losses[-1] < losses[0] - 0.1  # it learns: a wrong batch shows in the losses
+
+
+def test_one_process_follows_megatron_lm_mains_step_schedule(ones):
+    ref = StepBatchsizeNumMicroBatchesCalculator(1, 1, False, 1, STEP["step_batch_size_schedule"], 32)
+    steps, consumed = [], 0
+    while consumed < 60:  # main's update_train_iters: steps until --train-samples are consumed
+        ref.update(consumed, True)
+        steps.append((ref.get_current_global_batch_size(), ref.get()))
+        consumed += ref.get_current_global_batch_size()
+    got = ones["step"]
+    assert got["steps"] == steps and [b for b, _ in steps] == [2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 8]
+    assert got["consumed"] == consumed == 64 and len(got["records"]) == len(steps)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
