@@ -266,12 +266,12 @@ def describe_schedule(run: TrainingRun, label: str = "schedule") -> str:
     scheduler holds it (after a load with --use-checkpoint-opt-param-scheduler: the checkpoint's), with
     the learning rates it gives parameter group 0 (``get_schedule_lr_range``)."""
     t, sch, gbs = run.cfg.training, run.scheduler, run.global_batch_size
-    batches = f" after --rampup-batch-size {' '.join(t.rampup_batch_size)}" if t.rampup_batch_size else ""
+    per_step = f"x {gbs} samples"
+    if t.rampup_batch_size:
+        per_step = f"of --rampup-batch-size {' '.join(t.rampup_batch_size)} (up to {gbs} samples)"
     if t.step_batch_size_schedule is not None:
-        batches = f' settled from --step-batch-size-schedule "{t.step_batch_size_schedule}"'
-    length = f"{t.train_iters} steps x {gbs} samples{batches}" + (
-        f" (--train-samples {t.train_samples})" if t.train_samples else ""
-    )
+        per_step = f'of --step-batch-size-schedule "{t.step_batch_size_schedule}" samples'
+    length = f"{t.train_iters} steps {per_step}" + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
     style = getattr(sch, "lr_decay_style", t.lr_decay_style)
     wsd = (
         f", WSD {getattr(sch, 'lr_wsd_decay_style', t.lr_wsd_decay_style)} decay over the last "
