@@ -326,7 +326,13 @@ class TrainingConfig:
         None, "Length of the WSD decay phase in samples (--lr-decay-style WSD with --train-samples)."
     )
     rampup_batch_size: list[str] = _f(
-        [], "Megatron-LM's batch-size ramp-up: not supported (refused; use a constant --global-batch-size).", nargs="*"
+        [],
+        "START INCREMENT SAMPLES: Megatron-LM's batch-size ramp-up (core_v0.16.1, megatron-core's RampupBatchsizeNumMicroBatchesCalculator): the global batch starts at START and grows by INCREMENT every SAMPLES / ((--global-batch-size - START) / INCREMENT) consumed samples, reaching --global-batch-size after SAMPLES samples. With --train-samples only (the run and its LR schedule are counted in samples); every batch of the ramp must divide by --micro-batch-size x data-parallel size.",
+        nargs="*",
+    )
+    step_batch_size_schedule: str | None = _f(
+        None,
+        "Megatron-LM main's step batch-size schedule (its replacement of --rampup-batch-size), e.g. \"0:16 2.4B:320 12B:1536\": the global batch is that of the last THRESHOLD:BATCH entry whose threshold, in tokens (samples x --seq-length; suffixes K, M, B, T), has been consumed. The first threshold is 0; evaluation reads the last entry's batch. With --train-samples only and without --global-batch-size or --rampup-batch-size (as Megatron-LM main; it accepts --train-iters but its LR schedule then counts --micro-batch-size x DP samples per step, so we refuse it).",
     )
     decoupled_lr: float | None = _f(
         None,

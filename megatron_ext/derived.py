@@ -8,8 +8,9 @@ functions below are what it is computed from; validation calls them too, on flag
 to be valid, so each of them tolerates a config that breaks a rule (returning None or a value that
 the rule's check then reports) and none of them raises.
 
-Invariant: this module imports nothing of ours but ``config.py`` and the schedule names of
-``pipeline/names.py`` (pure, importing nothing); it creates nothing and reads no file, process
+Invariant: this module imports nothing of ours but ``config.py``, the schedule names of
+``pipeline/names.py`` and the batch schedules of ``data/batch_schedule.py`` (pure, importing
+nothing; ``get_batch_schedule`` alone raises, on flags validation refuses); it creates nothing and reads no file, process
 group or environment variable. The one value written back into the config is
 ``train_iters`` (``resolve_train_iters``).
 """
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from megatron_ext.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_ext.data.batch_schedule import BatchSchedule, parse_rampup, parse_step_schedule
+from megatron_ext.data.batch_schedule import get_train_iters as get_schedule_train_iters
 from megatron_ext.pipeline.names import (
     MEGATRON_CORE_SCHEDULES,
     V_PLACEMENT_SCHEDULES,
@@ -128,8 +131,25 @@ def get_chunk_layer_counts(cfg: JobConfig) -> list[int] | None:
 
 
 def get_global_batch_size(cfg: JobConfig, world_size: int) -> int:
+    """The settled global batch: --global-batch-size, the last entry of --step-batch-size-schedule,
+    or micro-batch x DP."""
     t = cfg.training
+    if t.step_batch_size_schedule is not None and not t.global_batch_size:
+        try:
+            return parse_step_schedule(t.step_batch_size_schedule, max(cfg.model.seq_length, 1))[-1][1]
+        except ValueError:  # reported by validation
+            pass
     return t.global_batch_size or t.micro_batch_size * get_data_parallel_size(cfg, world_size)
+
+
+def get_batch_schedule(cfg: JobConfig, world_size: int) -> BatchSchedule:
+    """Each step's global batch (data/batch_schedule.py) of validated flags."""
+    t, gbs = cfg.training, get_global_batch_size(cfg, world_size)
+    if t.rampup_batch_size:
+        return BatchSchedule(gbs, rampup=parse_rampup(t.rampup_batch_size, gbs))
+    if t.step_batch_size_schedule is not None:
+        return BatchSchedule(gbs, steps=parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length))
+    return BatchSchedule(gbs)
 
 
 def get_num_microbatches(cfg: JobConfig, world_size: int) -> int:
@@ -142,10 +162,11 @@ def get_num_microbatches(cfg: JobConfig, world_size: int) -> int:
 
 
 def get_train_iters(cfg: JobConfig, world_size: int) -> int:
-    """Training steps: --train-iters, or --train-samples // global batch (as Megatron-LM)."""
+    """Training steps: --train-iters, or --train-samples // global batch (as Megatron-LM; counted
+    over the steps of a ramp-up or a step schedule: batch_schedule.get_train_iters)."""
     t = cfg.training
     if t.train_samples is not None:
-        return t.train_samples // get_global_batch_size(cfg, world_size)
+        return get_schedule_train_iters(get_batch_schedule(cfg, world_size), t.train_samples)
     return t.train_iters
 
 
@@ -292,8 +313,9 @@ class ResolvedConfig:
     pipeline_schedule: str | None  # --pipeline-schedule's canonical name (None: megatron-core's choice)
     uses_our_runtime: bool  # the schedule runs on pipeline/runtime.py, not megatron-core's
     stage_placement: str  # "loop" or "v" (pipeline/placement.py)
-    global_batch_size: int
-    num_microbatches: int  # per step on each DP rank
+    global_batch_size: int  # the settled one (after a ramp-up; evaluation's)
+    num_microbatches: int  # per step on each DP rank, of the settled global batch
+    batch_schedule: BatchSchedule  # each step's global batch, from the samples consumed before it
     train_iters: int
     padded_vocab_size: int
     ffn_hidden_size: int
@@ -332,6 +354,7 @@ def resolve_config(cfg: JobConfig, world_size: int, vocab_size: int) -> Resolved
         stage_placement=get_stage_placement(cfg),
         global_batch_size=get_global_batch_size(cfg, world_size),
         num_microbatches=get_num_microbatches(cfg, world_size),
+        batch_schedule=get_batch_schedule(cfg, world_size),
         train_iters=get_train_iters(cfg, world_size),
         padded_vocab_size=get_padded_vocab_size(vocab_size, cfg),
         ffn_hidden_size=get_ffn_hidden_size(m),

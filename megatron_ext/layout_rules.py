@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 
 from megatron_ext.config import JobConfig
+from megatron_ext.data.batch_schedule import get_train_iters as get_schedule_train_iters
 from megatron_ext.derived import (
     RECOMPUTE_MODULES,
+    get_batch_schedule,
     get_chunk_layer_counts,
     get_global_batch_size,
     get_num_microbatches,
@@ -174,7 +176,8 @@ def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
             f"{t.micro_batch_size * dp}"
         ]
     out = []
-    if t.train_samples is not None and t.train_samples > 0 and t.train_samples < gbs:
+    scheduled = t.rampup_batch_size or t.step_batch_size_schedule is not None  # check_batch_schedule's
+    if t.train_samples is not None and 0 < t.train_samples < gbs and not scheduled:
         out.append(f"--train-samples {t.train_samples} is less than one global batch ({gbs} samples)")
     vpp = get_virtual_pipeline_size(cfg)
     if vpp is not None and vpp > 1 and pp > 1 and not uses_our_runtime(cfg):  # megatron-core's own rule
@@ -186,6 +189,67 @@ def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
             t.micro_batch_size,
             dp,
         )
+    return out
+
+
+def check_batch_schedule(cfg: JobConfig, world_size: int) -> list[str]:
+    """--rampup-batch-size and --step-batch-size-schedule (``data/batch_schedule.py``): their grammar,
+    Megatron-LM's exclusions, and every global batch the run's steps take against the batch rules
+    (megatron-core checks each only when its step comes)."""
+    t = cfg.training
+    ramp, steps = t.rampup_batch_size, t.step_batch_size_schedule
+    if not ramp and steps is None:
+        return []
+    rflag, sflag = f"--rampup-batch-size {' '.join(ramp)}", f'--step-batch-size-schedule "{steps}"'
+    if ramp and steps is not None:
+        return [f"{rflag} and {sflag} are exclusive (Megatron-LM main replaced the first by the second): give one"]
+    flag, out = (rflag, []) if ramp else (sflag, [])
+    if steps is not None and t.global_batch_size:
+        out.append(
+            f"{sflag} and --global-batch-size {t.global_batch_size} are exclusive (as in Megatron-LM main): the "
+            f"schedule's last entry is the global batch; drop --global-batch-size"
+        )
+    if t.train_samples is None:
+        out.append(
+            f"{flag} needs sample-based training (as Megatron-LM: the run and its LR schedule counted in "
+            f"samples): replace --train-iters {t.train_iters} with --train-samples N (and -iters schedule flags with -samples ones)"
+        )
+    gbs = get_global_batch_size(cfg, world_size)
+    try:  # (a --seq-length or batch that is not positive is _check_positive's)
+        schedule = get_batch_schedule(cfg, world_size) if gbs > 0 and cfg.model.seq_length > 0 else None
+    except ValueError as exc:
+        return out + [f"{flag}: {exc}"]
+    if out or schedule is None or t.micro_batch_size <= 0 or check_layout(cfg, world_size) or not t.train_samples:
+        return out
+    batches = schedule.get_batch_sizes(get_schedule_train_iters(schedule, t.train_samples))[:-1]  # last: check_batch
+    found = check_step_batches(cfg, world_size, batches)
+    return out + ([f"{flag}: {found[0]}"] if found else [])
+
+
+def check_step_batches(cfg: JobConfig, world_size: int, batches: list[int]) -> list[str]:
+    """The rules the steps' global ``batches`` (of a batch schedule) break: megatron-core's
+    divisibility, then the interleaved schedules' micro-batch count."""
+    p, b = cfg.parallel, cfg.training.micro_batch_size
+    pp = p.pipeline_model_parallel_size
+    dp = world_size // (p.tensor_model_parallel_size * pp)
+    bad = [g for g in batches if g % (b * dp)]
+    if bad:
+        shown = ", ".join(map(str, bad[:5])) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
+        return [
+            f"the steps' global batch{'es' if len(bad) > 1 else ''} {shown} not divisible by --micro-batch-size {b} "
+            f"x data-parallel size {dp} = {b * dp} (megatron-core's rule for every step): make every batch of "
+            f"the schedule a multiple of {b * dp}"
+        ]
+    vpp, out = get_virtual_pipeline_size(cfg) or 1, []
+    for g in batches:
+        m = g // (b * dp)
+        if vpp > 1 and pp > 1 and not uses_our_runtime(cfg):
+            out += check_interleaved_microbatches(m, pp, p.microbatch_group_size_per_vp_stage or pp, g, b, dp)
+        elif vpp > 1 and m < pp:  # our runtime's interleaved schedules (pipeline/validate.py)
+            out.append(
+                f"a step's global batch {g} gives {m} micro-batches per step, fewer than the {pp} pipeline "
+                f"stages the interleaved schedule needs to fill: start the schedule at {pp * b * dp} or more"
+            )
     return out
 
 

@@ -38,8 +38,8 @@ from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.data.microbatch import get_microbatch_indices
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args
 from megatron_ext.derived import (
+    get_batch_schedule,
     get_data_parallel_size,
-    get_global_batch_size,
     get_padded_vocab_size,
     get_schedule_name,
     get_stage_placement,
@@ -183,7 +183,7 @@ class Rehearsal:
 def get_first_step_samples(cfg: JobConfig, world_size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Each DP rank's micro-batches (global sample indices) in the first step of a fresh run."""
     dp, b = get_data_parallel_size(cfg, world_size), cfg.training.micro_batch_size
-    gbs = get_global_batch_size(cfg, world_size)
+    gbs = get_batch_schedule(cfg, world_size).get_global_batch_size(0)  # a ramp-up's first batch
     return tuple(tuple(tuple(mb) for mb in get_microbatch_indices(0, gbs, b, r, dp)) for r in range(dp))
 
 
@@ -222,7 +222,9 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
     params = count_parameters(cfg, tokenizer.vocab_size)
     last_stage = len(params.chunks) - 1
     samples = get_first_step_samples(cfg, world_size)
-    problems = check_group_map(groups) + check_samples(samples, get_global_batch_size(cfg, world_size))
+    problems = check_group_map(groups) + check_samples(
+        samples, get_batch_schedule(cfg, world_size).get_global_batch_size(0)
+    )
     if problems:
         raise ConfigError(problems)
     return Rehearsal(

@@ -98,7 +98,9 @@ def build_training_run(
     lg = cfg.logging
     timers = build_step_timers(lg, model, device)
     if data is None:
-        data = build_train_valid_datasets(cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None)
+        data = build_train_valid_datasets(
+            cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None, resolved.batch_schedule
+        )
 
     step_data = StepDataBuilder(build_step_data_spec(cfg, resolved, ctx, tokenizer), ctx.device, ctx.mp_group)
 
@@ -178,6 +180,7 @@ def build_step_data_spec(
         pad_id=tokenizer.pad,
         vocab_size=tokenizer.vocab_size,
         pad_length_bucket=cfg.data.pad_length_bucket,
+        batch_schedule=None if resolved.batch_schedule.is_constant else resolved.batch_schedule,
     )
 
 
@@ -263,9 +266,12 @@ def describe_schedule(run: TrainingRun, label: str = "schedule") -> str:
     scheduler holds it (after a load with --use-checkpoint-opt-param-scheduler: the checkpoint's), with
     the learning rates it gives parameter group 0 (``get_schedule_lr_range``)."""
     t, sch, gbs = run.cfg.training, run.scheduler, run.global_batch_size
-    length = f"{t.train_iters} steps x {gbs} samples" + (
-        f" (--train-samples {t.train_samples})" if t.train_samples else ""
-    )
+    per_step = f"x {gbs} samples"
+    if t.rampup_batch_size:
+        per_step = f"of --rampup-batch-size {' '.join(t.rampup_batch_size)} (up to {gbs} samples)"
+    if t.step_batch_size_schedule is not None:
+        per_step = f'of --step-batch-size-schedule "{t.step_batch_size_schedule}" samples'
+    length = f"{t.train_iters} steps {per_step}" + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
     style = getattr(sch, "lr_decay_style", t.lr_decay_style)
     wsd = (
         f", WSD {getattr(sch, 'lr_wsd_decay_style', t.lr_wsd_decay_style)} decay over the last "

@@ -22,6 +22,7 @@ from megatron_ext.data.tokenizers import check_tokenizer_flags
 from megatron_ext.derived import get_sequence_padding, precision_name, uses_variable_lengths
 from megatron_ext.layout_rules import (
     check_batch,
+    check_batch_schedule,
     check_layout,
     check_model,
     check_pipeline_schedule_layout,
@@ -37,6 +38,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + check_layout(cfg, world_size)
         + check_model(cfg, world_size)
         + check_batch(cfg, world_size)
+        + check_batch_schedule(cfg, world_size)
         + _check_schedule(cfg)
         + check_pipeline_schedule_layout(cfg, world_size)
         + check_v_split(cfg)
@@ -273,11 +275,6 @@ def _check_run_length(t: TrainingConfig) -> list[str]:
             out.append(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N (the decay phase's length)")
         elif decay and wsd > decay:
             out.append(f"--lr-wsd-decay-{unit} {wsd} is longer than --lr-decay-{unit} {decay}")
-    if t.rampup_batch_size:
-        out.append(
-            f"--rampup-batch-size {' '.join(t.rampup_batch_size)}: batch-size ramp-up is not supported; "
-            f"use a constant --global-batch-size"
-        )
     return out
 
 

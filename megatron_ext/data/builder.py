@@ -15,16 +15,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_ext.config import DataConfig, JobConfig, TrainingConfig
+from megatron_ext.data.batch_schedule import BatchSchedule
 from megatron_ext.data.blends import DataBlends, get_data_blends
 from megatron_ext.data.gpt_datasets import EodBoundaryDataset, build_gpt_datasets, parse_split
 from megatron_ext.data.packed_dataset import EodLossMask, build_blended_packed_datasets
 from megatron_ext.derived import uses_document_boundaries, uses_variable_lengths
 
 
-def get_num_samples(t: TrainingConfig, global_batch_size: int) -> list[int]:
-    """[train, valid, test] samples the run will read."""
+def get_num_samples(t: TrainingConfig, global_batch_size: int, schedule: BatchSchedule | None = None) -> list[int]:
+    """[train, valid, test] samples the run will read: the training steps' (of ``schedule``'s
+    batches; None: ``global_batch_size`` each), the evaluations' (each batch the settled global
+    batch)."""
     num_evals = -(-t.train_iters // t.eval_interval) if t.eval_interval else 0  # and one at the end
-    return [t.train_iters * global_batch_size, max(num_evals * t.eval_iters * global_batch_size, 1), 1]
+    train = schedule.get_consumed_samples(t.train_iters) if schedule else t.train_iters * global_batch_size
+    return [train, max(num_evals * t.eval_iters * global_batch_size, 1), 1]
 
 
 def get_unused_splits(t: TrainingConfig) -> tuple[int, ...]:
@@ -37,13 +41,14 @@ def build_train_valid_datasets(
     tokenizer: Any,
     global_batch_size: int,
     log: Callable[[str], None] | None = None,
+    schedule: BatchSchedule | None = None,
 ) -> tuple[Any, Any]:
     """(train, valid) datasets of the run's flags: how many samples each split gives (the run's
-    length and evaluations) and which builder the data flags choose; ``log`` (the logging rank's)
-    receives a summary line per dataset."""
+    length, each step's batch from ``schedule``, and evaluations) and which builder the data flags
+    choose; ``log`` (the logging rank's) receives a summary line per dataset."""
     d, t = cfg.data, cfg.training
     blends = None if d.mock_data else get_data_blends(d)
-    num_samples, unused = get_num_samples(t, global_batch_size), get_unused_splits(t)
+    num_samples, unused = get_num_samples(t, global_batch_size, schedule), get_unused_splits(t)
     if uses_variable_lengths(d):
         return build_document_datasets(d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, unused, log)
     return build_window_datasets(d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, unused, log)

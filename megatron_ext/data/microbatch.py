@@ -4,7 +4,9 @@ Invariant (Megatron-LM's pretraining sampler): step k covers the global sample i
 [k*G, (k+1)*G) of the training dataset, G = global batch size; micro-batch j of that step covers
 [k*G + j*b*D, k*G + (j+1)*b*D), of which DP rank r takes [r*b, (r+1)*b), b = micro-batch size,
 D = data-parallel size. So the samples of a step do not depend on the layout's split of G into
-micro-batches and ranks, and a run resumes exactly from ``consumed_samples``.
+micro-batches and ranks, and a run resumes exactly from ``consumed_samples``. Under a batch schedule
+(--rampup-batch-size, --step-batch-size-schedule: ``batch_schedule.py``) the step that starts at
+sample c covers [c, c + G(c)), G(c) the schedule's batch after c consumed samples.
 
 Every rank of a pipeline (all its PP stages, virtual stages and TP ranks) fetches the same
 micro-batches of the step before the schedule starts, and each virtual stage gets its own

@@ -20,7 +20,6 @@ function of ``first_sample``, wherever and whenever they are read, in this threa
 from __future__ import annotations
 
 import gc
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.data.microbatch import Microbatch, Sample, check_token_ids, get_microbatch_indices, normalize_sample
+from megatron_ext.data.microbatch import Microbatch, Sample, check_token_ids, normalize_sample
 from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 
 
@@ -70,25 +69,18 @@ class _CheckedSamples(torch.utils.data.Dataset):
 
 
 class _StepBatches:
-    """The micro-batch index lists of one DP rank, step after step from ``first_sample``."""
+    """The micro-batch index lists of one DP rank, step after step from ``first_sample``, each step
+    of the global batch ``spec`` gives it."""
 
-    def __init__(
-        self,
-        first_sample: int,
-        global_batch_size: int,
-        micro_batch_size: int,
-        dp_rank: int,
-        dp_size: int,
-        num_samples: int,
-    ):
-        self.args = (first_sample, global_batch_size, micro_batch_size, dp_rank, dp_size)
-        self.n = num_samples
+    def __init__(self, first_sample: int, spec: StepDataSpec, num_samples: int):
+        self.first_sample, self.spec, self.n = first_sample, spec, num_samples
 
     def __iter__(self):
-        first, g, b, r, d = self.args
-        for start in itertools.count(first, g):
-            for mb in get_microbatch_indices(start, g, b, r, d):
+        start = self.first_sample
+        while True:
+            for mb in self.spec.get_indices(start):
                 yield [i % self.n for i in mb]
+            start += self.spec.get_global_batch_size(start)
 
 
 class WorkerSampleReader:
@@ -98,9 +90,8 @@ class WorkerSampleReader:
 
     def __init__(self, dataset: Any, spec: StepDataSpec, num_workers: int):
         self.samples = _CheckedSamples(dataset, spec.vocab_size)
-        self.layout = (spec.global_batch_size, spec.micro_batch_size, spec.dp_rank, spec.dp_size)
+        self.spec = spec
         self.num_workers = num_workers
-        self.num_microbatches = spec.num_microbatches
         self._next: int | None = None
         self._loader: Any = None
         self._iter: Any = None
@@ -112,10 +103,9 @@ class WorkerSampleReader:
         # where its threads do not exist: that killed workers with SIGSEGV (4-rank test world
         # running several jobs one after the other; the crash was in libc, in a worker thread).
         gc.collect()
-        g, b, r, d = self.layout
         self._loader = torch.utils.data.DataLoader(
             self.samples,
-            batch_sampler=_StepBatches(first_sample, g, b, r, d, len(self.samples)),
+            batch_sampler=_StepBatches(first_sample, self.spec, len(self.samples)),
             num_workers=self.num_workers,
             collate_fn=list,
             multiprocessing_context="fork",
@@ -133,8 +123,8 @@ class WorkerSampleReader:
 
     def fetch(self, first_sample: int) -> list[list[Sample]]:
         self.ready_for(first_sample)
-        out = [next(self._iter) for _ in range(self.num_microbatches)]
-        self._next = first_sample + self.layout[0]
+        out = [next(self._iter) for _ in range(self.spec.get_num_microbatches(first_sample))]
+        self._next = first_sample + self.spec.get_global_batch_size(first_sample)
         for mb in out:
             for s in mb:
                 if isinstance(s, Exception):

@@ -12,7 +12,9 @@ starts at global sample ``first_sample``, in three stages that the background pr
 3. ``to_device``: moved to the device (pinned host memory; on CUDA, optionally on a side stream).
 
 Invariants: step k's samples are a pure function of ``first_sample`` and the layout, wherever and
-whenever they are read (exact resume); every rank of a pipeline replica pads micro-batch i to the
+whenever they are read (exact resume): a training step reads the global batch its batch schedule
+gives at ``first_sample`` (``batch_schedule.py``: a ramp-up is a function of the consumed samples),
+evaluation passes its own (the settled global batch); every rank of a pipeline replica pads micro-batch i to the
 same length (``padding.py``). The builder holds no state between steps, so the synchronous path
 (evaluation, ``--no-data-prefetch``) and the prefetcher build the same step identically; they differ
 only in the process group the negotiation runs on (the model-parallel group in the training
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from megatron_ext.data.batch_schedule import BatchSchedule
 from megatron_ext.data.microbatch import Microbatch, Sample, fetch_step_samples, get_microbatch_indices
 from megatron_ext.data.padding import collate_step
 
@@ -45,16 +48,24 @@ class StepDataSpec:
     pad_id: int
     vocab_size: int | None  # the tokenizer's: every token id must lie below it (None: unchecked)
     pad_length_bucket: str = "multiple"  # how padded lengths round up (padding.get_step_length)
+    # training steps' global batch per consumed samples (None: global_batch_size every step)
+    batch_schedule: BatchSchedule | None = None
 
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+    def get_global_batch_size(self, first_sample: int) -> int:
+        """The global batch of the training step at ``first_sample``."""
+        if self.batch_schedule is None:
+            return self.global_batch_size
+        return self.batch_schedule.get_global_batch_size(first_sample)
 
-    def get_indices(self, first_sample: int) -> list[list[int]]:
-        """Global sample indices of this rank's micro-batches of the step at ``first_sample``."""
-        return get_microbatch_indices(
-            first_sample, self.global_batch_size, self.micro_batch_size, self.dp_rank, self.dp_size
-        )
+    def get_num_microbatches(self, first_sample: int) -> int:
+        """This rank's micro-batches in the training step at ``first_sample``."""
+        return self.get_global_batch_size(first_sample) // (self.micro_batch_size * self.dp_size)
+
+    def get_indices(self, first_sample: int, global_batch_size: int | None = None) -> list[list[int]]:
+        """Global sample indices of this rank's micro-batches of the step at ``first_sample`` of
+        ``global_batch_size`` samples (None: the training step's, from the batch schedule)."""
+        g = global_batch_size or self.get_global_batch_size(first_sample)
+        return get_microbatch_indices(first_sample, g, self.micro_batch_size, self.dp_rank, self.dp_size)
 
 
 class StepDataBuilder:
@@ -68,9 +79,11 @@ class StepDataBuilder:
         """The same builder negotiating over ``group`` (the prefetcher's own)."""
         return StepDataBuilder(self.spec, self.device, group)
 
-    def read(self, dataset: Any, first_sample: int) -> list[list[Sample]]:
-        """The step's samples, unpadded, grouped by micro-batch (token ids checked)."""
-        return fetch_step_samples(dataset, self.spec.get_indices(first_sample), self.spec.vocab_size)
+    def read(self, dataset: Any, first_sample: int, global_batch_size: int | None = None) -> list[list[Sample]]:
+        """The step's samples, unpadded, grouped by micro-batch (token ids checked); the global
+        batch as ``StepDataSpec.get_indices`` takes it."""
+        indices = self.spec.get_indices(first_sample, global_batch_size)
+        return fetch_step_samples(dataset, indices, self.spec.vocab_size)
 
     def collate(self, raw: list[list[Sample]]) -> tuple[list[Microbatch], int]:
         """The step's raw samples padded as ``--sequence-padding`` says (collective over ``group``
@@ -97,8 +110,11 @@ class StepDataBuilder:
             event.record(stream)
         return moved, event
 
-    def build(self, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
-        """This rank's micro-batches of the step at ``first_sample`` on the device, built now in
-        this thread, and the schedule's seq_length."""
-        microbatches, length = self.collate(self.read(dataset, first_sample))
+    def build(
+        self, dataset: Any, first_sample: int, global_batch_size: int | None = None
+    ) -> tuple[list[Microbatch], int]:
+        """This rank's micro-batches of the step at ``first_sample`` (of ``global_batch_size``
+        samples; None: the training step's) on the device, built now in this thread, and the
+        schedule's seq_length."""
+        microbatches, length = self.collate(self.read(dataset, first_sample, global_batch_size))
         return self.to_device(microbatches)[0], length

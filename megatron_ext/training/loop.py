@@ -145,6 +145,7 @@ class LogWindow:
     iterations: int = 0
     real_tokens: int = 0  # this rank's, for the padding fraction
     slots: int = 0
+    global_batch_size: int = 0  # of the last step (a batch schedule changes it)
 
 
 def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
@@ -166,8 +167,8 @@ def evaluate(run: TrainingRun, start_sample: int) -> float:
     with torch.no_grad():
         for i in range(cfg.training.eval_iters):
             with watched(run, "eval", batch=i):  # each batch gets --step-timeout-minutes
-                first = start_sample + i * run.global_batch_size
-                microbatches, length = build_step_microbatches(run, run.valid_ds, first)
+                first = start_sample + i * run.global_batch_size  # evaluation reads the settled batch
+                microbatches, length = build_step_microbatches(run, run.valid_ds, first, run.global_batch_size)
                 reports = run_forward_backward(
                     model, microbatches, length, forward_only=True, forward_step_func=get_forward_step(run)
                 )
@@ -193,12 +194,13 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     returns the step's result and padded length."""
     state = run.state
     start = time.perf_counter()
+    window.global_batch_size = batch = run.step_data.spec.get_global_batch_size(state.consumed_samples)
     if run.watchdog is None:
-        microbatches, length, result = _take_step(run, None)
+        microbatches, length, result = _take_step(run, None, batch)
     else:
         run.watchdog.step_started(state.iteration + 1)
         try:
-            microbatches, length, result = _take_step(run, run.watchdog.progress)
+            microbatches, length, result = _take_step(run, run.watchdog.progress, batch)
         finally:  # also when the step raised: left armed, it would report a stall of no running step
             run.watchdog.step_finished()
     window.seconds += time.perf_counter() - start
@@ -219,15 +221,15 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     window.skipped_iterations += skipped
     window.nan_iterations += int(result.non_finite)
     state.iteration += 1
-    state.consumed_samples += run.global_batch_size
+    state.consumed_samples += batch
     state.skipped_iterations += skipped
     window.iteration_scalars.append((state.iteration, run.optimizer.param_groups[0]["lr"], result.grad_norm))
     return result, length
 
 
-def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
-    """The step's micro-batches (prefetched or built now) and its optimizer step: what the step
-    watchdog times."""
+def _take_step(run: TrainingRun, progress: Any, global_batch_size: int) -> tuple[list, int, StepResult]:
+    """The step's micro-batches (prefetched or built now; ``global_batch_size`` samples, the batch
+    schedule's) and its optimizer step: what the step watchdog times."""
     state = run.state
     with run.timers.time("data") if run.timers else contextlib.nullcontext():
         if run.prefetcher is None:
@@ -237,7 +239,7 @@ def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
             if (
                 run.prefetcher.background and state.iteration + 1 < run.cfg.training.train_iters
             ):  # the next, while this one runs
-                run.prefetcher.request(state.consumed_samples + run.global_batch_size)
+                run.prefetcher.request(state.consumed_samples + global_batch_size)
     traced = run.timeline.trace_step(state.iteration + 1) if run.timeline else contextlib.nullcontext()
     computed = run.timers.trace_compute() if run.timers else contextlib.nullcontext()  # --log-straggler
     with traced, computed, first_step_without_param_sync(run.model, run.steps_this_run == 0):
@@ -248,7 +250,7 @@ def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
             run.scheduler,
             microbatches,
             length,
-            run.global_batch_size,
+            global_batch_size,
             run.ctx,
             run.cfg.training.check_for_nan_in_loss_and_grad,
             progress,
@@ -570,7 +572,7 @@ def _log_iteration(
         ms_per_iteration=seconds / window.iterations * 1000.0,
         tokens_per_second=float(totals[2]) / seconds,  # real tokens of the whole job, no padding
         learning_rate=lr,
-        global_batch_size=run.global_batch_size,
+        global_batch_size=window.global_batch_size,
         lm_loss=loss,
         grad_norm=result.grad_norm,
         skipped_iterations=window.skipped_iterations,

@@ -272,9 +272,12 @@ def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:
     return bool(flag.item())
 
 
-def build_step_microbatches(run: Any, dataset: Any, first_sample: int) -> tuple[list[Microbatch], int]:
-    """This rank's micro-batches of the step starting at ``first_sample`` from ``dataset``, built
+def build_step_microbatches(
+    run: Any, dataset: Any, first_sample: int, global_batch_size: int | None = None
+) -> tuple[list[Microbatch], int]:
+    """This rank's micro-batches of the step starting at ``first_sample`` of ``global_batch_size``
+    samples (None: the training step's, from the batch schedule) from ``dataset``, built
     now, in this thread, by the run's step-data builder (``data/step_data.py``: read, pad as
     ``--sequence-padding`` says over the model-parallel group, move to the device); returns them and
     the schedule's seq_length. (Training steps come from ``run.prefetcher`` when there is one.)"""
-    return run.step_data.build(dataset, first_sample)
+    return run.step_data.build(dataset, first_sample, global_batch_size)

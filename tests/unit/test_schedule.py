@@ -130,8 +130,8 @@ def test_wsd_follows_warmup_stable_decay():
         (dict(train_iters=10, lr_warmup_fraction=1.5), "--lr-warmup-fraction must be in [0, 1)"),
         (dict(train_samples=4), "--train-samples 4 is less than one global batch (8 samples)"),
         (
-            dict(rampup_batch_size=["16", "16", "1000"]),
-            "--rampup-batch-size 16 16 1000: batch-size ramp-up is not supported",
+            dict(rampup_batch_size=["4", "4", "1000"], train_iters=10),
+            "--rampup-batch-size 4 4 1000 needs sample-based training (as Megatron-LM",
         ),
     ],
 )

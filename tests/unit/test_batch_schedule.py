@@ -1,0 +1,239 @@
+"""--rampup-batch-size and --step-batch-size-schedule (megatron_ext/data/batch_schedule.py) against
+independent references: megatron-core 0.16.1's RampupBatchsizeNumMicroBatchesCalculator (installed)
+and Megatron-LM main's StepBatchsizeNumMicroBatchesCalculator (tests/unit/megatron_main_step_batch.py,
+copied verbatim), stepped as Megatron-LM's training loop steps them; the flags' rules through
+``validation.validate`` (one ConfigError, each problem naming the flag); Megatron-LM's GPT-3 175B
+example scripts."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+from megatron_ext.arguments import parse_args_with_notes
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.data.batch_schedule import BatchSchedule, get_train_iters, parse_rampup, parse_step_schedule
+from megatron_ext.data.step_data import StepDataSpec
+from megatron_ext.derived import get_batch_schedule
+from megatron_ext.derived import get_train_iters as get_run_train_iters
+from megatron_ext.validation import validate
+from tests.unit.megatron_main_step_batch import StepBatchsizeNumMicroBatchesCalculator
+
+
+def reference_steps(calculator, train_iters: int) -> list[tuple[int, int, int]]:
+    """(consumed samples, global batch, micro-batches) of each step, as Megatron-LM's train loop
+    gets them: update(consumed, consistency_check=True) before the step, then consumed += batch."""
+    out, consumed = [], 0
+    for _ in range(train_iters):
+        calculator.update(consumed, True)
+        batch = calculator.get_current_global_batch_size()
+        out.append((consumed, batch, calculator.get()))
+        consumed += batch
+    return out
+
+
+def reference_ramp_train_iters(calculator, rampup_samples: int, gbs: int, train_samples: int) -> int:
+    """Megatron-LM core_v0.16.1's training.update_train_iters with a ramp-up, on the calculator."""
+    iterations = consumed = 0
+    while consumed <= rampup_samples and consumed <= train_samples:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // gbs
+    return iterations
+
+
+def reference_step_train_iters(calculator, train_samples: int) -> int:
+    """Megatron-LM main's training.update_train_iters with a step schedule, on the calculator."""
+    iterations = consumed = 0
+    while consumed < train_samples:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    return iterations
+
+
+def ours_steps(schedule: BatchSchedule, mbs: int, dp: int, train_iters: int) -> list[tuple[int, int, int]]:
+    spec = StepDataSpec(schedule.global_batch_size, mbs, 0, dp, "static", 1, 8, 0, None, batch_schedule=schedule)
+    steps = [(c, b) for _, (c, b) in zip(range(train_iters), schedule.iter_steps())]
+    return [(c, b, spec.get_num_microbatches(c)) for c, b in steps]
+
+
+RAMPS = [  # (start, increment, ramp-up samples, global batch, micro-batch, DP, train samples)
+    (16, 16, 5859375, 1536, 1, 8, 6_000_000),  # the GPT-3 175B script's ramp (at DP 8)
+    (4, 4, 100, 32, 2, 2, 400),
+    (8, 8, 37, 64, 1, 8, 300),  # ramp samples not a multiple of anything: the float step
+    (6, 6, 1000, 60, 3, 2, 500),  # the run ends mid-ramp
+    (2, 6, 50, 32, 1, 2, 1),  # one sample: one step
+]
+
+
+@pytest.mark.parametrize("start, inc, samples, gbs, mbs, dp, train_samples", RAMPS)
+def test_rampup_matches_megatron_core_every_step(start, inc, samples, gbs, mbs, dp, train_samples):
+    ref = RampupBatchsizeNumMicroBatchesCalculator(gbs, mbs, dp, False, 1, start, inc, samples)
+    schedule = BatchSchedule(gbs, rampup=parse_rampup([str(start), str(inc), str(samples)], gbs))
+    iters = get_train_iters(schedule, train_samples)
+    assert iters == reference_ramp_train_iters(ref, samples, gbs, train_samples)
+    expected = reference_steps(ref, iters + 3)  # and a few past the run's end
+    assert ours_steps(schedule, mbs, dp, iters + 3) == expected
+    assert schedule.get_consumed_samples(iters) == sum(b for _, b, _ in expected[:iters])
+    assert set(schedule.get_batch_sizes(iters)) == {b for _, b, _ in expected[:iters]} | {gbs}
+
+
+STEP_SCHEDULES = [  # (schedule, seq length, micro-batch, DP, train samples)
+    ("0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536", 2048, 1, 8, 7_000_000),  # main's GPT-3 175B script
+    ("0:768 250B:1536 500B:3072 750B:6144", 4096, 2, 8, 200_000_000),  # main's docstring example
+    ("1K:32, 0:8 ,3.5k:16", 10, 2, 2, 900),  # unsorted, commas, a lower-case suffix, a batch that shrinks
+    ("0:4 1000:8", 1, 1, 4, 2),
+]
+
+
+@pytest.mark.parametrize("text, seq, mbs, dp, train_samples", STEP_SCHEDULES)
+def test_step_schedule_matches_megatron_lm_main_every_step(text, seq, mbs, dp, train_samples):
+    ref = StepBatchsizeNumMicroBatchesCalculator(mbs, dp, False, 1, text, seq_length=seq)
+    steps = parse_step_schedule(text, seq)
+    assert list(steps) == ref.schedule
+    schedule = BatchSchedule(steps[-1][1], steps=steps)
+    iters = get_train_iters(schedule, train_samples)
+    assert iters == reference_step_train_iters(ref, train_samples)
+    assert ours_steps(schedule, mbs, dp, iters + 3) == reference_steps(ref, iters + 3)
+
+
+def test_the_run_reads_each_step_in_order_and_resumes_mid_ramp():
+    """The sample stream is the steps' batches back to back, whatever step the run starts from."""
+    schedule = BatchSchedule(32, rampup=(4, 4, 100))
+    whole = [b for _, b in zip(range(40), schedule.iter_steps())]
+    assert [c for c, _ in whole] == [sum(b for _, b in whole[:k]) for k in range(40)]
+    resumed = [b for _, b in zip(range(30), schedule.iter_steps(whole[10][0]))]
+    assert resumed == whole[10:40]
+    spec = StepDataSpec(32, 2, 1, 2, "static", 1, 8, 0, None, batch_schedule=schedule)
+    c, b = whole[3]
+    assert spec.get_indices(c) == [list(range(c + j * 4 + 2, c + j * 4 + 4)) for j in range(b // 4)]
+    assert spec.get_indices(0, 32)[-1] == [30, 31]  # evaluation passes the settled batch
+
+
+BASE = dict(
+    num_layers=2,
+    hidden_size=16,
+    num_attention_heads=2,
+    seq_length=16,
+    max_position_embeddings=16,
+    mock_data=True,
+    tokenizer_type="NullTokenizer",
+    vocab_size=64,
+    micro_batch_size=1,
+    global_batch_size=16,
+    train_samples=200,
+)
+
+
+def problems(world_size: int = 2, **values) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        validate(build_job_config({**BASE, **values}), world_size)
+    return err.value.problems
+
+
+@pytest.mark.parametrize(
+    "values, needle",
+    [
+        (dict(rampup_batch_size=["4", "4"]), "--rampup-batch-size 4 4: takes 3 values"),
+        (dict(rampup_batch_size=["4", "x", "8"]), "--rampup-batch-size 4 x 8: takes 3 integers"),
+        (dict(rampup_batch_size=["4", "4", "0"]), "must be positive"),
+        (dict(rampup_batch_size=["16", "4", "8"]), "not below --global-batch-size 16"),
+        (dict(rampup_batch_size=["4", "5", "8"]), "16 - start 4 = 12 is not divisible by the increment 5"),
+        (
+            dict(rampup_batch_size=["3", "1", "8"]),
+            "global batches 3, 7 not divisible by --micro-batch-size 1",
+        ),
+        (dict(rampup_batch_size=["4", "4", "8"], train_samples=None, train_iters=10), "replace --train-iters 10"),
+        (
+            dict(rampup_batch_size=["4", "4", "8"], step_batch_size_schedule="0:4 64:16", global_batch_size=None),
+            "are exclusive (Megatron-LM main replaced the first by the second)",
+        ),
+        (dict(step_batch_size_schedule="0:4 64:16"), "and --global-batch-size 16 are exclusive"),
+        (dict(step_batch_size_schedule="16:4 64:16", global_batch_size=None), "first entry's threshold must be 0"),
+        (dict(step_batch_size_schedule="0:4 8:8", global_batch_size=None), "strictly increasing in samples"),
+        (dict(step_batch_size_schedule="0:4 64", global_batch_size=None), 'entry "64" is not THRESHOLD:BATCH'),
+        (dict(step_batch_size_schedule="0:4 6x:8", global_batch_size=None), "must be numbers"),
+        (dict(step_batch_size_schedule="0:0", global_batch_size=None), "every batch must be positive"),
+        (dict(step_batch_size_schedule="0:3 64:16", global_batch_size=None), "global batch 3 not divisible"),
+    ],
+)
+def test_bad_schedules_are_one_error_naming_the_flag(values, needle):
+    found = problems(**values)
+    assert len(found) == 1 and needle in found[0], found
+    flag = "--rampup-batch-size" if "rampup_batch_size" in values else "--step-batch-size-schedule"
+    assert found[0].startswith(flag), found
+
+
+def test_every_ramp_step_is_checked_against_the_interleaved_rule():
+    """Interleaving needs at least PP micro-batches per step in every step, the ramp's first too."""
+    interleaved = dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2, num_layers=4)
+    validate(build_job_config({**BASE, **interleaved, "rampup_batch_size": ["4", "4", "40"]}), 2)
+    found = problems(**interleaved, rampup_batch_size=["1", "1", "40"])
+    assert len(found) == 1 and "interleaved schedule: 1 micro-batch per step" in found[0], found
+    # a batch the run never reaches is not checked: the run ends before the ramp's steps pass 3
+    validate(build_job_config({**BASE, **interleaved, "rampup_batch_size": ["2", "1", "400"], "train_samples": 3}), 2)
+
+
+# Megatron-LM's GPT-3 175B example, examples/gpt3/train_gpt3_175b_distributed.sh: model, training and
+# parallel arrays verbatim (core_v0.16.1 and main), mock data instead of the GPT-2 files.
+GPT3_MODEL = """--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+--max-position-embeddings 2048 --attention-backend auto"""
+GPT3_V0161 = """--micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375 --train-iters 500000"""
+GPT3_MAIN = """--micro-batch-size 1 --global-batch-size 1536
+--step-batch-size-schedule "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536" --train-iters 500000"""
+GPT3_REST = """--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0
+--fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
+--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
+--mock-data --tokenizer-type NullTokenizer --vocab-size 50257 --split 949,50,1
+--log-interval 100 --save-interval 10000 --eval-interval 1000 --save /tmp/gpt3-ckpt --load /tmp/gpt3-ckpt
+--eval-iters 10"""
+
+
+def gpt3_argv(training: str) -> list[str]:
+    return shlex.split(" ".join([GPT3_MODEL, training, GPT3_REST]))
+
+
+def as_samples(argv: list[str]) -> list[str]:
+    """The script counted in samples, as Megatron-LM needs with a ramp-up: x 1536 per iteration."""
+    text = " ".join(shlex.quote(a) for a in argv)
+    text = text.replace("--train-iters 500000", "--train-samples 768000000")
+    return shlex.split(text.replace("--lr-decay-iters 430000", "--lr-decay-samples 660480000"))
+
+
+def test_gpt3_175b_v0161_script_is_refused_as_megatron_lm_refuses_it():
+    """core_v0.16.1's script gives --rampup-batch-size with --train-iters, which its own
+    arguments.py asserts against ('expected no batch-size rampup for iteration-based training')."""
+    cfg, _ = parse_args_with_notes(gpt3_argv(GPT3_V0161))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 128, cuda=True)
+    assert len(err.value.problems) == 1 and "replace --train-iters 500000 with --train-samples" in str(err.value)
+
+
+def test_gpt3_175b_v0161_script_in_samples_runs_megatron_core_ramp():
+    cfg, _ = parse_args_with_notes(as_samples(gpt3_argv(GPT3_V0161)))
+    validate(cfg, 128, cuda=True)
+    ref = RampupBatchsizeNumMicroBatchesCalculator(1536, 1, 1, False, 1, 16, 16, 5859375)
+    assert get_run_train_iters(cfg, 128) == reference_ramp_train_iters(ref, 5859375, 1536, 768000000)
+    schedule = get_batch_schedule(cfg, 128)
+    assert ours_steps(schedule, 1, 1, 2000) == reference_steps(ref, 2000)
+
+
+def test_gpt3_175b_main_script_is_refused_as_megatron_lm_main_refuses_it():
+    """main's script gives --global-batch-size with the schedule (main's arguments.py raises 'Cannot
+    specify both'), and --train-iters, whose LR schedule main counts in micro-batch x DP samples."""
+    cfg, _ = parse_args_with_notes(gpt3_argv(GPT3_MAIN))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 128, cuda=True)
+    assert len(err.value.problems) == 2, err.value.problems
+    assert "drop --global-batch-size" in err.value.problems[0] and "needs sample-based" in err.value.problems[1]
+    fixed = [a for a in as_samples(gpt3_argv(GPT3_MAIN)) if a not in ("--global-batch-size", "1536")]
+    cfg, _ = parse_args_with_notes(fixed)
+    validate(cfg, 128, cuda=True)
+    ref = StepBatchsizeNumMicroBatchesCalculator(1, 1, False, 1, cfg.training.step_batch_size_schedule, 2048)
+    assert get_run_train_iters(cfg, 128) == reference_step_train_iters(ref, 768000000)
+    assert ours_steps(get_batch_schedule(cfg, 128), 1, 1, 2000) == reference_steps(ref, 2000)
