@@ -1,7 +1,8 @@
 """The training loop: steps, logging, evaluation, checkpoints and exits, in one readable order.
 
 After every step, in this order and nowhere else: count a non-finite step (its update was skipped
-on every rank; stop after ``--max-nan-iterations`` in a row) -> log (every ``--log-interval``
+on every rank; stop after ``--max-nan-iterations`` in a row) -> count a spiky one (``spike.py``,
+``--skip-spiky-loss-factor``) -> log (every ``--log-interval``
 steps) -> evaluate (every ``--eval-interval``) -> agree on an exit (signal, time limit,
 ``--exit-interval``; every rank gets the same answer; with ``--async-save`` the same agreement
 says whether every rank finished writing the save in flight, which is then published) -> save (on
@@ -52,6 +53,7 @@ from megatron_ext.training.metrics import (
     num_floating_point_operations,
 )
 from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
+from megatron_ext.training.spike import SpikeGuard, check_spike
 from megatron_ext.training.step import (
     StepResult,
     build_step_microbatches,
@@ -121,6 +123,8 @@ class TrainingRun:
     iteration_record: IterationRecord | None = None
     # --log-straggler: gathers every rank's step timers at log steps and names slow ranks
     straggler: StragglerDetector | None = None
+    # --skip-spiky-loss-factor (ours): the reference of the loss-spike guard (None when off)
+    spike_guard: SpikeGuard | None = None
 
 
 @dataclasses.dataclass
@@ -211,6 +215,7 @@ def _take_step(run: TrainingRun, progress: Any) -> tuple[list, int, StepResult]:
             run.timers,
             run.cfg.training.empty_unused_memory_level,
             agreement=lambda: run.exit_decider.start_agreement(get_save_flags(run)),
+            spike_threshold=run.spike_guard.get_threshold() if run.spike_guard is not None else None,
         )
     if run.timers is not None:
         run.timers.steps += 1
@@ -465,6 +470,7 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
         if tool is not None:
             tool.after_step(state.iteration)
     count_non_finite(run, result)
+    check_spike(run, result)
     if state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters:
         loss = log_progress(run, window, result, length)
         if run.ctx.is_last_stage:
