@@ -120,3 +120,9 @@ def check_spike(run: Any, result: Any) -> None:
                 f"--skip-spiky-loss-factor {guard.factor}: update skipped on every rank ({where})"
             )
     guard.record(result.step_loss, result.update_successful)
+    if run.state.iteration == run.cfg.training.train_iters and run.ctx.is_logging_rank:
+        run.log(
+            f"> loss-spike guard: {guard.skipped} step(s) skipped by this process; largest loss / reference "
+            f"of its checked steps: {guard.largest_ratio:.4g} (--skip-spiky-loss-factor {guard.factor}, "
+            f"--skip-spiky-loss-window {guard.losses.maxlen})"
+        )
