@@ -358,7 +358,7 @@ class TrainingConfig:
     eval_iters: int = _f(100, "Validation batches (global batches) per evaluation (default 100, as Megatron-LM).")
     full_validation: bool = _f(
         False,
-        "Each evaluation reads the whole validation split, every sample exactly once (one epoch, from its first sample; a last partial global batch is filled with fully masked samples), instead of --eval-iters global batches. As Megatron-LM's, which reads it num_microbatches times over (same mean); only megatron-core GPTDataset windows (not --packed-sequences/--one-document-per-row), an unweighted validation blend.",
+        "Each evaluation reads the whole validation split, every sample exactly once (one epoch, from its first sample; a last partial global batch is filled with fully masked samples), instead of --eval-iters global batches (ignored, 0 too). As Megatron-LM's, which reads it num_microbatches times over (same mean); only megatron-core GPTDataset windows (not --packed-sequences/--one-document-per-row), an unweighted validation blend.",
     )
     multiple_validation_sets: bool = _f(
         False,

@@ -7,6 +7,8 @@ at iteration 2. The reference is a one-process run of the same flags (same weigh
 to float rounding, as layout parity shows) whose loss per set is computed directly: megatron-core's
 GPTDataset of that prefix alone, one epoch, every window through the model, token losses summed over
 valid tokens and divided once. Each logged "validation-K" loss must equal it; the two sets must differ.
+The same world then runs --full-validation alone over the first corpus: Megatron-LM's one line, equal
+to that set's direct loss.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _corpus(prefix: str, seed: int, num_tokens: int, lo: int, hi: int) -> None:
 
 
 def _values(root: str, **extra) -> dict:
-    return tiny_values(
+    values = dict(
         mock_data=False,
         train_data_path=[root + "/train"],
         valid_data_path=[root + "/valid_a", root + "/valid_b"],
@@ -55,8 +57,8 @@ def _values(root: str, **extra) -> dict:
         train_iters=2,
         seq_length=SEQ,
         data_cache_path=root + "/cache",
-        **extra,
     )
+    return tiny_values(**{**values, **extra})
 
 
 def _direct_loss(model: torch.nn.Module, prefix: str, root: str) -> tuple[float, int]:
@@ -96,6 +98,12 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     if world_size == 1:
         out["direct"] = [_direct_loss(run.model[0], root + p, root) for p in ("/valid_a", "/valid_b")]
     destroy_parallel_context()
+    lines.clear()  # --full-validation alone over --valid-data-path valid_a: one set, Megatron-LM's line
+    values = _values(root, **layout, multiple_validation_sets=False)
+    values["valid_data_path"] = [root + "/valid_a"]
+    train(build_training_run(build_job_config(values), device=torch.device("cpu"), log=lines.append, metrics=False))
+    out["single"] = [line for line in lines if "validation" in line and "loss at" in line]
+    destroy_parallel_context()
     return out
 
 
@@ -127,3 +135,12 @@ def test_each_set_logged_equals_a_direct_one_process_evaluation(results):
     logged = _logged(distributed[-1]["lines"])  # the last rank logs
     assert logged == {"-0": pytest.approx(loss_a, rel=1e-5), "-1": pytest.approx(loss_b, rel=1e-5)}
     assert distributed[-1]["lines"][0].endswith("/valid_a |") and distributed[-1]["lines"][1].endswith("/valid_b |")
+
+
+def test_full_validation_of_one_set_logs_megatrons_line(results):
+    reference, distributed = results
+    (loss_a, _), _ = reference[0]["direct"]
+    (line,) = distributed[-1]["single"]
+    m = re.match(r" validation loss at iteration 2 \| lm loss value: (\S+) \| lm loss PPL: \S+ \|$", line)
+    assert m, line
+    assert float(m.group(1)) == pytest.approx(loss_a, rel=1e-5)

@@ -112,3 +112,12 @@ def test_sets_and_their_lines():
     )
     assert format_validation_line(4, 2.0, "-1", "/d/b").startswith(" validation-1 loss at iteration 4 |")
     assert format_validation_line(4, 2.0, "-1", "/d/b").endswith(" set: /d/b |")
+
+
+def test_eval_iters_zero_keeps_full_validation_on():
+    from megatron_ext.arguments import parse_args_with_notes
+
+    cfg, notes = parse_args_with_notes(["--eval-interval", "2", "--eval-iters", "0", "--full-validation"])
+    assert cfg.training.eval_interval == 2 and not any("--eval-iters 0" in n for n in notes)
+    cfg, _ = parse_args_with_notes(["--eval-interval", "2", "--eval-iters", "0"])
+    assert cfg.training.eval_interval == 0  # without it, as Megatron-LM: no validation batches, no validation
