@@ -1,13 +1,15 @@
 """The loss-spike guard (--skip-spiky-loss-factor, ours) skips a spiky step exactly as the non-finite
 guard skips a NaN step.
 
-DP2 x PP2 (4 forked ranks), with and without the distributed optimizer, 6 iterations, factor 5 over
-a window of 2 applied steps. A forward hook on the last stage's GPTModel multiplies the token losses
+TP2 x PP2 x VPP2 x DP2 (8 forked ranks, the non-finite guard's test layout), with and without the
+distributed optimizer, 6 iterations, factor 5 over a window of 2 applied steps. A forward hook on the last stage's GPTModel multiplies the token losses
 of micro-batch 1 on DP rank 1 at iteration 4 by 1000 (a spike) or by NaN (the existing guard's
 case). The spiky run must end with weights and optimizer state bit-equal to the NaN run's (the
 same step skipped by the other mechanism), count one skipped iteration and no nan iteration, and
-name DP rank 1, micro-batch 1 in its warning; the same run without the hook skips nothing and ends
-elsewhere.
+name DP rank 1, micro-batch 1 in its warning, and leave weights and optimizer state as they were
+before the step (also with --no-check-for-nan-in-loss-and-grad, where megatron-core's own optimizer
+step is vetoed); the same run without the hook skips nothing and ends elsewhere, its guard holding the
+logged losses (the global token means, whatever the TP repetition in the all-reduce).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from megatron_ext.training.step import unwrap_model
 pytestmark = pytest.mark.distributed
 
 SPIKE_AT, MICROBATCH, DP_RANK = 4, 1, 1
+# the non-finite guard's test layout: the loss stage's TP ranks repeat its values in the all-reduce
+LAYOUT = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
 
 
 def inject(run, factor: float) -> None:
@@ -56,11 +60,12 @@ def _snapshot(run) -> dict:
     return out
 
 
-def _run(distributed_optimizer: bool, factor: float | None) -> dict:
+def _run(distributed_optimizer: bool, factor: float | None, check: bool = True) -> dict:
     values = tiny_values(
-        pipeline_model_parallel_size=2,
+        **LAYOUT,
         train_iters=6,
         use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_loss_and_grad=check,
         skip_spiky_loss_factor=5.0,
         skip_spiky_loss_window=2,
     )
@@ -69,41 +74,56 @@ def _run(distributed_optimizer: bool, factor: float | None) -> dict:
     run.log = lines.append
     if factor is not None:
         inject(run, factor)
+    run.cfg.training.train_iters = SPIKE_AT - 1
+    train(run)
+    before = _snapshot(run)
+    run.cfg.training.train_iters = SPIKE_AT
+    train(run)
+    unchanged = _same(before, _snapshot(run))
+    run.cfg.training.train_iters = 6
     train(run)
     out = {
         "snapshot": _snapshot(run),
+        "unchanged_by_step": unchanged,
         "spikes": run.spike_guard.skipped,
         "skipped": run.state.skipped_iterations,
         "nan": run.state.nan_iterations,
         "ratio": run.spike_guard.largest_ratio,
-        "warnings": [line for line in lines if "--skip-spiky-loss-factor" in line],
-        "lr": run.optimizer.param_groups[0]["lr"],
+        "warnings": [line for line in lines if line.startswith("WARNING") and "--skip-spiky-loss-factor" in line],
+        # the guard's last two losses and the logged ones of iterations 5 and 6 (the last stage's)
+        "window": list(run.spike_guard.losses),
+        "logged": [r["loss"] for r in run.records[-2:]],
     }
     destroy_parallel_context()
     return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _world(rank: int, world_size: int) -> dict:
     out = {}
     for dist_opt in (False, True):
         runs = {name: _run(dist_opt, f) for name, f in (("spike", 1000.0), ("nan", float("nan")), ("clean", None))}
+        runs["unguarded spike"] = _run(dist_opt, 1000.0, check=False)  # megatron-core's own step
         spike, nan, clean = runs["spike"], runs["nan"], runs["clean"]
         out[dist_opt] = {
-            "equal_to_nan_skip": spike["snapshot"].keys() == nan["snapshot"].keys()
-            and all(torch.equal(spike["snapshot"][k], nan["snapshot"][k]) for k in spike["snapshot"]),
-            "differs_from_clean": any(
-                not torch.equal(spike["snapshot"][k], clean["snapshot"][k]) for k in spike["snapshot"]
-            ),
+            "equal_to_nan_skip": _same(spike["snapshot"], nan["snapshot"]),
+            "differs_from_clean": not _same(spike["snapshot"], clean["snapshot"]),
+            "unchanged_by_step": {n: r["unchanged_by_step"] for n, r in runs.items()},
             "counts": {n: (r["spikes"], r["skipped"], r["nan"]) for n, r in runs.items()},
             "warnings": spike["warnings"],
             "clean_ratio": clean["ratio"],
+            "window": clean["window"],
+            "logged": clean["logged"],
         }
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_world, 4, timeout=300)
+    return run_ranks(_world, 8, timeout=600)
 
 
 @pytest.mark.parametrize("dist_opt", [False, True])
@@ -112,7 +132,15 @@ def test_spiky_step_is_skipped_as_a_nan_step_is(results, dist_opt):
     assert all(r["equal_to_nan_skip"] for r in per_rank), "weights differ from the NaN-skipped run's"
     assert all(r["differs_from_clean"] for r in per_rank)
     for r in per_rank:  # (spikes skipped, skipped iterations, nan iterations)
-        assert r["counts"] == {"spike": (1, 1, 0), "nan": (0, 0, 1), "clean": (0, 0, 0)}
+        assert r["counts"] == {"spike": (1, 1, 0), "nan": (0, 0, 1), "clean": (0, 0, 0), "unguarded spike": (1, 1, 0)}
+        # the spiky step left weights and optimizer state as they were, with megatron-core's step too
+        assert r["unchanged_by_step"] == {"spike": True, "nan": True, "clean": False, "unguarded spike": True}
+
+
+def test_the_guard_sees_the_logged_global_loss(results):
+    last = results[-1][False]  # the logging rank; every rank holds the same window
+    assert last["window"] == pytest.approx(last["logged"], rel=1e-12)
+    assert all(r[False]["window"] == last["window"] for r in results)
 
 
 @pytest.mark.parametrize("dist_opt", [False, True])
