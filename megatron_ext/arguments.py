@@ -322,7 +322,7 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
             for flag, value in given
             if value
         ]
-    if t.eval_interval and t.eval_iters == 0:
+    if t.eval_interval and t.eval_iters == 0 and not t.full_validation:  # (it reads whole sets)
         t.eval_interval = 0  # Megatron-LM: no validation without validation batches
         notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
     c = cfg.checkpoint

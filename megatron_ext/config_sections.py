@@ -362,6 +362,22 @@ class TrainingConfig:
     )
     eval_interval: int = _f(0, "Evaluate on the validation split every N steps (0: never).")
     eval_iters: int = _f(100, "Validation batches (global batches) per evaluation (default 100, as Megatron-LM).")
+    full_validation: bool = _f(
+        False,
+        "Each evaluation reads the whole validation split, every sample exactly once (one epoch, from its first sample; a last partial global batch is filled with fully masked samples), instead of --eval-iters global batches (ignored, 0 too). As Megatron-LM's, which reads it num_microbatches times over (same mean); only megatron-core GPTDataset windows (not --packed-sequences/--one-document-per-row), an unweighted validation blend.",
+    )
+    multiple_validation_sets: bool = _f(
+        False,
+        "Each prefix of --valid-data-path (or 'valid' of --per-split-data-args-path, no weights) is its own validation set, evaluated and logged separately ('validation-K loss', K = its place in the list). Needs --full-validation, as in Megatron-LM 0.16.1.",
+    )
+    skip_spiky_loss_factor: float | None = _f(
+        None,
+        "Ours (not Megatron-LM's --check-for-spiky-loss, which re-runs a step): skip, on every rank, an update whose global loss exceeds this factor times the largest loss of the last --skip-spiky-loss-window applied steps, exactly as a non-finite step is skipped (no update, the data move on), counted in 'number of skipped iterations' and logged with the rank and micro-batch of the largest loss. Off by default (None).",
+    )
+    skip_spiky_loss_window: int = _f(
+        100,
+        "Ours: the applied steps whose largest loss is --skip-spiky-loss-factor's reference; the guard is armed once it holds that many (after a resume too).",
+    )
     bf16: bool = _f(
         False,
         "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.",

@@ -256,7 +256,8 @@ FLAGS = [
         _refuse(
             "--check-for-spiky-loss: Megatron-LM's spike check re-runs the step (its rerun state machine, "
             "--rerun-mode validate_results), which is not here; leave it out (a non-finite loss or gradient is "
-            "still caught: --check-for-nan-in-loss-and-grad, on by default, skips that step)"
+            "still caught: --check-for-nan-in-loss-and-grad, on by default, skips that step; ours, "
+            "--skip-spiky-loss-factor 10, skips a spiky step instead of re-running it)"
         ),
         "Refused: the loss-spike check re-runs steps with Megatron-LM's rerun state machine, which is not here.",
     ),

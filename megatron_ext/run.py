@@ -47,6 +47,7 @@ from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import build_optimizer, build_scheduler, get_schedule_lr_range
 from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, ProfilerWindow, StepTimers
+from megatron_ext.training.spike import build_spike_guard
 from megatron_ext.training.step import configure_model_hooks
 from megatron_ext.training.timeline import build_pp_timeline
 
@@ -132,6 +133,7 @@ def build_training_run(
         manual_gc=ManualGC(cfg.logging.manual_gc_interval) if cfg.logging.manual_gc else None,
         async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,
         prefetcher=build_prefetcher(cfg.data, ctx, step_data, data[0]),
+        spike_guard=build_spike_guard(cfg.training),
     )
 
 

@@ -48,6 +48,8 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_stall_limits(cfg)
         + _check_keep_last(cfg)
         + _check_decoupled_lr_and_grad_dtype(cfg)
+        + _check_validation_sets(cfg)
+        + _check_spike_guard(cfg.training)
         + check_compile_and_graphs(cfg, cuda)
     )
     if problems:
@@ -344,6 +346,57 @@ def _check_data(cfg: JobConfig) -> list[str]:
             )
         return out + _check_packing(cfg)  # each split is read whole: no --split
     return out + _check_packing(cfg) + _check_split(d, cfg.training.eval_interval)
+
+
+def _check_validation_sets(cfg: JobConfig) -> list[str]:
+    """--full-validation and --multiple-validation-sets as Megatron-LM 0.16.1 can run them: the
+    second needs the first, a validation blend per split (each prefix a set) without weights;
+    whole-split reads need megatron-core's one-epoch GPTDataset (no weighted blend, no packing)."""
+    t, d = cfg.training, cfg.data
+    if not (t.full_validation or t.multiple_validation_sets):
+        return []
+    out = []
+    if t.multiple_validation_sets and not t.full_validation:
+        out.append(
+            "--multiple-validation-sets needs --full-validation (as in Megatron-LM 0.16.1: each set is "
+            "read whole): add --full-validation"
+        )
+    if t.eval_interval <= 0:
+        out.append("--full-validation/--multiple-validation-sets need --eval-interval N > 0 (0: never evaluates)")
+    if uses_variable_lengths(d):
+        out.append(
+            "--full-validation reads megatron-core GPTDataset windows only (as Megatron-LM's): drop "
+            "--packed-sequences/--one-document-per-row or --full-validation"
+        )
+    try:
+        blends = None if d.mock_data else get_data_blends(d)
+    except ConfigError:
+        return out  # reported by _check_data
+    valid = blends.for_split(1) if blends is not None else None
+    if valid is not None and valid[1] is not None:
+        out.append(
+            f"--full-validation reads one epoch of the validation blend, which megatron-core cannot do "
+            f"for a weighted one ({blends.source} gives weights {valid[1]}): drop the weights"
+        )
+    if t.multiple_validation_sets and (blends is None or blends.per_split is None or valid is None):
+        out.append(
+            "--multiple-validation-sets evaluates each prefix of --valid-data-path (or 'valid' of "
+            "--per-split-data-args-path) as its own set: give one (not --data-path or --mock-data)"
+        )
+    return out
+
+
+def _check_spike_guard(t: TrainingConfig) -> list[str]:
+    """--skip-spiky-loss-factor (ours) must exceed 1 (a factor <= 1 would skip ordinary steps)."""
+    out = []
+    if t.skip_spiky_loss_factor is not None and not t.skip_spiky_loss_factor > 1.0:
+        out.append(
+            f"--skip-spiky-loss-factor {t.skip_spiky_loss_factor} must be > 1 (a step is skipped when its "
+            f"loss exceeds factor x the largest recent loss), e.g. 10; leave it out to turn the guard off"
+        )
+    if t.skip_spiky_loss_window < 1:
+        out.append(f"--skip-spiky-loss-window must be >= 1, got {t.skip_spiky_loss_window}")
+    return out
 
 
 def _check_data_files(blends: DataBlends | None) -> list[str]:

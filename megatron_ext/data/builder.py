@@ -19,16 +19,20 @@ from megatron_ext.data.batch_schedule import BatchSchedule
 from megatron_ext.data.blends import DataBlends, get_data_blends
 from megatron_ext.data.gpt_datasets import EodBoundaryDataset, build_gpt_datasets, parse_split
 from megatron_ext.data.packed_dataset import EodLossMask, build_blended_packed_datasets
+from megatron_ext.data.validation_sets import ValidationSet
 from megatron_ext.derived import uses_document_boundaries, uses_variable_lengths
 
 
-def get_num_samples(t: TrainingConfig, global_batch_size: int, schedule: BatchSchedule | None = None) -> list[int]:
+def get_num_samples(
+    t: TrainingConfig, global_batch_size: int, schedule: BatchSchedule | None = None
+) -> list[int | None]:
     """[train, valid, test] samples the run will read: the training steps' (of ``schedule``'s
     batches; None: ``global_batch_size`` each), the evaluations' (each batch the settled global
-    batch)."""
+    batch; None under --full-validation: one epoch of the split, as Megatron-LM builds it)."""
     num_evals = -(-t.train_iters // t.eval_interval) if t.eval_interval else 0  # and one at the end
     train = schedule.get_consumed_samples(t.train_iters) if schedule else t.train_iters * global_batch_size
-    return [train, max(num_evals * t.eval_iters * global_batch_size, 1), 1]
+    valid = None if t.full_validation else max(num_evals * t.eval_iters * global_batch_size, 1)
+    return [train, valid, 1]
 
 
 def get_unused_splits(t: TrainingConfig) -> tuple[int, ...]:
@@ -51,7 +55,32 @@ def build_train_valid_datasets(
     num_samples, unused = get_num_samples(t, global_batch_size, schedule), get_unused_splits(t)
     if uses_variable_lengths(d):
         return build_document_datasets(d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, unused, log)
+    if t.multiple_validation_sets and 1 not in unused:
+        train_ds, _ = build_window_datasets(
+            d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, (1, 2), log
+        )
+        return train_ds, build_validation_sets(d, blends, tokenizer, cfg.model.seq_length, t.seed, log)
     return build_window_datasets(d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, unused, log)
+
+
+def build_validation_sets(
+    d: DataConfig,
+    blends: DataBlends,
+    tokenizer: Any,
+    seq_length: int,
+    seed: int,
+    log: Callable[[str], None] | None = None,
+) -> list[ValidationSet]:
+    """``--multiple-validation-sets``: one set per prefix of the validation blend, each one epoch of
+    megatron-core GPTDataset windows of that prefix alone (Megatron-LM's builder does the same)."""
+    sets = []
+    for k, prefix in enumerate(blends.per_split[1][0]):
+        one = DataBlends(per_split=(None, ([prefix], None), None), source=blends.source)
+        _, ds = build_window_datasets(d, one, tokenizer, seq_length, seed, [0, None, 0], (0, 2))
+        sets.append(ValidationSet(prefix, ds))
+        if log is not None:
+            log(f"> validation set {k}: {prefix}, {len(ds)} samples of {seq_length} tokens")
+    return sets
 
 
 def build_document_datasets(

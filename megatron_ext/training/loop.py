@@ -1,7 +1,8 @@
 """The training loop: steps, logging, evaluation, checkpoints and exits, in one readable order.
 
 After every step, in this order and nowhere else: count a non-finite step (its update was skipped
-on every rank; stop after ``--max-nan-iterations`` in a row) -> log (every ``--log-interval``
+on every rank; stop after ``--max-nan-iterations`` in a row) -> count a spiky one (``spike.py``,
+``--skip-spiky-loss-factor``) -> log (every ``--log-interval``
 steps) -> evaluate (every ``--eval-interval``) -> agree on an exit (signal, time limit,
 ``--exit-interval``; every rank gets the same answer; with ``--async-save`` the same agreement
 says whether every rank finished writing the save in flight, which is then published) -> save (on
@@ -32,7 +33,6 @@ from megatron_ext.checkpoint.directory import NonFiniteCheckpoint
 from megatron_ext.checkpoint.exit_policy import EXIT_FLAGS, ExitDecider, describe_exit
 from megatron_ext.checkpoint.parts import CheckpointMeta, TrainState
 from megatron_ext.config import JobConfig
-from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.prefetch import StepPrefetcher
 from megatron_ext.data.step_data import StepDataBuilder
 from megatron_ext.derived import ResolvedConfig
@@ -41,25 +41,24 @@ from megatron_ext.parallel import ParallelContext
 from megatron_ext.restart import IterationRecord
 from megatron_ext.straggler import StragglerDetector
 from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
-from megatron_ext.training.loss import get_interval_loss, get_mean_loss, reduce_reported_loss
+from megatron_ext.training.evaluation import evaluate_and_log, reduce_loss_over_dp, watched
+from megatron_ext.training.loss import get_interval_loss, get_mean_loss
 from megatron_ext.training.metrics import (
     IterationStats,
     MetricWriter,
     format_iteration_line,
-    format_validation_line,
     get_memory_report,
     get_memory_stats,
     get_peak_tflops,
     num_floating_point_operations,
 )
 from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
+from megatron_ext.training.spike import SpikeGuard, check_spike
 from megatron_ext.training.step import (
     StepResult,
     build_step_microbatches,
     first_step_without_param_sync,
-    forward_step,
     params_synced,
-    run_forward_backward,
     train_step,
 )
 from megatron_ext.training.timeline import PipelineTimeline
@@ -124,6 +123,8 @@ class TrainingRun:
     iteration_record: IterationRecord | None = None
     # --log-straggler: gathers every rank's step timers at log steps and names slow ranks
     straggler: StragglerDetector | None = None
+    # --skip-spiky-loss-factor (ours): the reference of the loss-spike guard (None when off)
+    spike_guard: SpikeGuard | None = None
 
 
 @dataclasses.dataclass
@@ -146,47 +147,6 @@ class LogWindow:
     real_tokens: int = 0  # this rank's, for the padding fraction
     slots: int = 0
     global_batch_size: int = 0  # of the last step (a batch schedule changes it)
-
-
-def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """Global sums of ``local`` ([loss sum, count, ...]) on the last stage (one all-reduce over its
-    DP group)."""
-    if not (ctx.is_last_stage and ctx.dp_size > 1):
-        return local.clone()
-    total = local.to(get_collective_device(ctx.dp_group))
-    dist.all_reduce(total, group=ctx.dp_group)
-    return total.cpu()
-
-
-def evaluate(run: TrainingRun, start_sample: int) -> float:
-    """Token-mean validation loss over ``--eval-iters`` global batches."""
-    cfg, ctx, model = run.cfg, run.ctx, run.model
-    for chunk in model:
-        chunk.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for i in range(cfg.training.eval_iters):
-            with watched(run, "eval", batch=i):  # each batch gets --step-timeout-minutes
-                first = start_sample + i * run.global_batch_size  # evaluation reads the settled batch
-                microbatches, length = build_step_microbatches(run, run.valid_ds, first, run.global_batch_size)
-                reports = run_forward_backward(
-                    model, microbatches, length, forward_only=True, forward_step_func=get_forward_step(run)
-                )
-            if ctx.is_last_stage:
-                total += reduce_reported_loss(reports)
-    for chunk in model:
-        chunk.train()
-    return get_mean_loss(reduce_loss_over_dp(total, ctx))
-
-
-def watched(run: TrainingRun, phase: str, batch: int | None = None) -> Any:
-    """The stall watchdog times ``phase`` (eval, save) after the current iteration, if there is one."""
-    return run.watchdog.watch(phase, run.state.iteration, batch) if run.watchdog else contextlib.nullcontext()
-
-
-def get_forward_step(run: TrainingRun) -> Callable:
-    """The forward step, recording each micro-batch for the watchdog when there is one."""
-    return functools.partial(forward_step, progress=run.watchdog.progress) if run.watchdog else forward_step
 
 
 def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepResult, int]:
@@ -257,6 +217,7 @@ def _take_step(run: TrainingRun, progress: Any, global_batch_size: int) -> tuple
             run.timers,
             run.cfg.training.empty_unused_memory_level,
             agreement=lambda: run.exit_decider.start_agreement(get_save_flags(run)),
+            spike_threshold=run.spike_guard.get_threshold() if run.spike_guard is not None else None,
         )
     if run.timers is not None:
         run.timers.steps += 1
@@ -378,19 +339,6 @@ def _log_timers_and_memory(run: TrainingRun, timers: dict[str, float]) -> None:
             run.writer.write({f"timers/{name}": ms for name, ms in timers.items()}, iteration)
     if lg.log_memory_to_tensorboard:
         run.writer.write({f"memory/{k}": v for k, v in get_memory_stats(run.ctx.device).items()}, iteration)
-
-
-def evaluate_and_log(run: TrainingRun) -> None:
-    """Validation at ``--eval-interval`` and at the end of training: evaluation k (1, 2, ...) reads
-    the k-th ``--eval-iters`` global batches of the validation set; the end of a run whose length is
-    not a multiple of the interval is one more evaluation (``builder.get_num_samples`` counts it)."""
-    t, iteration = run.cfg.training, run.state.iteration
-    eval_start = (-(-iteration // t.eval_interval) - 1) * t.eval_iters * run.global_batch_size
-    with params_synced(run.model):
-        val = evaluate(run, eval_start)
-    if run.ctx.is_logging_rank:
-        run.log(format_validation_line(iteration, val))
-        run.writer.write({"lm loss validation": val}, iteration)
 
 
 def should_save(cfg: JobConfig, iteration: int, exiting: bool) -> bool:
@@ -524,6 +472,7 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
         if tool is not None:
             tool.after_step(state.iteration)
     count_non_finite(run, result)
+    check_spike(run, result)
     if state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters:
         loss = log_progress(run, window, result, length)
         if run.ctx.is_last_stage:

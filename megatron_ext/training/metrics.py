@@ -137,9 +137,12 @@ def format_iteration_line(s: IterationStats) -> str:
     return " | ".join(parts) + " |"
 
 
-def format_validation_line(iteration: int, loss: float) -> str:
+def format_validation_line(iteration: int, loss: float, suffix: str = "", name: str = "") -> str:
+    """Megatron-LM's validation line; ``suffix`` "-K" for the K-th of --multiple-validation-sets, whose
+    ``name`` (its prefix) ends the line."""
     ppl = math.exp(min(20.0, loss))
-    return f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+    line = f" validation{suffix} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+    return line + (f" set: {name} |" if name else "")
 
 
 def check_wandb_ready(wandb_project: str | None) -> str | None:

@@ -164,6 +164,7 @@ def step_optimizer_fetching(
     optimizer,
     check_for_nan: bool,
     fetch: list[torch.Tensor | None] = (),
+    veto: int | None = None,
 ) -> tuple[bool, float | None, list[list[float] | None]]:
     """megatron-core's optimizer step, plus the non-finite guard, in ONE device-to-host copy.
 
@@ -177,11 +178,19 @@ def step_optimizer_fetching(
     the squared norm computed and all-reduced on the device (``grad_norm_squared``), then one copy of it
     together with ``fetch`` (the step's loss reports), then clipping and the update, skipped when the
     norm is not finite. Otherwise (--fp16's dynamic scaler) megatron-core's step runs and ``fetch`` is
-    copied after it."""
+    copied after it. ``veto``: the index in ``fetch`` of a tensor whose first value, when nonzero, skips
+    the update as a non-finite norm does (the spike guard, ``spike.py``); then ``fetch`` is copied
+    before megatron-core's step, which is not called (no loss-scale change: the gradients are finite)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     children = getattr(optimizer, "chained_optimizers", [optimizer])
     if not (check_for_nan and all(scales_by_one(c) for c in children)):
+        if veto is not None:
+            fetched = fetch_to_host(fetch)[1]
+            if fetched[veto][0]:
+                return False, None, fetched
+            success, grad_norm, _ = optimizer.step()
+            return bool(success), grad_norm, fetched
         success, grad_norm, _ = optimizer.step()
         return bool(success), grad_norm, fetch_to_host(fetch)[1]
     for child in children:
@@ -192,7 +201,7 @@ def step_optimizer_fetching(
     (norm_sq,), fetched = fetch_to_host([grad_norm_squared(children), *fetch])  # the step's one copy
     grad_norm = norm_sq**0.5  # as get_grad_norm_fp32 takes the root
     fetched = fetched[1:] if fetched else [None] * len(fetch)
-    if not math.isfinite(grad_norm):
+    if not math.isfinite(grad_norm) or (veto is not None and fetched[veto][0]):
         return False, grad_norm, fetched
     for child in children:
         params = child.get_parameters()

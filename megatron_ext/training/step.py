@@ -39,6 +39,7 @@ from megatron_ext.training.finalize import finalize_model_grads
 from megatron_ext.training.loss import compute_token_loss, stack_reported_losses, sum_reported_losses
 from megatron_ext.training.optimizer import step_optimizer_fetching
 from megatron_ext.training.profiling import StepTimers
+from megatron_ext.training.spike import agree_spike
 
 
 @dataclasses.dataclass
@@ -53,6 +54,11 @@ class StepResult:
     non_finite_microbatch: int | None = None
     # the exit agreement begun inside the step, read on the host (None: none was begun)
     agreed_bits: list[float] | None = None
+    # --skip-spiky-loss-factor (None without it): the step's global loss (token mean), whether it was
+    # skipped as a spike (the same on every rank), and this rank's largest micro-batch (place, loss)
+    step_loss: float | None = None
+    spiked: bool = False
+    spike_microbatch: tuple[int, float] | None = None
 
 
 def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor, check_for_nan: bool = True):
@@ -231,9 +237,12 @@ def train_step(
     timers: StepTimers | None = None,
     empty_memory_level: int = 0,
     agreement: Callable[[], torch.Tensor | None] | None = None,
+    spike_threshold: float | None = None,
 ) -> StepResult:
     """One step; ``agreement`` begins the exit agreement (``ExitDecider.start_agreement``) after the
-    forward-backward, so that its bits reach the host with the step's one copy (``StepResult.agreed_bits``)."""
+    forward-backward, so that its bits reach the host with the step's one copy (``StepResult.agreed_bits``).
+    ``spike_threshold`` (the spike guard's, None without it): a step whose global loss exceeds it is
+    skipped on every rank (``spike.agree_spike``: one all-reduce, decided on the device)."""
     timer = timers.time if timers is not None else (lambda name: contextlib.nullcontext())
     optimizer.zero_grad()
     step_func = functools.partial(forward_step, progress=progress, check_for_nan=check_for_nan)
@@ -244,9 +253,10 @@ def train_step(
     # one device-to-host copy per step (training/optimizer.step_optimizer_fetching)
     on_device = stack_reported_losses(reports) if ctx.is_last_stage and reports else None
     bits = agreement() if agreement is not None else None
+    spike = None if spike_threshold is None else agree_spike(on_device, spike_threshold, ctx.device)
     with timer("optimizer"):
-        update_successful, grad_norm, (fetched, agreed_bits) = step_optimizer_fetching(
-            optimizer, check_for_nan, [on_device, bits]
+        update_successful, grad_norm, (fetched, agreed_bits, spike_row) = step_optimizer_fetching(
+            optimizer, check_for_nan, [on_device, bits, spike], veto=None if spike is None else 2
         )
         if update_successful:
             scheduler.step(increment=global_batch_size)
@@ -254,10 +264,16 @@ def train_step(
     rows = [fetched[i : i + 2] for i in range(0, len(fetched), 2)] if fetched is not None else []
     local = sum_reported_losses(rows)
     bad_microbatch = next((i for i, row in enumerate(rows) if not all(map(math.isfinite, row))), None)
-    non_finite = check_for_nan and not update_successful
+    spiked = bool(spike_row and spike_row[0])
+    non_finite = check_for_nan and not update_successful and not spiked
     if non_finite and model[0].config.fp16:
         non_finite = agree_loss_non_finite(bad_microbatch is not None)
-    return StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch, agreed_bits)
+    result = StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch, agreed_bits)
+    if spike_row is not None:
+        result.step_loss, result.spiked = spike_row[1], spiked
+        means = [(i, s / c) for i, (s, c) in enumerate(rows) if c > 0]
+        result.spike_microbatch = max(means, key=lambda m: m[1]) if spiked and means else None
+    return result
 
 
 def agree_loss_non_finite(mine: bool, group: Any = None) -> bool:

@@ -45,8 +45,14 @@ def _count(rank, world_size, overrides):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, dict(exit_signal_handler=True), dict(bf16=True), dict(log_straggler=True)],
-    ids=["fp32", "exit-signal-handler", "bf16", "log-straggler"],  # --log-straggler: only at log steps
+    [
+        {},
+        dict(exit_signal_handler=True),
+        dict(bf16=True),
+        dict(log_straggler=True),
+        dict(skip_spiky_loss_factor=10.0, skip_spiky_loss_window=2),  # decided on the device
+    ],
+    ids=["fp32", "exit-signal-handler", "bf16", "log-straggler", "spike-guard"],  # --log-straggler: only at log steps
 )
 def test_one_sync_per_step_on_the_training_thread(overrides):
     by_site, last = run_ranks(_count, 1, overrides)[0]

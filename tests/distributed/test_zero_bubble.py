@@ -160,14 +160,14 @@ def _main_runs(rank: int, world_size: int, runs: list[list[str]], grad_cases: tu
     import pretrain_gpt
     from megatron_ext.parallel import destroy_parallel_context
     from megatron_ext.pipeline.runtime import get_schedule_runtime
-    from megatron_ext.training import loop
+    from megatron_ext.training import evaluation
 
     evals: list[float] = []
     schedules: list[str | None] = []
-    orig_evaluate = loop.evaluate
+    orig_evaluate = evaluation.evaluate
 
-    def evaluate(run, start_sample):
-        loss = orig_evaluate(run, start_sample)
+    def evaluate(run, *args):
+        loss = orig_evaluate(run, *args)
         if run.ctx.is_last_stage:
             evals.append(loss)
         runtime = get_schedule_runtime(run.model)
@@ -175,7 +175,7 @@ def _main_runs(rank: int, world_size: int, runs: list[list[str]], grad_cases: tu
         return loss
 
     out = []
-    loop.evaluate, destroy = evaluate, torch.distributed.destroy_process_group
+    evaluation.evaluate, destroy = evaluate, torch.distributed.destroy_process_group
     torch.distributed.destroy_process_group = lambda *a, **k: None  # the next run reuses this world
     try:
         for argv in runs:
@@ -186,7 +186,7 @@ def _main_runs(rank: int, world_size: int, runs: list[list[str]], grad_cases: tu
             out.append({"losses": losses, "evals": list(evals), "schedule": schedules[0]})
             destroy_parallel_context()
     finally:
-        loop.evaluate, torch.distributed.destroy_process_group = orig_evaluate, destroy
+        evaluation.evaluate, torch.distributed.destroy_process_group = orig_evaluate, destroy
     for ours, theirs, packed in grad_cases:
         grads = []
         for flags in (ours, theirs):
