@@ -216,11 +216,12 @@ def export_hf_model(
 
 def _write_shard(tensors: dict[str, torch.Tensor], tmp: str, name: str, shard: dict[str, Any]) -> str | None:
     """Write one safetensors shard; fills ``shard`` ({weight_map, bytes}), returns an error or None."""
-    from safetensors.torch import save_file  # an optional dependency, checked by validation
+    from safetensors import SafetensorError  # an optional dependency, checked by validation
+    from safetensors.torch import save_file
 
     try:
         save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
-    except (OSError, RuntimeError) as err:  # disk full, permissions; safetensors raises RuntimeError too
+    except (OSError, SafetensorError) as err:  # disk full, permissions: safetensors raises its own error
         return f"{os.path.join(tmp, name)}: {err}"
     shard["weight_map"] = {k: name for k in tensors}
     shard["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
