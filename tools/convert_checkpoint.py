@@ -12,6 +12,9 @@ divides the multiple. The converted
 checkpoint holds weights only (a run that loads it starts a fresh optimizer at iteration 0) and
 prints the flags a run needs to match it.
 
+The mapping itself is ``megatron_ext/hf/`` (``config.py``, ``mapping.py``), shared with the
+training-time export (``--save-hf``); its names stay importable from here.
+
 Tensor layouts (megatron-core, checked against 0.16.1):
 - ``linear_qkv.weight`` is grouped per key/value head: for each of the G query groups,
   [its H/G query heads; its key head; its value head], each head ``head_dim`` rows;
