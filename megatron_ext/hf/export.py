@@ -21,6 +21,7 @@ stopping a long run for a derived copy would cost more than redoing the copy off
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -185,7 +186,8 @@ def export_hf_model(
     error = None
     if ctx.is_logging_rank:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed export's leftovers
+            for stale in glob.glob(os.path.join(save, HF_SUBDIR, ".tmp_iter_*")):  # crashed exports' leftovers
+                shutil.rmtree(stale, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as err:
             error = f"{tmp}: {err}"
