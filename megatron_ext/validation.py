@@ -10,7 +10,9 @@ than refuses are adjusted by ``arguments.py`` (with a notice), before this runs.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import importlib.util
 import math
 import os
 
@@ -20,6 +22,7 @@ from megatron_ext.data.gpt_datasets import parse_split
 from megatron_ext.data.indexed_check import check_indexed_dataset, check_tokenizer_record
 from megatron_ext.data.tokenizers import check_tokenizer_flags
 from megatron_ext.derived import get_sequence_padding, precision_name, uses_variable_lengths
+from megatron_ext.hf.config import get_exportable_problems
 from megatron_ext.layout_rules import (
     check_batch,
     check_batch_schedule,
@@ -47,6 +50,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_loss_scaling(cfg)
         + _check_stall_limits(cfg)
         + _check_keep_last(cfg)
+        + _check_hf_export(cfg)
         + _check_decoupled_lr_and_grad_dtype(cfg)
         + _check_validation_sets(cfg)
         + _check_spike_guard(cfg.training)
@@ -171,6 +175,31 @@ def _check_keep_last(cfg: JobConfig) -> list[str]:
     if keep is not None and not (type(keep) is int and keep >= 0):
         return [f"--keep-last must be a number of checkpoints > 0, or 0 to keep every checkpoint; got {keep!r}"]
     return []
+
+
+def _check_hf_export(cfg: JobConfig) -> list[str]:
+    """--save-hf / --save-hf-interval: a --save to write beside, a model Hugging Face's Llama/Qwen2
+    can express (a GPT-2-style model has learned positions and LayerNorm: refused, not exported wrong),
+    and safetensors to write it with."""
+    c = cfg.checkpoint
+    out = []
+    if c.save_hf_interval is not None and (not c.save_hf or c.save_hf_interval <= 0):
+        out.append(f"--save-hf-interval {c.save_hf_interval} needs --save-hf and a positive interval")
+    if not c.save_hf:
+        return out
+    if not c.save:
+        out.append("--save-hf writes the Hugging Face model beside the checkpoints of --save: give --save DIR")
+    model = cfg.model
+    args = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    problems = get_exportable_problems(args)
+    if problems:
+        out.append(
+            "--save-hf exports Llama/Qwen2-style models only (RMSNorm, SwiGLU, RoPE over the whole head, no "
+            f"linear biases but q/k/v): this model needs {'; '.join(problems)}; or drop --save-hf"
+        )
+    if importlib.util.find_spec("safetensors") is None:
+        out.append("--save-hf writes safetensors, which is not installed: pip install safetensors")
+    return out
 
 
 def _check_decoupled_lr_and_grad_dtype(cfg: JobConfig) -> list[str]:

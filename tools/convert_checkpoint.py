@@ -12,6 +12,9 @@ divides the multiple. The converted
 checkpoint holds weights only (a run that loads it starts a fresh optimizer at iteration 0) and
 prints the flags a run needs to match it.
 
+The mapping itself is ``megatron_ext/hf/`` (``config.py``, ``mapping.py``), shared with the
+training-time export (``--save-hf``); its names stay importable from here.
+
 Tensor layouts (megatron-core, checked against 0.16.1):
 - ``linear_qkv.weight`` is grouped per key/value head: for each of the G query groups,
   [its H/G query heads; its key head; its value head], each head ``head_dim`` rows;
@@ -45,228 +48,56 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-# megatron-core 0.16.1's RotaryEmbedding._apply_scaling constants (Llama 3.1)
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+from megatron_ext.checkpoint.compatibility import saved_ffn_hidden_size  # noqa: E402
+from megatron_ext.hf.config import (  # noqa: E402
+    LLAMA3_ROPE,
+    REQUIRED_KEYS,
+    SUPPORTED_MODEL_TYPES,
+    check_supported,
+    get_padded_vocab,
+    get_rope_scaling_factor,
+    get_rope_theta,
+    hf_config_to_values,
+)
+from megatron_ext.hf.config import build_hf_config as build_hf_config_of  # noqa: E402
+from megatron_ext.hf.mapping import (  # noqa: E402
+    HF_NORMS,
+    OUR_NORMS,
+    hf_to_megatron_tensors,
+    megatron_to_hf_tensors,
+    shift_norm_weights,
+    unstack_layers,
+)
+
+# the converter's names, which other tools import from here (the mapping itself is megatron_ext.hf)
+__all__ = [
+    "HF_NORMS",
+    "LLAMA3_ROPE",
+    "OUR_NORMS",
+    "PLACEHOLDER_SETTINGS",
+    "REQUIRED_KEYS",
+    "SUPPORTED_MODEL_TYPES",
+    "build_hf_config",
+    "check_empty_save_dir",
+    "check_hf_output_dir",
+    "check_supported",
+    "convert_hf_to_megatron",
+    "convert_megatron_to_hf",
+    "get_padded_vocab",
+    "get_rope_scaling_factor",
+    "get_rope_theta",
+    "hf_config_to_values",
+    "hf_to_megatron_tensors",
+    "main",
+    "megatron_to_hf_tensors",
+    "shift_norm_weights",
+    "unstack_layers",
+]
+
 # Training settings of the converter's one-process model, not the HF model's: recorded, every run
 # that loads the converted checkpoint warned that it was "trained with --seq-length 16" (state.py's
 # WARNED_SETTINGS); the model settings a run must match stay recorded
 PLACEHOLDER_SETTINGS = ("seq_length", "seed", "hidden_dropout", "attention_dropout", "packed_sequences")
-
-
-# ----------------------------------------------------------------------------- config
-
-
-def check_supported(hf: dict[str, Any]) -> None:
-    """Raise ValueError naming each unsupported property of an HF config."""
-    problems = []
-    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        problems.append(
-            f"model_type {hf.get('model_type')!r} (architectures {hf.get('architectures')}) is not "
-            f"supported: only Llama-architecture checkpoints ({', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    not_causal = [a for a in hf.get("architectures") or [] if not str(a).endswith("ForCausalLM")]
-    if hf.get("model_type") in SUPPORTED_MODEL_TYPES and not_causal:
-        # e.g. a reward model (LlamaForSequenceClassification): its head would be dropped and the
-        # tied embedding taken as the LM head, a causal LM that checkpoint never was
-        problems.append(
-            f"architectures {not_causal}: only causal language models (LlamaForCausalLM, Qwen2ForCausalLM) convert"
-        )
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf['hidden_act']!r}: only silu (SwiGLU) is supported")
-    for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names
-        rope = hf.get(key) or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind == "llama3":
-            off = {k: rope.get(k) for k, v in LLAMA3_ROPE.items() if float(rope.get(k, -1)) != v}
-            if off or not float(rope.get("factor", 0)) > 0:
-                problems.append(
-                    f"{key} {rope}: Llama-3 RoPE scaling converts only with low_freq_factor 1, "
-                    f"high_freq_factor 4, original_max_position_embeddings 8192 and a factor > 0 "
-                    f"(megatron-core's fixed values); this config has {off or rope.get('factor')}"
-                )
-        elif kind != "default":
-            problems.append(f"{key} {rope}: RoPE scaling {kind!r} is not supported (only llama3)")
-    theta = get_rope_theta(hf)
-    if not theta.is_integer():  # --rotary-base is an integer (as Megatron-LM's): int() would silently change it
-        problems.append(
-            f"rope_theta {theta}: not supported, --rotary-base takes an integer (RoPE theta without a fraction)"
-        )
-    partial = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        problems.append(f"partial_rotary_factor {partial}: only full-dimension RoPE converts")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            problems.append(f"{flag}=true: biases in linear layers are not supported (Qwen2's q/k/v biases are)")
-    if hf.get("quantization_config"):
-        # the tensors keep their HF names (q_proj.weight holds fp8 or int values, the scales sit
-        # beside it): converted as plain weights, they would be a silently wrong model
-        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
-        problems.append(
-            f"quantization_config (quant_method {method!r}): quantized checkpoints are not supported; "
-            f"convert the unquantized (bf16/fp16/fp32) checkpoint"
-        )
-    if hf.get("model_type") == "qwen2" and (
-        hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or [])
-    ):
-        problems.append("use_sliding_window=true: sliding-window attention is not supported")
-    for key in REQUIRED_KEYS:
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf.get(key) <= 0:
-            problems.append(f"config.json: {key} must be a positive integer, got {hf.get(key)!r}")
-    heads, hidden = hf.get("num_attention_heads", 0), hf.get("hidden_size", 0)
-    head_dim = hf.get("head_dim") or (hidden // heads if heads else 0)
-    if heads and head_dim * heads != hidden:
-        problems.append(f"head_dim {head_dim} x heads {heads} != hidden_size {hidden}: not supported")
-    if problems:
-        raise ValueError("cannot convert this checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def get_rope_theta(hf: dict[str, Any]) -> float:
-    """RoPE theta: top-level ``rope_theta`` (transformers 4.x) or ``rope_parameters`` (5.x)."""
-    if hf.get("rope_theta") is not None:
-        return float(hf["rope_theta"])
-    return float((hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_theta", 10000.0))
-
-
-def get_rope_scaling_factor(hf: dict[str, Any]) -> float | None:
-    """The llama3 RoPE scaling factor, or None without scaling."""
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = hf.get(key) or {}
-        if rope.get("rope_type", rope.get("type")) == "llama3":
-            return float(rope["factor"])
-    return None
-
-
-def get_padded_vocab(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
-    """Rounded up to ``divisible_by`` whatever the TP size (megatron_ext.derived.get_padded_vocab_size);
-    ``tp`` only has to divide it."""
-    if divisible_by % tp:
-        raise ValueError(
-            f"--make-vocab-size-divisible-by {divisible_by} is not divisible by --tensor-model-parallel-size {tp}"
-        )
-    multiple = divisible_by
-    return -(-vocab_size // multiple) * multiple
-
-
-def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str, Any]:
-    """Our flat config values (flag names with underscores) for an HF Llama config."""
-    heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads") or heads
-    factor = get_rope_scaling_factor(hf)
-    return dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"],
-        num_attention_heads=heads,
-        group_query_attention=groups != heads,
-        num_query_groups=groups if groups != heads else None,
-        normalization="RMSNorm",
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        swiglu=True,
-        disable_bias_linear=True,
-        position_embedding_type="rope",
-        rotary_base=int(get_rope_theta(hf)),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        max_position_embeddings=hf.get("max_position_embeddings"),
-        make_vocab_size_divisible_by=divisible_by,
-        add_qkv_bias=hf.get("model_type") == "qwen2",
-        use_rope_scaling=factor is not None,
-        **({"rope_scaling_factor": factor} if factor is not None else {}),
-    )
-
-
-# ----------------------------------------------------------------------------- tensors
-
-# the norm weights, in our names and HF's: (1 + gamma) under --apply-layernorm-1p, gamma in HF
-OUR_NORMS = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "final_layernorm.weight")
-HF_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
-
-
-def shift_norm_weights(state: dict[str, torch.Tensor], names: tuple[str, ...], by: float) -> dict[str, torch.Tensor]:
-    """``state`` with ``by`` added to every norm weight (a key ending in one of ``names``), in fp32
-    (a zero-centred gamma near 0 keeps its precision until the 1 is added)."""
-    return {k: (v.float() + by).to(v.dtype) if k.endswith(names) else v for k, v in state.items()}
-
-
-def _dims(hf: dict[str, Any]) -> tuple[int, int, int]:
-    heads = hf["num_attention_heads"]
-    groups = hf.get("num_key_value_heads") or heads
-    return heads, groups, hf["hidden_size"] // heads
-
-
-def hf_to_megatron_tensors(
-    hf_state: dict[str, torch.Tensor], hf: dict[str, Any], padded_vocab: int, zero_centered_gamma: bool = False
-) -> dict[str, torch.Tensor]:
-    """{our single-process parameter name: tensor} from HF Llama tensors (pure); with
-    ``zero_centered_gamma`` (--apply-layernorm-1p) each norm weight is HF's minus 1."""
-    heads, groups, d = _dims(hf)
-    hidden = hf["hidden_size"]
-    out = {}
-    embed = hf_state["model.embed_tokens.weight"]
-    out["embedding.word_embeddings.weight"] = _pad_rows(embed, padded_vocab)
-    for i in range(hf["num_hidden_layers"]):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q = hf_state[src + "self_attn.q_proj.weight"].view(groups, heads // groups * d, hidden)
-        k = hf_state[src + "self_attn.k_proj.weight"].view(groups, d, hidden)
-        v = hf_state[src + "self_attn.v_proj.weight"].view(groups, d, hidden)
-        out[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, hidden)
-        if src + "self_attn.q_proj.bias" in hf_state:  # Qwen2: grouped like the weight rows
-            qb = hf_state[src + "self_attn.q_proj.bias"].view(groups, heads // groups * d)
-            kb = hf_state[src + "self_attn.k_proj.bias"].view(groups, d)
-            vb = hf_state[src + "self_attn.v_proj.bias"].view(groups, d)
-            out[dst + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
-        out[dst + "self_attention.linear_proj.weight"] = hf_state[src + "self_attn.o_proj.weight"]
-        out[dst + "input_layernorm.weight"] = hf_state[src + "input_layernorm.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]], dim=0
-        )
-        out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
-    if not hf.get("tie_word_embeddings", False):
-        out["output_layer.weight"] = _pad_rows(hf_state["lm_head.weight"], padded_vocab)
-    return shift_norm_weights(out, OUR_NORMS, -1.0) if zero_centered_gamma else out
-
-
-def megatron_to_hf_tensors(
-    ours: dict[str, torch.Tensor], hf: dict[str, Any], zero_centered_gamma: bool = False
-) -> dict[str, torch.Tensor]:
-    """Inverse of ``hf_to_megatron_tensors`` (drops the vocabulary padding; adds 1 to each norm
-    weight with ``zero_centered_gamma``)."""
-    heads, groups, d = _dims(hf)
-    hidden, vocab = hf["hidden_size"], hf["vocab_size"]
-    out = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"][:vocab]}
-    for i in range(hf["num_hidden_layers"]):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = ours[src + "self_attention.linear_qkv.weight"].view(groups, (heads // groups + 2) * d, hidden)
-        q, k, v = qkv.split([heads // groups * d, d, d], dim=1)
-        out[dst + "self_attn.q_proj.weight"] = q.reshape(-1, hidden)
-        out[dst + "self_attn.k_proj.weight"] = k.reshape(-1, hidden)
-        out[dst + "self_attn.v_proj.weight"] = v.reshape(-1, hidden)
-        if src + "self_attention.linear_qkv.bias" in ours:
-            qkv_b = ours[src + "self_attention.linear_qkv.bias"].view(groups, (heads // groups + 2) * d)
-            qb, kb, vb = qkv_b.split([heads // groups * d, d, d], dim=1)
-            for name, b in (("q", qb), ("k", kb), ("v", vb)):
-                out[dst + f"self_attn.{name}_proj.bias"] = b.reshape(-1)
-        out[dst + "self_attn.o_proj.weight"] = ours[src + "self_attention.linear_proj.weight"]
-        out[dst + "input_layernorm.weight"] = ours[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = ours[src + "pre_mlp_layernorm.weight"]
-        gate, up = ours[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-        out[dst + "mlp.down_proj.weight"] = ours[src + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
-    if not hf.get("tie_word_embeddings", False):
-        out["lm_head.weight"] = ours["output_layer.weight"][:vocab]
-    if zero_centered_gamma:
-        out = shift_norm_weights(out, HF_NORMS, 1.0)
-    return {k: v.contiguous().clone() for k, v in out.items()}
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if rows < t.shape[0]:
-        raise ValueError(f"padded vocabulary {rows} is smaller than the checkpoint's {t.shape[0]}")
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
 
 
 # ----------------------------------------------------------------------------- process world
@@ -477,87 +308,12 @@ def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = 
     return hf_dir
 
 
-# Checkpoint keys of layer-stacked tensors -> our per-layer parameter names (megatron-core stores
-# the norms fused into the following linear's key, as Transformer Engine names them).
-_STACKED = {
-    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "decoder.layers.self_attention.linear_qkv.weight": "self_attention.linear_qkv.weight",
-    "decoder.layers.self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
-    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "decoder.layers.mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
-    "decoder.layers.mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
-}
-
-
-_STACKED_OPTIONAL = {"decoder.layers.self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias"}
-
-
-def unstack_layers(full: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (layers stacked on dim 0) -> our single-process parameter names."""
-    out = {k: v for k, v in full.items() if not k.startswith(("decoder.layers.", "optimizer."))}
-    for key, name in _STACKED_OPTIONAL.items():
-        if key in full:
-            for i in range(num_layers):
-                out[f"decoder.layers.{i}.{name}"] = full[key][i]
-    for key, name in _STACKED.items():
-        if key not in full:
-            raise ValueError(f"checkpoint has no {key}: not a Llama-style (RMSNorm, SwiGLU, no bias) model")
-        stacked = full[key]
-        if key.endswith("linear_fc1.weight") and stacked.dim() == 4:  # [L, 2, ffn, h] (swiglu split)
-            stacked = stacked.flatten(1, 2)
-        for i in range(num_layers):
-            out[f"decoder.layers.{i}.{name}"] = stacked[i]
-    return out
-
-
 def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
-    """An HF LlamaConfig dict for a checkpoint trained here (no HF config recorded)."""
-    if not (
-        args.get("swiglu")
-        and args.get("normalization") == "RMSNorm"
-        and args.get("disable_bias_linear")
-        and args.get("position_embedding_type") == "rope"
-    ):
-        raise ValueError(
-            "only Llama-style checkpoints convert to HF: need --swiglu --normalization RMSNorm "
-            "--disable-bias-linear --position-embedding-type rope"
-        )
-    if float(args.get("rotary_percent", 1.0)) != 1.0:
-        # HF's Llama rotates every dimension of a head: the export would be another model
-        raise ValueError(
-            f"--rotary-percent {args['rotary_percent']}: HF Llama/Qwen2 rotate the whole head, "
-            f"only checkpoints trained with --rotary-percent 1.0 convert"
-        )
+    """An HF LlamaConfig dict for a checkpoint trained here (no HF config recorded): ``hf.config``'s,
+    with the checkpoint's tokenizer vocabulary and the MLP width its model had (--ffn-hidden-size,
+    or its default when it was saved)."""
     vocab = (common.get("tokenizer") or {}).get("vocab_size") or common["padded_vocab_size"]
-    heads = args["num_attention_heads"]
-    theta = float(args["rotary_base"])
-    rope = {"rope_type": "default", "rope_theta": theta}
-    if args.get("use_rope_scaling"):
-        rope = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE, "rope_theta": theta}
-    qwen = bool(args.get("add_qkv_bias"))
-    from megatron_ext.checkpoint.compatibility import saved_ffn_hidden_size
-
-    return {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
-        **({"use_sliding_window": False} if qwen else {}),
-        "vocab_size": vocab,
-        "hidden_size": args["hidden_size"],
-        # the width the model had: --ffn-hidden-size, or its default (None in args) when it was saved
-        "intermediate_size": saved_ffn_hidden_size({**common, "args": args}),
-        "num_hidden_layers": args["num_layers"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": args["num_query_groups"] if args.get("group_query_attention") else heads,
-        "rms_norm_eps": args["norm_epsilon"],
-        "rope_theta": theta,
-        "rope_parameters": rope,
-        "rope_scaling": rope if args.get("use_rope_scaling") else None,
-        "max_position_embeddings": args.get("max_position_embeddings") or args["seq_length"],
-        "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
-        "hidden_act": "silu",
-        # the weights keep the dtype they were trained in (bf16 with --bf16)
-        "torch_dtype": "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32",
-    }
+    return build_hf_config_of(args, vocab, saved_ffn_hidden_size({**common, "args": args}))
 
 
 def main(argv: list[str] | None = None) -> int:

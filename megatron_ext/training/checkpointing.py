@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron_ext.checkpoint.parts import CheckpointMeta, CheckpointParts
 from megatron_ext.checkpoint.state import load_parts, save_parts, start_async_save
+from megatron_ext.hf.export import export_hf_model, should_export_hf
 
 
 def get_checkpoint_parts(run: Any, meta: CheckpointMeta | None = None) -> CheckpointParts:
@@ -32,6 +33,17 @@ def get_checkpoint_parts(run: Any, meta: CheckpointMeta | None = None) -> Checkp
 def save_checkpoint(run: Any, root: str, keep_last: int | None = None, meta: CheckpointMeta | None = None) -> str:
     """Save the run at its current iteration under ``root`` (``state.save_parts``); collective."""
     return save_parts(get_checkpoint_parts(run, meta), run.ctx, root, keep_last, run.log)
+
+
+def maybe_export_hf(run: Any, last: bool) -> str | None:
+    """--save-hf: after the save of this iteration, the Hugging Face directory of the run's model
+    when it is due (``hf.export.should_export_hf``); collective. Returns the published directory
+    on the logging rank, else None."""
+    it = run.state.iteration
+    if not should_export_hf(run.cfg.checkpoint, it, last):
+        return None
+    meta = run.checkpoint_meta
+    return export_hf_model(run.model, run.ctx, run.cfg, meta.tokenizer, meta.padded_vocab_size, it, run.log)
 
 
 def start_async_checkpoint(run: Any, root: str, keep_last: int | None = None) -> None:

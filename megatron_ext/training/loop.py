@@ -40,7 +40,7 @@ from megatron_ext.guards import StepWatchdog
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.restart import IterationRecord
 from megatron_ext.straggler import StragglerDetector
-from megatron_ext.training.checkpointing import save_checkpoint, start_async_checkpoint
+from megatron_ext.training.checkpointing import maybe_export_hf, save_checkpoint, start_async_checkpoint
 from megatron_ext.training.evaluation import evaluate_and_log, reduce_loss_over_dp, watched
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss
 from megatron_ext.training.metrics import (
@@ -501,6 +501,7 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
                 finish_async_save(run)
                 save_checkpoint(run, cfg.checkpoint.save, cfg.checkpoint.keep_last)
                 run.weights_finite_at = state.iteration
+            maybe_export_hf(run, last=bool(exit_flags) or state.iteration >= t.train_iters)
     if exit_flags and run.ctx.is_logging_rank:
         run.log(f"exiting after iteration {state.iteration}: {describe_exit(exit_flags)}")
     return not exit_flags

@@ -22,7 +22,8 @@ import megatron_ext.training.loop as loop
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.checkpointing import load_checkpoint
-from megatron_ext.training.loop import evaluate, train
+from megatron_ext.training.evaluation import evaluate
+from megatron_ext.training.loop import train
 from tests.unit.megatron_main_step_batch import StepBatchsizeNumMicroBatchesCalculator
 
 pytestmark = pytest.mark.distributed
@@ -66,7 +67,7 @@ def _train(values: dict, load: str | None = None, step: int | None = None) -> di
         if load is not None:
             load_checkpoint(run, load, step=step)
         train(run)
-        val = evaluate(run, 0)
+        val = evaluate(run, run.valid_ds, 0, run.cfg.training.eval_iters)
     finally:
         loop.train_step = original
     weights = torch.zeros(2, dtype=torch.float64)

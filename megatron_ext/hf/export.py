@@ -1,0 +1,260 @@
+"""--save-hf: a Hugging Face Llama/Qwen2 directory of the model a run trains, written by the run.
+
+Never the whole model on one rank: the ranks of data-parallel replica 0 write it. Each pipeline
+stage all-gathers its own parameters over its TP group one tensor at a time, and its TP ranks share
+the writing: transformer layer (or embedding, final norm, output layer) k of the stage goes to TP
+rank k mod TP, which keeps only its share, maps it to HF's names (``hf/mapping.py``) and writes
+``model-ppPPP-tpTTT.safetensors``. Peak memory per rank is the stage's share plus one whole tensor.
+
+Publishing, as the checkpoints' (``checkpoint/directory.py``): the shards go to
+``<save>/hf/.tmp_iter_XXXXXXX``; one all-gather of (error, {HF name: file}) tells the publishing
+rank (the logging rank) whether every shard was written; it then writes
+``model.safetensors.index.json``, ``config.json`` and the tokenizer's files (or a note), and renames
+the directory to ``<save>/hf/iter_XXXXXXX``. A reader never sees a partial export.
+
+An export that fails to write (disk full, permissions) is a warning naming the directory and the
+command that redoes it from the checkpoint, not an error: the export runs after the iteration's
+torch_dist checkpoint was saved (or, under ``--async-save``, started), that checkpoint is what a resume needs and it is untouched, and
+stopping a long run for a derived copy would cost more than redoing the copy offline
+(``tools/convert_checkpoint.py megatron-to-hf``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config import CheckpointConfig, JobConfig
+from megatron_ext.derived import get_ffn_hidden_size
+from megatron_ext.hf.config import build_hf_config
+from megatron_ext.hf.mapping import megatron_to_hf_tensors
+from megatron_ext.model.init_weights import get_global_name, get_layer_offset
+from megatron_ext.parallel import ParallelContext
+
+HF_SUBDIR = "hf"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_NOTE = "TOKENIZER.txt"
+# what a Hugging Face tokenizer directory holds (transformers' names)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+# Transformer Engine fuses the norms into the following linear: our local-spec names for them
+FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def get_hf_export_dir(save: str, iteration: int) -> str:
+    return os.path.join(save, HF_SUBDIR, f"iter_{iteration:07d}")
+
+
+def should_export_hf(c: CheckpointConfig, iteration: int, last: bool) -> bool:
+    """At a save: the run's last one (--train-iters reached or an agreed exit), or every
+    --save-hf-interval iterations."""
+    if not c.save_hf:
+        return False
+    return last or bool(c.save_hf_interval) and iteration % c.save_hf_interval == 0
+
+
+def join_tp_shards(shards: list[torch.Tensor], partition_dim: int, gated: bool) -> torch.Tensor:
+    """The whole tensor from its TP shards (inverse of ``init_weights.slice_for_tp``): a gated
+    MLP's ``linear_fc1`` shard is [gate shard; up shard], so halves are joined separately."""
+    if not gated:
+        return torch.cat(shards, dim=partition_dim)
+    halves = [s.chunk(2, dim=partition_dim) for s in shards]
+    return torch.cat([torch.cat([h[j] for h in halves], dim=partition_dim) for j in (0, 1)], dim=partition_dim)
+
+
+def get_unit(name: str) -> str:
+    """What one TP rank writes whole: a transformer layer (``decoder.layers.<i>``) or a tensor."""
+    return ".".join(name.split(".")[:3]) if name.startswith("decoder.layers.") else name
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):  # megatron-core's DDP and Float16Module
+        chunk = chunk.module
+    return chunk
+
+
+def _list_stage_params(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+    """(our single-process name, parameter) of every parameter of this stage's chunks, in the same
+    order on every TP rank of the stage; a tied output layer (a copy of the embedding) left out."""
+    out = []
+    for chunk in map(_unwrap, chunks):
+        offset = get_layer_offset(chunk)
+        tied = getattr(chunk, "share_embeddings_and_output_weights", False)
+        for local_name, param in chunk.named_parameters():
+            name = get_global_name(local_name, offset)
+            if tied and name == "output_layer.weight":
+                continue
+            for fused, plain in FUSED_NORMS.items():
+                if name.endswith(fused):
+                    name = name[: -len(fused)] + plain
+            out.append((name, param))
+    return out
+
+
+def gather_stage_share(chunks: list[torch.nn.Module], ctx: ParallelContext, gated: bool) -> dict[str, torch.Tensor]:
+    """{our name: whole tensor on the CPU} of the units of this stage that this TP rank writes
+    (collective over the TP group: one all-gather per TP-split tensor)."""
+    params = _list_stage_params(chunks)
+    units = list(dict.fromkeys(get_unit(name) for name, _ in params))
+    mine = {u for k, u in enumerate(units) if k % ctx.tp_size == ctx.tp_rank}
+    share = {}
+    for name, param in params:
+        tensor = param.detach()
+        if ctx.tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(tensor) for _ in range(ctx.tp_size)]
+            dist.all_gather(shards, tensor.contiguous(), group=ctx.tp_group)
+            tensor = join_tp_shards(shards, param.partition_dim, gated and "linear_fc1" in name)
+        if get_unit(name) in mine:
+            share[name] = tensor.cpu().clone()
+    return share
+
+
+def build_index(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """``model.safetensors.index.json`` from every writer's {file, weight_map, bytes}."""
+    weight_map = {}
+    for shard in shards:
+        weight_map.update(shard["weight_map"])
+    total = sum(shard["bytes"] for shard in shards)
+    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def write_tokenizer_files(cfg: JobConfig, out_dir: str) -> str:
+    """Copy the run's Hugging Face tokenizer files (a local --tokenizer-model directory), or write
+    a note saying what tokenizer the token ids are of; returns what was done, for the log."""
+    d = cfg.data
+    local = d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model and os.path.isdir(d.tokenizer_model)
+    if local:
+        copied = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(d.tokenizer_model, n))]
+        for name in copied:
+            shutil.copyfile(os.path.join(d.tokenizer_model, name), os.path.join(out_dir, name))
+        if copied:
+            return f"tokenizer files {', '.join(copied)} copied from {d.tokenizer_model}"
+    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model:
+        how = f"AutoTokenizer.from_pretrained({d.tokenizer_model!r})"
+    elif d.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        how = f"a tokenizer of the same SentencePiece model ({d.tokenizer_model}): e.g. transformers' LlamaTokenizer(vocab_file=...)"
+    else:
+        how = "a tokenizer producing the same ids"
+    note = (
+        f"No Hugging Face tokenizer files were written: this model was trained with --tokenizer-type "
+        f"{d.tokenizer_type} (--tokenizer-model {d.tokenizer_model}). Its token ids are that tokenizer's; "
+        f"use {how}.\n"
+    )
+    with open(os.path.join(out_dir, TOKENIZER_NOTE), "w") as f:
+        f.write(note)
+    return f"no tokenizer files ({TOKENIZER_NOTE} says which tokenizer the ids are of)"
+
+
+def export_hf_model(
+    chunks: list[torch.nn.Module],
+    ctx: ParallelContext,
+    cfg: JobConfig,
+    tokenizer_identity: dict[str, Any],
+    padded_vocab_size: int,
+    iteration: int,
+    log: Callable[[str], None] = print,
+) -> str | None:
+    """Write the model ``chunks`` (this rank's, in megatron-core's wrappers) as an HF directory
+    ``<save>/hf/iter_XXXXXXX``; collective over the world. Returns the directory on the publishing
+    rank when it was published, else None (a failure is logged there as a warning)."""
+    args = cfg.to_flat_dict()
+    vocab = tokenizer_identity.get("vocab_size") or padded_vocab_size
+    hf = build_hf_config(args, vocab, get_ffn_hidden_size(cfg.model))
+    save = cfg.checkpoint.save
+    final = get_hf_export_dir(save, iteration)
+    tmp = os.path.join(save, HF_SUBDIR, f".tmp_iter_{iteration:07d}")
+    error = None
+    if ctx.is_logging_rank:
+        try:
+            for stale in glob.glob(os.path.join(save, HF_SUBDIR, ".tmp_iter_*")):  # crashed exports' leftovers
+                shutil.rmtree(stale, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as err:
+            error = f"{tmp}: {err}"
+    dist.barrier()
+    shard = {"weight_map": {}, "bytes": 0}
+    if ctx.dp_rank == 0:
+        share = gather_stage_share(chunks, ctx, gated=cfg.model.swiglu)
+        tensors = megatron_to_hf_tensors(share, hf, zero_centered_gamma=cfg.model.apply_layernorm_1p)
+        if tensors and error is None:
+            error = _write_shard(tensors, tmp, f"model-pp{ctx.pp_rank:03d}-tp{ctx.tp_rank:03d}.safetensors", shard)
+    reports = [None] * ctx.world_size
+    dist.all_gather_object(reports, (error, shard))
+    if not ctx.is_logging_rank:
+        return None
+    errors = [e for e, _ in reports if e]
+    if not errors:
+        errors = _publish(hf, cfg, [s for _, s in reports], tmp, final, log)
+    if errors:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(
+            f"WARNING: the Hugging Face export of iteration {iteration} to {final} failed ({'; '.join(errors)}); "
+            f"the checkpoint of iteration {iteration} is unaffected: redo the export with "
+            f"python tools/convert_checkpoint.py megatron-to-hf --load {save} --hf-dir DIR"
+        )
+        return None
+    return final
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], tmp: str, name: str, shard: dict[str, Any]) -> str | None:
+    """Write one safetensors shard; fills ``shard`` ({weight_map, bytes}), returns an error or None."""
+    from safetensors import SafetensorError  # an optional dependency, checked by validation
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
+    except (OSError, SafetensorError) as err:  # disk full, permissions: safetensors raises its own error
+        return f"{os.path.join(tmp, name)}: {err}"
+    shard["weight_map"] = {k: name for k in tensors}
+    shard["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    return None
+
+
+def _publish(
+    hf: dict[str, Any], cfg: JobConfig, shards: list[dict[str, Any]], tmp: str, final: str, log: Callable[[str], None]
+) -> list[str]:
+    """Index, config and tokenizer into ``tmp``, then ``tmp`` renamed to ``final`` (an earlier
+    export of the same iteration replaced); returns the errors (none when published)."""
+    index = build_index(shards)
+    try:
+        with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        tokenizer = write_tokenizer_files(cfg, tmp)
+        for name in os.listdir(tmp):  # safetensors creates its files 0600: readable as config.json is
+            os.chmod(os.path.join(tmp, name), 0o644)
+        old = final + ".old"
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:
+        return [str(err)]
+    files = sorted(set(index["weight_map"].values()))
+    log(
+        f"exported a Hugging Face {hf['architectures'][0]} to {final}: {len(index['weight_map'])} tensors in "
+        f"{len(files)} safetensors shards, {index['metadata']['total_size'] / 2**20:.1f} MiB; {tokenizer}"
+    )
+    return []

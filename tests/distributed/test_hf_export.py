@@ -1,0 +1,175 @@
+"""--save-hf: a TP2 x PP2 run (4 forked gloo ranks, a tiny Llama/Qwen2 model, 3 steps) writes a
+Hugging Face directory at its last save, and ``transformers.AutoModelForCausalLM.from_pretrained``
+on it gives the logits our model gives at the same weights (the trained run's own forward, at
+TP2 x PP2, on fixed tokens): within 1e-5 relative (fp32; the layout-parity tolerance), within 2e-2
+relative under --bf16 (both sides compute in bf16, with other reduction orders: the tolerance
+test_mixed_precision.py uses for a bf16 model against transformers). The shards are per stage:
+the index lists one file per (pipeline, TP) rank, and none holds every tensor. Under DP2 with the
+distributed optimizer, replica 0 alone writes, and --save-hf-interval 2 exports at iteration 2 and
+at the last save.
+
+An export that cannot be written (``<save>/hf`` is a file) is a warning naming the directory; the
+run goes on and its checkpoint is complete and loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_ext.data.microbatch import Microbatch
+from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.checkpointing import load_checkpoint
+from megatron_ext.training.loop import train
+from megatron_ext.training.step import run_forward_backward
+
+pytestmark = pytest.mark.distributed
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH, ITERS = 16, 2, 3
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    position_embedding_type="rope",
+    rotary_base=50000,
+    norm_epsilon=1e-5,
+    group_query_attention=True,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+)
+TP2PP2 = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+KINDS = {
+    "llama untied fp32": dict(untie_embeddings_and_output_weights=True),
+    # tied (the last stage's output layer is a copy: not written), q/k/v biases, zero-centred norms, VPP 2
+    "qwen2 tied 1p vpp fp32": dict(add_qkv_bias=True, apply_layernorm_1p=True, num_layers_per_virtual_pipeline_stage=1),
+    "llama untied bf16": dict(untie_embeddings_and_output_weights=True, bf16=True),
+    # DP2 with the distributed optimizer: replica 1 writes nothing; exports at iterations 2 (the
+    # interval) and 3 (the last save), not 1
+    "llama tied dp2 interval fp32": dict(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        use_distributed_optimizer=True,
+        save_interval=1,
+        save_hf_interval=2,
+    ),
+}
+# (PP, TP) ranks of the layout: one shard each
+SHARDS = {kind: (1, 1) if "dp2" in kind else (2, 2) for kind in KINDS}
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def _values(save: str, kind: str) -> dict:
+    return tiny_values(
+        **LLAMA,
+        **(TP2PP2 | KINDS[kind]),
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        global_batch_size=4,
+        train_iters=ITERS,
+        save=save,
+        save_hf=True,
+    )
+
+
+def _our_logits(run, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Our model's logits on ``tokens`` ([b, s]) at the run's layout, gathered over TP on the last
+    stage (None elsewhere)."""
+    ctx = run.ctx
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        out = chunk(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+        return out, lambda o: (o.sum() * 0.0, torch.tensor(1), {"logits": o.detach()})
+
+    seq = tokens.shape[1]
+    mbs = [  # one sample per micro-batch: the interleaved schedule needs at least PP of them
+        Microbatch(
+            tokens=row[None],
+            labels=row[None],
+            position_ids=torch.arange(seq)[None],
+            num_real_tokens=seq,
+            attention_pairs=seq * seq,
+        )
+        for row in tokens
+    ]
+    reports = run_forward_backward(run.model, mbs, seq, forward_only=True, forward_step_func=forward_step)
+    if not ctx.is_last_stage:
+        return None
+    local = torch.cat([r["logits"] for r in reports])  # [b, s, padded / TP]
+    parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
+    return torch.cat(parts, dim=-1).float()
+
+
+def _train_and_export(rank: int, world_size: int, save: str, kind: str, tokens: torch.Tensor) -> dict:
+    logs = []
+    run = build_tiny_run(_values(save, kind), MarkovDataset(SEQ))
+    run.log = logs.append
+    train(run)
+    logits = _our_logits(run, tokens)
+    destroy_parallel_context()
+    return {"logits": logits, "logs": logs}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_export_loads_in_transformers_with_our_logits(tmp_path, kind):
+    save = str(tmp_path / "ckpt")
+    tokens = torch.randint(0, 120, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    out = run_ranks(_train_and_export, 4 if SHARDS[kind] == (2, 2) else 2, save, kind, tokens)
+    hf_dir = os.path.join(save, "hf", f"iter_{ITERS:07d}")
+    assert any(hf_dir in line and "exported" in line for line in out[-1]["logs"]), out[-1]["logs"]
+    assert os.path.isdir(os.path.join(save, f"iter_{ITERS:07d}"))  # the checkpoint, beside
+    exported = [f"iter_{i:07d}" for i in ((2, ITERS) if "interval" in kind else (ITERS,))]
+    assert sorted(os.listdir(os.path.join(save, "hf"))) == exported  # no temporary left
+
+    # per-stage shards: one file per (PP, TP) rank, each holding part of the model
+    index = json.load(open(os.path.join(hf_dir, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    pp, tp = SHARDS[kind]
+    assert files == [f"model-pp{p:03d}-tp{t:03d}.safetensors" for p in range(pp) for t in range(tp)], files
+    by_file = {f: {k for k, v in index["weight_map"].items() if v == f} for f in files}
+    if len(files) > 1:
+        assert all(0 < len(names) < len(index["weight_map"]) for names in by_file.values()), by_file
+        stage0 = by_file[files[0]] | by_file[files[1]]
+        assert "model.embed_tokens.weight" in stage0 and not any(".layers.3." in n for n in stage0), stage0
+    assert os.path.isfile(os.path.join(hf_dir, "TOKENIZER.txt"))  # NullTokenizer: a note, no files
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    bf16 = "bf16" in kind
+    assert model.model.embed_tokens.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    with torch.no_grad():
+        theirs = model(tokens).logits.float()
+    ours = out[-1]["logits"][..., : theirs.shape[-1]]
+    rel = float((theirs - ours).norm() / ours.norm())
+    assert rel <= TOLERANCE["bf16" if bf16 else "fp32"], f"{kind}: HF logits differ from ours by {rel:.2e}"
+
+
+def _export_fails(rank: int, world_size: int, save: str) -> dict:
+    logs = []
+    values = _values(save, "llama untied fp32") | dict(tensor_model_parallel_size=1)
+    run = build_tiny_run(values, MarkovDataset(SEQ))
+    run.log = logs.append
+    train(run)
+    destroy_parallel_context()
+    run = build_tiny_run(values | dict(save_hf=False), MarkovDataset(SEQ))
+    loaded = load_checkpoint(run, save)
+    destroy_parallel_context()
+    return {"logs": logs, "loaded": loaded, "iteration": run.state.iteration}
+
+
+def test_export_failure_warns_and_keeps_the_checkpoint(tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "hf").write_text("not a directory")  # the export cannot make <save>/hf/.tmp_iter_...
+    out = run_ranks(_export_fails, 2, str(save))
+    warnings = [line for line in out[-1]["logs"] if "WARNING" in line and "Hugging Face export" in line]
+    assert len(warnings) == 1 and os.path.join(str(save), "hf", f"iter_{ITERS:07d}") in warnings[0], out[-1]["logs"]
+    assert "convert_checkpoint.py megatron-to-hf" in warnings[0]
+    assert out[0]["loaded"] == ITERS and out[1]["loaded"] == ITERS, out

@@ -1,0 +1,114 @@
+"""--save-hf's pure parts: the flag rules (a model HF's Llama cannot express is one error naming the
+flag, before any work), when an export is due, the TP join (the inverse of the layout-independent
+init's TP slicing, gated MLP included), a stage's partial mapping (the same tensors as the whole
+model's), and the tokenizer files or note."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.hf.export import join_tp_shards, should_export_hf, write_tokenizer_files
+from megatron_ext.hf.mapping import megatron_to_hf_tensors
+from megatron_ext.model.init_weights import slice_for_tp
+from megatron_ext.validation import validate
+
+BASE = dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100, num_layers=2)
+LLAMA = dict(normalization="RMSNorm", swiglu=True, disable_bias_linear=True, position_embedding_type="rope")
+
+
+def _problems(**values) -> list[str]:
+    try:
+        validate(build_job_config({**BASE, **values}), 1)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+def test_a_gpt2_style_model_is_one_error_naming_the_flag():
+    problems = _problems(save="/tmp/x", save_hf=True)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("--save-hf exports Llama/Qwen2-style models only")
+    for need in ("--normalization RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type rope"):
+        assert need in problems[0]
+    assert _problems(save="/tmp/x", save_hf=True, **LLAMA) == []
+    assert "--rotary-percent 0.5" in _problems(save="/tmp/x", save_hf=True, rotary_percent=0.5, **LLAMA)[0]
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(save_hf=True), "--save-hf writes the Hugging Face model beside the checkpoints of --save"),
+        (dict(save="/tmp/x", save_hf_interval=2), "--save-hf-interval 2 needs --save-hf"),
+        (dict(save="/tmp/x", save_hf=True, save_hf_interval=0), "--save-hf-interval 0 needs --save-hf"),
+    ],
+)
+def test_flag_rules(values, message):
+    problems = _problems(**LLAMA, **values)
+    assert any(message in p for p in problems), problems
+
+
+def test_export_is_due_at_the_last_save_and_on_the_interval():
+    c = build_job_config({**BASE, "save": "/tmp/x", "save_hf": True, "save_hf_interval": 4}).checkpoint
+    assert [i for i in range(1, 10) if should_export_hf(c, i, last=i == 9)] == [4, 8, 9]
+    off = build_job_config({**BASE, "save": "/tmp/x"}).checkpoint
+    assert not should_export_hf(off, 9, last=True)
+
+
+@pytest.mark.parametrize("gated, dim", [(False, 0), (False, 1), (True, 0)])
+def test_join_tp_shards_inverts_the_tp_slicing(gated, dim):
+    full = torch.randn(8, 12)
+    param = torch.nn.Parameter(torch.empty(0))
+    param.tensor_model_parallel, param.partition_dim = True, dim
+    shards = [slice_for_tp(full, param, r, 2, gated) for r in range(2)]
+    assert torch.equal(join_tp_shards(shards, dim, gated), full)
+    if gated:  # a gated shard is [gate part; up part]: joined as plain blocks it would be wrong
+        assert not torch.equal(torch.cat(shards, dim=dim), full)
+
+
+def _ours(layers: int, hidden: int = 8, heads: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {"embedding.word_embeddings.weight": torch.randn(12, hidden, generator=g)}
+    for i in range(layers):
+        p = f"decoder.layers.{i}."
+        out[p + "self_attention.linear_qkv.weight"] = torch.randn(3 * hidden, hidden, generator=g)
+        out[p + "self_attention.linear_proj.weight"] = torch.randn(hidden, hidden, generator=g)
+        out[p + "input_layernorm.weight"] = torch.randn(hidden, generator=g)
+        out[p + "pre_mlp_layernorm.weight"] = torch.randn(hidden, generator=g)
+        out[p + "mlp.linear_fc1.weight"] = torch.randn(2 * 16, hidden, generator=g)
+        out[p + "mlp.linear_fc2.weight"] = torch.randn(hidden, 16, generator=g)
+    out["decoder.final_layernorm.weight"] = torch.randn(hidden, generator=g)
+    out["output_layer.weight"] = torch.randn(12, hidden, generator=g)
+    return out
+
+
+def test_stages_map_to_the_whole_models_tensors():
+    hf = dict(num_attention_heads=2, hidden_size=8, vocab_size=10, num_hidden_layers=4, tie_word_embeddings=False)
+    ours = _ours(4)
+    whole = megatron_to_hf_tensors(ours, hf, zero_centered_gamma=True)
+    first = {k: v for k, v in ours.items() if k.startswith(("embedding.", "decoder.layers.0.", "decoder.layers.1."))}
+    parts = megatron_to_hf_tensors(first, hf, zero_centered_gamma=True)
+    parts |= megatron_to_hf_tensors({k: v for k, v in ours.items() if k not in first}, hf, zero_centered_gamma=True)
+    assert sorted(parts) == sorted(whole) and all(torch.equal(parts[k], whole[k]) for k in whole)
+    assert whole["lm_head.weight"].shape[0] == 10  # the padding rows dropped
+
+
+def test_tokenizer_files_are_copied_or_a_note_written(tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = build_job_config({**BASE, "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tok)})
+    assert "copied" in write_tokenizer_files(cfg, str(out))
+    assert sorted(os.listdir(out)) == ["tokenizer.json", "tokenizer_config.json"]
+    note_dir = tmp_path / "note"
+    note_dir.mkdir()
+    cfg = build_job_config({**BASE, "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/m/sp.model"})
+    write_tokenizer_files(cfg, str(note_dir))
+    note = (note_dir / "TOKENIZER.txt").read_text()
+    assert "--tokenizer-type SentencePieceTokenizer" in note and "/m/sp.model" in note
