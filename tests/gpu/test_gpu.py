@@ -389,3 +389,24 @@ def test_prefetch_on_gpu_copies_on_a_side_stream_without_syncing_the_step():
     assert len(out["prefetch"]) == 6
     for a, b in zip(out["prefetch"], out["sync"]):
         assert abs(a - b) <= 1e-2 * abs(b), (out["prefetch"], out["sync"])
+
+
+def _generated_ids(output: str) -> list[int]:
+    (line,) = [x for x in output.splitlines() if x.startswith("ids:")]
+    return [int(t) for t in line.split(":", 1)[1].split(",")]
+
+
+def test_generate_on_gpu_equals_cpu(tmp_path):
+    """tools/generate.py --device cuda (issue 31): a checkpoint trained on the CPU continues a prompt
+    greedily with the same tokens on the GPU as on the CPU (fp32 both; a near-tie of two logits
+    within the devices' rounding would be the only way to differ), and seeded top-p sampling on
+    the GPU repeats itself."""
+    saved = str(tmp_path / "saved")
+    flags = TINY + ["--micro-batch-size", "2", "--train-iters", "3", "--save", saved, "--device", "cpu"]
+    run_python(["pretrain_gpt.py", *flags], gpu=False)
+    prompt = ["tools/generate.py", "--load", saved, "--prompt-ids", "5,17,3,99,42", "--max-new-tokens", "8"]
+    cpu = _generated_ids(run_python([*prompt, "--greedy", "--device", "cpu"], gpu=False))
+    gpu = _generated_ids(run_python([*prompt, "--greedy", "--device", "cuda"]))
+    assert len(gpu) == 13 and gpu == cpu
+    sampled = [*prompt, "--top-p", "0.9", "--temperature", "1.3", "--seed", "3", "--device", "cuda"]
+    assert _generated_ids(run_python(sampled)) == _generated_ids(run_python(sampled))
