@@ -77,13 +77,16 @@ def test_the_memory_models_capped_order_has_the_full_orders_peak(schedule, vp):
     """The planner reads each rank's peak in flight from an order of at most max(4 p, 16) micro-batches
     (the greedy zero-bubble orders at m = 1536 took minutes): the peak of the full order, per rank."""
     from megatron_ext.pipeline.schedules import get_order
-    from megatron_ext.planning.memory import get_activation_peak
+    from megatron_ext.planning.memory import StageBytes, get_activation_peak
     from megatron_ext.planning.predict import get_memory_microbatches
 
     for pp in (2, 4):
         cap = get_memory_microbatches(pp, 10**6)
         assert cap == -(-max(4 * pp, 16) // pp) * pp and get_memory_microbatches(pp, 3) == 3
-        stage_bytes = [1.0 + s for s in range(pp * vp)]  # every stage its own size: a wrong stage shows
+        n = pp * vp  # every stage its own sizes: a wrong stage shows
+        stage_bytes = StageBytes(
+            [1.0 + s for s in range(n)], [0.5 + s / 7 for s in range(n)], [0.25 * s for s in range(n)]
+        )
         full, capped = get_order(schedule, pp, vp, 2 * cap), get_order(schedule, pp, vp, cap)
         assert [get_activation_peak(full, r, stage_bytes) for r in range(pp)] == [
             get_activation_peak(capped, r, stage_bytes) for r in range(pp)
