@@ -7,7 +7,7 @@ in-flight count per stage (PP 4, PP 2 x DP 2), interleaving's (TP 2 x PP 2 x VPP
 parallelism, bf16), the zero-bubble orders' B/W split (ZBH1 at PP 4, InterleavedZeroBubble at TP 2 x
 PP 2 x VPP 2 with SP, ZBVZeroBubble at PP 2 x DP 2: what B leaves for W held until W), selective
 and full recompute (the checkpointed inputs in flight and the rebuilt layer during one backward),
-the distributed optimizer.
+an uneven split (--decoder-first/last-pipeline-num-layers), the distributed optimizer.
 
 What this validates is what autograd saves and the W queue holds, and the state; not the
 temporaries outside autograd or the margin (``memory.py`` states those).
@@ -75,6 +75,14 @@ LAYOUTS = {
         pipeline_schedule="InterleavedZeroBubble",
         sequence_parallel=True,
         global_batch_size=4,
+        bf16=True,
+        **LLAMA,
+    ),
+    "PP4 1F1B uneven (first stage 3 layers, last 1), Llama bf16": dict(
+        pipeline_model_parallel_size=4,
+        decoder_first_pipeline_num_layers=3,
+        decoder_last_pipeline_num_layers=1,
+        global_batch_size=8,
         bf16=True,
         **LLAMA,
     ),

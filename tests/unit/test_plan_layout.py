@@ -10,6 +10,7 @@ import re
 import time
 
 from megatron_ext.arguments import parse_args
+from megatron_ext.planning.planner import Layout
 from megatron_ext.validation import validate
 from tools.plan_layout import main
 
@@ -59,3 +60,56 @@ def test_of_two_equally_fast_layouts_the_one_with_less_memory_comes_first(monkey
         assert (a.time.total, a.memory.total) <= (b.time.total, b.memory.total), (a.layout, b.layout)
     tied = [c for c in fits if c.time.total == fits[0].time.total]
     assert len(tied) >= 2, [(c.layout.recompute, c.time.total) for c in fits]  # the tie this orders
+
+
+def test_an_uneven_last_stage_is_chosen_where_the_time_model_says_it_is_faster(capsys):
+    """Llama 3 8B at PP 4: the last rank also runs the output layer (6 h V FLOPs per token, about 1.8
+    layers), so 8 layers there make it the busiest. The planner offers the split that balances it and
+    ranks it first; it is the fastest of every last-stage (and first-stage) size the validation accepts,
+    priced one by one here with the same models, and its printed flags pass ``validate``."""
+    import dataclasses
+
+    from megatron_ext.planning.planner import evaluate
+    from megatron_ext.planning.step_time import Cluster
+
+    config = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    fix = "tp=8 pp=4 mbs=1 recompute=none schedule=1F1B"
+    assert main(["--config", config, "--gpus", "64", "--fix", fix, "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    argv = out.split("flags: ", 1)[1].splitlines()[0].split()
+    assert "--decoder-last-pipeline-num-layers" in argv, out
+    job = parse_args(["--config", config, *argv])
+    validate(job, 64)
+    chosen = int(argv[argv.index("--decoder-last-pipeline-num-layers") + 1])
+
+    cfg = parse_args(["--config", config])
+    cluster = Cluster(gpus=64, gpus_per_node=8, gpu_memory_gib=80.0)
+    even = Layout(8, 4, 1, "1F1B", 1, "none", True)
+    times = {}
+    for field in ("first_layers", "last_layers"):
+        for n in [None, *range(1, cfg.model.num_layers)]:
+            c = evaluate(cfg, dataclasses.replace(even, **{field: n}), cluster, cfg.data.vocab_size)
+            if c.time is not None:
+                times[(field, n)] = c.time.total
+    assert len(times) > 3, times  # the even split and a few uneven ones are valid
+    best = min(times, key=times.get)
+    assert best == ("last_layers", chosen), (best, chosen, times)
+    assert times[best] < times[("last_layers", None)] * 0.97, times  # noticeably faster than even
+
+
+def test_the_memory_model_counts_an_uneven_splits_parameters_as_the_model_builds_them():
+    """predict_memory's weights per pipeline rank of an uneven layout (first and last stage sizes) equal
+    the parameters of that layout's chunks built on ``meta`` (model/param_count.count_parameters)."""
+    from megatron_ext.model.param_count import count_parameters
+    from megatron_ext.planning.planner import apply_layout
+    from megatron_ext.planning.predict import predict_memory
+
+    cfg = parse_args(["--config", os.path.join(ROOT, "configs", "llama3-8b.yaml")])
+    for layout in (
+        Layout(8, 4, 1, "1F1B", 1, "none", True, None, 5),
+        Layout(8, 4, 2, "Interleaved1F1B", 1, "none", True, 6, 6),
+    ):
+        job = apply_layout(cfg, layout)
+        validate(job, 64)
+        predicted = [r.state.parameters // 2 for r in predict_memory(job, 64, cfg.data.vocab_size)]  # bf16 weights
+        assert predicted == count_parameters(job, cfg.data.vocab_size).per_pp_rank(), layout
