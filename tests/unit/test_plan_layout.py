@@ -113,3 +113,59 @@ def test_the_memory_model_counts_an_uneven_splits_parameters_as_the_model_builds
         validate(job, 64)
         predicted = [r.state.parameters // 2 for r in predict_memory(job, 64, cfg.data.vocab_size)]  # bf16 weights
         assert predicted == count_parameters(job, cfg.data.vocab_size).per_pp_rank(), layout
+
+
+# Meta's Llama 3 8B config.json (meta-llama/Meta-Llama-3-8B), as published
+LLAMA3_8B_HF = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 8192,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def test_the_model_from_an_hf_config_json(tmp_path, capsys):
+    """--hf-config: Llama 3 8B's config.json gives Llama 3 8B's 8,030,261,248 parameters (the count
+    transformers builds from it) and, over the reference config's training settings, the same top
+    layout as configs/llama3-8b.yaml (whose mock vocabulary is 128,257 ids: 1,048,576 more)."""
+    import json
+
+    import torch
+    import transformers
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B_HF))
+    with torch.device("meta"):
+        reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA3_8B_HF))
+    expected = sum(p.numel() for p in reference.parameters())
+    assert expected == 8_030_261_248
+
+    config = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    common = ["--gpus", "64", "--fix", "pp=4 mbs=1 recompute=none", "--top", "1"]
+    assert main(["--hf-config", str(path), "--config", config, *common]) == 0
+    from_hf = capsys.readouterr().out
+    assert main(["--config", config, *common]) == 0
+    from_yaml = capsys.readouterr().out
+    assert from_hf.startswith(f"{expected:,} parameters, 32 layers x hidden 4096"), from_hf
+    assert from_yaml.startswith(f"{expected + 1_048_576:,} parameters"), from_yaml
+    top = [out.split("flags: ", 1)[1].splitlines()[0] for out in (from_hf, from_yaml)]
+    assert top[0] == top[1], top
