@@ -13,7 +13,7 @@ import pytest
 
 from megatron_ext.pipeline.schedules import get_order
 from megatron_ext.pipeline.simulate import StageCosts, simulate_order
-from megatron_ext.planning.step_time import get_pipeline_units
+from megatron_ext.planning.step_time import get_pipeline_units, get_stage_costs
 
 LAYERS, TOKENS = 16, 32  # per step: every choice does the same work
 CHOICES = [
@@ -32,8 +32,12 @@ CHOICES = [
 
 
 def predicted(pp: int, schedule: str, vp: int, m: int) -> float:
-    unit = LAYERS / (pp * vp) * TOKENS / m  # one chunk-micro-batch's forward
-    makespan, _ = get_pipeline_units(schedule, pp, vp, m, round(0.05 * LAYERS / pp * TOKENS / 8 / unit, 4))
+    """The planner's pipeline part: stage costs of the layers plus the output layer on the last stage
+    (``get_stage_costs``; here 0.25 of a chunk, as ``measured``'s), in units of the mean chunk-forward."""
+    stages, per_chunk = pp * vp, LAYERS / (pp * vp)
+    unit = (LAYERS + 0.25 * per_chunk) / stages * TOKENS / m  # the mean chunk-micro-batch's forward
+    costs = get_stage_costs([int(per_chunk)] * stages, 0.25 * per_chunk)
+    makespan, _ = get_pipeline_units(schedule, pp, vp, m, round(0.05 * LAYERS / pp * TOKENS / 8 / unit, 4), costs)
     return makespan * unit
 
 
