@@ -169,3 +169,36 @@ def test_the_model_from_an_hf_config_json(tmp_path, capsys):
     assert from_yaml.startswith(f"{expected + 1_048_576:,} parameters"), from_yaml
     top = [out.split("flags: ", 1)[1].splitlines()[0] for out in (from_hf, from_yaml)]
     assert top[0] == top[1], top
+
+
+def test_a_qwen2_config_json_with_tied_embeddings_and_qkv_bias(tmp_path, capsys):
+    """Qwen2-0.5B's config.json (tied embeddings, QKV bias, 14 heads over 2 groups): the planner's
+    model has the parameters transformers builds from it."""
+    import json
+
+    import torch
+    import transformers
+
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 151936,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**hf)).parameters())
+    config = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    fix = ["--fix", "tp=1 pp=1 mbs=1 recompute=none", "--", "--seq-length", "4096"]
+    assert main(["--hf-config", str(path), "--config", config, "--gpus", "8", "--top", "1", *fix]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{expected:,} parameters, 24 layers x hidden 896"), out
