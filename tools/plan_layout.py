@@ -7,13 +7,16 @@ GPU, the bubble, the communication per step and the pretrain_gpt.py flags (docs/
         [--top 5] [--show "tp=4 pp=8 vpp=5"]
 
 The model and the training flags come from the config (``--config``, or any pretrain_gpt.py flags
-after ``--``), loaded as pretrain_gpt.py loads them. ``--show`` prints the layouts matching the
-given settings whether or not they fit, with why not.
+after ``--``), loaded as pretrain_gpt.py loads them; ``--hf-config config.json`` takes the model
+(Llama / Qwen2: layers, widths, heads, vocabulary, ...) from a Hugging Face config instead, as
+``tools/convert_checkpoint.py`` maps it, over the training settings of ``--config`` and the flags.
+``--show`` prints the layouts matching the given settings whether or not they fit, with why not.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -24,17 +27,19 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 
 quiet_known_warnings()
 
-from megatron_ext.arguments import parse_args  # noqa: E402
-from megatron_ext.config import JobConfig  # noqa: E402
+from megatron_ext.arguments import adjust_like_megatron, parse_args  # noqa: E402
+from megatron_ext.config import JobConfig, build_job_config  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.planning.memory import GIB  # noqa: E402
 from megatron_ext.planning.planner import Candidate, plan  # noqa: E402
+from megatron_ext.planning.predict import count_parts  # noqa: E402
 from megatron_ext.planning.step_time import (  # noqa: E402
     DEFAULT_ACHIEVABLE,
     DEFAULT_INTER_NODE_GBPS,
     DEFAULT_INTRA_NODE_GBPS,
     Cluster,
 )
+from tools.convert_checkpoint import hf_config_to_values  # noqa: E402
 
 
 def parse_settings(items: list[str]) -> dict[str, str]:
@@ -68,18 +73,36 @@ def describe(c: Candidate, rank: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def load_config(args: argparse.Namespace, extra: list[str]) -> JobConfig:
+def load_config(args: argparse.Namespace, extra: list[str]) -> tuple[JobConfig, int | None]:
+    """The job's config, and with ``--hf-config`` its model from that file and the vocabulary size
+    (the HF config's; else None: the tokenizer's)."""
     argv = (["--config", args.config] if args.config else []) + extra
     if args.seq_length:
         argv += ["--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length)]
     if args.global_batch_size:
         argv += ["--global-batch-size", str(args.global_batch_size)]
-    return parse_args(argv)
+    cfg = parse_args(argv)
+    if not args.hf_config:
+        return cfg, None
+    with open(args.hf_config) as f:
+        hf = json.load(f)
+    values = cfg.to_flat_dict()
+    values.update(hf_config_to_values(hf, values.get("make_vocab_size_divisible_by") or 128))
+    cfg = build_job_config(values)
+    adjust_like_megatron(cfg)
+    return cfg, hf["vocab_size"]
+
+
+def count_total_parameters(cfg: JobConfig, vocab_size: int) -> int:
+    """The model's parameters (one copy, TP 1)."""
+    parts = count_parts(cfg, vocab_size, 1)
+    return cfg.model.num_layers * parts.layer + parts.embedding + parts.head
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="a pretrain_gpt.py config (YAML/TOML); more flags after --")
+    p.add_argument("--hf-config", help="the model from a Hugging Face config.json (Llama, Qwen2) instead")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
@@ -95,9 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     start = time.perf_counter()
-    cfg = load_config(args, extra)
-    d = cfg.data
-    vocab = build_tokenizer(**get_tokenizer_args(d)).vocab_size
+    cfg, vocab = load_config(args, extra)
+    vocab = vocab or build_tokenizer(**get_tokenizer_args(cfg.data)).vocab_size
     cluster = Cluster(
         args.gpus, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.achievable,
         args.intra_node_gbps, args.inter_node_gbps,
@@ -106,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     candidates = plan(cfg, cluster, vocab, {**parse_settings(args.fix), **show})
     fitting = [c for c in candidates if not c.problems]
     print(
-        f"{cfg.model.num_layers} layers x hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}, global batch "
+        f"{count_total_parameters(cfg, vocab):,} parameters, {cfg.model.num_layers} layers x hidden "
+        f"{cfg.model.hidden_size}, seq {cfg.model.seq_length}, global batch "
         f"{cfg.training.global_batch_size} on {args.gpus} GPUs ({args.gpus_per_node} per node, {args.gpu_memory_gib:g} GiB, "
         f"{args.peak_tflops:g} TFLOP/s x {args.achievable:g}): {len(candidates)} layouts, "
         f"{sum(c.memory is not None for c in candidates)} valid, {len(fitting)} fit"

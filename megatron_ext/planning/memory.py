@@ -13,11 +13,14 @@ Per rank of pipeline rank r:
   coefficients ``tools/calibrate_memory.py`` fitted to measurements of the real megatron-core layers
   (``calibration.json``), one set per family (GPT with and without dropout, Llama: SwiGLU, GQA, RoPE),
   precision and recompute; the embedding and the head (final norm, output layer, loss) likewise.
-  A (stage, micro-batch) holds its bytes from its forward until its backward (BW) or weight
-  gradient (W): the peak walks the schedule's own action list (``pipeline/schedules``), so 1F1B's
-  rank r holds p - r micro-batches and interleaved / zero-bubble orders what their lists say.
-  Full recompute keeps each layer's input and rebuilds one layer's activations in its backward (a
-  transient of one layer without recompute).
+  A (stage, micro-batch) holds its bytes from its forward until its backward (BW); with a
+  zero-bubble B/W split, its B frees them but leaves each linear's input and output gradient for its
+  W (``get_wgrad_held_per_token``), and stage 0 (whose B does nothing) holds all until its W. The
+  peak walks the schedule's own action list (``pipeline/schedules``), so 1F1B's rank r holds p - r
+  micro-batches and interleaved / zero-bubble orders what their lists say. Full recompute keeps
+  each checkpointed group's input per micro-batch in flight; the group rebuilt in a backward (its
+  layers without recompute, its input counted once) exists during that backward only, after the
+  backward has freed the head's saves on the last stage.
 - **Temporaries outside autograd** (stated, not measured): the fp32 logits and the cross-entropy's
   fp32 temporaries on the last stage (2 x 4 bytes x vocabulary / TP per token), the sequence-parallel
   all-gather buffer (2 x hidden x dtype per token: the forward's gather and the backward's re-gather),
@@ -38,7 +41,7 @@ import os
 
 from megatron_ext.config import JobConfig
 from megatron_ext.derived import get_ffn_hidden_size, get_num_query_groups
-from megatron_ext.pipeline.actions import BW, F, PipelineOrder, W
+from megatron_ext.pipeline.actions import BW, B, F, PipelineOrder, W
 
 CALIBRATION_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 GIB = 1024**3
@@ -233,18 +236,56 @@ def get_stage_bytes(
     return out
 
 
-def get_activation_peak(order: PipelineOrder | None, pp_rank: int, stage_bytes: list[float]) -> float:
+def get_wgrad_held_per_token(shape: Shape, dtype_bytes: int) -> PerToken:
+    """Bytes per token a zero-bubble B leaves for its W (``model/wgrad_deferral.WeightGradWork``: each
+    linear's saved input and its output gradient, until W runs). Per layer: the QKV and fc1 inputs
+    (norm outputs, [s / SP, b, h]), the proj input [s, b, h / TP], the fc2 input [s, b, ffn / TP];
+    the output gradients of QKV [s, b, (h + K + V) / TP], proj and fc2 [s, b, h] (row-parallel:
+    whole), fc1 [s, b, (2 with SwiGLU) ffn / TP]. The head: the output layer's input [s / SP, b, h]
+    and the logits' gradient [s, b, vocabulary / TP]. The embedding has no deferred W."""
+    h, tp = shape.hidden, shape.tp
+    sp = tp if shape.sequence_parallel else 1
+    kv = 2 * shape.query_groups * (h // shape.heads)
+    inputs = 2 * h / sp + h / tp + shape.ffn / tp
+    grads = (h + kv) / tp + 2 * h + (2 if shape.swiglu else 1) * shape.ffn / tp
+    head = h / sp + shape.padded_vocab / tp
+    return PerToken(layer=(inputs + grads) * dtype_bytes, embedding=0.0, head=head * dtype_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBytes:
+    """What one micro-batch costs each stage (lists by stage): ``saved`` from its F to its backward;
+    ``held_for_w`` from a split B to its W (what B leaves for W); ``backward_extra`` on top of the
+    bytes in flight while its backward runs (full recompute's rebuilt layers, less what that
+    backward freed before rebuilding them: the head's saves on the last stage)."""
+
+    saved: list[float]
+    held_for_w: list[float]
+    backward_extra: list[float]
+
+
+def get_activation_peak(order: PipelineOrder | None, pp_rank: int, stages: StageBytes) -> float:
     """Peak bytes pipeline rank ``pp_rank`` holds walking its action list: a (stage, micro-batch)
-    adds its bytes at its F and frees them at its BW or W. No order (no pipelining): one micro-batch."""
+    adds ``saved`` at its F; a BW frees it; a B (input gradient) frees it but keeps ``held_for_w``
+    until its W. Stage 0's B does nothing (nothing waits for its input gradient: the runtime runs its
+    whole backward in W), so stage 0 holds ``saved`` until W. While a backward runs (BW, B, stage
+    0's W) ``backward_extra`` comes on top. No order (no pipelining): one micro-batch."""
     if order is None:
-        return stage_bytes[0]
+        return stages.saved[0] + max(0.0, stages.backward_extra[0])
     live = peak = 0.0
     for a in order.ranks[pp_rank]:
+        s = a.stage
         if a.kind == F:
-            live += stage_bytes[a.stage]
+            live += stages.saved[s]
             peak = max(peak, live)
-        elif a.kind in (W, BW):
-            live -= stage_bytes[a.stage]
+        elif a.kind == BW or (a.kind == B and s != 0) or (a.kind == W and s == 0):
+            peak = max(peak, live + stages.backward_extra[s])
+            live -= stages.saved[s]
+            if a.kind == B:
+                live += stages.held_for_w[s]
+                peak = max(peak, live)
+        elif a.kind == W:
+            live -= stages.held_for_w[s]
     return peak
 
 
@@ -255,7 +296,7 @@ class RankMemory:
     state: StateBytes
     activations: float  # saved for backward, at the schedule's peak (the recompute transient included)
     temporaries: float  # outside autograd (module docstring)
-    recompute_transient: float = 0.0  # of ``activations``: the layers full recompute rebuilds at once in the backward
+    recompute_transient: float = 0.0  # the layers full recompute rebuilds at once in a backward (at most)
 
     @property
     def margin(self) -> float:

@@ -10,8 +10,11 @@ outside autograd (the schedule's own tensor lists, communication buffers, logits
 loss's backward, allocator slack): the memory model states those separately.
 
 ``attribute(module, name)`` labels what is saved while ``module``'s forward runs (forward hooks);
-``by_label`` then splits the bytes saved so far by label (the innermost labelled module wins, the
-rest is ``""``). One meter per process; CPU and CUDA alike.
+``by_label`` then splits the bytes live now by the label they were first saved under (the innermost
+labelled module wins, the rest is ``""``). Live, not ever saved: a checkpointed layer's forward
+(full recompute) runs megatron-core's bias-dropout-add under ``enable_grad``, whose dropout masks
+are saved and dropped with that inner graph before the layer returns; they are not held until the
+backward. One meter per process; CPU and CUDA alike.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ class SavedBytesMeter:
         self.peak = 0
         self._count: dict[tuple, int] = collections.Counter()
         self._nbytes: dict[tuple, int] = {}
+        self._label_of: dict[tuple, str] = {}
         self._labels: list[str] = []
-        self.by_label: dict[str, int] = collections.Counter()  # bytes first saved under each label
+        self.by_label: dict[str, int] = collections.Counter()  # live bytes by the label first saved under
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -63,13 +67,22 @@ class SavedBytesMeter:
             self._nbytes[key] = nbytes
             self.live += nbytes
             self.peak = max(self.peak, self.live)
-            self.by_label[self._labels[-1] if self._labels else ""] += nbytes
+            label = self._labels[-1] if self._labels else ""
+            self._label_of[key] = label
+            self.by_label[label] += nbytes
 
     def _release(self, key: tuple) -> None:
         self._count[key] -= 1
         if self._count[key] == 0:
             del self._count[key]
-            self.live -= self._nbytes.pop(key)
+            nbytes = self._nbytes.pop(key)
+            self.live -= nbytes
+            self.by_label[self._label_of.pop(key)] -= nbytes
+
+    def hold(self, tensor: torch.Tensor) -> object:
+        """Count ``tensor``'s storage (once, as any save of it) while the returned token lives: what
+        code outside autograd keeps for the backward (a deferred weight gradient's tensors)."""
+        return _Token(self, tensor)
 
     @contextlib.contextmanager
     def track(self) -> Iterator[SavedBytesMeter]:

@@ -6,19 +6,23 @@ Enumerated: TP dividing the GPUs of a node (TP never spans nodes), PP dividing t
 GPUs, schedule (1F1B, ZBH1; Interleaved1F1B and InterleavedZeroBubble for every VPP that divides a
 rank's layers, up to ``MAX_VPP``; ZBVZeroBubble), micro-batch size 1, 2, 4, recompute none /
 selective / full (uniform, 1 layer), the distributed optimizer on when DP > 1; sequence parallelism
-on with TP > 1. Constraints (``--fix tp=8``) pin any of tp, pp, vpp, schedule, mbs, recompute.
+on with TP > 1; beside each even pipeline split (schedules other than the V placement's, which refuse
+it), the uneven one (--decoder-first/last-pipeline-num-layers) that best balances the ranks' compute
+with the output layer on the last (``get_balanced_split``), where one is better. Constraints
+(``--fix tp=8``) pin any of tp, pp, vpp, schedule, mbs, recompute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.derived import get_num_microbatches, get_padded_vocab_size
 from megatron_ext.planning.memory import GIB, RankMemory
-from megatron_ext.planning.predict import count_parts, predict_memory
-from megatron_ext.planning.step_time import Cluster, StepTime, predict_step_time
+from megatron_ext.planning.predict import count_parts, get_stage_layers, predict_memory
+from megatron_ext.planning.step_time import Cluster, StepTime, get_stage_costs, predict_step_time
 from megatron_ext.training.metrics import num_floating_point_operations
 from megatron_ext.validation import validate
 
@@ -40,6 +44,8 @@ class Layout:
     micro_batch: int
     recompute: str
     distributed_optimizer: bool
+    first_layers: int | None = None  # --decoder-first-pipeline-num-layers (None: even)
+    last_layers: int | None = None  # --decoder-last-pipeline-num-layers
 
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags that select this layout."""
@@ -47,6 +53,10 @@ class Layout:
         out += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp) if self.vpp > 1 else "0"]
         if self.schedule:
             out += ["--pipeline-schedule", self.schedule]
+        if self.first_layers is not None:
+            out += ["--decoder-first-pipeline-num-layers", str(self.first_layers)]
+        if self.last_layers is not None:
+            out += ["--decoder-last-pipeline-num-layers", str(self.last_layers)]
         out += ["--micro-batch-size", str(self.micro_batch)]
         # (no --no-* spelling exists for these two: over a config that sets them, a layout without them
         # needs them removed from the config, which ``describe_flags`` says)
@@ -69,6 +79,8 @@ class Layout:
             f"PP {self.pp}"
             + (f" x VPP {self.vpp}" if self.vpp > 1 else "")
             + (f" {self.schedule}" if self.schedule else "")
+            + (f", first stage {self.first_layers} layers" if self.first_layers is not None else "")
+            + (f", last stage {self.last_layers} layers" if self.last_layers is not None else "")
         )
         return (
             f"TP {self.tp} x {pipe}, micro-batch {self.micro_batch}, recompute {self.recompute}"
@@ -87,6 +99,7 @@ class Candidate:
 
 
 def apply_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
+    uneven = layout.first_layers is not None or layout.last_layers is not None
     p = dataclasses.replace(
         cfg.parallel,
         tensor_model_parallel_size=layout.tp,
@@ -94,6 +107,13 @@ def apply_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
         num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=None,
         pipeline_schedule=layout.schedule,
+        decoder_first_pipeline_num_layers=layout.first_layers,
+        decoder_last_pipeline_num_layers=layout.last_layers,
+        **(
+            dict(account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+            if uneven
+            else {}
+        ),
         sequence_parallel=layout.tp > 1,
         use_distributed_optimizer=layout.distributed_optimizer,
         overlap_param_gather=cfg.parallel.overlap_param_gather and layout.distributed_optimizer,
@@ -107,26 +127,70 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(cfg: JobConfig, cluster: Cluster, fixed: dict[str, str]) -> list[Layout]:
+def get_head_layers(cfg: JobConfig, vocab_size: int, tp: int) -> float:
+    """The output layer's FLOPs in transformer layers (Megatron-LM's count: 6 h V per token against a
+    layer's, attention over the whole sequence included), with the vocabulary padded for ``tp``."""
+    m = cfg.model
+    job = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=tp))
+    vocab = get_padded_vocab_size(vocab_size, job)
+    total = num_floating_point_operations(m, vocab, m.seq_length, m.seq_length**2)
+    head = 6.0 * m.hidden_size * vocab * m.seq_length
+    return round(head / ((total - head) / m.num_layers), 2)  # TPs' paddings share one simulation
+
+
+@functools.cache
+def get_balanced_split(layers: int, pp: int, vpp: int, head_layers: float) -> tuple[int | None, int | None] | None:
+    """(first, last) pipeline rank's layers (--decoder-first/last-pipeline-num-layers; None: that rank
+    even) minimizing the busiest rank's compute, the last rank's output layer counted as ``head_layers``
+    layers; None when the even split (if the layers divide) is as good. Each count a positive multiple
+    of ``vpp``, the middle ranks' layers split evenly into whole chunks (megatron-core's rules)."""
+
+    def busiest(first: int | None, last: int | None) -> float | None:
+        middle_layers = layers - (first or 0) - (last or 0)
+        middle_ranks = pp - (first is not None) - (last is not None)
+        if middle_ranks == 0:
+            per = 0
+            if middle_layers or vpp > 1:
+                return None
+        elif middle_layers <= 0 or middle_layers % middle_ranks or (middle_layers // middle_ranks) % vpp:
+            return None
+        else:
+            per = middle_layers // middle_ranks
+        inner = [per] if pp > 2 else []  # the ranks between the first and the last
+        return max([per if first is None else first, (per if last is None else last) + head_layers, *inner])
+
+    sizes = [None, *range(vpp, layers, vpp)]
+    options = [(busiest(f, la), (f is not None) + (la is not None), f, la) for f in sizes for la in sizes]
+    options = sorted((o for o in options if o[0] is not None), key=lambda o: o[:2])
+    if not options or options[0][1] == 0:
+        return None
+    even = next((o for o in options if o[1] == 0), None)
+    best = options[0]
+    return (best[2], best[3]) if even is None or best[0] < even[0] - 1e-9 else None
+
+
+def enumerate_layouts(cfg: JobConfig, cluster: Cluster, fixed: dict[str, str], vocab_size: int) -> list[Layout]:
     layers = cfg.model.num_layers
     out = []
     for tp in _divisors(cluster.gpus_per_node):
+        head_layers = get_head_layers(cfg, vocab_size, tp)
         for pp in _divisors(layers):
             if cluster.gpus % (tp * pp):
                 continue
             dp = cluster.gpus // (tp * pp)
-            pipes = [(1, None)]
+            pipes = [(1, None, None)]
             if pp > 1:
                 per_rank = layers // pp
-                pipes = [(1, "1F1B"), (1, "ZBH1"), (2, "ZBVZeroBubble")]
-                pipes += [
-                    (v, s)
-                    for v in _divisors(per_rank)[1:]
-                    if v <= MAX_VPP
-                    for s in ("Interleaved1F1B", "InterleavedZeroBubble")
-                ]
-            for (vpp, schedule), mbs, recompute in itertools.product(pipes, MICRO_BATCHES, RECOMPUTE):
-                layout = Layout(tp, pp, vpp, schedule, mbs, recompute, dp > 1)
+                split = get_balanced_split(layers, pp, 1, head_layers)
+                pipes = [(1, "1F1B", None), (1, "ZBH1", None), (2, "ZBVZeroBubble", None)]
+                pipes += [(1, s, split) for s in ("1F1B", "ZBH1") if split]
+                for v in _divisors(per_rank)[1:]:
+                    if v <= MAX_VPP:
+                        split = get_balanced_split(layers, pp, v, head_layers)
+                        for s in ("Interleaved1F1B", "InterleavedZeroBubble"):
+                            pipes += [(v, s, None)] + ([(v, s, split)] if split else [])
+            for (vpp, schedule, split), mbs, recompute in itertools.product(pipes, MICRO_BATCHES, RECOMPUTE):
+                layout = Layout(tp, pp, vpp, schedule, mbs, recompute, dp > 1, *(split or (None, None)))
                 if all(
                     str(getattr(layout, k if k != "mbs" else "micro_batch")).lower() == v.lower()
                     for k, v in fixed.items()
@@ -146,7 +210,8 @@ def get_problems(job: JobConfig, world_size: int) -> tuple[str, ...]:
 
 def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, cache: dict | None = None) -> Candidate:
     """``cache``: validation results by layout without its recompute (the planner's recompute
-    settings are valid for every layout: full recompute of 1 layer in uniform groups)."""
+    settings are valid for every layout: full recompute of 1 layer in uniform groups), and the output
+    layer's FLOPs in layers by TP."""
     job = apply_layout(cfg, layout)
     dp = cluster.gpus // (layout.tp * layout.pp)
     key = dataclasses.replace(layout, recompute="none")
@@ -155,6 +220,8 @@ def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, 
         cache[key] = get_problems(job, cluster.gpus)
     if cache[key]:
         return Candidate(layout, dp, 0, None, None, cache[key])
+    if ("head", layout.tp) not in cache:
+        cache[("head", layout.tp)] = get_head_layers(cfg, vocab_size, layout.tp)
     m = get_num_microbatches(job, cluster.gpus)
     ranks = predict_memory(job, cluster.gpus, vocab_size, count_parts(job, vocab_size, layout.tp))
     worst = max(ranks, key=lambda r: r.total)
@@ -182,6 +249,7 @@ def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, 
         2 if (t.bf16 or t.fp16) else 4,
         max(r.state.gradients for r in ranks),
         job.parallel.overlap_grad_reduce,
+        get_stage_costs(get_stage_layers(job), cache[("head", layout.tp)]) if layout.pp > 1 else None,
     )
     return Candidate(layout, dp, m, worst, time, problems)
 
@@ -192,7 +260,8 @@ def plan(cfg: JobConfig, cluster: Cluster, vocab_size: int, fixed: dict[str, str
     often tie in time)."""
     cache: dict = {}
     candidates = [
-        evaluate(cfg, layout, cluster, vocab_size, cache) for layout in enumerate_layouts(cfg, cluster, fixed)
+        evaluate(cfg, layout, cluster, vocab_size, cache)
+        for layout in enumerate_layouts(cfg, cluster, fixed, vocab_size)
     ]
     return sorted(
         candidates,

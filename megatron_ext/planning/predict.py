@@ -25,8 +25,11 @@ from megatron_ext.derived import (
 from megatron_ext.model.param_count import count_parameters
 from megatron_ext.pipeline.actions import PipelineOrder
 from megatron_ext.planning.memory import (
+    PerToken,
     RankMemory,
     RecomputePlan,
+    Shape,
+    StageBytes,
     get_activation_peak,
     get_family,
     get_recompute_kind,
@@ -35,6 +38,7 @@ from megatron_ext.planning.memory import (
     get_stage_bytes,
     get_state_bytes,
     get_temporaries,
+    get_wgrad_held_per_token,
 )
 from megatron_ext.planning.step_time import get_cached_order
 
@@ -133,6 +137,28 @@ def get_pipeline_order(cfg: JobConfig, world_size: int) -> PipelineOrder | None:
     return get_cached_order(get_schedule(cfg), pp, vp, m)
 
 
+def get_stage_memory(
+    stage_layers: list[int], shape: Shape, saved: PerToken, plain: PerToken, plan: RecomputePlan, dtype_bytes: int
+) -> StageBytes:
+    """A micro-batch's bytes per stage (``memory.StageBytes``): ``saved`` the calibrated figure of the
+    job's recompute kind, ``plain`` that without recompute. Under full recompute a checkpointed group
+    keeps its input (``saved.layer`` per layer), and its backward rebuilds ``k`` plain layers whose
+    first input is that kept input (counted once), after freeing the head's saves on the last stage."""
+    per_token = dataclasses.replace(saved, layer=plain.layer)
+    tokens, last = shape.tokens, len(stage_layers) - 1
+    held = get_wgrad_held_per_token(shape, dtype_bytes)
+    extra = []
+    for s, n in enumerate(stage_layers):
+        rebuilt = plan.split(n)[2]
+        e = (rebuilt * plain.layer - saved.layer) * tokens if rebuilt else 0.0
+        extra.append(e - (saved.head * tokens if rebuilt and s == last else 0.0))
+    return StageBytes(
+        saved=get_stage_bytes(stage_layers, tokens, per_token, saved.layer, plan),
+        held_for_w=[(n * held.layer + (held.head if s == last else 0.0)) * tokens for s, n in enumerate(stage_layers)],
+        backward_extra=extra,
+    )
+
+
 def predict_memory(
     cfg: JobConfig, world_size: int, vocab_size: int, parts: PartCounts | None = None
 ) -> list[RankMemory]:
@@ -145,23 +171,21 @@ def predict_memory(
     saved = get_saved_per_token(family, precision, kind, shape)
     plain = get_saved_per_token(family, precision, "none", shape) if kind == "full" else saved
     plan = RecomputePlan(kind, m.recompute_method, m.recompute_num_layers or 1)
-    # under full recompute a checkpointed layer keeps ``saved.layer`` (its input), a plain one ``plain.layer``
-    per_token = dataclasses.replace(saved, layer=plain.layer)
     stage_layers = get_stage_layers(cfg)
-    stage_bytes = get_stage_bytes(stage_layers, shape.tokens, per_token, saved.layer, plan)
+    stages = get_stage_memory(stage_layers, shape, saved, plain, plan, 2 if precision == "bf16" else 4)
     order = get_pipeline_order(cfg, world_size)
     params = get_rank_parameters(
         parts or count_parts(cfg, vocab_size, p.tensor_model_parallel_size), stage_layers, order
     )
     dp = get_data_parallel_size(cfg, world_size)
-    transient = max(plan.split(n)[2] for n in stage_layers) * plain.layer * shape.tokens
+    transient = max([0.0, *stages.backward_extra])
     last_rank = order.rank_of(len(stage_layers) - 1) if order is not None else 0
     out = []
     for r, n in enumerate(params):
         out.append(
             RankMemory(
                 state=get_state_bytes(cfg, n, dp),
-                activations=get_activation_peak(order, r, stage_bytes) + transient,
+                activations=get_activation_peak(order, r, stages),
                 recompute_transient=transient,
                 temporaries=get_temporaries(shape, 2 if precision == "bf16" else 4, r == last_rank, order is not None),
             )

@@ -4,10 +4,13 @@ the simulated device and communication volumes. Stated, not validated, except th
 - Compute: Megatron-LM's model FLOPs (``training/metrics.num_floating_point_operations``; full
   recompute adds one forward, x 4/3) over ``peak_tflops x achievable`` per GPU (``achievable``
   stated, 0.5 by default: Megatron-Core's 41-48% MFU on H100, docs/benchmarks.md).
-- Pipeline: the schedule's own action list run by ``pipeline/simulate.simulate_order`` with
-  uniform chunk costs (forward 1, input gradient 1, weight gradient 1 per chunk-micro-batch) and
-  the P2P hop in those units: step = makespan x one chunk-forward's seconds. This is the part a
-  test checks against the simulated device (tests/unit/test_step_time.py).
+- Pipeline: the schedule's own action list run by ``pipeline/simulate.simulate_order`` with each
+  stage's cost in units of the mean chunk-forward (``get_stage_costs``: its layers' FLOPs, plus the
+  output layer's on the last stage; forward, input gradient and weight gradient alike) and the P2P
+  hop in those units: step = makespan x one mean chunk-forward's seconds. The stage costs are what
+  makes an uneven split (--decoder-first/last-pipeline-num-layers) faster when the last stage gives
+  the output layer's share back in layers. This is the part a test checks against the simulated
+  device (tests/unit/test_step_time.py).
 - TP: per layer and micro-batch, 2 all-reduces forward and 2 backward of the [s, b, h] activation
   (sequence parallel: all-gathers and reduce-scatters of the same volume), ring cost 2 (t-1)/t x
   bytes at the intra-node bandwidth, not overlapped.
@@ -68,23 +71,39 @@ class StepTime:
         return self.pipeline + self.dp_exposed
 
 
+def get_stage_costs(stage_layers: list[int], head_layers: float) -> tuple[float, ...]:
+    """Each stage's compute in units of the mean stage's: its layers, plus ``head_layers`` (the output
+    layer's FLOPs in layers: 6 h V per token against a layer's) on the last stage; rounded so that
+    equal layouts share one simulation. The embedding's lookup is left out (no FLOPs)."""
+    loads = [float(n) for n in stage_layers]
+    loads[-1] += head_layers
+    mean = sum(loads) / len(loads)
+    return tuple(round(x / mean, 4) for x in loads)
+
+
 @functools.lru_cache(maxsize=4096)
-def _simulate_units(schedule: str, pp: int, vp: int, m: int, hop_units: float) -> float:
+def _simulate_units(
+    schedule: str, pp: int, vp: int, m: int, hop_units: float, stage_costs: tuple[float, ...] | None
+) -> float:
     order = get_cached_order(schedule, pp, vp, m)
-    return simulate_order(order, StageCosts.uniform(pp * vp, 1.0, 1.0, 1.0), hop=hop_units).makespan
+    costs = StageCosts(stage_costs, stage_costs, stage_costs) if stage_costs else StageCosts.uniform(pp * vp, 1, 1, 1)
+    return simulate_order(order, costs, hop=hop_units).makespan
 
 
-def get_pipeline_units(schedule: str, pp: int, vp: int, m: int, hop_units: float) -> tuple[float, float]:
-    """(makespan, ideal) of the schedule in chunk-forward units (forward 1, B 1, W 1). Beyond
+def get_pipeline_units(
+    schedule: str, pp: int, vp: int, m: int, hop_units: float, stage_costs: tuple[float, ...] | None = None
+) -> tuple[float, float]:
+    """(makespan, ideal) of the schedule in mean chunk-forward units (forward, B and W each 1 per
+    chunk-micro-batch, or ``stage_costs[s]`` on stage s: ``get_stage_costs``). Beyond
     ``simulated`` = max(4 p, 16) micro-batches (a multiple of p) the steady state adds the same
     time per micro-batch: the makespan is extrapolated from the simulations at that m and p more
     (the greedy zero-bubble orders at m = 1536 would take minutes to generate)."""
     ideal = 3.0 * vp * m
     simulated = -(-max(4 * pp, 16) // pp) * pp
     if m <= simulated + pp:
-        return _simulate_units(schedule, pp, vp, m, hop_units), ideal
-    low = _simulate_units(schedule, pp, vp, simulated, hop_units)
-    high = _simulate_units(schedule, pp, vp, simulated + pp, hop_units)
+        return _simulate_units(schedule, pp, vp, m, hop_units, stage_costs), ideal
+    low = _simulate_units(schedule, pp, vp, simulated, hop_units, stage_costs)
+    high = _simulate_units(schedule, pp, vp, simulated + pp, hop_units, stage_costs)
     return high + (high - low) / pp * (m - simulated - pp), ideal
 
 
@@ -104,8 +123,10 @@ def predict_step_time(
     dtype_bytes: int,
     grad_bytes_per_gpu: float,
     overlap_grad_reduce: bool,
+    stage_costs: tuple[float, ...] | None = None,
 ) -> StepTime:
-    """Seconds per step (module docstring); ``flops_per_step`` of the whole global batch."""
+    """Seconds per step (module docstring); ``flops_per_step`` of the whole global batch;
+    ``stage_costs`` relative per stage (``get_stage_costs``; None: uniform)."""
     gpus = tp * pp * dp
     flops_time = flops_per_step / gpus / (cluster.peak_tflops * 1e12 * cluster.achievable)
     act = tokens_per_microbatch * hidden * dtype_bytes  # [s, b, h]
@@ -116,7 +137,8 @@ def predict_step_time(
     if pp > 1:
         chunk_forward = compute / (m * vp * 3)  # one chunk-micro-batch's forward (backward twice that)
         hop = P2P_LATENCY_S + p2p_bytes / (cluster.inter_node_gbps * 1e9)
-        makespan, ideal = get_pipeline_units(schedule or "1F1B", pp, vp, m, round(hop / chunk_forward, 4))
+        hop_units = round(hop / chunk_forward, 4)
+        makespan, ideal = get_pipeline_units(schedule or "1F1B", pp, vp, m, hop_units, stage_costs)
         pipeline = compute * makespan / ideal
     else:
         pipeline = compute

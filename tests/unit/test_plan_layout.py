@@ -10,6 +10,7 @@ import re
 import time
 
 from megatron_ext.arguments import parse_args
+from megatron_ext.planning.planner import Layout
 from megatron_ext.validation import validate
 from tools.plan_layout import main
 
@@ -59,3 +60,145 @@ def test_of_two_equally_fast_layouts_the_one_with_less_memory_comes_first(monkey
         assert (a.time.total, a.memory.total) <= (b.time.total, b.memory.total), (a.layout, b.layout)
     tied = [c for c in fits if c.time.total == fits[0].time.total]
     assert len(tied) >= 2, [(c.layout.recompute, c.time.total) for c in fits]  # the tie this orders
+
+
+def test_an_uneven_last_stage_is_chosen_where_the_time_model_says_it_is_faster(capsys):
+    """Llama 3 8B at PP 4: the last rank also runs the output layer (6 h V FLOPs per token, about 1.8
+    layers), so 8 layers there make it the busiest. The planner offers the split that balances it and
+    ranks it first; it is the fastest of every last-stage (and first-stage) size the validation accepts,
+    priced one by one here with the same models, and its printed flags pass ``validate``."""
+    import dataclasses
+
+    from megatron_ext.planning.planner import evaluate
+    from megatron_ext.planning.step_time import Cluster
+
+    config = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    fix = "tp=8 pp=4 mbs=1 recompute=none schedule=1F1B"
+    assert main(["--config", config, "--gpus", "64", "--fix", fix, "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    argv = out.split("flags: ", 1)[1].splitlines()[0].split()
+    assert "--decoder-last-pipeline-num-layers" in argv, out
+    job = parse_args(["--config", config, *argv])
+    validate(job, 64)
+    chosen = int(argv[argv.index("--decoder-last-pipeline-num-layers") + 1])
+
+    cfg = parse_args(["--config", config])
+    cluster = Cluster(gpus=64, gpus_per_node=8, gpu_memory_gib=80.0)
+    even = Layout(8, 4, 1, "1F1B", 1, "none", True)
+    times = {}
+    for field in ("first_layers", "last_layers"):
+        for n in [None, *range(1, cfg.model.num_layers)]:
+            c = evaluate(cfg, dataclasses.replace(even, **{field: n}), cluster, cfg.data.vocab_size)
+            if c.time is not None:
+                times[(field, n)] = c.time.total
+    assert len(times) > 3, times  # the even split and a few uneven ones are valid
+    best = min(times, key=times.get)
+    assert best == ("last_layers", chosen), (best, chosen, times)
+    assert times[best] < times[("last_layers", None)] * 0.97, times  # noticeably faster than even
+
+
+def test_the_memory_model_counts_an_uneven_splits_parameters_as_the_model_builds_them():
+    """predict_memory's weights per pipeline rank of an uneven layout (first and last stage sizes) equal
+    the parameters of that layout's chunks built on ``meta`` (model/param_count.count_parameters)."""
+    from megatron_ext.model.param_count import count_parameters
+    from megatron_ext.planning.planner import apply_layout
+    from megatron_ext.planning.predict import predict_memory
+
+    cfg = parse_args(["--config", os.path.join(ROOT, "configs", "llama3-8b.yaml")])
+    for layout in (
+        Layout(8, 4, 1, "1F1B", 1, "none", True, None, 5),
+        Layout(8, 4, 2, "Interleaved1F1B", 1, "none", True, 6, 6),
+    ):
+        job = apply_layout(cfg, layout)
+        validate(job, 64)
+        predicted = [r.state.parameters // 2 for r in predict_memory(job, 64, cfg.data.vocab_size)]  # bf16 weights
+        assert predicted == count_parameters(job, cfg.data.vocab_size).per_pp_rank(), layout
+
+
+# Meta's Llama 3 8B config.json (meta-llama/Meta-Llama-3-8B), as published
+LLAMA3_8B_HF = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 8192,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def test_the_model_from_an_hf_config_json(tmp_path, capsys):
+    """--hf-config: Llama 3 8B's config.json gives Llama 3 8B's 8,030,261,248 parameters (the count
+    transformers builds from it) and, over the reference config's training settings, the same top
+    layout as configs/llama3-8b.yaml (whose mock vocabulary is 128,257 ids: 1,048,576 more)."""
+    import json
+
+    import torch
+    import transformers
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B_HF))
+    with torch.device("meta"):
+        reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA3_8B_HF))
+    expected = sum(p.numel() for p in reference.parameters())
+    assert expected == 8_030_261_248
+
+    config = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    common = ["--gpus", "64", "--fix", "pp=4 mbs=1 recompute=none", "--top", "1"]
+    assert main(["--hf-config", str(path), "--config", config, *common]) == 0
+    from_hf = capsys.readouterr().out
+    assert main(["--config", config, *common]) == 0
+    from_yaml = capsys.readouterr().out
+    assert from_hf.startswith(f"{expected:,} parameters, 32 layers x hidden 4096"), from_hf
+    assert from_yaml.startswith(f"{expected + 1_048_576:,} parameters"), from_yaml
+    top = [out.split("flags: ", 1)[1].splitlines()[0] for out in (from_hf, from_yaml)]
+    assert top[0] == top[1], top
+
+
+def test_a_qwen2_config_json_with_tied_embeddings_and_qkv_bias(tmp_path, capsys):
+    """Qwen2-0.5B's config.json (tied embeddings, QKV bias, 14 heads over 2 groups): the planner's
+    model has the parameters transformers builds from it."""
+    import json
+
+    import torch
+    import transformers
+
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 151936,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**hf)).parameters())
+    config = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    fix = ["--fix", "tp=1 pp=1 mbs=1 recompute=none", "--", "--seq-length", "4096"]
+    assert main(["--hf-config", str(path), "--config", config, "--gpus", "8", "--top", "1", *fix]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{expected:,} parameters, 24 layers x hidden 896"), out

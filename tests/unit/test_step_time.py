@@ -13,7 +13,7 @@ import pytest
 
 from megatron_ext.pipeline.schedules import get_order
 from megatron_ext.pipeline.simulate import StageCosts, simulate_order
-from megatron_ext.planning.step_time import get_pipeline_units
+from megatron_ext.planning.step_time import get_pipeline_units, get_stage_costs
 
 LAYERS, TOKENS = 16, 32  # per step: every choice does the same work
 CHOICES = [
@@ -32,8 +32,12 @@ CHOICES = [
 
 
 def predicted(pp: int, schedule: str, vp: int, m: int) -> float:
-    unit = LAYERS / (pp * vp) * TOKENS / m  # one chunk-micro-batch's forward
-    makespan, _ = get_pipeline_units(schedule, pp, vp, m, round(0.05 * LAYERS / pp * TOKENS / 8 / unit, 4))
+    """The planner's pipeline part: stage costs of the layers plus the output layer on the last stage
+    (``get_stage_costs``; here 0.25 of a chunk, as ``measured``'s), in units of the mean chunk-forward."""
+    stages, per_chunk = pp * vp, LAYERS / (pp * vp)
+    unit = (LAYERS + 0.25 * per_chunk) / stages * TOKENS / m  # the mean chunk-micro-batch's forward
+    costs = get_stage_costs([int(per_chunk)] * stages, 0.25 * per_chunk)
+    makespan, _ = get_pipeline_units(schedule, pp, vp, m, round(0.05 * LAYERS / pp * TOKENS / 8 / unit, 4), costs)
     return makespan * unit
 
 
@@ -77,13 +81,16 @@ def test_the_memory_models_capped_order_has_the_full_orders_peak(schedule, vp):
     """The planner reads each rank's peak in flight from an order of at most max(4 p, 16) micro-batches
     (the greedy zero-bubble orders at m = 1536 took minutes): the peak of the full order, per rank."""
     from megatron_ext.pipeline.schedules import get_order
-    from megatron_ext.planning.memory import get_activation_peak
+    from megatron_ext.planning.memory import StageBytes, get_activation_peak
     from megatron_ext.planning.predict import get_memory_microbatches
 
     for pp in (2, 4):
         cap = get_memory_microbatches(pp, 10**6)
         assert cap == -(-max(4 * pp, 16) // pp) * pp and get_memory_microbatches(pp, 3) == 3
-        stage_bytes = [1.0 + s for s in range(pp * vp)]  # every stage its own size: a wrong stage shows
+        n = pp * vp  # every stage its own sizes: a wrong stage shows
+        stage_bytes = StageBytes(
+            [1.0 + s for s in range(n)], [0.5 + s / 7 for s in range(n)], [0.25 * s for s in range(n)]
+        )
         full, capped = get_order(schedule, pp, vp, 2 * cap), get_order(schedule, pp, vp, cap)
         assert [get_activation_peak(full, r, stage_bytes) for r in range(pp)] == [
             get_activation_peak(capped, r, stage_bytes) for r in range(pp)
