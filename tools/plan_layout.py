@@ -9,7 +9,7 @@ GPU, the bubble, the communication per step and the pretrain_gpt.py flags (docs/
 The model and the training flags come from the config (``--config``, or any pretrain_gpt.py flags
 after ``--``), loaded as pretrain_gpt.py loads them; ``--hf-config config.json`` takes the model
 (Llama / Qwen2: layers, widths, heads, vocabulary, ...) from a Hugging Face config instead, as
-``tools/convert_checkpoint.py`` maps it, over the training settings of ``--config`` and the flags.
+``megatron_ext/hf/config.py`` maps it (the converter's mapping), over the training settings of ``--config`` and the flags.
 ``--show`` prints the layouts matching the given settings whether or not they fit, with why not.
 """
 
@@ -30,6 +30,7 @@ quiet_known_warnings()
 from megatron_ext.arguments import adjust_like_megatron, parse_args  # noqa: E402
 from megatron_ext.config import JobConfig, build_job_config  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
+from megatron_ext.hf.config import hf_config_to_values  # noqa: E402
 from megatron_ext.planning.memory import GIB  # noqa: E402
 from megatron_ext.planning.planner import Candidate, plan  # noqa: E402
 from megatron_ext.planning.predict import count_parts  # noqa: E402
@@ -39,7 +40,6 @@ from megatron_ext.planning.step_time import (  # noqa: E402
     DEFAULT_INTRA_NODE_GBPS,
     Cluster,
 )
-from tools.convert_checkpoint import hf_config_to_values  # noqa: E402
 
 
 def parse_settings(items: list[str]) -> dict[str, str]:

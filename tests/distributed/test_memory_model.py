@@ -94,6 +94,19 @@ LAYOUTS = {
         **LLAMA,
     ),
 }
+# the TP2 x PP2 x VPP2 x DP2: an 8-rank world of its own
+LAYOUTS_8_RANKS = {
+    "TP2 x PP2 x VPP2 x DP2 with SP, Llama bf16, distributed optimizer": dict(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        num_virtual_stages_per_pipeline_rank=2,
+        sequence_parallel=True,
+        use_distributed_optimizer=True,
+        global_batch_size=8,
+        bf16=True,
+        **LLAMA,
+    ),
+}
 
 
 def get_measured_state(run) -> tuple[int, int, int]:
@@ -139,7 +152,7 @@ def count_deferred_weight_grads(meter: SavedBytesMeter):
 
 def _measure(rank: int, world_size: int) -> dict:
     out = {}
-    for name, flags in LAYOUTS.items():
+    for name, flags in (LAYOUTS if world_size == 4 else LAYOUTS_8_RANKS).items():
         run = build_tiny_run(tiny_values(**BASE, **flags), MarkovDataset(BASE["seq_length"]))
         mbs, length = build_step_microbatches(run, run.train_ds, 0)
         meter = SavedBytesMeter(p for chunk in run.model for p in chunk.parameters())
@@ -155,12 +168,19 @@ def measured():
     return run_ranks(_measure, 4)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_predicted_memory_within_5_percent(measured, name):
+@pytest.fixture(scope="module")
+def measured_8_ranks():
+    return run_ranks(_measure, 8)
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *LAYOUTS_8_RANKS])
+def test_predicted_memory_within_5_percent(request, name):
     from megatron_ext.config import build_job_config
 
-    cfg = build_job_config(tiny_values(**BASE, **LAYOUTS[name]))
-    predicted = predict_memory(cfg, 4, VOCAB - 1)
+    world = 4 if name in LAYOUTS else 8
+    measured = request.getfixturevalue("measured" if world == 4 else "measured_8_ranks")
+    cfg = build_job_config(tiny_values(**BASE, **{**LAYOUTS, **LAYOUTS_8_RANKS}[name]))
+    predicted = predict_memory(cfg, world, VOCAB - 1)
     for rank, result in enumerate(measured):
         got = result[name]
         want = predicted[got["pp_rank"]]
