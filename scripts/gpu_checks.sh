@@ -14,7 +14,8 @@ export PYTHONUNBUFFERED=1
 
 # name | time limit (s) | group | command. A device session is 30 minutes of device time, a call at most
 # 10: each group's limits add up to at most 570 s (one call), groups 1-3 to at most 1500 s (one session,
-# with the machine's start). Group 1 is what issue 30 needs first; group 4 is for a second session.
+# with the machine's start). Group 1 is what issue 30 needs first; group 4 is for a second session;
+# memory-model (issue 32: the memory model against max_memory_allocated) runs alone or with group 6.
 # bench/host_overhead.py is not here: its figures (Python calls, graph breaks, syncs) are the CPU's, and its
 # forked TP-2 ranks cannot run dynamo once the parent process has initialised CUDA.
 CHECKS=(
@@ -26,6 +27,7 @@ CHECKS=(
   "packed-llama-compiled|280|4|python -m bench.gpu_throughput --only packed-llama --torch-compile"
   "packed-llama-graphs|250|4|python -m bench.gpu_throughput --only packed-llama --cuda-graph-impl local"
   "ablation-llama|280|6|python -m bench.gpu_ablation --shape llama --micro-batch 1 --only rope gqa-kernel"
+  "memory-model|240|6|python -m bench.gpu_memory"
   "profile-gpt2|200|5|python -m bench.gpu_profile --shape gpt2 --micro-batch 8 --accumulate 8 --no-packed --python"
   "ablation|360|5|python -m bench.gpu_ablation"
 )

@@ -99,3 +99,25 @@ class SavedBytesMeter:
             self._labels.pop()
 
         return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+
+
+def measure_state_bytes(model: Iterable[torch.nn.Module], optimizer) -> tuple[int, int, int]:
+    """(weight, DDP gradient-buffer, optimizer-state bytes) this rank allocated, as ``memory.StateBytes``
+    predicts them: the chunks' parameters, their DDP buffers' ``grad_data`` (bucket padding included),
+    and every storage the optimizer holds that is not a model weight (fp32 main parameters, Adam's
+    moments; a chained optimizer's children each), once per storage. Call after an optimizer step."""
+    params = [p for chunk in model for p in chunk.parameters()]
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for chunk in model for b in chunk.buffers)
+    model_storages = {p.untyped_storage().data_ptr() for p in params}
+    seen, held = set(), 0
+    for child in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = child.optimizer
+        tensors = [p for g in inner.param_groups for p in g["params"]]
+        tensors += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in model_storages and ptr not in seen:
+                seen.add(ptr)
+                held += t.untyped_storage().nbytes()
+    return weights, grads, held

@@ -18,11 +18,10 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
 
 from megatron_ext.model import wgrad_deferral
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.planning.meter import SavedBytesMeter
+from megatron_ext.planning.meter import SavedBytesMeter, measure_state_bytes
 from megatron_ext.planning.predict import predict_memory
 from megatron_ext.testing import VOCAB, MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.step import build_step_microbatches, train_step
@@ -109,25 +108,6 @@ LAYOUTS_8_RANKS = {
 }
 
 
-def get_measured_state(run) -> tuple[int, int, int]:
-    """(weight, gradient-buffer, optimizer-state bytes) this rank allocated."""
-    params = [p for chunk in run.model for p in chunk.parameters()]
-    weights = sum(p.numel() * p.element_size() for p in params)
-    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for chunk in run.model for b in chunk.buffers)
-    model_storages = {p.untyped_storage().data_ptr() for p in params}
-    seen, optimizer = set(), 0
-    for child in getattr(run.optimizer, "chained_optimizers", [run.optimizer]):
-        inner = child.optimizer
-        tensors = [p for g in inner.param_groups for p in g["params"]]
-        tensors += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
-        for t in tensors:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in model_storages and ptr not in seen:
-                seen.add(ptr)
-                optimizer += t.untyped_storage().nbytes()
-    return weights, grads, optimizer
-
-
 @contextlib.contextmanager
 def count_deferred_weight_grads(meter: SavedBytesMeter):
     """Count in ``meter`` what each deferred W holds (its input and output gradient), from B, where
@@ -158,7 +138,7 @@ def _measure(rank: int, world_size: int) -> dict:
         meter = SavedBytesMeter(p for chunk in run.model for p in chunk.parameters())
         with meter.track(), count_deferred_weight_grads(meter):
             train_step(run.model, run.optimizer, run.scheduler, mbs, length, flags["global_batch_size"], run.ctx)
-        out[name] = dict(pp_rank=run.ctx.pp_rank, saved=meter.peak, state=get_measured_state(run))
+        out[name] = dict(pp_rank=run.ctx.pp_rank, saved=meter.peak, state=measure_state_bytes(run.model, run.optimizer))
         destroy_parallel_context()
     return out
 

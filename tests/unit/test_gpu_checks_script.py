@@ -55,7 +55,14 @@ def test_fails_fast_without_megatron_core(tmp_path):
 
 def test_every_listed_bench_accepts_its_flags():
     checks = listed_checks()
-    assert {name for name, _ in checks} >= {"tests", "1.3b", "profile-llama", "ablation", "packed-llama-graphs"}
+    assert {name for name, _ in checks} >= {
+        "tests",
+        "1.3b",
+        "profile-llama",
+        "ablation",
+        "packed-llama-graphs",
+        "memory-model",
+    }
     for name, cmd in checks:
         if cmd[:3] == ["python", "-m", "pytest"]:
             assert all(os.path.exists(os.path.join(ROOT, a)) for a in cmd[3:] if a.startswith("tests/")), cmd
