@@ -159,7 +159,7 @@ def test_a_step_that_raised_leaves_the_watchdog_disarmed(monkeypatch):
     def failing_step(*args, **kwargs):
         raise RuntimeError("the forward step failed")
 
-    monkeypatch.setattr(loop, "build_step_microbatches", lambda run, dataset, first: ([], 32))
+    monkeypatch.setattr(loop, "build_step_microbatches", lambda run, dataset, first, batch=None: ([], 32))
     monkeypatch.setattr(loop, "train_step", failing_step)
     watchdog = StepWatchdog(3600.0, lambda: "rank 0", StepProgress(), on_timeout=lambda report: None, out=io.StringIO())
     cfg = build_job_config({"mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 64})
@@ -176,6 +176,8 @@ def test_a_step_that_raised_leaves_the_watchdog_disarmed(monkeypatch):
         model=[torch.nn.Linear(1, 1)],
         steps_this_run=0,
         global_batch_size=8,
+        step_data=types.SimpleNamespace(spec=types.SimpleNamespace(get_global_batch_size=lambda consumed: 8)),
+        spike_guard=None,
         ctx=None,
     )
     try:
