@@ -492,7 +492,8 @@ class CheckpointConfig:
         "With --save-hf: also export at every save whose iteration is a multiple of N (ours).",
     )
     keep_last: int | None = _f(
-        None, "Keep only the newest N complete checkpoints (never deletes the newest; default, and 0: keep all)."
+        None,
+        "Keep only the newest N complete checkpoints (never deletes the newest; default, and 0: keep all); also the newest N --save-hf exports.",
     )
     no_load_optim: bool = _f(False, "Load model weights only (fresh optimizer).")
     finetune: bool = _f(

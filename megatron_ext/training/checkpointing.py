@@ -8,8 +8,13 @@ own objects, so a load restores the run in place.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+from collections.abc import Callable
 from typing import Any
 
+from megatron_ext.checkpoint.directory import select_checkpoints_to_delete
 from megatron_ext.checkpoint.parts import CheckpointMeta, CheckpointParts
 from megatron_ext.checkpoint.state import load_parts, save_parts, start_async_save
 from megatron_ext.hf.export import export_hf_model, should_export_hf
@@ -43,7 +48,28 @@ def maybe_export_hf(run: Any, last: bool) -> str | None:
     if not should_export_hf(run.cfg.checkpoint, it, last):
         return None
     meta = run.checkpoint_meta
-    return export_hf_model(run.model, run.ctx, run.cfg, meta.tokenizer, meta.padded_vocab_size, it, run.log)
+    final = export_hf_model(run.model, run.ctx, run.cfg, meta.tokenizer, meta.padded_vocab_size, it, run.log)
+    if final is not None:  # the publishing rank, after a published export
+        prune_hf_exports(os.path.dirname(final), run.cfg.checkpoint.keep_last, run.log)
+    return final
+
+
+def prune_hf_exports(hf_root: str, keep_last: int | None, log: Callable[[str], None]) -> list[str]:
+    """--keep-last applied to the exports in ``hf_root`` (``<save>/hf``) as to the checkpoints: the
+    newest N ``iter_XXXXXXX`` remain, never the newest one, so that --save-hf-interval cannot fill the
+    disk the checkpoints need; a failure to delete is a warning. Returns the deleted directories."""
+    found = {int(m.group(1)): m.group(0) for m in map(re.compile(r"iter_(\d{7})$").match, os.listdir(hf_root)) if m}
+    deleted = []
+    for it in select_checkpoints_to_delete(list(found), keep_last):
+        path = os.path.join(hf_root, found[it])
+        try:
+            shutil.rmtree(path)
+            deleted.append(path)
+        except OSError as err:
+            log(f"WARNING: --keep-last {keep_last}: could not delete the old Hugging Face export {path}: {err}")
+    if deleted:
+        log(f"--keep-last {keep_last}: deleted {len(deleted)} older Hugging Face export(s) in {hf_root}")
+    return deleted
 
 
 def start_async_checkpoint(run: Any, root: str, keep_last: int | None = None) -> None:

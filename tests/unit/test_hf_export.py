@@ -112,3 +112,22 @@ def test_tokenizer_files_are_copied_or_a_note_written(tmp_path):
     write_tokenizer_files(cfg, str(note_dir))
     note = (note_dir / "TOKENIZER.txt").read_text()
     assert "--tokenizer-type SentencePieceTokenizer" in note and "/m/sp.model" in note
+
+
+def test_keep_last_prunes_old_hf_exports_as_it_prunes_checkpoints(tmp_path):
+    """--keep-last applies to <save>/hf/iter_* too (else --save-hf-interval fills the disk the
+    checkpoints need): the newest N remain, never the newest; other entries are left alone."""
+    from megatron_ext.training.checkpointing import prune_hf_exports
+
+    names = ["iter_0000002", "iter_0000004", "iter_0000010", "iter_0000006", ".tmp_iter_0000012", "notes"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    logged = []
+    assert prune_hf_exports(str(tmp_path), None, logged.append) == []
+    assert prune_hf_exports(str(tmp_path), 0, logged.append) == []
+    deleted = prune_hf_exports(str(tmp_path), 2, logged.append)
+    assert sorted(deleted) == [str(tmp_path / "iter_0000002"), str(tmp_path / "iter_0000004")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_iter_0000012", "iter_0000006", "iter_0000010", "notes"]
+    assert logged == [f"--keep-last 2: deleted 2 older Hugging Face export(s) in {tmp_path}"]
+    prune_hf_exports(str(tmp_path), 1, logged.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_iter_0000012", "iter_0000010", "notes"]
