@@ -55,7 +55,7 @@ def parse_settings(items: list[str]) -> dict[str, str]:
     return out
 
 
-def describe(c: Candidate, rank: int | None = None) -> str:
+def describe(c: Candidate, rank: int | None = None, cfg: JobConfig | None = None) -> str:
     head = f"{'' if rank is None else f'{rank}. '}{c.layout.describe()} | DP {c.dp}, {c.num_microbatches} micro-batches"
     if c.memory is None:
         return head + "\n   invalid: " + "; ".join(c.problems)
@@ -68,6 +68,9 @@ def describe(c: Candidate, rank: int | None = None) -> str:
         "   comm per GPU per step: " + ", ".join(f"{k.upper()} {v / GIB:.1f} GiB" for k, v in t.comm_bytes.items()),
         "   flags: " + " ".join(c.layout.flags()),
     ]
+    remove = c.layout.get_settings_to_remove(cfg) if cfg is not None else []
+    if remove:
+        lines.append("   and remove from the config: " + " ".join(remove))
     if c.problems:
         lines.append("   does not fit: " + "; ".join(c.problems))
     return "\n".join(lines)
@@ -135,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(c.memory is not None for c in candidates)} valid, {len(fitting)} fit"
     )
     for i, c in enumerate(fitting[: args.top], 1):
-        print(describe(c, i))
+        print(describe(c, i, cfg))
     if show:
         print(f"layouts matching --show {' '.join(args.show)}:")
         for c in candidates:
             if c.problems:
-                print(describe(c))
+                print(describe(c, cfg=cfg))
     print(f"planned in {time.perf_counter() - start:.1f} s")
     return 0 if fitting else 1
 

@@ -59,7 +59,7 @@ class Layout:
             out += ["--decoder-last-pipeline-num-layers", str(self.last_layers)]
         out += ["--micro-batch-size", str(self.micro_batch)]
         # (no --no-* spelling exists for these two: over a config that sets them, a layout without them
-        # needs them removed from the config, which ``describe_flags`` says)
+        # needs them removed from the config, which ``get_settings_to_remove`` says)
         out += ["--sequence-parallel"] if self.tp > 1 else []
         out += ["--use-distributed-optimizer"] if self.distributed_optimizer else []
         r = RECOMPUTE[self.recompute]
@@ -73,6 +73,29 @@ class Layout:
                 str(r["recompute_num_layers"]),
             ]
         return out
+
+    def get_settings_to_remove(self, cfg: JobConfig) -> list[str]:
+        """The flags set in ``cfg`` that this layout turns off and ``flags()`` cannot (they have no
+        ``--no-*`` spelling): remove them from the config, or the printed flags run another layout
+        (the distributed optimizer, recompute) or are refused (an uneven split with
+        --account-for-*-in-pipeline-split). (--sequence-parallel needs nothing: at TP 1 it is turned
+        off as Megatron-LM turns it off.)"""
+        p, m = cfg.parallel, cfg.model
+        uneven = self.first_layers is not None or self.last_layers is not None
+        on = {
+            "--use-distributed-optimizer": p.use_distributed_optimizer and not self.distributed_optimizer,
+            "--recompute-activations": m.recompute_activations,
+            "--recompute-granularity": m.recompute_granularity is not None and self.recompute == "none",
+            "--recompute-method": m.recompute_method is not None and self.recompute != "full",
+            "--recompute-num-layers": m.recompute_num_layers is not None and self.recompute != "full",
+            "--account-for-embedding-in-pipeline-split": p.account_for_embedding_in_pipeline_split and uneven,
+            "--account-for-loss-in-pipeline-split": p.account_for_loss_in_pipeline_split and uneven,
+            "--decoder-first-pipeline-num-layers": p.decoder_first_pipeline_num_layers is not None
+            and self.first_layers is None,
+            "--decoder-last-pipeline-num-layers": p.decoder_last_pipeline_num_layers is not None
+            and self.last_layers is None,
+        }
+        return [flag for flag, set_here in on.items() if set_here]
 
     def describe(self) -> str:
         pipe = (

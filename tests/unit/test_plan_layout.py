@@ -9,7 +9,10 @@ import os
 import re
 import time
 
+import pytest
+
 from megatron_ext.arguments import parse_args
+from megatron_ext.config import ConfigError
 from megatron_ext.planning.planner import Layout
 from megatron_ext.validation import validate
 from tools.plan_layout import main
@@ -202,3 +205,25 @@ def test_a_qwen2_config_json_with_tied_embeddings_and_qkv_bias(tmp_path, capsys)
     assert main(["--hf-config", str(path), "--config", config, "--gpus", "8", "--top", "1", *fix]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{expected:,} parameters, 24 layers x hidden 896"), out
+
+
+def test_settings_a_layout_turns_off_are_named_for_removal():
+    """Over a config that sets --use-distributed-optimizer, --recompute-activations and
+    --account-for-loss-in-pipeline-split (no --no-* spelling), an uneven layout without them names
+    all three: with them removed its flags validate; with them kept the run would be another layout
+    or refused."""
+    config = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    extra = [
+        "--use-distributed-optimizer",
+        "--recompute-activations",
+        "--account-for-loss-in-pipeline-split",
+    ]
+    cfg = parse_args(["--config", config, *extra])
+    layout = Layout(1, 4, 1, "1F1B", 1, "none", False, last_layers=5)
+    remove = layout.get_settings_to_remove(cfg)
+    assert sorted(remove) == sorted(extra)
+    validate(parse_args(["--config", config, *layout.flags()]), 64)
+    with pytest.raises(ConfigError):  # kept: the uneven split with --account-for-loss-in-pipeline-split
+        validate(parse_args(["--config", config, *extra, *layout.flags()]), 64)
+    even = Layout(8, 4, 1, "1F1B", 1, "selective", True)
+    assert even.get_settings_to_remove(cfg) == ["--recompute-activations"]
