@@ -12,8 +12,10 @@ parallelism on 2 forked gloo ranks, under ``SavedBytesMeter`` (exact bytes, one 
 parameters excluded), attributed to the embedding, the layers (with the decoder's own checkpoint
 saves under full recompute) and the head (final norm, output layer, loss). Per-token bytes are
 exactly linear in the features of ``planning/memory.py`` (``layer_features``, ``head_features``);
-least squares gives each bucket's coefficients, and the table keeps the largest relative residual
-of the fit beside them. Takes about a minute on 2 cores.
+least squares over the features the family's layers can save (``LAYER_FEATURES_BY_FAMILY``; the
+shapes vary query groups per rank across megatron-core's query-copy cases, a shape that does not
+separate the features is an error) gives each bucket's coefficients, and the table keeps the largest
+relative residual of the fit beside them. Takes about a minute on 2 cores.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Per rank of pipeline rank r:
   DP with --use-distributed-optimizer. bf16 Adam: 18 bytes a parameter, 6 + 12/DP distributed.
 - **Activations saved for the backward** (calibrated): per token and TP rank, a layer saves
   ``sum_k c_k x_k`` bytes, with x the features of ``layer_features`` (hidden / (TP if sequence
-  parallel), hidden / TP, K and V width / TP, MLP width / TP, heads x sequence / TP, ...) and c the
+  parallel), hidden / TP, K and V width / TP, MLP width / TP, heads x sequence / TP, megatron-core's
+  query copy, ...: the tensors the family's layers save, docs/planning.md) and c the
   coefficients ``tools/calibrate_memory.py`` fitted to measurements of the real megatron-core layers
   (``calibration.json``), one set per family (GPT with and without dropout, Llama: SwiGLU, GQA, RoPE),
   precision and recompute; the embedding and the head (final norm, output layer, loss) likewise.

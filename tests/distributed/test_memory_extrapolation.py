@@ -1,6 +1,6 @@
 """The memory calibration extrapolates: one layer's saved-for-backward bytes, measured with the real
 megatron-core layers (``tools/calibrate_memory.measure``: a 2-layer model's forward and loss under
-``SavedBytesMeter``) at shapes 4-16x the calibration's tokens and 4x its width, with query groups per
+``SavedBytesMeter``) at shapes 8-16x the calibration's tokens and 3-4x its width, with query groups per
 TP rank that do and do not make megatron-core copy the query (1 < groups < heads per rank, one
 group, a group per head), against ``get_saved_per_token``'s prediction from ``calibration.json``
 (fitted at the small shapes only), within 2%, recompute none and selective. The fit this replaced was
