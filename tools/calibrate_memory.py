@@ -12,8 +12,10 @@ parallelism on 2 forked gloo ranks, under ``SavedBytesMeter`` (exact bytes, one 
 parameters excluded), attributed to the embedding, the layers (with the decoder's own checkpoint
 saves under full recompute) and the head (final norm, output layer, loss). Per-token bytes are
 exactly linear in the features of ``planning/memory.py`` (``layer_features``, ``head_features``);
-least squares gives each bucket's coefficients, and the table keeps the largest relative residual
-of the fit beside them. Takes about a minute on 2 cores.
+least squares over the features the family's layers can save (``LAYER_FEATURES_BY_FAMILY``; the
+shapes vary query groups per rank across megatron-core's query-copy cases, a shape that does not
+separate the features is an error) gives each bucket's coefficients, and the table keeps the largest
+relative residual of the fit beside them. Takes about a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from megatron_ext.planning.memory import (  # noqa: E402
     EMBEDDING_FEATURES,
     HEAD_FEATURES,
     LAYER_FEATURES,
+    LAYER_FEATURES_BY_FAMILY,
     Shape,
     embedding_features,
     head_features,
@@ -74,8 +77,10 @@ SHAPES_TP1 = [
     (64, 4, 2, 320, 32, 1, 127),
     (64, 4, 2, 192, 64, 1, 127),
     (64, 4, 2, 192, 32, 2, 255),
+    (64, 4, 4, 192, 32, 1, 127),  # Llama without GQA (a group per head: no repeat of K and V)
 ]
-SHAPES_TP2 = [(64, 4, 2, 192, 32, 1, 127), (128, 8, 2, 320, 64, 1, 255)]  # each with SP off and on
+# each with SP off and on: one query group per rank (megatron-core's query reshape a view), two (a copy)
+SHAPES_TP2 = [(64, 4, 2, 192, 32, 1, 127), (128, 8, 4, 320, 64, 1, 255)]
 
 
 def get_flags(family: str, shape: tuple, tp: int, sp: bool) -> dict:
@@ -171,20 +176,23 @@ def fit(rows: list[dict]) -> dict:
     for bucket in buckets:
         mine = [r for r in rows if (r["family"], r["precision"], r["recompute"]) == bucket]
         entry = {}
-        for part, features, names in (
-            ("layer", layer_features, LAYER_FEATURES),
-            ("embedding", embedding_features, EMBEDDING_FEATURES),
-            ("head", head_features, HEAD_FEATURES),
+        for part, features, names, used in (
+            ("layer", layer_features, LAYER_FEATURES, LAYER_FEATURES_BY_FAMILY[bucket[0]]),
+            ("embedding", embedding_features, EMBEDDING_FEATURES, EMBEDDING_FEATURES),
+            ("head", head_features, HEAD_FEATURES, HEAD_FEATURES),
         ):
             shapes = [get_shape(r) for r in mine]
-            x = np.array([features(s) for s in shapes], dtype=float)
+            columns = [names.index(n) for n in used]
+            x = np.array([features(s) for s in shapes], dtype=float)[:, columns]
             tokens = np.array([s.seq_length * s.micro_batch for s in shapes], dtype=float)
             y = np.array([r[part] for r in mine], dtype=float) / tokens
-            coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+            coef, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
+            if rank < len(used):  # the shapes do not separate the features: the coefficients would be arbitrary
+                raise ValueError(f"{'/'.join(bucket)} {part}: {len(used)} features, rank {rank} over the shapes")
             coef = np.round(coef, 3)
             pred = x @ coef
             err = float(np.max(np.abs(pred - y) / np.maximum(y, 1e-9))) if y.any() else 0.0
-            entry[part] = dict(zip(names, map(float, coef)))
+            entry[part] = dict(zip(used, map(float, coef)))
             entry[f"{part}_max_rel_error"] = round(err, 5)
         table["/".join(bucket)] = entry
     return table

@@ -9,7 +9,8 @@ Per rank of pipeline rank r:
   DP with --use-distributed-optimizer. bf16 Adam: 18 bytes a parameter, 6 + 12/DP distributed.
 - **Activations saved for the backward** (calibrated): per token and TP rank, a layer saves
   ``sum_k c_k x_k`` bytes, with x the features of ``layer_features`` (hidden / (TP if sequence
-  parallel), hidden / TP, K and V width / TP, MLP width / TP, heads x sequence / TP, ...) and c the
+  parallel), hidden / TP, K and V width / TP, MLP width / TP, heads x sequence / TP, megatron-core's
+  query copy, ...: the tensors the family's layers save, docs/planning.md) and c the
   coefficients ``tools/calibrate_memory.py`` fitted to measurements of the real megatron-core layers
   (``calibration.json``), one set per family (GPT with and without dropout, Llama: SwiGLU, GQA, RoPE),
   precision and recompute; the embedding and the head (final norm, output layer, loss) likewise.
@@ -48,7 +49,38 @@ GIB = 1024**3
 MARGIN_FIXED_GIB = 1.0
 MARGIN_FRACTION = 0.10
 
-LAYER_FEATURES = ("seq_hidden", "hidden", "kv", "ffn", "heads_seq", "heads", "head_dim_per_sample", "one_seq", "one")
+LAYER_FEATURES = (
+    "seq_hidden",
+    "hidden",
+    "kv",
+    "ffn",
+    "heads_seq",
+    "heads",
+    "head_dim_per_sample",
+    "one_seq",
+    "query_copy",
+    "unrepeated_kv",
+    "per_micro_batch",
+)
+# The layer features each family's fit uses: the tensors its layers can save (docs/planning.md,
+# "what a layer saves"), no two always proportional (GPT's K and V are 2 x hidden: no kv column), so
+# least squares has one answer and the coefficients are bytes per element of the saved tensors.
+LAYER_FEATURES_BY_FAMILY = {
+    "gpt": ("seq_hidden", "hidden", "ffn", "heads_seq", "heads", "one_seq", "per_micro_batch"),
+    "gpt-nodropout": ("seq_hidden", "hidden", "ffn", "heads", "one_seq", "per_micro_batch"),
+    "llama": (
+        "seq_hidden",
+        "hidden",
+        "kv",
+        "ffn",
+        "heads",
+        "head_dim_per_sample",
+        "one_seq",
+        "query_copy",
+        "unrepeated_kv",
+        "per_micro_batch",
+    ),
+}
 EMBEDDING_FEATURES = ("seq_hidden", "one_seq", "one", "tp_split")
 HEAD_FEATURES = ("seq_hidden", "hidden", "vocab", "one_seq", "one", "tp_split")
 
@@ -85,14 +117,27 @@ def _common(s: Shape) -> dict[str, float]:
 
 
 def layer_features(s: Shape) -> list[float]:
-    """Per-token feature values of one layer on one TP rank (``LAYER_FEATURES``' order)."""
+    """Per-token feature values of one layer on one TP rank (``LAYER_FEATURES``' order).
+
+    Two are conditional, as megatron-core's attention is: ``query_copy`` (hidden / TP) where its
+    ``query.reshape`` of the split QKV output copies (1 < query groups per rank < heads per rank),
+    a copy selective recompute's checkpoint keeps as its input; ``unrepeated_kv`` (K and V width
+    / TP) where there is no GQA repeat (a group per head): V reaches the attention as a view of the
+    QKV output, which is then kept whole instead of a repeated V. ``per_micro_batch`` is 1 / tokens
+    (the checkpoint's 4-byte mask-type tensor, a CPU tensor even on a GPU)."""
     head_dim = s.hidden // s.heads
+    heads_local = s.heads // s.tp
+    groups_local = max(s.query_groups // s.tp, 1)  # fewer groups than TP ranks: one, replicated
+    kv = 2 * groups_local * head_dim
     x = _common(s) | {
-        "kv": 2 * s.query_groups * head_dim / s.tp,
+        "kv": kv,
         "ffn": s.ffn / s.tp,
         "heads_seq": s.heads * s.seq_length / s.tp,
         "heads": s.heads / s.tp,
         "head_dim_per_sample": head_dim / s.micro_batch,  # a table per sequence position, shared by the batch
+        "query_copy": s.hidden / s.tp if 1 < groups_local < heads_local else 0.0,
+        "unrepeated_kv": kv if groups_local == heads_local else 0.0,
+        "per_micro_batch": 1 / s.tokens,
     }
     return [x[k] for k in LAYER_FEATURES]
 
@@ -157,7 +202,7 @@ def get_saved_per_token(
     entry = load_calibration(path)[f"{family}/{precision}/{recompute}"]
 
     def dot(part: str, names: tuple[str, ...], x: list[float]) -> float:
-        return sum(entry[part][n] * v for n, v in zip(names, x))
+        return sum(entry[part].get(n, 0.0) * v for n, v in zip(names, x))  # a feature not fitted: 0
 
     return PerToken(
         layer=dot("layer", LAYER_FEATURES, layer_features(shape)),
