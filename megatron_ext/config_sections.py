@@ -396,7 +396,7 @@ class TrainingConfig:
     hysteresis: int = _f(2, "Overflows tolerated before the dynamic loss scale shrinks (--fp16).")
     torch_compile: bool = _f(
         False,
-        "Compile each transformer layer whole, in place, with torch.compile (ours; off by default until a GPU shows it helps): parameter names and checkpoints are those of eager runs; packed micro-batches reach the layers in bounded shapes (docs/gpus.md).",
+        "Compile each chunk's transformer block whole (each layer alone under full recompute or sequence parallelism), in place, with torch.compile (ours; off by default until a GPU shows it helps): parameter names and checkpoints are those of eager runs; packed micro-batches reach the layers in bounded shapes (docs/gpus.md).",
     )
     cuda_graph_impl: str = _f(
         "none",
