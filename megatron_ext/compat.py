@@ -175,7 +175,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "backward assigns weight.main_grad and weight.grad_added_to_main_grad (layers.py:506, 610), and "
         "RowParallelLinear passes tp_group=None, resolved per call by a function that warns "
         "(utils.py:501); with --torch-compile each linear of a compiled layer gets our _forward_impl "
-        "(main_grad accumulated by a torch.library custom op that lists it in mutates_args, the flag set "
+        "(main_grad accumulated by a torch.library op whose schema marks it mutated, the flag set "
         "in the forward, the layer's own TP group; collectives through the torch.distributed calls dynamo "
         "traces; under sequence parallelism the row-parallel linear's reduce-scatter too: megatron-core's "
         "goes through _reduce_scatter_base, 8 breaks per layer at TP 2): zero breaks at TP 1 and TP 2",

@@ -17,8 +17,8 @@ cannot be traced whole:
   effects dynamo refuses inside an autograd.Function's backward): ours hands ``main_grad`` to the
   Function as an input kept on ``ctx`` (not ``save_for_backward``: DDP's buffer is bumped by every
   other weight's accumulation before this backward runs, so a saved version would never match) and
-  accumulates into it through the ``megatron_ext::accumulate_wgrad`` custom op, which lists it in
-  ``mutates_args``; ``grad_added_to_main_grad`` is set in the forward (dynamo replays that side
+  accumulates into it through the ``megatron_ext::accumulate_wgrad`` custom op, whose schema marks
+  it mutated (``Tensor(a!)``); ``grad_added_to_main_grad`` is set in the forward (dynamo replays that side
   effect), before the backward whose DDP hook reads it;
 - ``RowParallelLinear`` passes ``tp_group=None`` and megatron-core resolves it per call through a
   function that warns (a break, and a process-group look-up per linear per micro-batch): ours uses
@@ -57,16 +57,23 @@ GRAPHS_PER_LAYER = 32
 BACKEND = "inductor"  # torch.compile's backend (tests use aot_eager: the same graphs, no code generation)
 
 
-@torch.library.custom_op("megatron_ext::accumulate_wgrad", mutates_args=("main_grad",))
-def accumulate_wgrad_op(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+def _accumulate_wgrad_kernel(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """``main_grad [out, in] += grad_output [n, out]^T @ total_input [n, in]`` (fp32 accumulation of
     bf16 inputs on CUDA); opaque to the compiler, which sees only that ``main_grad`` is written."""
     accumulate_wgrad(total_input, grad_output, main_grad)
 
 
-@accumulate_wgrad_op.register_fake
-def _(total_input, grad_output, main_grad) -> None:
-    return None
+# ``megatron_ext::accumulate_wgrad``, defined through the low-level ``torch.library.Library``: the schema
+# marks ``main_grad`` mutated (``Tensor(a!)``: inductor functionalizes the call and keeps it, in order, in
+# the compiled backward), one kernel for every backend, a fake for tracing, and no Python autograd or
+# ADInplaceOrView kernel (nothing differentiates through it; ``main_grad`` is saved by no autograd node).
+# ``torch.library.custom_op`` registered those in Python: ~20 Python calls per call (4 linears a layer,
+# every backward) against ~4 here.
+_LIBRARY = torch.library.Library("megatron_ext", "FRAGMENT")
+_LIBRARY.define("accumulate_wgrad(Tensor total_input, Tensor grad_output, Tensor(a!) main_grad) -> ()")
+_LIBRARY.impl("accumulate_wgrad", _accumulate_wgrad_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("megatron_ext::accumulate_wgrad", lambda total_input, grad_output, main_grad: None)
+accumulate_wgrad_op = torch.ops.megatron_ext.accumulate_wgrad.default
 
 
 def _collective_input(input_: torch.Tensor, tp_group: Any, sequence_parallel: bool) -> torch.Tensor:
