@@ -398,6 +398,10 @@ class TrainingConfig:
         False,
         "Compile each chunk's transformer block whole (each layer alone under full recompute or sequence parallelism), in place, with torch.compile (ours; off by default until a GPU shows it helps): parameter names and checkpoints are those of eager runs; packed micro-batches reach the layers in bounded shapes (docs/gpus.md).",
     )
+    torch_compile_cpp_wrapper: bool = _f(
+        False,
+        "With --torch-compile: inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) runs each compiled graph's kernels from C++ instead of a generated Python module (ours): fewer Python calls per micro-batch (Llama style, 4 layers, CPU: ~190 of ~2,230), at a C++ compile per graph; on CUDA it launches the Triton kernels from C++ too, untested on a GPU here (docs/gpus.md).",
+    )
     cuda_graph_impl: str = _f(
         "none",
         "CUDA graphs (Megatron-LM's flag): local captures each transformer layer whole with megatron-core's CudaGraphManager (CUDA only; with --cuda-graph-scope full_iteration megatron-core captures the whole step); transformer_engine needs Transformer Engine.",

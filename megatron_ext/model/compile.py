@@ -302,11 +302,12 @@ def transformer_layers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
 
 
-def apply_torch_compile(chunks: list[torch.nn.Module], backend: Any = None) -> int:
+def apply_torch_compile(chunks: list[torch.nn.Module], backend: Any = None, cpp_wrapper: bool = False) -> int:
     """Compile every transformer layer of ``chunks`` in place (before DDP), within its whole block where
-    it can (``compile_units``); returns how many layers.
-    ``backend``: torch.compile's (default ``BACKEND``). Static shapes (``dynamic=False``): each
-    bucket of ``data/padding.py`` gets its own graph, as CUDA graphs and fixed kernels want."""
+    it can (``compile_units``); returns how many layers. ``backend``: torch.compile's (default
+    ``BACKEND``); ``cpp_wrapper`` (--torch-compile-cpp-wrapper): inductor's C++ wrapper, an option of the
+    inductor backend only. Static shapes (``dynamic=False``): each bucket of ``data/padding.py`` gets its
+    own graph, as CUDA graphs and fixed kernels want."""
     from megatron.core.distributed import DistributedDataParallel
 
     if any(isinstance(c, DistributedDataParallel) for c in chunks):
@@ -317,20 +318,24 @@ def apply_torch_compile(chunks: list[torch.nn.Module], backend: Any = None) -> i
     for layer in layers:
         install_compilable_linears(layer)
         install_compilable_recompute(layer)
+    backend = backend or BACKEND
+    kwargs = dict(fullgraph=True, dynamic=False, backend=backend)
+    if cpp_wrapper and backend == "inductor":  # torch.compile takes options with inductor alone
+        kwargs["options"] = {"cpp_wrapper": True}
     for unit in compile_units(chunks):
         if isinstance(unit, TransformerBlock):
-            compile_block(unit, backend or BACKEND)
+            compile_block(unit, kwargs)
         else:
-            unit.compile(fullgraph=True, dynamic=False, backend=backend or BACKEND)
+            unit.compile(**kwargs)
     return len(layers)
 
 
-def compile_block(block: torch.nn.Module, backend: Any) -> None:
-    """``block.compile(fullgraph=True, dynamic=False)`` with the input made viewless first, in eager:
+def compile_block(block: torch.nn.Module, compile_kwargs: dict) -> None:
+    """``block.compile(**compile_kwargs)`` with the input made viewless first, in eager:
     megatron-core's block calls ``make_viewless_tensor`` on it, whose autograd.Function creates a
     ``requires_grad`` tensor dynamo will not trace (the input is a view at micro-batch 1: the
     embedding's transpose). The block's own call then finds a viewless input and does nothing."""
-    compiled = torch.compile(block._call_impl, fullgraph=True, dynamic=False, backend=backend)
+    compiled = torch.compile(block._call_impl, **compile_kwargs)
 
     def call(*args, **kwargs):
         args, kwargs = viewless_block_input(args, kwargs)

@@ -359,3 +359,30 @@ def test_pp2_compiled_blocks_train_as_eager():
     (first_eager, first_compiled), (eager, compiled) = run_ranks(_pp2, 2)
     assert first_eager == first_compiled == [] and len(eager) == len(compiled) == 3  # the loss is the last stage's
     assert torch.allclose(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0), (compiled, eager)
+
+
+# ----------------------------------------------------------------------------- inductor's C++ wrapper
+
+
+def _compile_calls(rank, world_size, extra):
+    """The keyword arguments of every torch.compile call a --torch-compile build makes (torch.compile
+    recorded, not run: inductor's C++ compile takes minutes on a CPU; bench/host_overhead.py runs it and
+    compares its gradients with eager's)."""
+    recorded = []
+
+    def record(fn, **kwargs):
+        recorded.append(kwargs)
+        return fn
+
+    torch.compile = record
+    build_tiny_run(_values("llama", False, torch_compile=True, **extra), _dataset(False))
+    return recorded
+
+
+@pytest.mark.parametrize("wrapper", [True, False], ids=["cpp-wrapper", "python-wrapper"])
+def test_cpp_wrapper_reaches_inductor(wrapper):
+    """--torch-compile-cpp-wrapper: inductor's ``cpp_wrapper`` option on the one compiled block, and
+    nothing without the flag."""
+    recorded = run_ranks(_compile_calls, 1, dict(torch_compile_cpp_wrapper=wrapper))[0]
+    options = {"options": {"cpp_wrapper": True}} if wrapper else {}
+    assert recorded == [dict(fullgraph=True, dynamic=False, backend="inductor", **options)]

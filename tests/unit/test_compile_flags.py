@@ -57,6 +57,7 @@ def _problems(values: dict, world_size: int = 1, cuda: bool = False) -> list[str
             False,
             "--torch-compile with --recompute-modules mlp",
         ),
+        (dict(torch_compile_cpp_wrapper=True), False, "--torch-compile-cpp-wrapper without --torch-compile"),
     ],
 )
 def test_refused_with_one_error_naming_the_flag(values, cuda, message):
