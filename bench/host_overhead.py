@@ -14,7 +14,8 @@ Figures, each beside the issue-30 target where there is one:
 - Python calls per micro-batch (cProfile's total calls, C builtins included); frames of our CPU
   platform layer (``megatron_ext/cpu_platform.py``, absent on GPUs) are counted apart and excluded.
   Compiled code is counted as cProfile sees it: dynamo's guarded entry, AOT autograd's runtime
-  wrappers, and inductor's generated Python module (one call per fused kernel);
+  wrappers, and inductor's generated Python module (one call per fused kernel); where the backend is
+  inductor, a row of ours with ``--torch-compile-cpp-wrapper`` (inductor's C++ wrapper: kernels run from C++);
 - aten ops per layer, forward + backward (a TorchDispatchMode count; the difference between the model
   at L and 2L layers over L); compiled layers dispatch only their extern kernels (GEMMs) through aten;
 - syncs per step on the training thread (``SyncCounter``; ours through ``train_one`` with the flags
