@@ -14,7 +14,8 @@ Figures, each beside the issue-30 target where there is one:
 - Python calls per micro-batch (cProfile's total calls, C builtins included); frames of our CPU
   platform layer (``megatron_ext/cpu_platform.py``, absent on GPUs) are counted apart and excluded.
   Compiled code is counted as cProfile sees it: dynamo's guarded entry, AOT autograd's runtime
-  wrappers, and inductor's generated Python module (one call per fused kernel);
+  wrappers, and inductor's generated Python module (one call per fused kernel); where the backend is
+  inductor, a row of ours with ``--torch-compile-cpp-wrapper`` (inductor's C++ wrapper: kernels run from C++);
 - aten ops per layer, forward + backward (a TorchDispatchMode count; the difference between the model
   at L and 2L layers over L); compiled layers dispatch only their extern kernels (GEMMs) through aten;
 - syncs per step on the training thread (``SyncCounter``; ours through ``train_one`` with the flags
@@ -371,6 +372,9 @@ def measure_style(args, style: str, ctx) -> tuple[dict, object]:
         compiled = build_ours(args, style, L, ctx=ctx, torch_compile=True)
         hf_compiled = torch.compile(build_hf(args, style, L), backend=args.backend)
         sides[f"ours {style} compiled"] = (ours_step, (compiled, mbs))
+        if args.backend == "inductor":  # --torch-compile-cpp-wrapper: the kernels run from C++
+            wrapped = build_ours(args, style, L, ctx=ctx, torch_compile=True, torch_compile_cpp_wrapper=True)
+            sides[f"ours {style} compiled C++ wrapper"] = (ours_step, (wrapped, mbs))
         sides[f"transformers {style} compiled"] = (hf_step, (hf_compiled, mbs))
         for fn, fargs in sides.values():  # compile outside the timings
             fn(*fargs)
@@ -434,8 +438,11 @@ def print_style(style: str, out: dict, args, tp2: dict | None = None) -> None:
     compiled = out.get(f"ours {style} compiled")
     if compiled:
         late, buckets, n = compiled["recompiles"]
+        wrapped = out.get(f"ours {style} compiled C++ wrapper")
         print(
-            f"targets: compiled Python calls <= transformers eager: {compiled['calls'] / hf_eager:.2f}x; "
+            f"targets: compiled Python calls <= transformers eager: {compiled['calls'] / hf_eager:.2f}x"
+            + (f" (--torch-compile-cpp-wrapper {wrapped['calls'] / hf_eager:.2f}x)" if wrapped else "")
+            + "; "
             f"graph breaks per layer 0 (TP 1): {compiled['explain'][1]}; recompiles after each bucket's first "
             f"micro-batch 0: "
             f"{late} ({buckets} buckets over {n} packed micro-batches); compiled vs eager <= 1e-5 relative "

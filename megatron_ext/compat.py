@@ -161,12 +161,20 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "token-count-scaling-on-device",
         "finalize_model_grads ends with 'if num_tokens > 0: scale_gradients(1.0 / num_tokens)' "
         "(finalize_model_grads.py:495), a host read of the count every step; ours runs upstream's "
-        "function without the count, then its broadcast and DP all-reduce of the count and the scaling by "
-        "1 / max(count, 1) on the device (with no valid token every gradient is zero: the same step)",
+        "steps without the count (less reset_model_temporary_tensors's walk over every module where it "
+        "resets nothing: no MoE expert bias, no global aux loss), then its broadcast and DP all-reduce of "
+        "the count and the scaling by 1 / max(count, 1) on the device (with no valid token every gradient "
+        "is zero: the same step)",
         "megatron_ext.training.finalize:finalize_model_grads",
         (
             "megatron.core.distributed.finalize_model_grads.finalize_model_grads",
             "megatron.core.distributed.finalize_model_grads.get_pp_last_rank",
+            "megatron.core.distributed.finalize_model_grads._allreduce_conditional_embedding_grads",
+            "megatron.core.distributed.finalize_model_grads._allreduce_non_tensor_model_parallel_grads",
+            "megatron.core.distributed.finalize_model_grads._allreduce_word_embedding_grads",
+            "megatron.core.distributed.finalize_model_grads._allreduce_position_embedding_grads",
+            "megatron.core.distributed.finalize_model_grads._update_router_expert_bias",
+            "megatron.core.distributed.finalize_model_grads.reset_model_temporary_tensors",
         ),
     ),
     Workaround(
@@ -175,7 +183,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "backward assigns weight.main_grad and weight.grad_added_to_main_grad (layers.py:506, 610), and "
         "RowParallelLinear passes tp_group=None, resolved per call by a function that warns "
         "(utils.py:501); with --torch-compile each linear of a compiled layer gets our _forward_impl "
-        "(main_grad accumulated by a torch.library custom op that lists it in mutates_args, the flag set "
+        "(main_grad accumulated by a torch.library op whose schema marks it mutated, the flag set "
         "in the forward, the layer's own TP group; collectives through the torch.distributed calls dynamo "
         "traces; under sequence parallelism the row-parallel linear's reduce-scatter too: megatron-core's "
         "goes through _reduce_scatter_base, 8 breaks per layer at TP 2): zero breaks at TP 1 and TP 2",

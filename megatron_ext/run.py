@@ -144,7 +144,7 @@ def prepare_layers(t: TrainingConfig, resolved: ResolvedConfig, chunks: list[tor
     (``model/wgrad_deferral.py``) owns the linears' backward (--torch-compile with one is refused by
     ``validation``; ``apply_weight_grad_deferral`` refuses a linear that is ours)."""
     if t.torch_compile:  # in place, after mixed precision, before DDP (model/compile.py)
-        apply_torch_compile(chunks)
+        apply_torch_compile(chunks, cpp_wrapper=t.torch_compile_cpp_wrapper)
         return
     if not (resolved.uses_our_runtime and splits_backward(resolved.pipeline_schedule)):
         install_lean_linears(chunks)

@@ -1,10 +1,15 @@
-"""--torch-compile (ours, off by default): each transformer layer compiled whole, in place.
+"""--torch-compile (ours, off by default): each chunk's transformer block (or each layer) compiled whole, in place.
 
 ``apply_torch_compile(chunks)`` runs after mixed precision and before DDP (as torchtitan's
-``apply_compile``): every ``TransformerLayer`` of every chunk gets ``layer.compile(fullgraph=True)``,
-which compiles the module's call in place, so parameter names and state-dict keys are unchanged
-(``torch.compile(layer)`` would rename every key to ``_orig_mod.*`` and break checkpoints between
-compiled and eager runs). Before that, each of the layer's column/row-parallel linears gets our
+``apply_compile``): each chunk's ``decoder`` (megatron-core's TransformerBlock: its layers and final
+norm) is compiled whole with ``fullgraph=True`` (``compile_block``: one dynamo entry and one AOT
+autograd wrapper per micro-batch, not one per layer: at 4 Llama-style layers 4,028 -> ~3,020 Python
+calls per micro-batch, ``bench/host_overhead.py``); where the block cannot trace (full recompute,
+sequence parallelism, fp8/fp4, offloading: ``block_compiles``) every ``TransformerLayer`` gets
+``layer.compile(fullgraph=True)`` instead. Both compile the module's call in place, so parameter names
+and state-dict keys are unchanged (``torch.compile(layer)`` would rename every key to ``_orig_mod.*``
+and break checkpoints between compiled and eager runs). Before that, each layer's column/row-parallel
+linears gets our
 ``_forward_impl`` (the seam ``model/wgrad_deferral.py`` uses too), because megatron-core 0.16.1's
 cannot be traced whole:
 
@@ -12,8 +17,8 @@ cannot be traced whole:
   effects dynamo refuses inside an autograd.Function's backward): ours hands ``main_grad`` to the
   Function as an input kept on ``ctx`` (not ``save_for_backward``: DDP's buffer is bumped by every
   other weight's accumulation before this backward runs, so a saved version would never match) and
-  accumulates into it through the ``megatron_ext::accumulate_wgrad`` custom op, which lists it in
-  ``mutates_args``; ``grad_added_to_main_grad`` is set in the forward (dynamo replays that side
+  accumulates into it through the ``megatron_ext::accumulate_wgrad`` custom op, whose schema marks
+  it mutated (``Tensor(a!)``); ``grad_added_to_main_grad`` is set in the forward (dynamo replays that side
   effect), before the backward whose DDP hook reads it;
 - ``RowParallelLinear`` passes ``tp_group=None`` and megatron-core resolves it per call through a
   function that warns (a break, and a process-group look-up per linear per micro-batch): ours uses
@@ -34,6 +39,7 @@ import types
 from typing import Any
 
 import torch
+from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_ext.model.attention import (
     MASKED,
@@ -51,16 +57,23 @@ GRAPHS_PER_LAYER = 32
 BACKEND = "inductor"  # torch.compile's backend (tests use aot_eager: the same graphs, no code generation)
 
 
-@torch.library.custom_op("megatron_ext::accumulate_wgrad", mutates_args=("main_grad",))
-def accumulate_wgrad_op(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+def _accumulate_wgrad_kernel(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """``main_grad [out, in] += grad_output [n, out]^T @ total_input [n, in]`` (fp32 accumulation of
     bf16 inputs on CUDA); opaque to the compiler, which sees only that ``main_grad`` is written."""
     accumulate_wgrad(total_input, grad_output, main_grad)
 
 
-@accumulate_wgrad_op.register_fake
-def _(total_input, grad_output, main_grad) -> None:
-    return None
+# ``megatron_ext::accumulate_wgrad``, defined through the low-level ``torch.library.Library``: the schema
+# marks ``main_grad`` mutated (``Tensor(a!)``: inductor functionalizes the call and keeps it, in order, in
+# the compiled backward), one kernel for every backend, a fake for tracing, and no Python autograd or
+# ADInplaceOrView kernel (nothing differentiates through it; ``main_grad`` is saved by no autograd node).
+# ``torch.library.custom_op`` registered those in Python: ~20 Python calls per call (4 linears a layer,
+# every backward) against ~4 here.
+_LIBRARY = torch.library.Library("megatron_ext", "FRAGMENT")
+_LIBRARY.define("accumulate_wgrad(Tensor total_input, Tensor grad_output, Tensor(a!) main_grad) -> ()")
+_LIBRARY.impl("accumulate_wgrad", _accumulate_wgrad_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("megatron_ext::accumulate_wgrad", lambda total_input, grad_output, main_grad: None)
+accumulate_wgrad_op = torch.ops.megatron_ext.accumulate_wgrad.default
 
 
 def _collective_input(input_: torch.Tensor, tp_group: Any, sequence_parallel: bool) -> torch.Tensor:
@@ -289,10 +302,12 @@ def transformer_layers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
 
 
-def apply_torch_compile(chunks: list[torch.nn.Module], backend: Any = None) -> int:
-    """Compile every transformer layer of ``chunks`` in place (before DDP); returns how many.
-    ``backend``: torch.compile's (default ``BACKEND``). Static shapes (``dynamic=False``): each
-    bucket of ``data/padding.py`` gets its own graph, as CUDA graphs and fixed kernels want."""
+def apply_torch_compile(chunks: list[torch.nn.Module], backend: Any = None, cpp_wrapper: bool = False) -> int:
+    """Compile every transformer layer of ``chunks`` in place (before DDP), within its whole block where
+    it can (``compile_units``); returns how many layers. ``backend``: torch.compile's (default
+    ``BACKEND``); ``cpp_wrapper`` (--torch-compile-cpp-wrapper): inductor's C++ wrapper, an option of the
+    inductor backend only. Static shapes (``dynamic=False``): each bucket of ``data/padding.py`` gets its
+    own graph, as CUDA graphs and fixed kernels want."""
     from megatron.core.distributed import DistributedDataParallel
 
     if any(isinstance(c, DistributedDataParallel) for c in chunks):
@@ -303,8 +318,75 @@ def apply_torch_compile(chunks: list[torch.nn.Module], backend: Any = None) -> i
     for layer in layers:
         install_compilable_linears(layer)
         install_compilable_recompute(layer)
-        layer.compile(fullgraph=True, dynamic=False, backend=backend or BACKEND)
+    backend = backend or BACKEND
+    kwargs = dict(fullgraph=True, dynamic=False, backend=backend)
+    if cpp_wrapper and backend == "inductor":  # torch.compile takes options with inductor alone
+        kwargs["options"] = {"cpp_wrapper": True}
+    for unit in compile_units(chunks):
+        if isinstance(unit, TransformerBlock):
+            compile_block(unit, kwargs)
+        else:
+            unit.compile(**kwargs)
     return len(layers)
+
+
+def compile_block(block: torch.nn.Module, compile_kwargs: dict) -> None:
+    """``block.compile(**compile_kwargs)`` with the input made viewless first, in eager:
+    megatron-core's block calls ``make_viewless_tensor`` on it, whose autograd.Function creates a
+    ``requires_grad`` tensor dynamo will not trace (the input is a view at micro-batch 1: the
+    embedding's transpose). The block's own call then finds a viewless input and does nothing."""
+    compiled = torch.compile(block._call_impl, **compile_kwargs)
+
+    def call(*args, **kwargs):
+        args, kwargs = viewless_block_input(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    block._compiled_call_impl = call  # what Module.compile sets; nn.Module's call runs it
+
+
+def viewless_block_input(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A TransformerBlock call's arguments with ``hidden_states`` (first positional or keyword) made
+    viewless by megatron-core's ``make_viewless_tensor`` (a no-op on a tensor that is no view)."""
+    from megatron.core.utils import make_viewless_tensor
+
+    if args and isinstance(args[0], torch.Tensor):
+        return (make_viewless_tensor(args[0], requires_grad=True, keep_graph=True), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        hidden = make_viewless_tensor(kwargs["hidden_states"], requires_grad=True, keep_graph=True)
+        return args, {**kwargs, "hidden_states": hidden}
+    return args, kwargs
+
+
+def compile_units(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """What ``apply_torch_compile`` compiles: each chunk's whole ``decoder`` (megatron-core's
+    TransformerBlock: its layers and final norm, one dynamo entry and one AOT autograd wrapper per
+    micro-batch instead of one per layer: ~970 fewer Python calls per micro-batch at 4 layers) where
+    ``block_compiles``; each of its layers otherwise."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    units = []
+    for chunk in chunks:
+        for block in (m for m in chunk.modules() if isinstance(m, TransformerBlock)):
+            if block_compiles(block.config):
+                units.append(block)
+            else:
+                units += [m for m in block.modules() if isinstance(m, TransformerLayer)]
+    return units
+
+
+def block_compiles(config: Any) -> bool:
+    """Whether a TransformerBlock traces whole: not under full recompute (megatron-core's
+    ``_checkpointed_forward`` saves RNG states, which dynamo will not trace), sequence parallelism (the
+    block forks the CUDA RNG tracker), fp8/fp4 contexts or activation offloading (host-side state per
+    layer); each layer compiles alone there, as before."""
+    return not (
+        config.recompute_granularity == "full"
+        or config.sequence_parallel
+        or config.fp8
+        or config.fp4
+        or getattr(config, "cpu_offloading", False)
+        or config._cpu_offloading_context is not None
+    )
 
 
 def configure_dynamo(num_layers: int) -> None:

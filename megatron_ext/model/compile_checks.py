@@ -26,6 +26,10 @@ def check_compile_and_graphs(cfg: Any, cuda: bool) -> list[str]:
 
 def _check_torch_compile(cfg: Any) -> list[str]:
     if not cfg.training.torch_compile:
+        if cfg.training.torch_compile_cpp_wrapper:
+            return [
+                "--torch-compile-cpp-wrapper without --torch-compile: it sets how compiled graphs run; add --torch-compile or drop it"
+            ]
         return []
     out = []
     schedule = cfg.parallel.pipeline_schedule

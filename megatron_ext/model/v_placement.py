@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from megatron_ext.pipeline.placement import get_stage_index, get_stage_location
-from megatron_ext.training.finalize import scale_by_global_token_count
+from megatron_ext.training.finalize import finalize_without_count, scale_by_global_token_count
 
 PLACEMENT_ATTR = "pipeline_stage_placement"  # set on the TransformerConfig: "loop" (absent) or "v"
 
@@ -140,9 +140,7 @@ def finalize_model_grads_v(
     all-reduce and (one-rank, skipped) embedding all-reduce, then the local tie, then the per-token
     scaling with the token count broadcast from pipeline rank 0 (where the loss is), summed over
     DP: the same steps in the same order as under the loop placement."""
-    from megatron.core.distributed import finalize_model_grads
-
-    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    finalize_without_count(model, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
     tie_word_embedding_grads(model)
     if num_tokens is not None:
         scale_by_global_token_count(model, num_tokens, pg_collection, _first_rank)

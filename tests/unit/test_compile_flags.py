@@ -57,6 +57,7 @@ def _problems(values: dict, world_size: int = 1, cuda: bool = False) -> list[str
             False,
             "--torch-compile with --recompute-modules mlp",
         ),
+        (dict(torch_compile_cpp_wrapper=True), False, "--torch-compile-cpp-wrapper without --torch-compile"),
     ],
 )
 def test_refused_with_one_error_naming_the_flag(values, cuda, message):
@@ -113,3 +114,25 @@ def test_the_flags_reach_megatron_cores_config():
         build_transformer_config(plain, resolve_config(plain, 1, VOCAB - 1), torch.device("cpu")).cuda_graph_impl
         == "none"
     )
+
+
+@pytest.mark.parametrize(
+    "values,whole",
+    [
+        ({}, True),
+        (dict(recompute_granularity="selective"), True),
+        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), False),
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True), False),
+    ],
+    ids=["plain", "selective", "full-recompute", "sequence-parallel"],
+)
+def test_the_compiled_scope_is_the_whole_block_unless_it_cannot_trace(values, whole):
+    """--torch-compile compiles each chunk's decoder whole (fewer Python calls per micro-batch), each
+    layer alone where the block cannot trace: full recompute (megatron-core's checkpoint saves RNG
+    states), sequence parallelism (the block forks the RNG tracker). Read off megatron-core's config."""
+    from megatron_ext.model.compile import block_compiles
+
+    cfg = build_job_config(tiny_values(torch_compile=True, **values))
+    world = values.get("tensor_model_parallel_size", 1)
+    config = build_transformer_config(cfg, resolve_config(cfg, world, VOCAB - 1), torch.device("cpu"))
+    assert block_compiles(config) is whole
