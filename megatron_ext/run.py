@@ -84,18 +84,8 @@ def build_training_run(
     resolved = resolve_config(cfg, ctx.world_size, tokenizer.vocab_size)
     global_batch_size = resolved.global_batch_size
 
-    chunks = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement, device))
-    prepare_layers(cfg.training, resolved, chunks)  # compiled or lean linears: before the W deferral and DDP
-    # before DDP: deferred W's move DDP's hooks
-    runtime = build_schedule_runtime(cfg.parallel, resolved, ctx, chunks)
-    model = wrap_with_ddp(cfg.parallel, chunks, cfg.training.gradient_accumulation_fusion)
-    attach_schedule_runtime(model, runtime)
-    if cfg.parallel.use_distributed_optimizer:
-        for chunk in model:
-            apply_optimizer_state_offset_fix(chunk)
-    optimizer = build_optimizer(cfg, model, device)
+    model, optimizer = build_model_and_optimizer(cfg, resolved, ctx, device)
     scheduler = build_scheduler(cfg, optimizer, global_batch_size)
-    configure_model_hooks(model, optimizer)
     lg = cfg.logging
     timers = build_step_timers(lg, model, device)
     if data is None:
@@ -135,6 +125,25 @@ def build_training_run(
         prefetcher=build_prefetcher(cfg.data, ctx, step_data, data[0]),
         spike_guard=build_spike_guard(cfg.training),
     )
+
+
+def build_model_and_optimizer(
+    cfg: JobConfig, resolved: ResolvedConfig, ctx: ParallelContext, device: torch.device
+) -> tuple[list[torch.nn.Module], Any]:
+    """This rank's model chunks (mixed precision, compiled or lean linears, the schedule's runtime,
+    DDP) and their optimizer, hooks joined."""
+    chunks = apply_mixed_precision(cfg.training, build_model_chunks(cfg, resolved, ctx.placement, device))
+    prepare_layers(cfg.training, resolved, chunks)  # compiled or lean linears: before the W deferral and DDP
+    # before DDP: deferred W's move DDP's hooks
+    runtime = build_schedule_runtime(cfg.parallel, resolved, ctx, chunks)
+    model = wrap_with_ddp(cfg.parallel, chunks, cfg.training.gradient_accumulation_fusion)
+    attach_schedule_runtime(model, runtime)
+    if cfg.parallel.use_distributed_optimizer:
+        for chunk in model:
+            apply_optimizer_state_offset_fix(chunk)
+    optimizer = build_optimizer(cfg, model, device)
+    configure_model_hooks(model, optimizer)
+    return model, optimizer
 
 
 def prepare_layers(t: TrainingConfig, resolved: ResolvedConfig, chunks: list[torch.nn.Module]) -> None:

@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import os
 from collections import OrderedDict
+from typing import Any
 
 from megatron_ext.config import ConfigError
 
@@ -167,6 +168,24 @@ class _TokenizerFiles:
         return {"type": self.tokenizer_type, "model_sha256": self._sha256, "vocab_size": self.vocab_size}
 
 
+class _DecodedWhole(_TokenizerFiles):
+    """A megatron-core tokenizer (``self._impl``) whose library decodes a list of ids at once: the
+    bytes of all ids together (megatron-core's ``ids_to_text`` for tiktoken decodes each token
+    alone, which garbles a character whose bytes span two tokens)."""
+
+    _impl: Any
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._impl.vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(i) for i in self._impl.text_to_ids(text)]
+
+    def detokenize(self, ids) -> str:
+        return self._impl.tokenizer.decode([int(i) for i in ids])
+
+
 class SentencePieceTokenizer(_TokenizerFiles):
     """A sentencepiece model; ``eod`` is its eos id, ``pad`` its pad id (eod if it has none)."""
 
@@ -234,7 +253,7 @@ def _hub_offline():
                 os.environ[k] = v
 
 
-class HuggingFaceTokenizer(_TokenizerFiles):
+class HuggingFaceTokenizer(_DecodedWhole):
     """A local Hugging Face tokenizer directory through megatron-core's library."""
 
     def __init__(self, path: str):
@@ -270,16 +289,6 @@ class HuggingFaceTokenizer(_TokenizerFiles):
         self._pad = int(pad) if pad is not None else self._eod
         self._files = sorted(os.path.join(path, f) for f in os.listdir(path) if f in TOKENIZER_FILES)
         self._sha256 = get_files_sha256(self._files)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._impl.vocab_size)
-
-    def tokenize(self, text: str) -> list[int]:
-        return [int(i) for i in self._impl.text_to_ids(text)]
-
-    def detokenize(self, ids) -> str:
-        return self._impl.tokenizer.decode([int(i) for i in ids])
 
 
 class GPT2BPETokenizer(_TokenizerFiles):
@@ -319,7 +328,7 @@ class GPT2BPETokenizer(_TokenizerFiles):
         return self._impl.decode([int(i) for i in ids])
 
 
-class TikTokenizer(_TokenizerFiles):
+class TikTokenizer(_DecodedWhole):
     """Megatron's tiktoken vocabulary (.json) through megatron-core's ``TikTokenTokenizer``.
 
     Ids: the special tokens first (``num_special_tokens`` of them: the named ones, then
@@ -356,18 +365,6 @@ class TikTokenizer(_TokenizerFiles):
         digest = hashlib.sha256(get_file_sha256(path).encode())
         digest.update(repr((kwargs["pattern"], num_special_tokens, self._impl.special_tokens[:16])).encode())
         self._sha256 = digest.hexdigest()
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._impl.vocab_size)
-
-    def tokenize(self, text: str) -> list[int]:
-        return [int(i) for i in self._impl.text_to_ids(text)]
-
-    def detokenize(self, ids) -> str:
-        # tiktoken's Encoding decodes the bytes of all ids at once; megatron-core's ids_to_text decodes
-        # each token alone, which garbles a character whose bytes span two tokens
-        return self._impl.tokenizer.decode([int(i) for i in ids])
 
 
 def _check_tiktoken_vocabulary(
