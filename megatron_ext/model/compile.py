@@ -110,27 +110,44 @@ class CompilableLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_, weight = ctx.saved_tensors
-        total_input = _collective_input(input_, ctx.tp_group, ctx.sequence_parallel)
-        grad_input = grad_output.matmul(weight)
-        if ctx.allreduce_dgrad:
-            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
-        if ctx.sequence_parallel:
-            shard = grad_input.new_empty(input_.shape)
-            torch.distributed.reduce_scatter_tensor(shard, grad_input.contiguous(), group=ctx.tp_group)
-            grad_input = shard
-        g2 = grad_output.reshape(-1, grad_output.shape[-1])
-        x2 = total_input.reshape(-1, total_input.shape[-1])
-        if ctx.main_grad is not None:
-            # compiled: the custom op (the compiler sees main_grad written); eager: the same function
-            # without the op's Python dispatch (~20 calls)
-            accumulate = accumulate_wgrad_op if torch.compiler.is_compiling() else accumulate_wgrad
-            accumulate(x2, g2, ctx.main_grad)
-            grad_weight = torch.empty_like(weight)  # DDP's hook drops it (grad_added_to_main_grad)
-        else:
-            grad_weight = g2.t().matmul(x2)
-        grad_bias = g2.sum(dim=0) if ctx.use_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return _linear_backward(ctx, grad_output, zero_dummy=False)
+
+
+class CompilableLinearZeroedDummy(CompilableLinear):
+    """``CompilableLinear`` on a weight megatron-core marks ``zero_out_wgrad`` (the embedding weight an
+    output layer on the same stage shares): the dummy weight gradient is zeros, as upstream's, because
+    DDP's hook then adds the summed ``.grad`` (the embedding's gradient plus this dummy) into
+    ``main_grad``."""
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _linear_backward(ctx, grad_output, zero_dummy=True)
+
+
+def _linear_backward(ctx, grad_output, zero_dummy: bool):
+    """``CompilableLinear``'s backward; ``zero_dummy``: the dummy weight gradient zeroed."""
+    input_, weight = ctx.saved_tensors
+    total_input = _collective_input(input_, ctx.tp_group, ctx.sequence_parallel)
+    grad_input = grad_output.matmul(weight)
+    if ctx.allreduce_dgrad:
+        torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+    if ctx.sequence_parallel:
+        shard = grad_input.new_empty(input_.shape)
+        torch.distributed.reduce_scatter_tensor(shard, grad_input.contiguous(), group=ctx.tp_group)
+        grad_input = shard
+    g2 = grad_output.reshape(-1, grad_output.shape[-1])
+    x2 = total_input.reshape(-1, total_input.shape[-1])
+    if ctx.main_grad is not None:
+        # compiled: the custom op (the compiler sees main_grad written); eager: the same function
+        # without the op's Python dispatch (~20 calls)
+        accumulate = accumulate_wgrad_op if torch.compiler.is_compiling() else accumulate_wgrad
+        accumulate(x2, g2, ctx.main_grad)
+        # DDP's hook drops it (grad_added_to_main_grad), or adds it where zero_out_wgrad
+        grad_weight = torch.zeros_like(weight) if zero_dummy else torch.empty_like(weight)
+    else:
+        grad_weight = g2.t().matmul(x2)
+    grad_bias = g2.sum(dim=0) if ctx.use_bias else None
+    return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def _compilable_forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (upstream's name)
@@ -145,7 +162,11 @@ def _compilable_forward_impl(self, input, weight, *args, **kwargs):  # noqa: A00
         main_grad = weight.main_grad
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True  # read by DDP's hook in this micro-batch's backward
-    return CompilableLinear.apply(
+    # the tied weight's zeroed dummy: only on an output layer, which is never compiled (dynamo does not
+    # trace the getattr)
+    zeroed = not torch.compiler.is_compiling() and getattr(weight, "zero_out_wgrad", False)
+    function = CompilableLinearZeroedDummy if zeroed else CompilableLinear
+    return function.apply(
         input, weight, kwargs["bias"], main_grad, kwargs["allreduce_dgrad"], kwargs["sequence_parallel"], self.tp_group
     )
 
@@ -278,15 +299,31 @@ def lean_forward_applies(linear: torch.nn.Module) -> bool:
 
 def install_lean_linears(chunks: list[torch.nn.Module]) -> int:
     """Eager runs at TP 1: our ``_forward_impl`` and lean ``forward`` on the linears of every
-    transformer layer (not the output layer, whose tied weight's ``zero_out_wgrad`` stays upstream's):
-    the same GEMMs and accumulation (bitwise megatron-core's numbers), ~40% fewer Python calls per
-    linear (megatron-core's autocast decorators, its per-call TP-group look-up and the identity TP-region
-    Functions). Returns how many linears got it."""
+    transformer layer and on the output layer (``install_lean_output_layers``): the same GEMMs and
+    accumulation (bitwise megatron-core's numbers), ~40% fewer Python calls per linear (megatron-core's
+    autocast decorators, its per-call TP-group look-up and the identity TP-region Functions). Returns
+    how many linears got it."""
     count = 0
     for layer in transformer_layers(chunks):
         if all(lean_forward_applies(m) for m in _linears(layer)):
             count += install_compilable_linears(layer)
-    return count
+    return count + install_lean_output_layers(chunks)
+
+
+def install_lean_output_layers(chunks: list[torch.nn.Module]) -> int:
+    """The lean TP-1 linear on each chunk's output layer (eager, also under --torch-compile, which
+    compiles the transformer block only): ~100 fewer Python calls per micro-batch. A weight the
+    embedding shares on this stage (megatron-core's ``zero_out_wgrad``) gets upstream's zeroed dummy
+    gradient (``CompilableLinearZeroedDummy``). Returns how many."""
+    heads = [
+        _unwrap_chunk(c).output_layer for c in chunks if getattr(_unwrap_chunk(c), "output_layer", None) is not None
+    ]
+    return sum(install_compilable_linears(head) for head in heads if lean_forward_applies(head))
+
+
+def _unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside megatron-core's Float16Module (the chunk itself otherwise; before DDP)."""
+    return chunk.module if hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module) else chunk
 
 
 def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -320,14 +357,28 @@ def apply_torch_compile(chunks: list[torch.nn.Module], backend: Any = None, cpp_
         install_compilable_recompute(layer)
     backend = backend or BACKEND
     kwargs = dict(fullgraph=True, dynamic=False, backend=backend)
-    if cpp_wrapper and backend == "inductor":  # torch.compile takes options with inductor alone
-        kwargs["options"] = {"cpp_wrapper": True}
+    if backend == "inductor":  # torch.compile takes options with inductor alone
+        kwargs["options"] = inductor_options(cpp_wrapper)
     for unit in compile_units(chunks):
         if isinstance(unit, TransformerBlock):
             compile_block(unit, kwargs)
         else:
             unit.compile(**kwargs)
+    install_lean_output_layers(chunks)  # eager, outside the compiled blocks
     return len(layers)
+
+
+def inductor_options(cpp_wrapper: bool = False) -> dict[str, bool]:
+    """Inductor's options for our compiled blocks: its generated wrapper's per-buffer checks off
+    (``size_asserts``: an ``assert_size_stride`` per graph input and per extern kernel's output;
+    ``alignment_asserts``), which re-check what dynamo's guards already pin under ``dynamic=False``
+    (every input's sizes and strides) and cost one Python call each on every call: ~150 of ~2,240
+    Python calls per micro-batch at 4 Llama-style layers (bench/host_overhead.py), host time on a GPU
+    too (as vLLM's CPU backend turns them off). ``cpp_wrapper``: --torch-compile-cpp-wrapper."""
+    options = {"size_asserts": False, "alignment_asserts": False}
+    if cpp_wrapper:
+        options["cpp_wrapper"] = True
+    return options
 
 
 def compile_block(block: torch.nn.Module, compile_kwargs: dict) -> None:

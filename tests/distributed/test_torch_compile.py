@@ -300,11 +300,12 @@ def _grads_with_and_without_lean_linears(rank, world_size, style):
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_lean_linears_keep_megatron_cores_numbers_bit_for_bit(style):
-    """Eager at TP 1 takes our lean linears (fewer Python calls); against megatron-core's own linears
+    """Eager at TP 1 takes our lean linears (fewer Python calls), the output layer's included (GPT-2's
+    tied to the embedding: megatron-core's zeroed dummy gradient); against megatron-core's own linears
     the losses and every accumulated gradient are identical, bit for bit."""
     out = run_ranks(_grads_with_and_without_lean_linears, 1, style)[0]
     (lean_losses, lean_grads, lean_count), (ref_losses, ref_grads, ref_count) = out[True], out[False]
-    assert lean_count == 8 and ref_count == 0  # 4 linears in each of the 2 layers
+    assert lean_count == 9 and ref_count == 0  # 4 linears in each of the 2 layers, and the output layer
     assert all(torch.equal(a, b) for a, b in zip(lean_losses, ref_losses))
     assert lean_grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
@@ -384,5 +385,26 @@ def test_cpp_wrapper_reaches_inductor(wrapper):
     """--torch-compile-cpp-wrapper: inductor's ``cpp_wrapper`` option on the one compiled block, and
     nothing without the flag."""
     recorded = run_ranks(_compile_calls, 1, dict(torch_compile_cpp_wrapper=wrapper))[0]
-    options = {"options": {"cpp_wrapper": True}} if wrapper else {}
-    assert recorded == [dict(fullgraph=True, dynamic=False, backend="inductor", **options)]
+    options = {"size_asserts": False, "alignment_asserts": False, **({"cpp_wrapper": True} if wrapper else {})}
+    assert recorded == [dict(fullgraph=True, dynamic=False, backend="inductor", options=options)]
+
+
+def test_inductor_options_drop_the_wrappers_per_buffer_asserts():
+    """``inductor_options()`` reaches inductor: a graph compiled with them has no ``assert_size_stride(...)``
+    in its generated wrapper, and the same graph compiled with inductor's defaults has (so the check
+    can fail); the results are equal. An extern matmul only: no C++ kernel to build, about a second."""
+    from torch._inductor.utils import run_and_get_code
+
+    from megatron_ext.model.compile import inductor_options
+
+    def fn(x, w):
+        return x @ w.t()
+
+    x, w = torch.randn(8, 4), torch.randn(6, 4)
+    torch._dynamo.reset()
+    ours, (code,) = run_and_get_code(torch.compile(fn, dynamic=False, options=inductor_options()), x, w)
+    torch._dynamo.reset()
+    default, (default_code,) = run_and_get_code(torch.compile(fn, dynamic=False), x, w)
+    torch._dynamo.reset()
+    assert "assert_size_stride(" in default_code and "assert_size_stride(" not in code
+    assert torch.equal(ours, default) and torch.equal(ours, fn(x, w))
