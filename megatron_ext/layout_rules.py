@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from megatron_ext.config import JobConfig
+from megatron_ext.config import JobConfig, TrainingConfig
+from megatron_ext.data.batch_schedule import BatchSchedule
 from megatron_ext.data.batch_schedule import get_train_iters as get_schedule_train_iters
 from megatron_ext.derived import (
     RECOMPUTE_MODULES,
@@ -192,15 +193,18 @@ def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     return out
 
 
-def check_batch_schedule(cfg: JobConfig, world_size: int) -> list[str]:
+def check_batch_schedule(cfg: JobConfig, world_size: int, resuming: bool = False) -> list[str]:
     """--rampup-batch-size and --step-batch-size-schedule (``data/batch_schedule.py``): their grammar,
-    Megatron-LM's exclusions, and every global batch the run's steps take against the batch rules
-    (megatron-core checks each only when its step comes)."""
+    Megatron-LM's exclusions, and every global batch the run's steps take from step 0 against the
+    batch rules (megatron-core checks each only when its step comes). ``resuming`` (--load holds a
+    checkpoint to resume): the steps are not checked here, since the ramp batches the checkpoint
+    trained past do not matter on this layout; the loop checks the steps left from the loaded
+    consumed samples before its first step (``check_steps_left``)."""
     t = cfg.training
     ramp, steps = t.rampup_batch_size, t.step_batch_size_schedule
     if not ramp and steps is None:
         return []
-    rflag, sflag = f"--rampup-batch-size {' '.join(ramp)}", f'--step-batch-size-schedule "{steps}"'
+    rflag, sflag = _schedule_flags(t)
     if ramp and steps is not None:
         return [f"{rflag} and {sflag} are exclusive (Megatron-LM main replaced the first by the second): give one"]
     flag, out = (rflag, []) if ramp else (sflag, [])
@@ -221,9 +225,40 @@ def check_batch_schedule(cfg: JobConfig, world_size: int) -> list[str]:
         return out + [f"{flag}: {exc}"]
     if out or schedule is None or t.micro_batch_size <= 0 or check_layout(cfg, world_size) or not t.train_samples:
         return out
-    batches = schedule.get_batch_sizes(get_schedule_train_iters(schedule, t.train_samples))[:-1]  # last: check_batch
-    found = check_step_batches(cfg, world_size, batches)
-    return out + ([f"{flag}: {found[0]}"] if found else [])
+    if resuming:  # the batches of the steps it trained past may not divide on this layout: they do not matter
+        return out
+    return check_steps_left(cfg, world_size, schedule, 0, get_schedule_train_iters(schedule, t.train_samples))
+
+
+def check_steps_left(
+    cfg: JobConfig, world_size: int, schedule: BatchSchedule, first_sample: int, iterations: int
+) -> list[str]:
+    """The batch rules (``check_step_batches``) broken by the global batches of the ``iterations``
+    steps from the one at ``first_sample`` (0: a new run's; a resumed run's consumed samples), as one
+    problem naming the schedule's flag; the settled batch is ``check_batch``'s. Pure: the loop calls
+    it on a resume, once the checkpoint's consumed samples are known."""
+    if schedule.is_constant or iterations <= 0:
+        return []
+    sizes = schedule.get_batch_sizes(iterations, first_sample)
+    found = check_step_batches(cfg, world_size, [g for g in sizes if g != schedule.global_batch_size])
+    if not found:
+        return []
+    rflag, sflag = _schedule_flags(cfg.training)
+    flag = rflag if cfg.training.rampup_batch_size else sflag
+    if first_sample:
+        return [
+            f"{flag}, resumed after {first_sample} consumed samples: {found[0]}, or resume on a data-parallel "
+            f"size that divides the batches of the steps left"
+        ]
+    return [f"{flag}: {found[0]}"]
+
+
+def _schedule_flags(t: TrainingConfig) -> tuple[str, str]:
+    """--rampup-batch-size and --step-batch-size-schedule as given, for messages."""
+    return (
+        f"--rampup-batch-size {' '.join(t.rampup_batch_size)}",
+        f'--step-batch-size-schedule "{t.step_batch_size_schedule}"',
+    )
 
 
 def check_step_batches(cfg: JobConfig, world_size: int, batches: list[int]) -> list[str]:

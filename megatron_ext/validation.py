@@ -1,11 +1,12 @@
 """Validation: every rule the flags must satisfy, checked in one place, all problems reported at once.
 
 ``validate(cfg, world_size)`` runs before any process group, file or model is created (it reads
-the data files' headers, never writes) and raises one ConfigError listing every problem, each
-naming the flags, the values and the fix. It sits above ``data/`` and ``model/``' pure checks and
-calls them (the tokenizer flags, the indexed files, the blends, the one --split grammar); the
-layout, batch and model-shape rules are ``layout_rules.py``. Settings Megatron-LM adjusts rather
-than refuses are adjusted by ``arguments.py`` (with a notice), before this runs.
+the data files' headers and whether --load holds a checkpoint, never writes) and raises one
+ConfigError listing every problem, each naming the flags, the values and the fix. It sits above
+``data/`` and ``model/``' pure checks and calls them (the tokenizer flags, the indexed files, the
+blends, the one --split grammar); the layout, batch and model-shape rules are ``layout_rules.py``.
+Settings Megatron-LM adjusts rather than refuses are adjusted by ``arguments.py`` (with a notice),
+before this runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib.util
 import math
 import os
 
+from megatron_ext.checkpoint.directory import resolve_load_path
 from megatron_ext.config import ConfigError, DataConfig, JobConfig, TrainingConfig
 from megatron_ext.data.blends import DataBlends, get_data_blends
 from megatron_ext.data.gpt_datasets import parse_split
@@ -41,7 +43,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + check_layout(cfg, world_size)
         + check_model(cfg, world_size)
         + check_batch(cfg, world_size)
-        + check_batch_schedule(cfg, world_size)
+        + check_batch_schedule(cfg, world_size, resuming=resumes_training(cfg))
         + _check_schedule(cfg)
         + check_pipeline_schedule_layout(cfg, world_size)
         + check_v_split(cfg)
@@ -58,6 +60,14 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
     )
     if problems:
         raise ConfigError(problems)
+
+
+def resumes_training(cfg: JobConfig) -> bool:
+    """--load holds a complete checkpoint whose training state this run resumes (not --finetune,
+    which starts at step 0): its consumed samples, and so the steps left, are known once it is
+    loaded (``training/loop.check_steps_left``). Reads the directory listing only."""
+    c = cfg.checkpoint
+    return bool(c.load) and not c.finetune and resolve_load_path(c.load, c.ckpt_step)[0] is not None
 
 
 def check_data_tokenizer(d: DataConfig, identity: dict) -> None:

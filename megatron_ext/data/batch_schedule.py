@@ -82,11 +82,12 @@ class BatchSchedule:
                 return consumed
         raise AssertionError("unreachable: iter_steps is endless")
 
-    def get_batch_sizes(self, iterations: int) -> list[int]:
-        """The distinct global batches of the first ``iterations`` steps and the settled batch (what
-        evaluation reads), in the order they first appear."""
+    def get_batch_sizes(self, iterations: int, first_sample: int = 0) -> list[int]:
+        """The distinct global batches of ``iterations`` steps from the one at ``first_sample`` (0: the
+        run's first; a resumed run's consumed samples) and the settled batch (what evaluation reads),
+        in the order they first appear."""
         sizes: dict[int, None] = {}
-        for k, (consumed, batch) in enumerate(self.iter_steps()):
+        for k, (consumed, batch) in enumerate(self.iter_steps(first_sample)):
             if k == iterations or consumed >= self.settles_at:
                 break
             sizes[batch] = None

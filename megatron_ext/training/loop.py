@@ -32,11 +32,12 @@ from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.directory import NonFiniteCheckpoint
 from megatron_ext.checkpoint.exit_policy import EXIT_FLAGS, ExitDecider, describe_exit
 from megatron_ext.checkpoint.parts import CheckpointMeta, TrainState
-from megatron_ext.config import JobConfig
+from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.data.prefetch import StepPrefetcher
 from megatron_ext.data.step_data import StepDataBuilder
 from megatron_ext.derived import ResolvedConfig
 from megatron_ext.guards import StepWatchdog
+from megatron_ext.layout_rules import check_steps_left
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.restart import IterationRecord
 from megatron_ext.straggler import StragglerDetector
@@ -404,6 +405,7 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
         if warning:
             run.log(warning)
     try:
+        refuse_bad_steps_left(run)  # before any step, so before any save
         finished = True
         while state.iteration < t.train_iters:
             if not train_one(run, window, history):
@@ -445,6 +447,25 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
             if tool is not None:
                 tool.close()
     return history
+
+
+def refuse_bad_steps_left(run: TrainingRun) -> None:
+    """ConfigError when a step still to come takes a global batch (of --rampup-batch-size or
+    --step-batch-size-schedule) that this layout's batch rules refuse, counted from the consumed
+    samples the run starts at: a resumed run's (``validation`` skips the steps then, as the ramp it
+    trained past may not divide on a new data-parallel size); a new run's steps were validated from
+    step 0 already. Every rank loaded the same consumed samples, so every rank raises alike: one
+    error, no collective left waiting, nothing written."""
+    t, state = run.cfg.training, run.state
+    problems = check_steps_left(
+        run.cfg,
+        run.ctx.world_size,
+        run.resolved.batch_schedule,
+        state.consumed_samples,
+        t.train_iters - state.iteration,
+    )
+    if problems:
+        raise ConfigError(problems)
 
 
 def finish_async_save(run: TrainingRun) -> None:

@@ -9,7 +9,10 @@ world records every step's (global batch, micro-batches on this rank) as the loo
 settled batch) and a checksum of the final weights. A one-process run is the reference for DP2 (with
 and without DataLoader workers), PP2 under 1F1B and under ZBH1 (our runtime); a DP2 run saved after
 step 5 (mid-ramp, 12 samples consumed) and resumed trains steps 6-12 bit for bit as the uninterrupted
-run did. A one-process run under --step-batch-size-schedule takes main's calculator's batches.
+run did. A one-process run under --step-batch-size-schedule takes main's calculator's batches. A
+ramp of 2, 2, 2, 5, 5, then 8 (--rampup-batch-size 2 3 12) trained by one process and resumed on DP2
+past the ramp trains on (the 5s it trained past would not divide), and is refused, writing nothing,
+from a checkpoint with a 5 still to come.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import torch
 from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 
 import megatron_ext.training.loop as loop
+from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.evaluation import evaluate
 from megatron_ext.training.loop import train
+from megatron_ext.validation import validate
 from tests.unit.megatron_main_step_batch import StepBatchsizeNumMicroBatchesCalculator
 
 pytestmark = pytest.mark.distributed
@@ -159,3 +164,50 @@ def test_resume_mid_ramp_is_exact(two):
         assert rank_out["resumed"]["records"] == rank_out["saved"]["records"][5:]
         assert rank_out["resumed"]["weights"] == rank_out["saved"]["weights"]
         assert rank_out["resumed"]["val"] == rank_out["saved"]["val"]
+
+
+# --rampup-batch-size 2 3 12: steps of 2, 2, 2, 5, 5, then 8 from sample 16 (9 steps, 48 samples);
+# DP 2 cannot take the 5s. Saved by one process every 3 steps: at 6 samples (a 5 to come) and at 24
+RESUME = dict(RAMP, train_samples=48, rampup_batch_size=["2", "3", "12"])
+
+
+def _save_at_dp1(rank: int, world_size: int, root: str) -> dict:
+    return _train(dict(RESUME, save=root, save_interval=3))
+
+
+def _resume_at_dp2(rank: int, world_size: int, root: str) -> dict:
+    out = {"resumed": _train(dict(RESUME, load=root), load=root, step=6)}
+    try:  # a save every step if it trained one: it must not
+        _train(dict(RESUME, load=root, save=root, save_interval=1), load=root, step=3)
+    except ConfigError as err:
+        out["refused"] = err.problems
+    destroy_parallel_context()
+    return out
+
+
+def _listing(root) -> list[tuple[str, int, int]]:
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def test_resume_past_the_ramp_on_a_dp_its_ramp_does_not_divide(tmp_path):
+    root = tmp_path / "ckpt"
+    (saved,) = run_ranks(_save_at_dp1, 1, str(root), timeout=300)
+    assert [b for b, _ in saved["steps"]] == [2, 2, 2, 5, 5, 8, 8, 8, 8] and saved["consumed"] == 48
+    with pytest.raises(ConfigError, match="global batch 5 not divisible"):  # a new run at DP 2
+        validate(build_job_config(tiny_values(**RESUME)), 2)
+    validate(build_job_config(tiny_values(**RESUME, load=str(root))), 2)  # a resume: its steps, by the loop
+    before = _listing(root)
+    two = run_ranks(_resume_at_dp2, 2, str(root), timeout=300)
+    assert _listing(root) == before  # neither the resumed run nor the refused one wrote anything
+    for rank_out in two:
+        resumed = rank_out["resumed"]
+        assert resumed["steps"] == [(8, 4)] * 3 and resumed["consumed"] == saved["consumed"]
+        (problem,) = rank_out["refused"]  # every rank raised the same error: no rank left waiting
+        assert rank_out["refused"] == two[0]["refused"] and problem.startswith(
+            "--rampup-batch-size 2 3 12, resumed after 6"
+        )
+        assert "global batch 5 not divisible by --micro-batch-size 1 x data-parallel size 2" in problem
+    records = two[0]["resumed"]["records"]
+    assert [r[0] for r in records] == [7, 8, 9]
+    for got, want in zip(records, saved["records"][6:]):
+        assert got[1:] == pytest.approx(want[1:], rel=1e-5)

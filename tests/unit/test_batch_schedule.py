@@ -18,6 +18,7 @@ from megatron_ext.data.batch_schedule import BatchSchedule, get_train_iters, par
 from megatron_ext.data.step_data import StepDataSpec
 from megatron_ext.derived import get_batch_schedule
 from megatron_ext.derived import get_train_iters as get_run_train_iters
+from megatron_ext.layout_rules import check_steps_left
 from megatron_ext.validation import validate
 from tests.unit.megatron_main_step_batch import StepBatchsizeNumMicroBatchesCalculator
 
@@ -237,3 +238,61 @@ def test_gpt3_175b_main_script_is_refused_as_megatron_lm_main_refuses_it():
     ref = StepBatchsizeNumMicroBatchesCalculator(1, 1, False, 1, cfg.training.step_batch_size_schedule, 2048)
     assert get_run_train_iters(cfg, 128) == reference_step_train_iters(ref, 768000000)
     assert ours_steps(get_batch_schedule(cfg, 128), 1, 1, 2000) == reference_steps(ref, 2000)
+
+
+# ----------------------------------------------------------------------------- resuming on another layout
+# --rampup-batch-size 2 3 12 with --global-batch-size 8: steps of 2, 2, 2, 5, 5, then 8 from sample 16
+RESUMABLE = dict(global_batch_size=8, rampup_batch_size=["2", "3", "12"], train_samples=48)
+
+
+@pytest.mark.parametrize("first_sample", [0, 4, 6, 11, 16, 40])
+def test_batches_from_a_consumed_offset_are_megatron_cores(first_sample):
+    """The batches of the steps from a resumed run's consumed samples: megatron-core's calculator
+    updated at each step's consumed count from there."""
+    ref = RampupBatchsizeNumMicroBatchesCalculator(8, 1, 1, False, 1, 2, 3, 12)
+    schedule = BatchSchedule(8, rampup=parse_rampup(["2", "3", "12"], 8))
+    consumed, expected = first_sample, set()
+    for _ in range(4):
+        ref.update(consumed, True)
+        expected.add(ref.get_current_global_batch_size())
+        consumed += ref.get_current_global_batch_size()
+    assert set(schedule.get_batch_sizes(4, first_sample)) == expected | {8}
+
+
+def test_resume_past_the_ramp_on_a_dp_the_ramp_does_not_divide_is_accepted(tmp_path):
+    """DP 2 breaks the ramp's batch 5: a new run is refused; a run resuming after the ramp (--load
+    holds a checkpoint) is not, and the loop's check of the steps left passes from sample 16 on."""
+    assert "global batch 5 not divisible" in problems(**RESUMABLE)[0]
+    (tmp_path / "iter_0000005").mkdir()
+    (tmp_path / "iter_0000005" / "complete.json").write_text("{}")
+    cfg = build_job_config({**BASE, **RESUMABLE, "load": str(tmp_path)})
+    validate(cfg, 2)
+    schedule = get_batch_schedule(cfg, 2)
+    assert check_steps_left(cfg, 2, schedule, 16, 4) == []  # 8, 8, 8, 8
+    assert check_steps_left(cfg, 1, schedule, 0, 9) == []  # the run that saved it, at DP 1
+    # --finetune starts at step 0 whatever --load holds: the ramp is checked
+    assert "global batch 5 not divisible" in problems(**RESUMABLE, load=str(tmp_path), finetune=True)[0]
+
+
+@pytest.mark.parametrize("first_sample", [0, 6, 11])
+def test_resume_with_a_step_left_that_does_not_divide_is_refused(first_sample):
+    """A step of batch 5 still to come (from sample 6 or 11) on DP 2: one problem naming the flag,
+    the batch, the resume and the fix."""
+    cfg = build_job_config({**BASE, **RESUMABLE})
+    (problem,) = check_steps_left(cfg, 2, get_batch_schedule(cfg, 2), first_sample, 9)
+    assert problem.startswith("--rampup-batch-size 2 3 12") and "global batch 5 not divisible" in problem
+    assert "data-parallel size 2 = 2" in problem and "a multiple of 2" in problem
+    resumed = f"resumed after {first_sample} consumed samples"
+    assert (
+        (resumed in problem and "resume on a data-parallel size that divides")
+        if first_sample
+        else "resumed" not in problem
+    )
+
+
+def test_a_step_schedule_whose_batch_shrinks_then_grows_back_is_checked_in_full():
+    """Batch 8, then 4 from sample 64, then 8 again: the 4 is checked, not only the last batch."""
+    values = dict(step_batch_size_schedule="0:8 1024:4 2048:8", global_batch_size=None, train_samples=200)
+    validate(build_job_config({**BASE, **values}), 4)
+    (found,) = problems(8, **values)
+    assert "global batch 4 not divisible by --micro-batch-size 1 x data-parallel size 8" in found
