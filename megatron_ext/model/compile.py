@@ -162,11 +162,7 @@ def _compilable_forward_impl(self, input, weight, *args, **kwargs):  # noqa: A00
         main_grad = weight.main_grad
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True  # read by DDP's hook in this micro-batch's backward
-    # the tied weight's zeroed dummy: only on an output layer, which is never compiled (dynamo does not
-    # trace the getattr)
-    zeroed = not torch.compiler.is_compiling() and getattr(weight, "zero_out_wgrad", False)
-    function = CompilableLinearZeroedDummy if zeroed else CompilableLinear
-    return function.apply(
+    return self.linear_function.apply(  # CompilableLinear, or its zeroed-dummy variant (install_lean_output_layers)
         input, weight, kwargs["bias"], main_grad, kwargs["allreduce_dgrad"], kwargs["sequence_parallel"], self.tp_group
     )
 
@@ -185,6 +181,7 @@ def install_compilable_linears(module: torch.nn.Module) -> int:
                     "which a compiled backward cannot feed; drop --torch-compile or pick a 1F1B schedule"
                 )
             linear._forward_impl = types.MethodType(_compilable_forward_impl, linear)
+            linear.linear_function = CompilableLinear  # an instance attribute: no Python call to find it
             linear.traceable_linear = True  # apply_weight_grad_deferral refuses it (model/wgrad_deferral.py)
             if (
                 not install_lean_forward(linear)
@@ -315,10 +312,16 @@ def install_lean_output_layers(chunks: list[torch.nn.Module]) -> int:
     compiles the transformer block only): ~100 fewer Python calls per micro-batch. A weight the
     embedding shares on this stage (megatron-core's ``zero_out_wgrad``) gets upstream's zeroed dummy
     gradient (``CompilableLinearZeroedDummy``). Returns how many."""
-    heads = [
-        _unwrap_chunk(c).output_layer for c in chunks if getattr(_unwrap_chunk(c), "output_layer", None) is not None
-    ]
-    return sum(install_compilable_linears(head) for head in heads if lean_forward_applies(head))
+    count = 0
+    for model in map(_unwrap_chunk, chunks):
+        head = getattr(model, "output_layer", None)
+        if head is None or not lean_forward_applies(head):
+            continue
+        count += install_compilable_linears(head)
+        weight = head.weight if head.weight is not None else model.shared_embedding_or_output_weight()
+        if getattr(weight, "zero_out_wgrad", False):  # set by megatron-core when the model is built
+            head.linear_function = CompilableLinearZeroedDummy
+    return count
 
 
 def _unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
