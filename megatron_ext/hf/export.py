@@ -12,6 +12,12 @@ rank (the logging rank) whether every shard was written; it then writes
 ``model.safetensors.index.json``, ``config.json`` and the tokenizer's files (or a note), and renames
 the directory to ``<save>/hf/iter_XXXXXXX``. A reader never sees a partial export.
 
+An export of an iteration already exported (a resumed run) renames the earlier one to
+``iter_XXXXXXX.old`` before its own rename and deletes it after: a crash between the two renames
+leaves the earlier export under ``.old`` alone. The publishing rank recovers it at the next export
+and before --keep-last prunes (``recover_interrupted_publish``): an ``.old`` with no complete
+``iter_XXXXXXX`` is renamed back (one log line), one beside a complete export is deleted.
+
 An export that fails to write (disk full, permissions) is a warning naming the directory and the
 command that redoes it from the checkpoint, not an error: the export runs after the iteration's
 torch_dist checkpoint was saved (or, under ``--async-save``, started), that checkpoint is what a resume needs and it is untouched, and
@@ -24,7 +30,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +71,39 @@ FUSED_NORMS = {
 
 def get_hf_export_dir(save: str, iteration: int) -> str:
     return os.path.join(save, HF_SUBDIR, f"iter_{iteration:07d}")
+
+
+def is_complete_export(path: str) -> bool:
+    """A published export: its index and config are written before the rename that publishes it."""
+    return all(os.path.isfile(os.path.join(path, name)) for name in (INDEX_FILE, "config.json"))
+
+
+def recover_interrupted_publish(hf_root: str, log: Callable[[str], None]) -> list[str]:
+    """Undo a crash between ``_publish``'s two renames (the publishing rank, before it lists or
+    writes exports): an ``iter_XXXXXXX.old`` with no complete ``iter_XXXXXXX`` beside it is renamed
+    back, else it is deleted. A failure is a warning (the caller's export or pruning goes on).
+    Returns the recovered directories."""
+    if not os.path.isdir(hf_root):
+        return []
+    recovered = []
+    for name in sorted(os.listdir(hf_root)):
+        match = re.fullmatch(r"(iter_\d{7})\.old", name)
+        if not match:
+            continue
+        old, final = os.path.join(hf_root, name), os.path.join(hf_root, match.group(1))
+        try:
+            if is_complete_export(final) or not is_complete_export(old):
+                shutil.rmtree(old)
+                continue
+            if os.path.lexists(final):  # a partial directory under the name (a delete cut short)
+                shutil.rmtree(final)
+            os.rename(old, final)
+        except OSError as err:
+            log(f"WARNING: could not recover the interrupted Hugging Face export {old}: {err}")
+            continue
+        log(f"recovered the Hugging Face export {final} from {old} (an export of the same iteration was interrupted)")
+        recovered.append(final)
+    return recovered
 
 
 def should_export_hf(c: CheckpointConfig, iteration: int, last: bool) -> bool:
@@ -177,6 +218,7 @@ def export_hf_model(
     """Write the model ``chunks`` (this rank's, in megatron-core's wrappers) as an HF directory
     ``<save>/hf/iter_XXXXXXX``; collective over the world. Returns the directory on the publishing
     rank when it was published, else None (a failure is logged there as a warning)."""
+    started = time.perf_counter()
     args = cfg.to_flat_dict()
     vocab = tokenizer_identity.get("vocab_size") or padded_vocab_size
     hf = build_hf_config(args, vocab, get_ffn_hidden_size(cfg.model))
@@ -185,6 +227,7 @@ def export_hf_model(
     tmp = os.path.join(save, HF_SUBDIR, f".tmp_iter_{iteration:07d}")
     error = None
     if ctx.is_logging_rank:
+        recover_interrupted_publish(os.path.join(save, HF_SUBDIR), log)
         try:
             for stale in glob.glob(os.path.join(save, HF_SUBDIR, ".tmp_iter_*")):  # crashed exports' leftovers
                 shutil.rmtree(stale, ignore_errors=True)
@@ -204,7 +247,7 @@ def export_hf_model(
         return None
     errors = [e for e, _ in reports if e]
     if not errors:
-        errors = _publish(hf, cfg, [s for _, s in reports], tmp, final, log)
+        errors = _publish(hf, cfg, [s for _, s in reports], tmp, final, log, started)
     if errors:
         shutil.rmtree(tmp, ignore_errors=True)
         log(
@@ -231,10 +274,17 @@ def _write_shard(tensors: dict[str, torch.Tensor], tmp: str, name: str, shard: d
 
 
 def _publish(
-    hf: dict[str, Any], cfg: JobConfig, shards: list[dict[str, Any]], tmp: str, final: str, log: Callable[[str], None]
+    hf: dict[str, Any],
+    cfg: JobConfig,
+    shards: list[dict[str, Any]],
+    tmp: str,
+    final: str,
+    log: Callable[[str], None],
+    started: float,
 ) -> list[str]:
     """Index, config and tokenizer into ``tmp``, then ``tmp`` renamed to ``final`` (an earlier
-    export of the same iteration replaced); returns the errors (none when published)."""
+    export of the same iteration replaced); returns the errors (none when published). The log line
+    gives the seconds since ``started`` (``time.perf_counter()`` at the export's start)."""
     index = build_index(shards)
     try:
         with open(os.path.join(tmp, INDEX_FILE), "w") as f:
@@ -254,7 +304,7 @@ def _publish(
         return [str(err)]
     files = sorted(set(index["weight_map"].values()))
     log(
-        f"exported a Hugging Face {hf['architectures'][0]} to {final}: {len(index['weight_map'])} tensors in "
+        f"exported a Hugging Face {hf['architectures'][0]} to {final} in {time.perf_counter() - started:.2f} s: {len(index['weight_map'])} tensors in "
         f"{len(files)} safetensors shards, {index['metadata']['total_size'] / 2**20:.1f} MiB; {tokenizer}"
     )
     return []

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_ext.checkpoint.directory import select_checkpoints_to_delete
 from megatron_ext.checkpoint.parts import CheckpointMeta, CheckpointParts
 from megatron_ext.checkpoint.state import load_parts, save_parts, start_async_save
-from megatron_ext.hf.export import export_hf_model, should_export_hf
+from megatron_ext.hf.export import export_hf_model, recover_interrupted_publish, should_export_hf
 
 
 def get_checkpoint_parts(run: Any, meta: CheckpointMeta | None = None) -> CheckpointParts:
@@ -57,13 +57,20 @@ def maybe_export_hf(run: Any, last: bool) -> str | None:
 def prune_hf_exports(hf_root: str, keep_last: int | None, log: Callable[[str], None]) -> list[str]:
     """--keep-last applied to the exports in ``hf_root`` (``<save>/hf``) as to the checkpoints: the
     newest N ``iter_XXXXXXX`` remain, never the newest one, so that --save-hf-interval cannot fill the
-    disk the checkpoints need; a failure to delete is a warning. Returns the deleted directories."""
+    disk the checkpoints need; a failure to delete is a warning. An export interrupted between its
+    renames is recovered first (it counts). Each is renamed out of the ``iter_XXXXXXX`` names before
+    it is deleted, so a delete cut short leaves no partial export under them (the next export removes
+    the ``.tmp_`` leftover). Returns the deleted directories."""
+    recover_interrupted_publish(hf_root, log)
     found = {int(m.group(1)): m.group(0) for m in map(re.compile(r"iter_(\d{7})$").match, os.listdir(hf_root)) if m}
     deleted = []
     for it in select_checkpoints_to_delete(list(found), keep_last):
         path = os.path.join(hf_root, found[it])
+        aside = os.path.join(hf_root, f".tmp_{found[it]}.deleted")
         try:
-            shutil.rmtree(path)
+            shutil.rmtree(aside, ignore_errors=True)  # an earlier delete's leftover
+            os.rename(path, aside)
+            shutil.rmtree(aside)
             deleted.append(path)
         except OSError as err:
             log(f"WARNING: --keep-last {keep_last}: could not delete the old Hugging Face export {path}: {err}")

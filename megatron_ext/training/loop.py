@@ -54,7 +54,7 @@ from megatron_ext.training.metrics import (
     num_floating_point_operations,
 )
 from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
-from megatron_ext.training.spike import SpikeGuard, check_spike
+from megatron_ext.training.spike import SpikeGuard, check_spike, log_spike_summary
 from megatron_ext.training.step import (
     StepResult,
     build_step_microbatches,
@@ -411,6 +411,8 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
             if not train_one(run, window, history):
                 finished = state.iteration >= t.train_iters
                 break
+        if state.iteration > started:  # the loop's normal end: --train-iters or an agreed exit
+            log_spike_summary(run)
         if (
             finished
             and state.iteration > started

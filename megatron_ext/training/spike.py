@@ -120,9 +120,16 @@ def check_spike(run: Any, result: Any) -> None:
                 f"--skip-spiky-loss-factor {guard.factor}: update skipped on every rank ({where})"
             )
     guard.record(result.step_loss, result.update_successful)
-    if run.state.iteration == run.cfg.training.train_iters and run.ctx.is_logging_rank:
-        run.log(
-            f"> loss-spike guard: {guard.skipped} step(s) skipped by this process; largest loss / reference "
-            f"of its checked steps: {guard.largest_ratio:.4g} (--skip-spiky-loss-factor {guard.factor}, "
-            f"--skip-spiky-loss-window {guard.losses.maxlen})"
-        )
+
+
+def log_spike_summary(run: Any) -> None:
+    """The guard's summary line, on the logging rank, when the loop ends normally (at
+    --train-iters or an agreed exit: --exit-interval, --exit-duration-in-mins, a signal)."""
+    guard: SpikeGuard | None = run.spike_guard
+    if guard is None or not run.ctx.is_logging_rank:
+        return
+    run.log(
+        f"> loss-spike guard: {guard.skipped} step(s) skipped by this process; largest loss / reference "
+        f"of its checked steps: {guard.largest_ratio:.4g} (--skip-spiky-loss-factor {guard.factor}, "
+        f"--skip-spiky-loss-window {guard.losses.maxlen})"
+    )

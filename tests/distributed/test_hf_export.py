@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 
 import pytest
 import torch
@@ -173,3 +175,45 @@ def test_export_failure_warns_and_keeps_the_checkpoint(tmp_path):
     assert len(warnings) == 1 and os.path.join(str(save), "hf", f"iter_{ITERS:07d}") in warnings[0], out[-1]["logs"]
     assert "convert_checkpoint.py megatron-to-hf" in warnings[0]
     assert out[0]["loaded"] == ITERS and out[1]["loaded"] == ITERS, out
+
+
+def _export_after_a_crash(rank: int, world_size: int, save: str) -> dict:
+    logs = []
+    values = _values(save, "llama untied fp32") | dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    run = build_tiny_run(values, MarkovDataset(SEQ))
+    run.log = logs.append
+    start = time.perf_counter()
+    train(run)
+    seconds = time.perf_counter() - start
+    destroy_parallel_context()
+    return {"logs": logs, "seconds": seconds}
+
+
+def _crashed_export(path, sentinel: str) -> None:
+    """A published export (index and config written) that a test recognises by ``sentinel``."""
+    os.makedirs(path)
+    for name, text in (("model.safetensors.index.json", "{}"), ("config.json", "{}"), ("sentinel", sentinel)):
+        with open(os.path.join(path, name), "w") as f:
+            f.write(text)
+
+
+def test_next_export_recovers_a_crashed_publish_and_logs_its_seconds(tmp_path):
+    """A crash between ``_publish``'s renames left iteration 1's earlier export as ``iter_0000001.old``
+    alone and iteration 2's beside its new one: the run's export (its publishing rank) renames the
+    first back, logging it once, deletes the second, and its "exported" line gives the seconds the
+    export took (no more than the whole run's)."""
+    hf = tmp_path / "ckpt" / "hf"
+    _crashed_export(hf / "iter_0000001.old", "earlier 1")
+    _crashed_export(hf / "iter_0000002.old", "earlier 2")
+    _crashed_export(hf / "iter_0000002", "new 2")
+    out = run_ranks(_export_after_a_crash, 1, str(tmp_path / "ckpt"))[0]
+    assert sorted(os.listdir(hf)) == ["iter_0000001", "iter_0000002", f"iter_{ITERS:07d}"], out["logs"]
+    assert (hf / "iter_0000001" / "sentinel").read_text() == "earlier 1"
+    assert (hf / "iter_0000002" / "sentinel").read_text() == "new 2"
+    recovered = [line for line in out["logs"] if line.startswith("recovered the Hugging Face export")]
+    assert recovered == [line for line in recovered if str(hf / "iter_0000001.old") in line] and len(recovered) == 1
+    (line,) = [line for line in out["logs"] if line.startswith("exported a Hugging Face")]
+    match = re.search(rf"to {re.escape(str(hf / f'iter_{ITERS:07d}'))} in (\d+\.\d\d) s: ", line)
+    assert match, line
+    # (a tiny model's export can round to 0.00 s: the unit test checks the value against a clock)
+    assert 0.0 <= float(match.group(1)) <= out["seconds"], (line, out["seconds"])

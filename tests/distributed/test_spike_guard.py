@@ -152,3 +152,38 @@ def test_warning_names_the_rank_and_micro_batch_and_nothing_fires_without_the_sp
     assert f"data-parallel rank {DP_RANK}, micro-batch {MICROBATCH})" in warning and "pipeline stage 1" in warning
     assert all(not r[dist_opt]["warnings"] for r in results[:-1])  # logged once
     assert 0 < logging_rank["clean_ratio"] < 5.0
+
+
+def _exit_interval_world(rank: int, world_size: int) -> dict:
+    """DP2, a spike at SPIKE_AT, --exit-interval SPIKE_AT before --train-iters 6: train() stops at
+    the agreed exit, a second train() reaches --train-iters."""
+    values = tiny_values(train_iters=6, exit_interval=SPIKE_AT, skip_spiky_loss_factor=5.0, skip_spiky_loss_window=2)
+    run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
+    lines: list[str] = []
+    run.log = lines.append
+    inject(run, 1000.0)
+    train(run)
+    exited_at = run.state.iteration
+    train(run)
+    destroy_parallel_context()
+    return {
+        "lines": lines,
+        "exited_at": exited_at,
+        "iteration": run.state.iteration,
+        "skipped": run.spike_guard.skipped,
+    }
+
+
+def test_summary_is_printed_at_an_exit_interval_and_at_train_iters():
+    """The guard's summary ends every normal end of the loop once (an --exit-interval exit as well as
+    --train-iters), on the logging rank, with the count of the steps its warnings skipped."""
+    results = run_ranks(_exit_interval_world, 2, timeout=300)
+    assert [(r["exited_at"], r["iteration"], r["skipped"]) for r in results] == [(SPIKE_AT, 6, 1)] * 2
+    lines = results[-1]["lines"]
+    summaries = [i for i, line in enumerate(lines) if line.startswith("> loss-spike guard:")]
+    warned = sum(line.startswith("WARNING") and "--skip-spiky-loss-factor" in line for line in lines)
+    assert warned == 1 and len(summaries) == 2, lines
+    exit_line = next(i for i, line in enumerate(lines) if line.startswith(f"exiting after iteration {SPIKE_AT}:"))
+    assert exit_line < summaries[0] < len(lines) - 1  # after the exit, before the resumed steps' lines
+    assert all(lines[i].startswith(f"> loss-spike guard: {warned} step(s) skipped") for i in summaries), lines
+    assert not any(line.startswith("> loss-spike guard:") for line in results[0]["lines"])  # logging rank only

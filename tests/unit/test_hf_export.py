@@ -131,3 +131,85 @@ def test_keep_last_prunes_old_hf_exports_as_it_prunes_checkpoints(tmp_path):
     assert logged == [f"--keep-last 2: deleted 2 older Hugging Face export(s) in {tmp_path}"]
     prune_hf_exports(str(tmp_path), 1, logged.append)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_iter_0000012", "iter_0000010", "notes"]
+
+
+def _export_dir(path, sentinel: str, complete: bool = True) -> None:
+    """An export directory on disk: ``complete`` has the index and config a published one has;
+    ``sentinel`` tells which one a test finds later."""
+    path.mkdir()
+    (path / "sentinel").write_text(sentinel)
+    if complete:
+        (path / "model.safetensors.index.json").write_text("{}")
+        (path / "config.json").write_text("{}")
+
+
+def test_an_export_interrupted_between_its_renames_is_recovered(tmp_path):
+    """The states a crash in ``_publish`` leaves (the earlier export renamed to ``.old``, the new one
+    not yet renamed in, or renamed in but ``.old`` not yet deleted): ``.old`` alone comes back, one
+    line logged; beside a complete export (or itself partial) it is deleted; a partial directory
+    under the name gives way to the complete ``.old``."""
+    from megatron_ext.hf.export import recover_interrupted_publish
+
+    _export_dir(tmp_path / "iter_0000002.old", "earlier 2")  # crashed after the first rename
+    _export_dir(tmp_path / "iter_0000004.old", "earlier 4")  # crashed after the second
+    _export_dir(tmp_path / "iter_0000004", "new 4")
+    _export_dir(tmp_path / "iter_0000006.old", "earlier 6")  # a delete cut short under the name
+    _export_dir(tmp_path / "iter_0000006", "partial 6", complete=False)
+    _export_dir(tmp_path / "iter_0000008.old", "partial old 8", complete=False)
+    _export_dir(tmp_path / "iter_0000009", "untouched")
+    logged = []
+    recovered = recover_interrupted_publish(str(tmp_path), logged.append)
+    assert recovered == [str(tmp_path / "iter_0000002"), str(tmp_path / "iter_0000006")]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["iter_0000002", "iter_0000004", "iter_0000006", "iter_0000009"]
+    found = {name: (tmp_path / name / "sentinel").read_text() for name in names}
+    assert found == {
+        "iter_0000002": "earlier 2",
+        "iter_0000004": "new 4",
+        "iter_0000006": "earlier 6",
+        "iter_0000009": "untouched",
+    }
+    assert len(logged) == 2 and all(line.startswith("recovered the Hugging Face export") for line in logged)
+    assert str(tmp_path / "iter_0000002.old") in logged[0]
+    assert recover_interrupted_publish(str(tmp_path), logged.append) == [] and len(logged) == 2  # idempotent
+    assert recover_interrupted_publish(str(tmp_path / "absent"), logged.append) == []
+
+
+def test_keep_last_counts_a_recovered_export(tmp_path):
+    """Pruning recovers first: the ``.old`` export is back under its name and counts as the newest."""
+    from megatron_ext.training.checkpointing import prune_hf_exports
+
+    _export_dir(tmp_path / "iter_0000002", "2")
+    _export_dir(tmp_path / "iter_0000004", "4")
+    _export_dir(tmp_path / "iter_0000006.old", "6")
+    logged = []
+    deleted = prune_hf_exports(str(tmp_path), 2, logged.append)
+    assert deleted == [str(tmp_path / "iter_0000002")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", "iter_0000006"]
+    assert logged[0].startswith(f"recovered the Hugging Face export {tmp_path / 'iter_0000006'}")
+
+
+def test_the_export_line_gives_its_seconds(tmp_path):
+    """As the checkpoint's "saved checkpoint ... in X s": the seconds since the export started."""
+    import re
+    import time
+
+    from megatron_ext.hf.export import _publish
+
+    cfg = build_job_config({**BASE, "save": str(tmp_path)})
+    tmp, final = tmp_path / ".tmp_iter_0000003", tmp_path / "iter_0000003"
+    tmp.mkdir()
+    shard = {"weight_map": {"model.norm.weight": "model-pp000-tp000.safetensors"}, "bytes": 64}
+    logged = []
+    before = time.perf_counter()
+    assert (
+        _publish(
+            {"architectures": ["LlamaForCausalLM"]}, cfg, [shard], str(tmp), str(final), logged.append, before - 100.0
+        )
+        == []
+    )
+    elapsed = time.perf_counter() - before
+    (line,) = logged
+    match = re.search(r" in (\d+\.\d\d) s: ", line)
+    assert match and line.startswith(f"exported a Hugging Face LlamaForCausalLM to {final} in "), line
+    assert 100.0 <= float(match.group(1)) <= 100.0 + elapsed + 0.01
