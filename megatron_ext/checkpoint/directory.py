@@ -27,7 +27,10 @@ what it reads against them.
 
 A crash in any phase leaves the previous complete checkpoint untouched. Loading takes the newest
 directory that carries ``complete.json`` (a ``.tmp-`` directory never counts), so a crash between
-phases 3 and 4 loses nothing either. ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>`` makes that rank
+phases 3 and 4 loses nothing either. An iteration saved again (a resumed run reaching it once more)
+moves the earlier copy to ``iter_XXXXXXX.replaced-<nonce>`` for the rename of the new one: killed
+between the two renames, that copy is still found as iteration XXXXXXX and the next retention renames
+it back. ``MEGATRON_EXT_CKPT_FAULT=<phase>:<rank>`` makes that rank
 SIGKILL itself at a named phase (optionally ``:<iteration>``: ``in_shard_writer`` (in the thread
 that writes the shards, a background one with ``--async-save``), ``after_shards``,
 ``before_publish``, ``during_pointer_update``, ``before_retention``), for the crash tests.
@@ -60,6 +63,8 @@ FAULT_ENV = "MEGATRON_EXT_CKPT_FAULT"
 FAULT_PHASES = ("in_shard_writer", "after_shards", "before_publish", "during_pointer_update", "before_retention")
 FORMAT_VERSION = 1
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
+# a re-saved iteration's earlier copy, moved aside for the rename of the new one (``publish_checkpoint``)
+_REPLACED_DIR = re.compile(r"^iter_(\d{7})\.replaced-[0-9a-f]+$")
 
 
 def get_checkpoint_dir(root: str, iteration: int) -> str:
@@ -67,16 +72,19 @@ def get_checkpoint_dir(root: str, iteration: int) -> str:
 
 
 def list_complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(iteration, path) of every complete checkpoint under ``root``, oldest first."""
+    """(iteration, path) of every complete checkpoint under ``root``, oldest first. An iteration with
+    no complete ``iter_XXXXXXX`` but a complete ``iter_XXXXXXX.replaced-<nonce>`` (a re-save killed
+    between its two renames: ``publish_checkpoint``) is found there, read-only; the next retention
+    renames it back (``restore_replaced_checkpoints``)."""
     if not os.path.isdir(root):
         return []
-    out = []
-    for name in os.listdir(root):
-        match = _ITER_DIR.match(name)
+    found, replaced = {}, {}
+    for name in sorted(os.listdir(root)):
+        match = _ITER_DIR.match(name) or _REPLACED_DIR.match(name)
         path = os.path.join(root, name)
         if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-            out.append((int(match.group(1)), path))
-    return sorted(out)
+            (found if match.re is _ITER_DIR else replaced).setdefault(int(match.group(1)), path)
+    return sorted({**replaced, **found}.items())
 
 
 def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
@@ -91,8 +99,7 @@ def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, st
     directory. The warning says when the pointer file names another iteration than the one loaded
     (one that is not a complete checkpoint here, or an older one)."""
     if step is not None:
-        chosen = get_checkpoint_dir(path, step)
-        return ((step, chosen) if os.path.isfile(os.path.join(chosen, COMPLETE_MARKER)) else None), None
+        return next(((it, p) for it, p in list_complete_checkpoints(path) if it == step), None), None
     name = os.path.basename(os.path.normpath(path))
     match = _ITER_DIR.match(name)
     if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
@@ -244,7 +251,9 @@ def publish_checkpoint(
         marker["checksums"] = checksums
     _write_file_durably(os.path.join(tmp_dir, COMPLETE_MARKER), json.dumps(marker))
     if os.path.exists(final_dir):  # the same iteration saved again (e.g. after a resume)
-        stale = f"{final_dir}.old-{uuid.uuid4().hex[:8]}"
+        # not ``.old-``, which retention deletes: killed before the next rename, this is the only
+        # copy of the iteration (loads find it; the next retention renames it back)
+        stale = f"{final_dir}.replaced-{uuid.uuid4().hex[:8]}"
         os.rename(final_dir, stale)
         try:
             os.rename(tmp_dir, final_dir)
@@ -265,13 +274,21 @@ def publish_checkpoint(
 def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str]:
     """Delete old complete checkpoints beyond ``keep_last`` (renamed to ``*.old-*`` first) and
     leftovers of interrupted saves and deletes (``*.tmp-*``, ``*.old-*``, stale pointer temp
-    files); returns the deleted paths."""
+    files), after a re-save's earlier copy left aside by a kill is renamed back
+    (``restore_replaced_checkpoints``); returns the deleted paths."""
+    restore_replaced_checkpoints(root)
     complete = list_complete_checkpoints(root)
     doomed = set(select_checkpoints_to_delete([it for it, _ in complete], keep_last))
     for it, path in complete:
         if it in doomed and path != keep_dir:
             _retire_checkpoint(path)
-    deleted = [os.path.join(root, name) for name in os.listdir(root) if ".tmp-" in name or ".old-" in name]
+    loadable = {path for _, path in list_complete_checkpoints(root)}  # a .replaced- one not renamed back
+    leftover = (".tmp-", ".old-", ".replaced-")
+    deleted = [
+        os.path.join(root, name)
+        for name in os.listdir(root)
+        if any(m in name for m in leftover) and os.path.join(root, name) not in loadable
+    ]
     for path in deleted:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -279,6 +296,21 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
             with contextlib.suppress(OSError):  # a pointer temp file may already be gone
                 os.remove(path)
     return deleted
+
+
+def restore_replaced_checkpoints(root: str) -> list[str]:
+    """Rank 0, at retention: each complete ``iter_XXXXXXX.replaced-<nonce>`` with no
+    ``iter_XXXXXXX`` beside it (a re-save killed between ``publish_checkpoint``'s two renames)
+    renamed back to ``iter_XXXXXXX``; returns the restored paths. One that cannot be renamed stays
+    (and is still found by ``list_complete_checkpoints``)."""
+    restored = []
+    for it, path in list_complete_checkpoints(root):
+        final = get_checkpoint_dir(root, it)
+        if path != final and not os.path.lexists(final):
+            with contextlib.suppress(OSError):
+                os.rename(path, final)
+                restored.append(final)
+    return restored
 
 
 def _retire_checkpoint(path: str) -> None:

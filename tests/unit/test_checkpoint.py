@@ -19,6 +19,7 @@ from megatron_ext.checkpoint.directory import (
     list_complete_checkpoints,
     publish_checkpoint,
     read_tracker,
+    resolve_load_path,
     select_checkpoints_to_delete,
     should_inject_fault,
 )
@@ -383,6 +384,54 @@ def test_a_failed_republish_keeps_the_checkpoint_it_was_to_replace(tmp_path, mon
     with pytest.raises(PermissionError):
         publish_checkpoint(tmp, old, root, 4, rank=0)
     assert list_complete_checkpoints(root) == [(4, old)]
+
+
+class _Killed(BaseException):
+    """A SIGKILL at that instant: no except clause of ours runs."""
+
+
+def test_a_republish_killed_between_its_renames_loses_nothing(tmp_path, monkeypatch):
+    """Saving an iteration again moves the earlier copy aside, then renames the new one in: a kill
+    between the two renames leaves the iteration only in the moved-aside copy. Loads must find it
+    (not fall back to an older checkpoint) and retention must not delete it as a leftover: the next
+    save's retention renames it back. Before, it was ``.old-`` and the next retention deleted it."""
+    root = str(tmp_path)
+    older, old = _complete(tmp_path, 2), _complete(tmp_path, 4)
+    open(os.path.join(old, "shard"), "w").write("the first save of iteration 4")
+    tmp = get_checkpoint_dir(root, 4) + ".tmp-y"
+    os.makedirs(tmp)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if src == tmp:
+            raise _Killed
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(_Killed):
+        publish_checkpoint(tmp, old, root, 4, rank=0)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not os.path.exists(old)  # the kill's window: the iteration is only in the copy aside
+    (found_it, found), warning = resolve_load_path(root)
+    assert found_it == 4 and found != older and warning is None
+    assert open(os.path.join(found, "shard")).read() == "the first save of iteration 4"
+    assert resolve_load_path(root, 4)[0] == (4, found)
+    assert [it for it, _ in list_complete_checkpoints(root)] == [2, 4]
+    _complete(tmp_path, 6)  # the next save; its retention renames iteration 4 back, the killed save's tmp goes
+    apply_retention(root, 2, get_checkpoint_dir(root, 6))
+    assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000006"]
+    assert open(os.path.join(old, "shard")).read() == "the first save of iteration 4"
+
+
+def test_retention_deletes_a_replaced_copy_beside_its_complete_iteration(tmp_path):
+    root = str(tmp_path)
+    _complete(tmp_path, 4)
+    aside = get_checkpoint_dir(root, 4) + ".replaced-0a1b2c3d"
+    os.makedirs(aside)
+    open(os.path.join(aside, COMPLETE_MARKER), "w").write("{}")
+    assert list_complete_checkpoints(root) == [(4, get_checkpoint_dir(root, 4))]
+    apply_retention(root, None, get_checkpoint_dir(root, 4))
+    assert os.listdir(root) == ["iter_0000004"]
 
 
 def test_the_finite_check_finds_every_nan_and_inf_and_nothing_else():
