@@ -232,6 +232,16 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
+        "lean-set-current-microbatch",
+        "megatron-core's forward_step calls set_current_microbatch for every micro-batch, which sets "
+        "each decoder layer's current_microbatch through nn.Module.__setattr__: ~13 Python calls per "
+        "layer per micro-batch (52 of ~2,010 at 4 Llama-style layers compiled, bench/host_overhead.py; "
+        "~300 at 24 layers); ours writes the same int into each layer's __dict__, as __setattr__ "
+        "ends up doing for a value that is no parameter, module or buffer",
+        "megatron_ext.training.step:set_current_microbatch",
+        ("megatron.core.pipeline_parallel.schedules.set_current_microbatch",),
+    ),
+    Workaround(
         "compilable-selective-recompute",
         "selective recompute of core attention runs megatron-core's reentrant CheckpointFunction, which "
         "saves RNG states with get_rng_state (a graph break); with --torch-compile the attention's "

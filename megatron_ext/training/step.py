@@ -122,9 +122,39 @@ def forward_step(data_iterator, model, progress: StepProgress | None = None, che
     return output, functools.partial(_loss_func, mb.valid, check_for_nan=check_for_nan)
 
 
+def set_current_microbatch(model: torch.nn.Module, microbatch_id: int) -> None:
+    """megatron-core 0.16.1's ``schedules.set_current_microbatch`` (its forward_step calls it for every
+    micro-batch), writing each layer's ``current_microbatch`` into the layer's ``__dict__``: what
+    ``nn.Module.__setattr__`` does with an int, less its parameter/module/buffer checks (~13 Python
+    calls per layer per micro-batch, two of them Parameter's Python ``__instancecheck__``)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    try:
+        model_with_decoder = get_attr_wrapped_model(model, "decoder", allow_none=False, return_model_obj=True)
+    except RuntimeError:
+        return
+    if model_with_decoder is None:
+        return
+    for layer in model_with_decoder.decoder.layers:
+        layer.__dict__["current_microbatch"] = microbatch_id
+    if hasattr(model_with_decoder, "mtp"):
+        for layer in model_with_decoder.mtp.layers:
+            layer.transformer_layer.__dict__["current_microbatch"] = microbatch_id
+
+
+def install_lean_set_current_microbatch() -> None:
+    """``set_current_microbatch`` above in megatron-core's schedules (where their forward_step and
+    combined_1f1b look it up at each call). Idempotent; pinned in compat.py."""
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.set_current_microbatch = set_current_microbatch
+
+
 def configure_model_hooks(model: list[torch.nn.Module], optimizer: Any) -> None:
     """Wire megatron-core's per-step hooks into the (shared) TransformerConfig (under the V
-    placement, the finalize that knows the loss and the tied embedding are on pipeline rank 0)."""
+    placement, the finalize that knows the loss and the tied embedding are on pipeline rank 0),
+    and the lean ``set_current_microbatch``."""
+    install_lean_set_current_microbatch()
     config = model[0].config
     v = get_config_placement(config) == "v"
     # (ours: upstream's, with the token-count scaling on the device)
