@@ -506,15 +506,23 @@ def mark_static_shapes(chunks: list[torch.nn.Module], fixed_documents: int | Non
 
 
 def fixed_packed_documents(model: torch.nn.Module) -> int | None:
-    while not hasattr(model, "fixed_documents") and hasattr(model, "module"):
-        model = model.module
-    return getattr(model, "fixed_documents", None)
+    return _wrapped_mark(model, "fixed_documents", None)
 
 
 def uses_static_shapes(model: torch.nn.Module) -> bool:
-    while not hasattr(model, "static_shapes") and hasattr(model, "module"):
-        model = model.module
-    return bool(getattr(model, "static_shapes", False))
+    return bool(_wrapped_mark(model, "static_shapes", False))
+
+
+def _wrapped_mark(model: torch.nn.Module, name: str, default: Any) -> Any:
+    """``mark_static_shapes``'s ``name`` on ``model`` or the chunk it wraps (DDP's ``.module``), read
+    from the instances' ``__dict__``: once per micro-batch, and ``hasattr`` on a module that lacks
+    the name runs nn.Module's Python ``__getattr__`` and raises inside it."""
+    while name not in model.__dict__:
+        modules = model.__dict__["_modules"]
+        if "module" not in modules:
+            return default
+        model = modules["module"]
+    return model.__dict__[name]
 
 
 def prepare_static_shapes(params, num_tokens: int, config, fixed_documents: int | None = None):
