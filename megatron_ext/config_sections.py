@@ -400,7 +400,7 @@ class TrainingConfig:
     )
     torch_compile_cpp_wrapper: bool = _f(
         False,
-        "With --torch-compile: inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) runs each compiled graph's kernels from C++ instead of a generated Python module (ours): fewer Python calls per micro-batch (Llama style, 4 layers, CPU: ~190 of ~2,230), at a C++ compile per graph; on CUDA it launches the Triton kernels from C++ too, untested on a GPU here (docs/gpus.md).",
+        "With --torch-compile: inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) runs each compiled graph's kernels from C++ instead of a generated Python module (ours): fewer Python calls per micro-batch (Llama style, 4 layers, CPU: ~210 of ~1,940), at a C++ compile per graph; on CUDA it launches the Triton kernels from C++ too, untested on a GPU here (docs/gpus.md).",
     )
     cuda_graph_impl: str = _f(
         "none",
