@@ -291,6 +291,10 @@ class TrainingConfig:
 
     micro_batch_size: int = _f(1, "Samples per micro-batch per DP rank.")
     global_batch_size: int | None = _f(None, "Samples per step over all DP ranks (default: micro-batch x DP).")
+    decrease_batch_size_if_needed: bool = _f(
+        False,
+        "Megatron-LM's: when --global-batch-size (or a ramp-up's batch) is not divisible by --micro-batch-size x data-parallel size, run the largest multiple of it instead of refusing (e.g. a job restarted on fewer GPUs: 10 at micro-batch 1 on 4 ranks runs 8). Consumed samples, the LR schedule and the logs count the running batch; a --train-samples run ends within one batch of the samples it planned. Still refused below one micro-batch per rank; not with --step-batch-size-schedule (as Megatron-LM main).",
+    )
     train_iters: int | None = _f(None, f"Training steps (default {DEFAULT_TRAIN_ITERS} unless --train-samples).")
     train_samples: int | None = _f(
         None,

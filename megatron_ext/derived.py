@@ -142,20 +142,50 @@ def get_global_batch_size(cfg: JobConfig, world_size: int) -> int:
     return t.global_batch_size or t.micro_batch_size * get_data_parallel_size(cfg, world_size)
 
 
+def get_running_multiple(cfg: JobConfig, world_size: int) -> int:
+    """What --decrease-batch-size-if-needed rounds each step's batch down to a multiple of:
+    micro-batch x DP (1 without the flag: no rounding)."""
+    if not cfg.training.decrease_batch_size_if_needed:
+        return 1
+    return max(cfg.training.micro_batch_size * get_data_parallel_size(cfg, world_size), 1)
+
+
+def get_running_global_batch_size(cfg: JobConfig, world_size: int) -> int:
+    """The settled global batch a step runs: ``get_global_batch_size``, rounded down to a multiple of
+    micro-batch x DP under --decrease-batch-size-if-needed (megatron-core's running global batch)."""
+    multiple = get_running_multiple(cfg, world_size)
+    return get_global_batch_size(cfg, world_size) // multiple * multiple
+
+
 def get_batch_schedule(cfg: JobConfig, world_size: int) -> BatchSchedule:
     """Each step's global batch (data/batch_schedule.py) of validated flags."""
     t, gbs = cfg.training, get_global_batch_size(cfg, world_size)
+    multiple = get_running_multiple(cfg, world_size)
     if t.rampup_batch_size:
-        return BatchSchedule(gbs, rampup=parse_rampup(t.rampup_batch_size, gbs))
+        return BatchSchedule(gbs, rampup=parse_rampup(t.rampup_batch_size, gbs), running_multiple=multiple)
     if t.step_batch_size_schedule is not None:
         return BatchSchedule(gbs, steps=parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length))
-    return BatchSchedule(gbs)
+    return BatchSchedule(gbs, running_multiple=multiple)
 
 
 def get_num_microbatches(cfg: JobConfig, world_size: int) -> int:
-    """Micro-batches per step on each DP rank."""
+    """Micro-batches per step on each DP rank (of the running settled batch)."""
     dp = get_data_parallel_size(cfg, world_size)
-    return get_global_batch_size(cfg, world_size) // (cfg.training.micro_batch_size * dp)
+    return get_running_global_batch_size(cfg, world_size) // (cfg.training.micro_batch_size * dp)
+
+
+def describe_batch_decrease(cfg: JobConfig, world_size: int) -> str | None:
+    """The start-up notice of --decrease-batch-size-if-needed when it rounds the settled batch down
+    (as megatron-core's calculator logs it); None when it does not."""
+    gbs, running = get_global_batch_size(cfg, world_size), get_running_global_batch_size(cfg, world_size)
+    if running == gbs:
+        return None
+    b, dp = cfg.training.micro_batch_size, get_data_parallel_size(cfg, world_size)
+    return (
+        f"> decreasing batch size from {gbs} to {running} to keep divisibility by --micro-batch-size {b} x "
+        f"data-parallel size {dp} = {b * dp} (--decrease-batch-size-if-needed): {running // (b * dp)} "
+        f"micro-batches per step on each data-parallel rank; consumed samples count {running} per step"
+    )
 
 
 # ----------------------------------------------------------------------------- run length and schedule
@@ -313,7 +343,8 @@ class ResolvedConfig:
     pipeline_schedule: str | None  # --pipeline-schedule's canonical name (None: megatron-core's choice)
     uses_our_runtime: bool  # the schedule runs on pipeline/runtime.py, not megatron-core's
     stage_placement: str  # "loop" or "v" (pipeline/placement.py)
-    global_batch_size: int  # the settled one (after a ramp-up; evaluation's)
+    global_batch_size: int  # the settled one a step runs (after a ramp-up, rounded down by
+    # --decrease-batch-size-if-needed; evaluation's); the flags' is batch_schedule.global_batch_size
     num_microbatches: int  # per step on each DP rank, of the settled global batch
     batch_schedule: BatchSchedule  # each step's global batch, from the samples consumed before it
     train_iters: int
@@ -352,7 +383,7 @@ def resolve_config(cfg: JobConfig, world_size: int, vocab_size: int) -> Resolved
         pipeline_schedule=get_schedule_name(cfg),
         uses_our_runtime=uses_our_runtime(cfg),
         stage_placement=get_stage_placement(cfg),
-        global_batch_size=get_global_batch_size(cfg, world_size),
+        global_batch_size=get_running_global_batch_size(cfg, world_size),
         num_microbatches=get_num_microbatches(cfg, world_size),
         batch_schedule=get_batch_schedule(cfg, world_size),
         train_iters=get_train_iters(cfg, world_size),

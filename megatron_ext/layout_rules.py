@@ -20,6 +20,7 @@ from megatron_ext.derived import (
     get_chunk_layer_counts,
     get_global_batch_size,
     get_num_microbatches,
+    get_running_global_batch_size,
     get_stage_placement,
     get_virtual_pipeline_size,
     resolve_ffn_hidden_size,
@@ -169,13 +170,10 @@ def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     ):
         return []  # reported by _check_positive
     dp = world_size // (tp * pp)
-    gbs = get_global_batch_size(cfg, world_size)
-    if gbs % (t.micro_batch_size * dp):
-        return [
-            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x "
-            f"data-parallel size {dp} = {t.micro_batch_size * dp}: use a multiple of "
-            f"{t.micro_batch_size * dp}"
-        ]
+    found = check_batch_divisibility(t, get_global_batch_size(cfg, world_size), dp)
+    if found:
+        return found
+    gbs = get_running_global_batch_size(cfg, world_size)
     out = []
     scheduled = t.rampup_batch_size or t.step_batch_size_schedule is not None  # check_batch_schedule's
     if t.train_samples is not None and 0 < t.train_samples < gbs and not scheduled:
@@ -191,6 +189,35 @@ def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
             dp,
         )
     return out
+
+
+DECREASE_FLAG = "--decrease-batch-size-if-needed"
+
+
+def check_batch_divisibility(t: TrainingConfig, gbs: int, dp: int) -> list[str]:
+    """megatron-core's rule: the global batch ``gbs`` divides by micro-batch x ``dp``; with
+    --decrease-batch-size-if-needed (rounded down to a multiple of it) at least one micro-batch per
+    rank; not with --step-batch-size-schedule (Megatron-LM main refuses the two together)."""
+    b = t.micro_batch_size
+    if t.decrease_batch_size_if_needed and t.step_batch_size_schedule is not None:
+        return [
+            f"{DECREASE_FLAG} and --step-batch-size-schedule are exclusive (as in Megatron-LM main, whose step "
+            f"schedules do not round batches down): drop {DECREASE_FLAG} and give batches that divide by "
+            f"--micro-batch-size {b} x data-parallel size {dp} = {b * dp}"
+        ]
+    if t.decrease_batch_size_if_needed and gbs < b * dp:
+        return [
+            f"--global-batch-size {gbs} is less than --micro-batch-size {b} x data-parallel size {dp} = {b * dp}: "
+            f"{DECREASE_FLAG} cannot round it down to a whole micro-batch per data-parallel rank; use at least "
+            f"{b * dp}, a smaller --micro-batch-size or fewer data-parallel ranks"
+        ]
+    if gbs % (b * dp) and not t.decrease_batch_size_if_needed:
+        fix = f" or add {DECREASE_FLAG} to run {gbs // (b * dp) * b * dp} per step" if gbs > b * dp else ""
+        return [
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {b} x data-parallel size {dp} = "
+            f"{b * dp}: use a multiple of {b * dp}{fix}"
+        ]
+    return []
 
 
 def check_batch_schedule(cfg: JobConfig, world_size: int, resuming: bool = False) -> list[str]:
@@ -237,6 +264,8 @@ def check_steps_left(
     steps from the one at ``first_sample`` (0: a new run's; a resumed run's consumed samples), as one
     problem naming the schedule's flag; the settled batch is ``check_batch``'s. Pure: the loop calls
     it on a resume, once the checkpoint's consumed samples are known."""
+    if schedule.decreases and schedule.get_global_batch_size(first_sample) == 0:
+        iterations = max(iterations, 1)  # rounded to no micro-batch: counted as no step left, yet refused
     if schedule.is_constant or iterations <= 0:
         return []
     sizes = schedule.get_batch_sizes(iterations, first_sample)
@@ -267,6 +296,15 @@ def check_step_batches(cfg: JobConfig, world_size: int, batches: list[int]) -> l
     p, b = cfg.parallel, cfg.training.micro_batch_size
     pp = p.pipeline_model_parallel_size
     dp = world_size // (p.tensor_model_parallel_size * pp)
+    if cfg.training.decrease_batch_size_if_needed:  # each rounded down to a multiple of b x dp
+        small = [g for g in batches if g < b * dp]
+        if small:
+            return [
+                f"the steps' global batch {small[0]} is less than --micro-batch-size {b} x data-parallel size "
+                f"{dp} = {b * dp}, which {DECREASE_FLAG} cannot round down to: start the schedule at {b * dp} "
+                f"or more"
+            ]
+        batches = [g // (b * dp) * b * dp for g in batches]
     bad = [g for g in batches if g % (b * dp)]
     if bad:
         shown = ", ".join(map(str, bad[:5])) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")

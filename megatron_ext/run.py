@@ -30,7 +30,7 @@ from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
 from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args
-from megatron_ext.derived import ResolvedConfig, resolve_config, resolve_train_iters
+from megatron_ext.derived import ResolvedConfig, describe_batch_decrease, resolve_config, resolve_train_iters
 from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
@@ -83,14 +83,21 @@ def build_training_run(
         tokenizer = build_tokenizer(**get_tokenizer_args(d))
     resolved = resolve_config(cfg, ctx.world_size, tokenizer.vocab_size)
     global_batch_size = resolved.global_batch_size
+    decrease = describe_batch_decrease(cfg, ctx.world_size)
+    if decrease is not None and ctx.is_logging_rank:
+        log(decrease)
 
     model, optimizer = build_model_and_optimizer(cfg, resolved, ctx, device)
     scheduler = build_scheduler(cfg, optimizer, global_batch_size)
     lg = cfg.logging
     timers = build_step_timers(lg, model, device)
     if data is None:
-        data = build_train_valid_datasets(
-            cfg, tokenizer, global_batch_size, log if ctx.is_logging_rank else None, resolved.batch_schedule
+        data = build_train_valid_datasets(  # sized by the flags' batches: the same on any data-parallel size
+            cfg,
+            tokenizer,
+            resolved.batch_schedule.global_batch_size,
+            log if ctx.is_logging_rank else None,
+            resolved.batch_schedule,
         )
 
     step_data = StepDataBuilder(build_step_data_spec(cfg, resolved, ctx, tokenizer), ctx.device, ctx.mp_group)

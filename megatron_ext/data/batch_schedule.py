@@ -13,9 +13,19 @@ Three schedules, with Megatron-LM's meanings:
   always passes ``--seq-length``, so a threshold is converted to ``tokens // seq_length`` samples)
   and take the suffixes K, M, B, T (1e3 ... 1e12).
 
+``--decrease-batch-size-if-needed`` (megatron-core 0.16.1's ``decrease_batch_size_if_needed``): a
+step runs the largest multiple of micro-batch x DP (``running_multiple``) at most the schedule's
+batch, megatron-core's "current running global batch size" (--global-batch-size 10 at micro-batch 1,
+DP 4: 8 samples, 2 micro-batches per rank); a ramp's batch is still the schedule's batch of the
+consumed samples, then rounded down. A --train-samples run then trains until the samples the flags
+plan (those the undecreased steps would read: what the train split is sized for, whatever the
+layout) would be passed, so it ends within one batch of them, its sample-based LR schedule run
+through (Megatron-LM counts its steps with the undecreased batch and stops short).
+
 Invariant: step k starts at sample ``consumed_k`` and reads ``get_global_batch_size(consumed_k)``
-samples, so ``consumed_{k+1} = consumed_k + get_global_batch_size(consumed_k)``: the whole sample
-stream, and so a resume mid-ramp, follows from the consumed count alone. Nothing here needs a
+samples (the running batch), so ``consumed_{k+1} = consumed_k + get_global_batch_size(consumed_k)``:
+the whole sample stream, and so a resume mid-ramp or on another data-parallel size, follows from the
+consumed count alone. Nothing here needs a
 process group; the parsers raise ValueError, which ``validation.py`` reports with the flag's name.
 """
 
@@ -29,17 +39,34 @@ _SUFFIXES = {"T": 10**12, "B": 10**9, "M": 10**6, "K": 10**3}
 
 @dataclasses.dataclass(frozen=True)
 class BatchSchedule:
-    """The global batch per step. ``global_batch_size``: the batch once the schedule has settled
-    (after the ramp, the last entry); ``rampup``: (start, increment, samples); ``steps``:
-    ((threshold in samples, batch), ...) sorted, the first threshold 0."""
+    """The global batch per step. ``global_batch_size``: the flags' batch once the schedule has
+    settled (after the ramp, the last entry); ``rampup``: (start, increment, samples); ``steps``:
+    ((threshold in samples, batch), ...) sorted, the first threshold 0; ``running_multiple``: with
+    --decrease-batch-size-if-needed, micro-batch x DP, which each step's batch is rounded down to a
+    multiple of (1: the schedule's batch as it is)."""
 
     global_batch_size: int
     rampup: tuple[int, int, int] | None = None
     steps: tuple[tuple[int, int], ...] | None = None
+    running_multiple: int = 1
 
     @property
     def is_constant(self) -> bool:
         return self.rampup is None and self.steps is None
+
+    @property
+    def decreases(self) -> bool:
+        """--decrease-batch-size-if-needed may round a batch down (micro-batch x DP above 1)."""
+        return self.running_multiple > 1
+
+    @property
+    def running_global_batch_size(self) -> int:
+        """The settled batch a step runs: ``global_batch_size`` rounded down to ``running_multiple``."""
+        return self.global_batch_size // self.running_multiple * self.running_multiple
+
+    def as_scheduled(self) -> BatchSchedule:
+        """This schedule without the rounding down: the batches the flags give."""
+        return dataclasses.replace(self, running_multiple=1)
 
     @property
     def settles_at(self) -> int:
@@ -51,7 +78,13 @@ class BatchSchedule:
         return 0
 
     def get_global_batch_size(self, consumed_samples: int) -> int:
-        """The global batch of the step that starts after ``consumed_samples`` samples."""
+        """The global batch the step that starts after ``consumed_samples`` samples runs (reads and
+        counts): the schedule's, rounded down to ``running_multiple`` (megatron-core's running batch)."""
+        batch = self.get_scheduled_batch_size(consumed_samples)
+        return batch // self.running_multiple * self.running_multiple
+
+    def get_scheduled_batch_size(self, consumed_samples: int) -> int:
+        """The flags' global batch at ``consumed_samples`` (megatron-core's current global batch)."""
         if self.rampup is not None:
             start, increment, samples = self.rampup
             if consumed_samples > samples:
@@ -83,23 +116,33 @@ class BatchSchedule:
         raise AssertionError("unreachable: iter_steps is endless")
 
     def get_batch_sizes(self, iterations: int, first_sample: int = 0) -> list[int]:
-        """The distinct global batches of ``iterations`` steps from the one at ``first_sample`` (0: the
-        run's first; a resumed run's consumed samples) and the settled batch (what evaluation reads),
-        in the order they first appear."""
+        """The distinct global batches, as the flags give them (before any rounding down), of
+        ``iterations`` steps from the one at ``first_sample`` (0: the run's first; a resumed run's
+        consumed samples) and the settled batch (what evaluation reads), in the order they first
+        appear."""
         sizes: dict[int, None] = {}
-        for k, (consumed, batch) in enumerate(self.iter_steps(first_sample)):
+        for k, (consumed, _) in enumerate(self.iter_steps(first_sample)):
             if k == iterations or consumed >= self.settles_at:
                 break
-            sizes[batch] = None
+            sizes[self.get_scheduled_batch_size(consumed)] = None
         sizes[self.global_batch_size] = None
         return list(sizes)
 
 
-def get_train_iters(schedule: BatchSchedule, train_samples: int) -> int:
+def get_train_iters(schedule: BatchSchedule, train_samples: int, first_sample: int = 0) -> int:
     """Steps of a ``--train-samples`` run, counted as Megatron-LM's ``update_train_iters`` counts
     them: constant, ``train_samples // G``; ramp-up (core_v0.16.1), the ramp's steps while at most
     the ramp's and the run's samples are consumed, then whole settled batches of what is left;
-    step schedule (main), steps until ``train_samples`` are consumed (the last may pass it)."""
+    step schedule (main), steps until ``train_samples`` are consumed (the last may pass it). A
+    schedule that ``decreases``: the steps from the one at ``first_sample`` (a resumed run's consumed
+    samples; the others count from 0) that stay within ``get_planned_samples``."""
+    if schedule.decreases:
+        planned, consumed, iterations = get_planned_samples(schedule, train_samples), first_sample, 0
+        batch = schedule.get_global_batch_size(consumed)
+        while 0 < batch and consumed + batch <= planned:  # (a batch rounded to 0: refused by validation)
+            consumed, iterations = consumed + batch, iterations + 1
+            batch = schedule.get_global_batch_size(consumed)
+        return iterations
     if schedule.rampup is not None:
         iterations = consumed = 0
         while consumed <= schedule.rampup[2] and consumed <= train_samples:
@@ -115,6 +158,13 @@ def get_train_iters(schedule: BatchSchedule, train_samples: int) -> int:
             iterations += 1
         return iterations
     return train_samples // schedule.global_batch_size
+
+
+def get_planned_samples(schedule: BatchSchedule, train_samples: int) -> int:
+    """The samples the steps of a ``--train-samples`` run read without rounding down: what its train
+    split is sized for, on any layout (a running batch never exceeds the schedule's)."""
+    scheduled = schedule.as_scheduled()
+    return scheduled.get_consumed_samples(get_train_iters(scheduled, train_samples))
 
 
 def parse_rampup(values: list[str], global_batch_size: int) -> tuple[int, int, int]:

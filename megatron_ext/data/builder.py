@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_ext.config import DataConfig, JobConfig, TrainingConfig
-from megatron_ext.data.batch_schedule import BatchSchedule
+from megatron_ext.data.batch_schedule import BatchSchedule, get_planned_samples
 from megatron_ext.data.blends import DataBlends, get_data_blends
 from megatron_ext.data.gpt_datasets import EodBoundaryDataset, build_gpt_datasets, parse_split
 from megatron_ext.data.packed_dataset import EodLossMask, build_blended_packed_datasets
@@ -28,9 +28,20 @@ def get_num_samples(
 ) -> list[int | None]:
     """[train, valid, test] samples the run will read: the training steps' (of ``schedule``'s
     batches; None: ``global_batch_size`` each), the evaluations' (each batch the settled global
-    batch; None under --full-validation: one epoch of the split, as Megatron-LM builds it)."""
+    batch; None under --full-validation: one epoch of the split, as Megatron-LM builds it). Under
+    --decrease-batch-size-if-needed the train split is sized for the flags' batches (as Megatron-LM
+    sizes it), never less than the rounded-down steps read: the same split, and so the same sample
+    stream, on whatever data-parallel size the run is resumed."""
     num_evals = -(-t.train_iters // t.eval_interval) if t.eval_interval else 0  # and one at the end
-    train = schedule.get_consumed_samples(t.train_iters) if schedule else t.train_iters * global_batch_size
+    if schedule is not None and schedule.decreases:
+        scheduled = schedule.as_scheduled()
+        train = (
+            get_planned_samples(schedule, t.train_samples)
+            if t.train_samples is not None
+            else scheduled.get_consumed_samples(t.train_iters)
+        )
+    else:
+        train = schedule.get_consumed_samples(t.train_iters) if schedule else t.train_iters * global_batch_size
     valid = None if t.full_validation else max(num_evals * t.eval_iters * global_batch_size, 1)
     return [train, valid, 1]
 

@@ -33,6 +33,7 @@ from megatron_ext.checkpoint.directory import NonFiniteCheckpoint
 from megatron_ext.checkpoint.exit_policy import EXIT_FLAGS, ExitDecider, describe_exit
 from megatron_ext.checkpoint.parts import CheckpointMeta, TrainState
 from megatron_ext.config import ConfigError, JobConfig
+from megatron_ext.data.batch_schedule import get_train_iters as get_schedule_train_iters
 from megatron_ext.data.prefetch import StepPrefetcher
 from megatron_ext.data.step_data import StepDataBuilder
 from megatron_ext.derived import ResolvedConfig
@@ -394,6 +395,7 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
     t = cfg.training
     history: list[float] = []
     window = LogWindow()
+    maybe_recount_train_iters(run)
     if state.iteration >= t.train_iters and run.ctx.is_logging_rank:
         run.log(
             f"nothing to train: the run is at iteration {state.iteration} and --train-iters is {t.train_iters} "
@@ -449,6 +451,17 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
             if tool is not None:
                 tool.close()
     return history
+
+
+def maybe_recount_train_iters(run: TrainingRun) -> None:
+    """A resumed --train-samples run under --decrease-batch-size-if-needed: its steps counted again
+    from the loaded consumed samples (``batch_schedule.get_train_iters``), since the steps before the
+    save may have run another batch (another data-parallel size) than the count from sample 0
+    assumed. On the layout the checkpoint was saved on, the count is unchanged."""
+    t, state, schedule = run.cfg.training, run.state, run.resolved.batch_schedule
+    if t.train_samples is None or not schedule.decreases or state.iteration == 0:
+        return
+    t.train_iters = state.iteration + get_schedule_train_iters(schedule, t.train_samples, state.consumed_samples)
 
 
 def refuse_bad_steps_left(run: TrainingRun) -> None:

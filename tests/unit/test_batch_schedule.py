@@ -10,13 +10,17 @@ from __future__ import annotations
 import shlex
 
 import pytest
-from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+from megatron.core.num_microbatches_calculator import (
+    ConstantNumMicroBatchesCalculator,
+    RampupBatchsizeNumMicroBatchesCalculator,
+)
 
 from megatron_ext.arguments import parse_args_with_notes
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.data.batch_schedule import BatchSchedule, get_train_iters, parse_rampup, parse_step_schedule
+from megatron_ext.data.builder import get_num_samples
 from megatron_ext.data.step_data import StepDataSpec
-from megatron_ext.derived import get_batch_schedule
+from megatron_ext.derived import describe_batch_decrease, get_batch_schedule, get_num_microbatches, resolve_config
 from megatron_ext.derived import get_train_iters as get_run_train_iters
 from megatron_ext.layout_rules import check_steps_left
 from megatron_ext.validation import validate
@@ -296,3 +300,144 @@ def test_a_step_schedule_whose_batch_shrinks_then_grows_back_is_checked_in_full(
     validate(build_job_config({**BASE, **values}), 4)
     (found,) = problems(8, **values)
     assert "global batch 4 not divisible by --micro-batch-size 1 x data-parallel size 8" in found
+
+
+# ----------------------------------------------------------------------------- --decrease-batch-size-if-needed
+DECREASING = [  # (global batch, micro-batch, DP)
+    (10, 1, 4),  # 8: 2 micro-batches per rank
+    (9, 2, 2),  # 8
+    (7, 1, 2),  # 6
+    (24, 2, 3),  # already divisible: 24
+    (5, 5, 1),  # one micro-batch of 5
+    (100, 3, 7),  # 84: 4 micro-batches per rank
+]
+
+
+def reference_running_steps(calculator, dp: int, train_iters: int) -> list[tuple[int, int, int]]:
+    """(consumed samples, running global batch, micro-batches) of each step, as Megatron-LM's train
+    loop takes them: update(consumed) before the step, then consumed += DP x micro-batch x
+    num_micro_batches (its ``consumed_train_samples``: the running batch)."""
+    out, consumed = [], 0
+    for _ in range(train_iters):
+        calculator.update(consumed, True)
+        batch = calculator.get_current_running_global_batch_size()
+        assert batch == calculator.get() * calculator.get_micro_batch_size() * dp
+        out.append((consumed, batch, calculator.get()))
+        consumed += batch
+    return out
+
+
+def decreasing_schedule(gbs: int, mbs: int, dp: int, **ramp) -> BatchSchedule:
+    values = dict(BASE, global_batch_size=gbs, micro_batch_size=mbs, decrease_batch_size_if_needed=True, **ramp)
+    cfg = build_job_config(values)
+    validate(cfg, dp)
+    return get_batch_schedule(cfg, dp)
+
+
+@pytest.mark.parametrize("gbs, mbs, dp", DECREASING)
+def test_decreased_constant_batch_is_megatron_cores_running_batch(gbs, mbs, dp):
+    ref = ConstantNumMicroBatchesCalculator(gbs, mbs, dp, True, 1)
+    schedule = decreasing_schedule(gbs, mbs, dp)
+    assert schedule.running_global_batch_size == ref.get_current_running_global_batch_size()
+    assert ours_steps(schedule, mbs, dp, 6) == reference_running_steps(ref, dp, 6)
+    cfg = build_job_config(dict(BASE, global_batch_size=gbs, micro_batch_size=mbs, decrease_batch_size_if_needed=True))
+    assert get_num_microbatches(cfg, dp) == ref.get()
+    # the resolved view a run reads (data, scheduler, logs, evaluation): the running batch
+    resolved = resolve_config(cfg, dp, 64)
+    assert resolved.global_batch_size == ref.get_current_running_global_batch_size()
+    assert resolved.num_microbatches == ref.get()
+
+
+DECREASING_RAMPS = [  # (start, increment, ramp-up samples, global batch, micro-batch, DP)
+    (2, 3, 12, 8, 1, 2),  # 2, 2, 2, 5 -> 4, ..., then 8
+    (8, 4, 100, 32, 3, 2),  # every batch rounded to a multiple of 6
+    (8, 8, 37, 64, 1, 5),
+    (6, 6, 1000, 60, 2, 3),
+]
+
+
+@pytest.mark.parametrize("start, inc, samples, gbs, mbs, dp", DECREASING_RAMPS)
+def test_decreased_ramp_is_megatron_cores_running_batch_every_step(start, inc, samples, gbs, mbs, dp):
+    """The ramp's batch of the consumed samples (counted in running batches), rounded down."""
+    ref = RampupBatchsizeNumMicroBatchesCalculator(gbs, mbs, dp, True, 1, start, inc, samples)
+    schedule = decreasing_schedule(gbs, mbs, dp, rampup_batch_size=[str(start), str(inc), str(samples)])
+    steps = 60
+    expected = reference_running_steps(ref, dp, steps)
+    assert ours_steps(schedule, mbs, dp, steps) == expected
+    assert schedule.get_consumed_samples(steps) == sum(b for _, b, _ in expected)
+    # the flags' batches (as the calculator's current global batch) are what validation checks
+    ref = RampupBatchsizeNumMicroBatchesCalculator(gbs, mbs, dp, True, 1, start, inc, samples)
+    scheduled = set()
+    for consumed, _, _ in expected[:10]:
+        ref.update(consumed, True)
+        scheduled.add(ref.get_current_global_batch_size())
+    assert set(schedule.get_batch_sizes(10)) == scheduled | {gbs}
+
+
+@pytest.mark.parametrize("gbs, mbs, dp", DECREASING)
+@pytest.mark.parametrize("train_samples", [1000, 1003])
+def test_decreased_train_samples_run_reads_what_the_flags_plan_and_no_more(gbs, mbs, dp, train_samples):
+    """A --train-samples run trains until one more running batch would pass the samples the flags'
+    batches read (what the train split is sized for): within one batch of them, never past."""
+    schedule = decreasing_schedule(gbs, mbs, dp)
+    planned = train_samples // gbs * gbs  # Megatron-LM's train_samples // G steps of G
+    iters = get_train_iters(schedule, train_samples)
+    running = schedule.running_global_batch_size
+    assert iters * running <= planned < (iters + 1) * running
+    cfg = build_job_config(
+        dict(
+            BASE,
+            global_batch_size=gbs,
+            micro_batch_size=mbs,
+            decrease_batch_size_if_needed=True,
+            train_samples=train_samples,
+        )
+    )
+    assert get_num_samples(cfg.training, gbs, schedule)[0] == planned
+    # resumed after k steps taken at the undecreased batch (another layout): the steps left
+    for k in (0, 3, planned // gbs):
+        left = get_train_iters(schedule, train_samples, first_sample=k * gbs)
+        assert k * gbs + left * running <= planned < k * gbs + (left + 1) * running
+
+
+def test_without_the_flag_an_indivisible_batch_is_refused_naming_the_flag():
+    (found,) = problems(4, global_batch_size=10)
+    assert "--global-batch-size 10 is not divisible by --micro-batch-size 1 x data-parallel size 4 = 4" in found
+    assert "or add --decrease-batch-size-if-needed to run 8 per step" in found
+    validate(build_job_config({**BASE, "global_batch_size": 10, "decrease_batch_size_if_needed": True}), 4)
+
+
+def test_with_the_flag_a_batch_below_one_micro_batch_per_rank_is_refused():
+    (found,) = problems(4, global_batch_size=3, decrease_batch_size_if_needed=True)
+    assert "--global-batch-size 3 is less than --micro-batch-size 1 x data-parallel size 4 = 4" in found
+    assert "--decrease-batch-size-if-needed cannot round it down" in found
+    (found,) = problems(4, global_batch_size=3)  # without the flag, adding it would not help: not suggested
+    assert "not divisible" in found and "--decrease-batch-size-if-needed" not in found
+    # a ramp that starts below micro-batch x DP: its first steps would run no micro-batch
+    (found,) = problems(4, global_batch_size=16, rampup_batch_size=["2", "2", "40"], decrease_batch_size_if_needed=True)
+    assert found.startswith("--rampup-batch-size 2 2 40") and "global batch 2 is less than" in found
+    validate(
+        build_job_config({**BASE, "rampup_batch_size": ["5", "1", "40"], "decrease_batch_size_if_needed": True}), 4
+    )
+
+
+def test_the_flag_with_a_step_schedule_is_refused_as_megatron_lm_main_refuses_it():
+    values = dict(step_batch_size_schedule="0:4 64:16", global_batch_size=None, decrease_batch_size_if_needed=True)
+    (found,) = problems(2, **values)
+    assert "--decrease-batch-size-if-needed and --step-batch-size-schedule are exclusive" in found
+    with pytest.raises(ValueError, match="do not support decrease_batch_size_if_needed"):
+        StepBatchsizeNumMicroBatchesCalculator(1, 2, True, 1, "0:4 64:16", seq_length=16)
+
+
+def test_the_flag_parses_as_megatron_lms_switch_and_notices_the_decrease():
+    argv = shlex.split(
+        "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16 "
+        "--mock-data --tokenizer-type NullTokenizer --vocab-size 64 --global-batch-size 10 --train-iters 5 "
+        "--decrease-batch-size-if-needed"
+    )
+    cfg, _ = parse_args_with_notes(argv)
+    assert cfg.training.decrease_batch_size_if_needed
+    assert not parse_args_with_notes(argv[:-1])[0].training.decrease_batch_size_if_needed  # off by default
+    note = describe_batch_decrease(cfg, 4)
+    assert "decreasing batch size from 10 to 8" in note and "data-parallel size 4 = 4" in note
+    assert describe_batch_decrease(cfg, 5) is None  # 10 divides by 5
