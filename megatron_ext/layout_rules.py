@@ -220,13 +220,16 @@ def check_batch_divisibility(t: TrainingConfig, gbs: int, dp: int) -> list[str]:
     return []
 
 
-def check_batch_schedule(cfg: JobConfig, world_size: int, resuming: bool = False) -> list[str]:
+def check_batch_schedule(
+    cfg: JobConfig, world_size: int, resuming: bool = False, resumed_at: tuple[int, int] | None = None
+) -> list[str]:
     """--rampup-batch-size and --step-batch-size-schedule (``data/batch_schedule.py``): their grammar,
     Megatron-LM's exclusions, and every global batch the run's steps take from step 0 against the
     batch rules (megatron-core checks each only when its step comes). ``resuming`` (--load holds a
-    checkpoint to resume): the steps are not checked here, since the ramp batches the checkpoint
-    trained past do not matter on this layout; the loop checks the steps left from the loaded
-    consumed samples before its first step (``check_steps_left``)."""
+    checkpoint to resume): only the steps left are checked, from ``resumed_at`` (the checkpoint's
+    iteration and consumed samples, read by ``validation``; None: unreadable, left to the loop), since
+    the ramp batches the checkpoint trained past do not matter on this layout; the loop checks them
+    again from the loaded state before its first step (``check_steps_left``)."""
     t = cfg.training
     ramp, steps = t.rampup_batch_size, t.step_batch_size_schedule
     if not ramp and steps is None:
@@ -252,9 +255,17 @@ def check_batch_schedule(cfg: JobConfig, world_size: int, resuming: bool = False
         return out + [f"{flag}: {exc}"]
     if out or schedule is None or t.micro_batch_size <= 0 or check_layout(cfg, world_size) or not t.train_samples:
         return out
-    if resuming:  # the batches of the steps it trained past may not divide on this layout: they do not matter
+    if not resuming:
+        return check_steps_left(cfg, world_size, schedule, 0, get_schedule_train_iters(schedule, t.train_samples))
+    if resumed_at is None:  # the batches of the steps it trained past may not divide on this layout: they do not matter
         return out
-    return check_steps_left(cfg, world_size, schedule, 0, get_schedule_train_iters(schedule, t.train_samples))
+    iteration, consumed = resumed_at
+    left = (
+        get_schedule_train_iters(schedule, t.train_samples, consumed)  # as training/loop.maybe_recount_train_iters
+        if schedule.decreases
+        else get_schedule_train_iters(schedule, t.train_samples) - iteration
+    )
+    return check_steps_left(cfg, world_size, schedule, consumed, left)
 
 
 def check_steps_left(

@@ -1,7 +1,8 @@
 """Validation: every rule the flags must satisfy, checked in one place, all problems reported at once.
 
 ``validate(cfg, world_size)`` runs before any process group, file or model is created (it reads
-the data files' headers and whether --load holds a checkpoint, never writes) and raises one
+the data files' headers, whether --load holds a checkpoint and, resuming a batch ramp-up, that
+checkpoint's ``common.pt``; it never writes) and raises one
 ConfigError listing every problem, each naming the flags, the values and the fix. It sits above
 ``data/`` and ``model/``' pure checks and calls them (the tokenizer flags, the indexed files, the
 blends, the one --split grammar); the layout, batch and model-shape rules are ``layout_rules.py``.
@@ -43,7 +44,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + check_layout(cfg, world_size)
         + check_model(cfg, world_size)
         + check_batch(cfg, world_size)
-        + check_batch_schedule(cfg, world_size, resuming=resumes_training(cfg))
+        + _check_batch_schedule(cfg, world_size)
         + _check_schedule(cfg)
         + check_pipeline_schedule_layout(cfg, world_size)
         + check_v_split(cfg)
@@ -60,6 +61,30 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
     )
     if problems:
         raise ConfigError(problems)
+
+
+def _check_batch_schedule(cfg: JobConfig, world_size: int) -> list[str]:
+    """``check_batch_schedule``; resuming with a ramp-up or a step schedule, from the checkpoint's
+    iteration and consumed samples (``common.pt``): a resume on a layout whose batch rules break a step
+    still to come is refused now, before the model is built and the checkpoint loaded."""
+    resuming = resumes_training(cfg)
+    scheduled = bool(cfg.training.rampup_batch_size) or cfg.training.step_batch_size_schedule is not None
+    resumed_at = read_resumed_position(cfg) if resuming and scheduled else None
+    return check_batch_schedule(cfg, world_size, resuming=resuming, resumed_at=resumed_at)
+
+
+def read_resumed_position(cfg: JobConfig) -> tuple[int, int] | None:
+    """(iteration, consumed samples) of the checkpoint --load resumes, from its ``common.pt`` (a few
+    KB through torch's weights-only unpickler); None when it cannot be read: the load reports that."""
+    from megatron_ext.checkpoint.reader import read_common
+
+    c = cfg.checkpoint
+    found = resolve_load_path(c.load, c.ckpt_step)[0]
+    try:
+        state = read_common(found[1])["train_state"]
+        return int(state["iteration"]), int(state["consumed_samples"])
+    except Exception:  # noqa: BLE001 - damaged or foreign: the load names it, with the checkpoint's reader
+        return None
 
 
 def resumes_training(cfg: JobConfig) -> bool:

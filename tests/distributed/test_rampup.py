@@ -195,7 +195,11 @@ def test_resume_past_the_ramp_on_a_dp_its_ramp_does_not_divide(tmp_path):
     assert [b for b, _ in saved["steps"]] == [2, 2, 2, 5, 5, 8, 8, 8, 8] and saved["consumed"] == 48
     with pytest.raises(ConfigError, match="global batch 5 not divisible"):  # a new run at DP 2
         validate(build_job_config(tiny_values(**RESUME)), 2)
-    validate(build_job_config(tiny_values(**RESUME, load=str(root))), 2)  # a resume: its steps, by the loop
+    validate(build_job_config(tiny_values(**RESUME, load=str(root))), 2)  # a resume: the steps left only
+    validate(build_job_config(tiny_values(**RESUME, load=str(root), ckpt_step=6)), 2)  # 8s left: they divide
+    with pytest.raises(ConfigError, match="resumed after 6 consumed samples: .*global batch 5 not divisible"):
+        # from step 3 a 5 is still to come: refused before any model is built (the checkpoint's common.pt)
+        validate(build_job_config(tiny_values(**RESUME, load=str(root), ckpt_step=3)), 2)
     before = _listing(root)
     two = run_ranks(_resume_at_dp2, 2, str(root), timeout=300)
     assert _listing(root) == before  # neither the resumed run nor the refused one wrote anything
