@@ -242,21 +242,46 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     ideal = M * 3 * t_chunk * V  # per rank: m micro-batches x (F + 2F) x the stage's layers
     hop = statistics.median(r["hop"] for r in per_rank)
     T = {name: _median_step(per_rank, name) for name in VARIANTS}
+    pred = predict_step_times(t_chunk, hop)
+    waits = read_p2p_waits(args.trace_dir, args.warmup)
+    _print_setup(args, hop, ideal, waits)
+    print(f"{'variant':<12} {'median step ms':>15} {'hop-adjusted pred ms':>21} {'all steps ms':>s}")
+    for name in VARIANTS:
+        steps = [max(e for _, e in st) - min(s for s, _ in st) for st in zip(*(r["spans"][name] for r in per_rank))]
+        p = pred[name.split()[1]]
+        print(f"{name:<12} {T[name] * 1e3:>15.1f} {p * 1e3:>21.1f}   {' '.join(f'{s * 1e3:.0f}' for s in steps)}")
+    _print_step_targets(T, pred, ideal)
+    _print_memory(per_rank[0]["memory"])
+
+
+def predict_step_times(t_chunk: float, hop: float) -> dict[str, float]:
+    """{"1F1B", "VPP2": seconds} a step takes in ``simulate_schedule`` with P2P hop ``hop``."""
     pred = {}
     for name, v in (("1F1B", 1), ("VPP2", V)):
         ops = simulate_schedule(P, v, M, t_chunk * V / v, 2 * t_chunk * V / v, hop=hop)
         pred[name] = max(op.end for rank_ops in ops.values() for op in rank_ops)
-    waits = {
+    return pred
+
+
+def read_p2p_waits(trace_dir: str, warmup: int) -> dict[str, list[float]]:
+    """{"1F1B", "VPP2": the P2P waits our traces in ``trace_dir`` saw after the warm-up rounds}."""
+    return {
         name: [
             w
-            for step, by_rank in read_timeline(os.path.join(args.trace_dir, name)).items()
-            if step > args.warmup
+            for step, by_rank in read_timeline(os.path.join(trace_dir, name)).items()
+            if step > warmup
             for w in get_p2p_waits(by_rank)
         ]
         for name in ("1F1B", "VPP2")
     }
-    ok = lambda cond: "PASS" if cond else "FAIL"  # noqa: E731
 
+
+def _verdict(cond: bool) -> str:
+    return "PASS" if cond else "FAIL"
+
+
+def _print_setup(args: argparse.Namespace, hop: float, ideal: float, waits: dict[str, list[float]]) -> None:
+    """The pinned shapes and costs, the measured hop and P2P waits, the load."""
     print(
         f"\nPP={P}, m={M}, {NUM_LAYERS} simulated layers, micro-batch [{SEQ}, {MICRO_BATCH}, {HIDDEN}] fp32; "
         f"VPP chunk forward {args.chunk_ms:.0f} ms, backward {2 * args.chunk_ms:.0f} ms; "
@@ -272,19 +297,17 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
             f"{statistics.median(w) * 1e3:.2f} ms, p90 {w[int(0.9 * len(w))] * 1e3:.2f} ms over {len(w)} waits"
         )
     print(f"load average while running: {os.getloadavg()[0]:.1f} (2 cores)\n")
-    print(f"{'variant':<12} {'median step ms':>15} {'hop-adjusted pred ms':>21} {'all steps ms':>s}")
-    for name in VARIANTS:
-        steps = [max(e for _, e in st) - min(s for s, _ in st) for st in zip(*(r["spans"][name] for r in per_rank))]
-        p = pred[name.split()[1]]
-        print(f"{name:<12} {T[name] * 1e3:>15.1f} {p * 1e3:>21.1f}   {' '.join(f'{s * 1e3:.0f}' for s in steps)}")
 
+
+def _print_step_targets(T: dict[str, float], pred: dict[str, float], ideal: float) -> None:
+    """The step-time targets: VPP's gain, each schedule's overhead, ours against torch's."""
     ratio = T["ours 1F1B"] / T["ours VPP2"]
     ideal_ratio = (1 + get_bubble_theory(P, M)) / (1 + get_bubble_theory(P, M, V))
     hop_ratio = pred["1F1B"] / pred["VPP2"]
     print(f"\n{'quantity':<34} {'measured':>9} {'ideal':>7} {'hop-adj':>8} {'target':>16}  result")
     print(
         f"{'T(1F1B)/T(VPP2), ours':<34} {ratio:>9.3f} {ideal_ratio:>7.3f} {hop_ratio:>8.3f} "
-        f"{'>= ' + format(TARGET_VPP * hop_ratio, '.3f'):>16}  {ok(ratio >= TARGET_VPP * hop_ratio)}"
+        f"{'>= ' + format(TARGET_VPP * hop_ratio, '.3f'):>16}  {_verdict(ratio >= TARGET_VPP * hop_ratio)}"
     )
     for name, v in (("1F1B", 1), ("VPP2", V)):
         over = T[f"ours {name}"] / ideal - 1
@@ -292,18 +315,22 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
         p = pred[name] / ideal - 1
         print(
             f"{'overhead step/ideal-1, ours ' + name:<34} {over:>9.4f} {theory:>7.4f} {p:>8.4f} "
-            f"{'<= ' + format(p + TARGET_BUBBLE, '.4f'):>16}  {ok(over <= p + TARGET_BUBBLE)}"
+            f"{'<= ' + format(p + TARGET_BUBBLE, '.4f'):>16}  {_verdict(over <= p + TARGET_BUBBLE)}"
         )
     for name in ("1F1B", "VPP2"):
         peer = T[f"ours {name}"] / T[f"torch {name}"]
-        print(f"{'T_ours/T_torch ' + name:<34} {peer:>9.3f} {'':>7} {'':>8} {'<= 1.00':>16}  {ok(peer <= TARGET_PEER)}")
+        print(
+            f"{'T_ours/T_torch ' + name:<34} {peer:>9.3f} {'':>7} {'':>8} {'<= 1.00':>16}  {_verdict(peer <= TARGET_PEER)}"
+        )
     torch_over = {name: T[f"torch {name}"] / ideal - 1 for name in ("1F1B", "VPP2")}
     print(
         f"(torch.distributed.pipelining overheads: 1F1B {torch_over['1F1B']:.4f}, VPP2 {torch_over['VPP2']:.4f}; "
         f"its T(1F1B)/T(VPP2) = {T['torch 1F1B'] / T['torch VPP2']:.3f})"
     )
 
-    mem = per_rank[0]["memory"]
+
+def _print_memory(mem: dict[tuple[str, int], int]) -> None:
+    """Rank 0's peak saved-tensor bytes per (schedule, m) beside their bounds, and the memory targets."""
     act = SEQ * MICRO_BATCH * HIDDEN * 4  # bytes one layer saves per micro-batch
     print(f"\nactivation memory, rank 0, peak saved-tensor bytes of one step (one layer saves {act} B per micro-batch)")
     print(f"{'m':>4} {'1F1B':>10} {'bound':>10} {'VPP2':>10} {'bound':>10} {'VPP2/1F1B':>10}")
@@ -317,8 +344,10 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     flat = [mem[("1F1B", m)] for m in MEMORY_MS]
     spread = max(flat) / min(flat) - 1
     worst = max(mem[("VPP2", m)] / mem[("1F1B", m)] for m in MEMORY_MS)
-    print(f"1F1B flat in m: max/min - 1 = {spread:.4f} (target <= {TARGET_MEM_FLAT})  {ok(spread <= TARGET_MEM_FLAT)}")
-    print(f"VPP2 / 1F1B worst over m: {worst:.3f} (target <= {TARGET_MEM_VPP})  {ok(worst <= TARGET_MEM_VPP)}")
+    print(
+        f"1F1B flat in m: max/min - 1 = {spread:.4f} (target <= {TARGET_MEM_FLAT})  {_verdict(spread <= TARGET_MEM_FLAT)}"
+    )
+    print(f"VPP2 / 1F1B worst over m: {worst:.3f} (target <= {TARGET_MEM_VPP})  {_verdict(worst <= TARGET_MEM_VPP)}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_ext.config import JobConfig, TrainingConfig
+from megatron_ext.config import JobConfig, ModelConfig, TrainingConfig
 from megatron_ext.data.batch_schedule import BatchSchedule
 from megatron_ext.data.batch_schedule import get_train_iters as get_schedule_train_iters
 from megatron_ext.derived import (
@@ -368,7 +368,24 @@ def check_interleaved_microbatches(m: int, pp: int, n: int, gbs: int, mbs: int, 
 
 
 def check_model(cfg: JobConfig, world_size: int) -> list[str]:
+    """The model's shape flags against TP, then its biases, recompute and dropout."""
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    out = check_head_split(m, tp) + check_ffn_split(m, tp) + check_position_embeddings(m)
+    if m.add_qkv_bias and not m.disable_bias_linear:
+        out.append(
+            "--add-qkv-bias adds biases to the query/key/value projection only: it needs "
+            "--disable-bias-linear (without it every linear layer has biases already)"
+        )
+    out += check_recompute(cfg)
+    for name in ("hidden_dropout", "attention_dropout"):
+        v = getattr(m, name)
+        if not 0.0 <= v < 1.0:
+            out.append(f"--{name.replace('_', '-')} must be in [0, 1), got {v}")
+    return out
+
+
+def check_head_split(m: ModelConfig, tp: int) -> list[str]:
+    """The hidden size over the heads, and the vocabulary, heads and query groups over TP."""
     out = []
     if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         out.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
@@ -392,6 +409,12 @@ def check_model(cfg: JobConfig, world_size: int) -> list[str]:
                 out.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {g}")
             if tp > 0 and g % tp:
                 out.append(f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {tp}")
+    return out
+
+
+def check_ffn_split(m: ModelConfig, tp: int) -> list[str]:
+    """--ffn-hidden-size (given, or the --swiglu default) over TP."""
+    out = []
     ffn = m.ffn_hidden_size
     if ffn is not None and tp > 0 and ffn % tp:
         out.append(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
@@ -409,6 +432,12 @@ def check_model(cfg: JobConfig, world_size: int) -> list[str]:
                 f"{what}, not divisible by --tensor-model-parallel-size {tp}: give --ffn-hidden-size, a "
                 f"multiple of {tp}"
             )
+    return out
+
+
+def check_position_embeddings(m: ModelConfig) -> list[str]:
+    """--max-position-embeddings against --seq-length, RoPE's rotated fraction and scaling."""
+    out = []
     if m.position_embedding_type == "learned_absolute":
         max_pos = m.max_position_embeddings or m.seq_length
         if max_pos < m.seq_length:
@@ -437,16 +466,6 @@ def check_model(cfg: JobConfig, world_size: int) -> list[str]:
         out.append("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")
     if m.use_rope_scaling and not m.rope_scaling_factor > 0:
         out.append(f"--rope-scaling-factor must be > 0, got {m.rope_scaling_factor}")
-    if m.add_qkv_bias and not m.disable_bias_linear:
-        out.append(
-            "--add-qkv-bias adds biases to the query/key/value projection only: it needs "
-            "--disable-bias-linear (without it every linear layer has biases already)"
-        )
-    out += check_recompute(cfg)
-    for name in ("hidden_dropout", "attention_dropout"):
-        v = getattr(m, name)
-        if not 0.0 <= v < 1.0:
-            out.append(f"--{name.replace('_', '-')} must be in [0, 1), got {v}")
     return out
 
 

@@ -56,24 +56,12 @@ def render_timeline(step_records: dict[int, list[dict]], output: str, title: str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.colors import to_rgb
-    from matplotlib.patches import Patch
 
     steps = [parse_rank_step(recs) for _, recs in sorted(step_records.items())]
     t0 = min(op.start for rs in steps for op in rs.ops)  # the pipeline's first forward
     v = max(rs.vp_size for rs in steps)
     m = max(rs.num_microbatches for rs in steps)
     cmap = plt.get_cmap("tab10" if m <= 10 else "tab20")
-
-    def colour(mb: int, kind: str):
-        base = to_rgb(cmap(mb % cmap.N))
-        if kind == "F":  # lighter
-            return tuple(0.45 * c + 0.55 for c in base)
-        if kind == "W":  # the micro-batch's colour, greyed: a weight gradient
-            return tuple(0.35 * c + 0.35 for c in base)
-        return tuple(0.8 * c for c in base)  # darker
-
-    row_h = 1.0 / v
     fig, ax = plt.subplots(figsize=(14, 0.9 + 0.75 * len(steps) * (1 if v == 1 else 1.3)))
     yticks, ylabels = [], []
     span_ms = (max(rs.end for rs in steps) - t0) * 1e3
@@ -81,41 +69,79 @@ def render_timeline(step_records: dict[int, list[dict]], output: str, title: str
         y0 = len(steps) - 1 - row  # rank 0 on top
         yticks.append(y0 + 0.5)
         ylabels.append(f"rank {rs.rank} (pp {rs.pp_rank})")
-        for op in rs.ops:
-            y = y0 + (v - 1 - op.chunk) * row_h  # chunk 0 on top within the rank's row
-            x, w = (op.start - t0) * 1e3, (op.end - op.start) * 1e3
-            ax.broken_barh(
-                [(x, w)],
-                (y + 0.06 * row_h, 0.88 * row_h),
-                facecolors=colour(op.mb, op.kind),
-                edgecolor="black",
-                linewidth=0.3,
-                hatch="..." if op.kind == "W" else None,
-            )
-            if w > span_ms / 140:
-                ax.text(
-                    x + w / 2,
-                    y + 0.5 * row_h,
-                    f"{op.kind}{op.mb}",
-                    ha="center",
-                    va="center",
-                    fontsize=6 if v > 1 else 7,
-                    color="black" if op.kind == "F" else "white",
-                )
-        if rs.optimizer is not None:
-            x, w = (rs.optimizer[0] - t0) * 1e3, (rs.optimizer[1] - rs.optimizer[0]) * 1e3
-            ax.broken_barh([(x, w)], (y0 + 0.06, 0.88), facecolors="0.85", hatch="//", edgecolor="0.5", linewidth=0.3)
-        for c in range(1, v):
-            ax.axhline(y0 + c * row_h, color="0.85", linewidth=0.4)
-        ax.axhline(y0, color="black", linewidth=0.6)
+        _draw_rank_row(ax, rs, y0, t0, v, span_ms, cmap)
     ax.set_yticks(yticks, ylabels)
     ax.set_ylim(0, len(steps))
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_xlabel("ms since the first forward of the step")
+    _add_legend(ax, v, cmap)
+    if v > 1:
+        title += f"  (sub-rows per rank: virtual stages 0..{v - 1}, top to bottom)"
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(output, dpi=130)
+    plt.close(fig)
+
+
+def _op_colour(cmap, mb: int, kind: str) -> tuple[float, ...]:
+    """Micro-batch ``mb``'s colour in ``cmap``: lighter for a forward, greyed for a weight gradient
+    (W), darker for a backward."""
+    from matplotlib.colors import to_rgb
+
+    base = to_rgb(cmap(mb % cmap.N))
+    if kind == "F":  # lighter
+        return tuple(0.45 * c + 0.55 for c in base)
+    if kind == "W":  # the micro-batch's colour, greyed: a weight gradient
+        return tuple(0.35 * c + 0.35 for c in base)
+    return tuple(0.8 * c for c in base)  # darker
+
+
+def _draw_rank_row(ax, rs, y0: int, t0: float, v: int, span_ms: float, cmap) -> None:
+    """One rank's row from ``y0`` to ``y0 + 1``: its ops (one sub-row per virtual stage, each labelled
+    where wide enough), its optimizer tail, the sub-row separators and the row's bottom line."""
+    row_h = 1.0 / v
+    for op in rs.ops:
+        y = y0 + (v - 1 - op.chunk) * row_h  # chunk 0 on top within the rank's row
+        x, w = (op.start - t0) * 1e3, (op.end - op.start) * 1e3
+        ax.broken_barh(
+            [(x, w)],
+            (y + 0.06 * row_h, 0.88 * row_h),
+            facecolors=_op_colour(cmap, op.mb, op.kind),
+            edgecolor="black",
+            linewidth=0.3,
+            hatch="..." if op.kind == "W" else None,
+        )
+        if w > span_ms / 140:
+            ax.text(
+                x + w / 2,
+                y + 0.5 * row_h,
+                f"{op.kind}{op.mb}",
+                ha="center",
+                va="center",
+                fontsize=6 if v > 1 else 7,
+                color="black" if op.kind == "F" else "white",
+            )
+    if rs.optimizer is not None:
+        x, w = (rs.optimizer[0] - t0) * 1e3, (rs.optimizer[1] - rs.optimizer[0]) * 1e3
+        ax.broken_barh([(x, w)], (y0 + 0.06, 0.88), facecolors="0.85", hatch="//", edgecolor="0.5", linewidth=0.3)
+    for c in range(1, v):
+        ax.axhline(y0 + c * row_h, color="0.85", linewidth=0.4)
+    ax.axhline(y0, color="black", linewidth=0.6)
+
+
+def _add_legend(ax, v: int, cmap) -> None:
+    """The legend under the chart: forward, backward, weight gradient, optimizer, idle."""
+    from matplotlib.patches import Patch
+
     legend = [
-        Patch(facecolor=colour(0, "F"), edgecolor="black", label="forward (light)"),
-        Patch(facecolor=colour(0, "B"), edgecolor="black", label="backward / input gradient B (dark)"),
-        Patch(facecolor=colour(0, "W"), edgecolor="black", hatch="...", label="weight gradient W (grey, dotted)"),
+        Patch(facecolor=_op_colour(cmap, 0, "F"), edgecolor="black", label="forward (light)"),
+        Patch(facecolor=_op_colour(cmap, 0, "B"), edgecolor="black", label="backward / input gradient B (dark)"),
+        Patch(
+            facecolor=_op_colour(cmap, 0, "W"),
+            edgecolor="black",
+            hatch="...",
+            label="weight gradient W (grey, dotted)",
+        ),
         Patch(facecolor="0.85", hatch="//", edgecolor="0.5", label="grad finalize + optimizer"),
         Patch(facecolor="white", edgecolor="black", label="idle (bubble, P2P wait)"),
     ]
@@ -127,12 +153,6 @@ def render_timeline(step_records: dict[int, list[dict]], output: str, title: str
         fontsize=8,
         frameon=False,
     )
-    if v > 1:
-        title += f"  (sub-rows per rank: virtual stages 0..{v - 1}, top to bottom)"
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(output, dpi=130)
-    plt.close(fig)
 
 
 def get_default_step(steps: dict[int, dict[int, list[dict]]]) -> int:

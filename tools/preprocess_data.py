@@ -240,16 +240,8 @@ def preprocess_data(
     dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
 
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    stats = PreprocessStats()
-    final_paths, builders = [], {}
-    for key in json_keys:
-        prefix = get_output_prefix(output_prefix, key)
-        stats.output_prefixes[key] = prefix
-        stats.num_tokens[key] = 0
-        stats.num_empty[key] = 0
-        stats.document_lengths[key] = []
-        final_paths += [prefix + ".bin", prefix + ".idx", prefix + TOKENIZER_RECORD_SUFFIX]
-
+    stats, final_paths = _start_stats(output_prefix, json_keys)
+    builders = {}
     pool = bar = None
     # total: the bytes to read, known for a plain file (not a .gz's, nor a pipe's)
     total = os.path.getsize(input_path) if os.path.isfile(input_path) and not is_gzip(input_path) else None
@@ -268,28 +260,54 @@ def preprocess_data(
             _add_documents(encoded, builders, stats, dtype, bar, log_interval)
             bar.close()
             _check_not_empty(input_path, stats)
-            for key, builder in builders.items():
-                builder.finalize(stats.output_prefixes[key] + ".idx.tmp")
-                record = build_tokenizer_record(encoder.tokenizer.identity(), tokenizer_model, key, append_eod)
-                with open(stats.output_prefixes[key] + TOKENIZER_RECORD_SUFFIX + ".tmp", "w") as f:
-                    json.dump(record, f, indent=1)
+            _finalize_tmp_files(builders, stats, encoder.tokenizer, tokenizer_model, append_eod)
             with _signals_deferred():  # SIGTERM or Ctrl-C between two renames: a new .bin beside an old .idx
                 for path in final_paths:
                     os.replace(path + ".tmp", path)
         except BaseException:
             if bar is not None:
                 bar.close()  # so the error starts a line of its own
-            for builder in builders.values():
-                builder.data_file.close()
-            for path in final_paths:
-                if os.path.exists(path + ".tmp"):
-                    os.remove(path + ".tmp")
+            _remove_tmp_files(builders, final_paths)
             raise
         finally:
             if pool is not None:
                 pool.terminate()
                 pool.join()
     return stats
+
+
+def _start_stats(output_prefix: str, json_keys: list[str]) -> tuple[PreprocessStats, list[str]]:
+    """Empty stats with each key's dataset prefix, and the paths the run writes (each first as ``*.tmp``)."""
+    stats = PreprocessStats()
+    final_paths = []
+    for key in json_keys:
+        prefix = get_output_prefix(output_prefix, key)
+        stats.output_prefixes[key] = prefix
+        stats.num_tokens[key] = 0
+        stats.num_empty[key] = 0
+        stats.document_lengths[key] = []
+        final_paths += [prefix + ".bin", prefix + ".idx", prefix + TOKENIZER_RECORD_SUFFIX]
+    return stats, final_paths
+
+
+def _finalize_tmp_files(
+    builders: dict, stats: PreprocessStats, tokenizer, tokenizer_model: str | None, append_eod: bool
+) -> None:
+    """Each key's ``.idx.tmp`` and tokenizer record ``.tmp`` beside its ``.bin.tmp``."""
+    for key, builder in builders.items():
+        builder.finalize(stats.output_prefixes[key] + ".idx.tmp")
+        record = build_tokenizer_record(tokenizer.identity(), tokenizer_model, key, append_eod)
+        with open(stats.output_prefixes[key] + TOKENIZER_RECORD_SUFFIX + ".tmp", "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def _remove_tmp_files(builders: dict, final_paths: list[str]) -> None:
+    """After a failure: the builders' open ``.bin.tmp`` closed and every ``*.tmp`` written so far removed."""
+    for builder in builders.values():
+        builder.data_file.close()
+    for path in final_paths:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
 
 
 def _check_arguments(input_path: str, json_keys: list[str], workers: int) -> None:

@@ -249,65 +249,64 @@ def build_gpt_datasets(
         blend_per_split: [train, valid, test] blends (``--train-data-path`` ...; None where
             absent), each read whole, instead of ``data_path`` and ``split``.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
+    options = dict(
+        random_seed=random_seed,
+        path_to_cache=path_to_cache,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
     if blend_per_split is not None:
-        blend_per_split = [None if i in unused_splits else b for i, b in enumerate(blend_per_split)]
-        validate_data_prefixes([p for b in blend_per_split if b for p in b[0]])
-        check_prefixes_have_documents([p for b in blend_per_split if b for p in b[0]])
+        blend_per_split = _drop_unused_blends(blend_per_split, unused_splits)
         sizes = validate_num_samples(num_samples, None)
         config = build_gpt_dataset_config(
-            tokenizer,
-            sequence_length,
-            None,
-            split,
-            random_seed,
-            path_to_cache,
-            reset_position_ids,
-            reset_attention_mask,
-            eod_mask_loss,
-            create_attention_mask,
-            blend_per_split,
+            tokenizer, sequence_length, None, split, blend_per_split=blend_per_split, **options
         )
-        builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
-        with maybe_single_process_rank():
-            return build_with_cache_check(builder, path_to_cache)
-    if mock_data:
-        blend, dataset_cls = None, MockGPTDataset
-    else:
-        if not data_path and blend is None:
-            raise ConfigError(
-                [
-                    "--data-path is required unless --mock-data is set "
-                    "(e.g. --data-path data/default/corpus_text_document)"
-                ]
-            )
-        blend, dataset_cls = blend or parse_data_path(data_path), GPTDataset
-        validate_data_prefixes(blend[0])
-        parse_split(split)
+        return _build_splits(GPTDataset, sizes, is_built_on_rank, config, path_to_cache)
+    blend = None if mock_data else _resolve_blend(data_path, blend, split)
     sizes = validate_num_samples(num_samples, None if blend is None else blend[1])
-    config = build_gpt_dataset_config(
-        tokenizer,
-        sequence_length,
-        blend,
-        split,
-        random_seed,
-        path_to_cache,
-        reset_position_ids,
-        reset_attention_mask,
-        eod_mask_loss,
-        create_attention_mask,
-    )
+    config = build_gpt_dataset_config(tokenizer, sequence_length, blend, split, **options)
     if blend is not None:
         config.split_matrix = [None if i in unused_splits else s for i, s in enumerate(config.split_matrix)]
         check_splits_have_documents(blend[0], config.split_matrix, split)
+    dataset_cls = MockGPTDataset if mock_data else GPTDataset
+    train, valid, test = _build_splits(dataset_cls, sizes, is_built_on_rank, config, path_to_cache)
+    return train, valid, test
+
+
+def _drop_unused_blends(blend_per_split, unused_splits: Sequence[int]):
+    """``blend_per_split`` with None for the splits the run never reads; ConfigError where a prefix
+    of the others is invalid or holds no document."""
+    blend_per_split = [None if i in unused_splits else b for i, b in enumerate(blend_per_split)]
+    validate_data_prefixes([p for b in blend_per_split if b for p in b[0]])
+    check_prefixes_have_documents([p for b in blend_per_split if b for p in b[0]])
+    return blend_per_split
+
+
+def _resolve_blend(data_path: Sequence[str] | None, blend: Blend | None, split: str) -> Blend:
+    """The blend ``--data-path`` gives (or ``blend``, already parsed), with it and ``--split`` checked."""
+    if not data_path and blend is None:
+        raise ConfigError(
+            ["--data-path is required unless --mock-data is set (e.g. --data-path data/default/corpus_text_document)"]
+        )
+    blend = blend or parse_data_path(data_path)
+    validate_data_prefixes(blend[0])
+    parse_split(split)
+    return blend
+
+
+def _build_splits(dataset_cls, sizes, is_built_on_rank: Callable[[], bool] | None, config, path_to_cache: str | None):
+    """megatron-core's builder run over ``config``: a process group's rank 0 first (see the module docstring)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
     builder = BlendedMegatronDatasetBuilder(dataset_cls, sizes, is_built_on_rank or (lambda: True), config)
     with maybe_single_process_rank():
-        train, valid, test = build_with_cache_check(builder, path_to_cache)
-    return train, valid, test
+        return build_with_cache_check(builder, path_to_cache)
 
 
 def build_with_cache_check(builder, path_to_cache: str | None):
