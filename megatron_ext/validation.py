@@ -19,6 +19,7 @@ import math
 import os
 
 from megatron_ext.checkpoint.directory import resolve_load_path
+from megatron_ext.checkpoint.reader import read_resumed_position
 from megatron_ext.config import ConfigError, DataConfig, JobConfig, TrainingConfig
 from megatron_ext.data.blends import DataBlends, get_data_blends
 from megatron_ext.data.gpt_datasets import parse_split
@@ -69,22 +70,9 @@ def _check_batch_schedule(cfg: JobConfig, world_size: int) -> list[str]:
     still to come is refused now, before the model is built and the checkpoint loaded."""
     resuming = resumes_training(cfg)
     scheduled = bool(cfg.training.rampup_batch_size) or cfg.training.step_batch_size_schedule is not None
-    resumed_at = read_resumed_position(cfg) if resuming and scheduled else None
-    return check_batch_schedule(cfg, world_size, resuming=resuming, resumed_at=resumed_at)
-
-
-def read_resumed_position(cfg: JobConfig) -> tuple[int, int] | None:
-    """(iteration, consumed samples) of the checkpoint --load resumes, from its ``common.pt`` (a few
-    KB through torch's weights-only unpickler); None when it cannot be read: the load reports that."""
-    from megatron_ext.checkpoint.reader import read_common
-
     c = cfg.checkpoint
-    found = resolve_load_path(c.load, c.ckpt_step)[0]
-    try:
-        state = read_common(found[1])["train_state"]
-        return int(state["iteration"]), int(state["consumed_samples"])
-    except Exception:  # noqa: BLE001 - damaged or foreign: the load names it, with the checkpoint's reader
-        return None
+    resumed_at = read_resumed_position(c.load, c.ckpt_step) if resuming and scheduled else None
+    return check_batch_schedule(cfg, world_size, resuming=resuming, resumed_at=resumed_at)
 
 
 def resumes_training(cfg: JobConfig) -> bool:

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from megatron_ext.checkpoint.checksum import file_digest, is_available, new_hasher
-from megatron_ext.checkpoint.directory import read_marker
+from megatron_ext.checkpoint.directory import read_marker, resolve_load_path
 
 DAMAGED = "damaged checkpoint file"
 UNSAFE = "may have been tampered with"
@@ -329,6 +329,18 @@ def read_common(ckpt_dir: str, verified: bool = False) -> dict:
         raise UnsafeCheckpointFile(describe_unsafe(path, err, verified)) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise ChecksumMismatch(f"{DAMAGED}: {path} cannot be read ({' '.join(str(err).split())[:160]})") from None
+
+
+def read_resumed_position(load: str, step: int | None = None) -> tuple[int, int] | None:
+    """(iteration, consumed samples) of the checkpoint ``--load load`` (``--ckpt-step step``) resumes,
+    from its ``common.pt`` (a few KB through torch's weights-only unpickler), for checks made before
+    any model is built; None when there is none or it cannot be read: the load itself reports that."""
+    found = resolve_load_path(load, step)[0]
+    try:
+        state = read_common(found[1])["train_state"]
+        return int(state["iteration"]), int(state["consumed_samples"])
+    except Exception:  # noqa: BLE001 - none, damaged or foreign: the load names it
+        return None
 
 
 def open_checkpoint(ckpt_dir: str, warn=None) -> tuple[dict | None, dict]:
