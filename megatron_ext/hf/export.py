@@ -9,7 +9,8 @@ rank k mod TP, which keeps only its share, maps it to HF's names (``hf/mapping.p
 Publishing, as the checkpoints' (``checkpoint/directory.py``): the shards go to
 ``<save>/hf/.tmp_iter_XXXXXXX``; one all-gather of (error, {HF name: file}) tells the publishing
 rank (the logging rank) whether every shard was written; it then writes
-``model.safetensors.index.json``, ``config.json`` and the tokenizer's files (or a note), and renames
+``model.safetensors.index.json``, ``config.json`` and the tokenizer's files (copied, or for a
+SentencePiece model an exact equivalent, ``hf/tokenizer.py``; else a note), and renames
 the directory to ``<save>/hf/iter_XXXXXXX``. A reader never sees a partial export.
 
 An export of an iteration already exported (a resumed run) renames the earlier one to
@@ -40,9 +41,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config import CheckpointConfig, JobConfig
+from megatron_ext.data.tokenizers import SENTENCEPIECE_TYPES, SentencePieceTokenizer
 from megatron_ext.derived import get_ffn_hidden_size
 from megatron_ext.hf.config import build_hf_config
 from megatron_ext.hf.mapping import megatron_to_hf_tensors
+from megatron_ext.hf.tokenizer import get_unsupported_reasons, load_model_proto, write_sentencepiece_tokenizer
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import ParallelContext
 
@@ -180,8 +183,10 @@ def build_index(shards: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_tokenizer_files(cfg: JobConfig, out_dir: str) -> str:
-    """Copy the run's Hugging Face tokenizer files (a local --tokenizer-model directory), or write
-    a note saying what tokenizer the token ids are of; returns what was done, for the log."""
+    """Copy the run's Hugging Face tokenizer files (a local --tokenizer-model directory), write the
+    files of an exact Hugging Face equivalent of its SentencePiece model (``hf/tokenizer.py``), or
+    write a note saying what tokenizer the token ids are of (and why no files); returns what was done,
+    for the log."""
     d = cfg.data
     local = d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model and os.path.isdir(d.tokenizer_model)
     if local:
@@ -190,20 +195,39 @@ def write_tokenizer_files(cfg: JobConfig, out_dir: str) -> str:
             shutil.copyfile(os.path.join(d.tokenizer_model, name), os.path.join(out_dir, name))
         if copied:
             return f"tokenizer files {', '.join(copied)} copied from {d.tokenizer_model}"
+    why = ""
     if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model:
         how = f"AutoTokenizer.from_pretrained({d.tokenizer_model!r})"
-    elif d.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-        how = f"a tokenizer of the same SentencePiece model ({d.tokenizer_model}): e.g. transformers' LlamaTokenizer(vocab_file=...)"
+    elif d.tokenizer_type in SENTENCEPIECE_TYPES:
+        written, why = _maybe_write_sentencepiece(d.tokenizer_model, d.tokenizer_type, out_dir)
+        if written:
+            return f"tokenizer files {', '.join(written)} written for {d.tokenizer_model} (the same ids)"
+        how = f"sentencepiece.SentencePieceProcessor(model_file={d.tokenizer_model!r}).encode(text) (no BOS/EOS)"
     else:
         how = "a tokenizer producing the same ids"
     note = (
         f"No Hugging Face tokenizer files were written: this model was trained with --tokenizer-type "
         f"{d.tokenizer_type} (--tokenizer-model {d.tokenizer_model}). Its token ids are that tokenizer's; "
-        f"use {how}.\n"
+        f"use {how}.{why}\n"
     )
     with open(os.path.join(out_dir, TOKENIZER_NOTE), "w") as f:
         f.write(note)
     return f"no tokenizer files ({TOKENIZER_NOTE} says which tokenizer the ids are of)"
+
+
+def _maybe_write_sentencepiece(model_path: str | None, tokenizer_type: str, out_dir: str) -> tuple[list[str], str]:
+    """The files written for a SentencePiece run's model, or none and the note's sentence saying why."""
+    if not model_path or not os.path.isfile(model_path):
+        return [], f" (The file {model_path} was not found when the export was written.)"
+    try:
+        proto = load_model_proto(model_path)
+        reasons = get_unsupported_reasons(proto)
+        if reasons:
+            return [], f" (A Hugging Face tokenizer would not give exactly these ids: {'; '.join(reasons)}.)"
+        tokenizer = SentencePieceTokenizer(model_path, tokenizer_type)
+        return write_sentencepiece_tokenizer(model_path, out_dir, tokenizer.eod, tokenizer.pad), ""
+    except ImportError as err:  # protobuf (sentencepiece's model format) or tokenizers missing
+        return [], f" (No tokenizer.json: {err}; pip install tokenizers protobuf, then export again.)"
 
 
 def export_hf_model(
