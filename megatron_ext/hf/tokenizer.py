@@ -53,8 +53,8 @@ def get_unsupported_reasons(proto: Any) -> list[str]:
     reasons = []
     if proto.trainer_spec.model_type != BPE_MODEL_TYPE:
         reasons.append(
-            "it is not a BPE model (only sentencepiece's BPE is reproduced and checked exactly; a Unigram "
-            "model's Viterbi over unknown characters and control pieces is not)"
+            "it is not a BPE model (Hugging Face's Unigram model matches control and byte pieces such as "
+            "'<s>' or '<0x41>' in the text, which sentencepiece never does)"
         )
     norm = proto.normalizer_spec
     if norm.precompiled_charsmap or norm.name not in ("identity", ""):
