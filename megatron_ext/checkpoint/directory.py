@@ -17,8 +17,9 @@ same phases with phase 1's writing in a background thread, ``async_save.py``):
    ``metadata.json``) and the directory, writes ``complete.json`` into it, fsyncs that, renames
    the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
 4. rank 0 replaces ``latest_checkpointed_iteration.txt`` atomically (temp file + ``os.replace``);
-5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest; each
-   renamed aside before it is deleted) and removes leftovers of interrupted saves; all ranks barrier.
+5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the one just saved,
+   nor those of later iterations a --ckpt-step resume rolled back from; each renamed aside before
+   it is deleted) and removes leftovers of interrupted saves; all ranks barrier.
 
 The marker records every stored item's checksum (``checksums``: the algorithm of ``checksum.py``,
 file -> offset -> [length, digest], computed by each rank's writer as it writes, gathered with one
@@ -275,11 +276,16 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
     """Delete old complete checkpoints beyond ``keep_last`` (renamed to ``*.old-*`` first) and
     leftovers of interrupted saves and deletes (``*.tmp-*``, ``*.old-*``, stale pointer temp
     files), after a re-save's earlier copy left aside by a kill is renamed back
-    (``restore_replaced_checkpoints``); returns the deleted paths."""
+    (``restore_replaced_checkpoints``); returns the deleted paths. ``keep_dir``, the checkpoint
+    just published, stays; checkpoints of later iterations than it (left by the run a --ckpt-step
+    resume rolled back from) are neither counted nor deleted: counted, they would push this run's
+    own older checkpoints out, leaving it one to fall back to."""
     restore_replaced_checkpoints(root)
     complete = list_complete_checkpoints(root)
-    doomed = set(select_checkpoints_to_delete([it for it, _ in complete], keep_last))
-    for it, path in complete:
+    newest_own = max((it for it, path in complete if path == keep_dir), default=None)
+    own = [(it, path) for it, path in complete if newest_own is None or it <= newest_own]
+    doomed = set(select_checkpoints_to_delete([it for it, _ in own], keep_last))
+    for it, path in own:
         if it in doomed and path != keep_dir:
             _retire_checkpoint(path)
     loadable = {path for _, path in list_complete_checkpoints(root)}  # a .replaced- one not renamed back

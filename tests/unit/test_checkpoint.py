@@ -478,3 +478,25 @@ def test_a_refused_save_names_the_updates_since_the_last_finite_save():
     text = describe(None, 9, 4, newest=None)
     assert "iterations 6 to 8" in text and "not checked since this run started at iteration 5" in text, text
     assert "No checkpoint holds this run's weights" in text
+
+
+def test_retention_after_a_rollback_keeps_the_runs_own_checkpoints(tmp_path):
+    """A --ckpt-step resume rolls back below checkpoints of the run it abandons. Counted against
+    --keep-last, those later iterations pushed this run's own older checkpoints out as each new one
+    was saved: it was left the one just saved, nothing for --ckpt-fallback-on-corruption or a
+    --ckpt-step to go back to. They are now neither counted nor deleted."""
+    root = str(tmp_path)
+    for it in (100, 200, 300):  # 200 and 300: the history a --ckpt-step 100 resume rolled back from
+        _complete(tmp_path, it)
+    apply_retention(root, 2, _complete(tmp_path, 150))
+    assert [it for it, _ in list_complete_checkpoints(root)] == [100, 150, 200, 300]
+    apply_retention(root, 2, _complete(tmp_path, 175))
+    assert [it for it, _ in list_complete_checkpoints(root)] == [150, 175, 200, 300]
+
+
+def test_retention_without_a_rollback_counts_every_checkpoint(tmp_path):
+    root = str(tmp_path)
+    for it in (2, 4, 6):
+        _complete(tmp_path, it)
+    apply_retention(root, 2, _complete(tmp_path, 8))
+    assert [it for it, _ in list_complete_checkpoints(root)] == [6, 8]
