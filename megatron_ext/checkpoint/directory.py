@@ -261,7 +261,11 @@ def publish_checkpoint(
         except OSError:
             os.rename(stale, final_dir)  # the checkpoint it was to replace stays, under its name
             raise
-        shutil.rmtree(stale, ignore_errors=True)
+        # out of the ``.replaced-`` names first: once iter_XXXXXXX is retired, loads would find a
+        # delete cut short there as this iteration
+        aside = _retire_checkpoint(stale)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(tmp_dir, final_dir)
     _fsync_dir(root)
@@ -296,7 +300,9 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
         if any(m in name for m in leftover) and os.path.join(root, name) not in loadable
     ]
     for path in deleted:
-        if os.path.isdir(path):
+        if _REPLACED_DIR.match(os.path.basename(path)):  # a complete copy: renamed aside first
+            path = _retire_checkpoint(path)
+        if path is not None and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):  # a pointer temp file may already be gone
@@ -319,14 +325,18 @@ def restore_replaced_checkpoints(root: str) -> list[str]:
     return restored
 
 
-def _retire_checkpoint(path: str) -> None:
-    """Rename a complete checkpoint out of the ``iter_XXXXXXX`` names before it is deleted: rmtree
-    removes its files one at a time, and a delete cut short (a kill, a file it cannot remove) must
-    not leave a directory that still carries its marker without all its shards. The ``.old-``
-    directory is never loaded and goes with the leftovers (now, or at the next retention). A
-    checkpoint that cannot be renamed stays, whole."""
-    with contextlib.suppress(OSError):
-        os.rename(path, f"{path}.old-{uuid.uuid4().hex[:8]}")
+def _retire_checkpoint(path: str) -> str | None:
+    """Rename a complete checkpoint out of the ``iter_XXXXXXX`` (and ``.replaced-``) names before it
+    is deleted: rmtree removes its files one at a time, and a delete cut short (a kill, a file it
+    cannot remove) must not leave a directory that still carries its marker without all its shards.
+    The ``.old-`` directory is never loaded and goes with the leftovers (now, or at the next
+    retention); returns it. A checkpoint that cannot be renamed stays, whole (None)."""
+    aside = f"{path}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return None
+    return aside
 
 
 class CheckpointWriteFailed(RuntimeError):
