@@ -679,3 +679,29 @@ def test_a_worker_signalled_before_its_initializer_ends_quietly_or_ignores_ctrl_
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # the test process's mask is restored
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Interrupted" not in err, err
+
+
+def test_every_file_is_durable_before_it_replaces_a_previous_dataset(tmp_path, monkeypatch):
+    """The .bin, .idx and .tokenizer.json were renamed over a previous run's without an fsync: a
+    power loss after the renames could leave them empty or truncated where a whole dataset was.
+    Each is now fsynced under its temporary name before the renames, and the directory after."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", src))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    preprocess_data(
+        write_jsonl(tmp_path / "in.jsonl", ["1 2 3", "4 5"]), str(tmp_path / "out"), "NullTokenizer", vocab_size=100
+    )
+    replaced = [path for what, path in events if what == "replace"]
+    assert len(replaced) == 3
+    first_replace = events.index(("replace", replaced[0]))
+    assert all(("fsync", path) in events[:first_replace] for path in replaced)
+    assert ("fsync", str(tmp_path)) in events[events.index(("replace", replaced[-1])) :]
