@@ -313,10 +313,16 @@ def _remove_tmp_files(builders: dict, final_paths: list[str]) -> None:
 def _replace_with_tmp_files(final_paths: list[str], out_dir: str) -> None:
     """Each ``*.tmp`` renamed to its final name (over a previous run's file), made durable first (a
     power loss after the renames must not leave an empty or truncated file where a previous run's
-    dataset was), the renames after them."""
+    dataset was), the renames after them. A previous run's tokenizer record goes first: a kill
+    between the renames leaves a pair without a record (unchecked), never one vouching for it as
+    another tokenizer's ids."""
     for path in final_paths:
         _fsync(path + ".tmp")
     with _signals_deferred():  # SIGTERM or Ctrl-C between two renames: a new .bin beside an old .idx
+        for path in final_paths:
+            if path.endswith(TOKENIZER_RECORD_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
         for path in final_paths:
             os.replace(path + ".tmp", path)
     _fsync(out_dir)

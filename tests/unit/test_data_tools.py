@@ -705,3 +705,39 @@ def test_every_file_is_durable_before_it_replaces_a_previous_dataset(tmp_path, m
     first_replace = events.index(("replace", replaced[0]))
     assert all(("fsync", path) in events[:first_replace] for path in replaced)
     assert ("fsync", str(tmp_path)) in events[events.index(("replace", replaced[-1])) :]
+
+
+class _Killed(BaseException):
+    """A SIGKILL at that instant: no except clause of ours runs."""
+
+
+def test_a_rerun_killed_between_its_renames_leaves_no_record_of_another_tokenizer(tmp_path, monkeypatch):
+    """Preprocessing again into a prefix with another tokenizer, killed after the new .bin/.idx were
+    renamed in but before the new .tokenizer.json: the previous run's record stayed beside the new
+    pair and vouched for it under the previous tokenizer (training read the new ids as that one's,
+    silently). The old record now goes before the renames: the pair is left unchecked at worst."""
+    from megatron_ext.data.indexed_check import check_indexed_dataset
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    path = write_jsonl(tmp_path / "ids.jsonl", [" ".join(str(i % 50) for i in range(j, j + 30)) for j in range(9)])
+    preprocess_data(path, str(tmp_path / "ids"), "NullTokenizer", vocab_size=100, append_eod=True, progress=False)
+    prefix = str(tmp_path / "ids_text_document")
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if dst.endswith(".tokenizer.json"):
+            raise _Killed
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(_Killed):
+        preprocess_data(path, str(tmp_path / "ids"), "NullTokenizer", vocab_size=120, append_eod=True, progress=False)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert check_indexed_dataset(prefix) == []
+    _, documents = read_documents(prefix)
+    assert documents[0][-1] == build_tokenizer("NullTokenizer", vocab_size=120).eod  # the new pair is in place
+    if os.path.exists(prefix + ".tokenizer.json"):
+        with open(prefix + ".tokenizer.json") as f:
+            assert (
+                json.load(f)["tokenizer"]["vocab_size"] == build_tokenizer("NullTokenizer", vocab_size=120).vocab_size
+            )
