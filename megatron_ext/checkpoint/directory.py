@@ -94,6 +94,28 @@ def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
     return complete[-1] if complete else None
 
 
+def find_last_published_checkpoint(root: str) -> tuple[int, str] | None:
+    """The complete checkpoint published last (by its marker's time): the newest one, unless a
+    --ckpt-step resume rolled back below it and has published since; then the newest of those saves
+    (the run's own), not the rolled-back-from run's later iteration. The newest one whenever its
+    marker has no readable time."""
+    complete = list_complete_checkpoints(root)
+    if not complete:
+        return None
+    newest = complete[-1]
+
+    def published(path: str) -> float | None:
+        marker = read_marker(path)
+        when = marker.get("time") if isinstance(marker, dict) else None
+        return when if isinstance(when, (int, float)) else None
+
+    newest_time = published(newest[1])
+    if newest_time is None:
+        return newest
+    later = [(when, it, path) for it, path in complete if (when := published(path)) is not None and when > newest_time]
+    return max(later)[1:] if later else newest
+
+
 def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, str] | None, str | None]:
     """The checkpoint ``--load path`` names, and a warning to print: ``path`` is a save directory
     (its newest complete checkpoint, or iteration ``step``) or one checkpoint's own ``iter_XXXXXXX``
