@@ -17,7 +17,10 @@ On a restart (``MEGATRON_EXT_RESUME_FROM_SAVE=1``) the run resumes from the newe
 checkpoint in ``--save``: ``--load`` becomes ``--save`` (as Megatron-LM users write a restartable
 job) with the full state (optimizer, RNG, iteration), whatever ``--load``, ``--finetune``,
 ``--ckpt-step``, ``--no-load-optim`` and ``--no-load-rng`` said for the first start; while
-``--save`` holds no complete checkpoint yet, the first start's flags load as given.
+``--save`` holds no complete checkpoint yet, the first start's flags load as given. After a
+--ckpt-step resume rolled back below later checkpoints in ``--save`` and saved since, the newest is
+the one published last (``find_last_published_checkpoint``), loaded as ``--ckpt-step``: not the
+rolled-back-from run's later iteration, whose next save's --keep-last would delete the run's own.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from megatron_ext.checkpoint.directory import find_latest_checkpoint
+from megatron_ext.checkpoint.directory import find_last_published_checkpoint, find_latest_checkpoint
 from megatron_ext.config import ConfigError, JobConfig
 
 MARKER_DIR_ENV = "MEGATRON_EXT_EXIT_MARKER_DIR"
@@ -53,7 +56,7 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
     if env.get(RESUME_ENV) != "1" or not cfg.checkpoint.save:
         return None
     c = cfg.checkpoint
-    newest = find_latest_checkpoint(c.save)
+    newest = find_last_published_checkpoint(c.save)
     what = f"restart {env.get(ATTEMPT_ENV, '?')}"
     if env.get(ATTEMPT_ENV, "0") == "0" and env.get(REQUEUE_ENV):  # launch/slurm.sbatch's requeued job
         what = f"requeue {env[REQUEUE_ENV]}"
@@ -76,8 +79,16 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
         )
         if on
     ]
-    c.load, c.ckpt_step, c.finetune, c.no_load_optim, c.no_load_rng = c.save, None, False, False, False
+    highest = find_latest_checkpoint(c.save)
+    step = newest[0] if newest != highest else None  # a rollback's own save, below the run it left
+    c.load, c.ckpt_step, c.finetune, c.no_load_optim, c.no_load_rng = c.save, step, False, False, False
     instead = f" (instead of the first start's {', '.join(replaced)})" if replaced else ""
+    if step is not None:
+        return (
+            f"> {what}: resuming from the checkpoint published last in --save {c.save} (iteration {step}, as "
+            f"--ckpt-step {step}; iteration {highest[0]} there is older, left by the run a --ckpt-step resume "
+            f"rolled back from){instead}"
+        )
     return f"> {what}: resuming from the newest complete checkpoint in --save {c.save} (iteration {newest[0]}){instead}"
 
 

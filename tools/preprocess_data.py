@@ -15,8 +15,10 @@ format records none; a pair without the record is not checked).
 byte-identical for any N. Everything is written under ``*.tmp`` names and renamed only after the
 whole input succeeded, so a malformed line (reported with file and line number: bad JSON, a missing
 key, a lone surrogate such as ``\\ud800``), an input that gives a key no token at all (a dataset
-training refuses), SIGTERM or Ctrl-C leave no half-written dataset behind. ``--input`` may be
-gzipped (``corpus.jsonl.gz``, found by gzip's magic bytes; Megatron-LM's tool reads .gz too).
+training refuses), SIGTERM or Ctrl-C leave no half-written dataset behind; each file is fsynced
+before the renames (and the directory after them), so a power loss cannot leave an empty or
+truncated file where an earlier run's dataset was. ``--input`` may be gzipped
+(``corpus.jsonl.gz``, found by gzip's magic bytes; Megatron-LM's tool reads .gz too).
 """
 
 import argparse
@@ -261,9 +263,7 @@ def preprocess_data(
             bar.close()
             _check_not_empty(input_path, stats)
             _finalize_tmp_files(builders, stats, encoder.tokenizer, tokenizer_model, append_eod)
-            with _signals_deferred():  # SIGTERM or Ctrl-C between two renames: a new .bin beside an old .idx
-                for path in final_paths:
-                    os.replace(path + ".tmp", path)
+            _replace_with_tmp_files(final_paths, os.path.dirname(os.path.abspath(output_prefix)))
         except BaseException:
             if bar is not None:
                 bar.close()  # so the error starts a line of its own
@@ -308,6 +308,33 @@ def _remove_tmp_files(builders: dict, final_paths: list[str]) -> None:
     for path in final_paths:
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
+
+
+def _replace_with_tmp_files(final_paths: list[str], out_dir: str) -> None:
+    """Each ``*.tmp`` renamed to its final name (over a previous run's file), made durable first (a
+    power loss after the renames must not leave an empty or truncated file where a previous run's
+    dataset was), the renames after them. A previous run's tokenizer record goes first: a kill
+    between the renames leaves a pair without a record (unchecked), never one vouching for it as
+    another tokenizer's ids."""
+    for path in final_paths:
+        _fsync(path + ".tmp")
+    with _signals_deferred():  # SIGTERM or Ctrl-C between two renames: a new .bin beside an old .idx
+        for path in final_paths:
+            if path.endswith(TOKENIZER_RECORD_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        for path in final_paths:
+            os.replace(path + ".tmp", path)
+    _fsync(out_dir)
+
+
+def _fsync(path: str) -> None:
+    """A file's data, or a directory's entries, on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _check_arguments(input_path: str, json_keys: list[str], workers: int) -> None:

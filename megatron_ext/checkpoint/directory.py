@@ -17,8 +17,9 @@ same phases with phase 1's writing in a background thread, ``async_save.py``):
    ``metadata.json``) and the directory, writes ``complete.json`` into it, fsyncs that, renames
    the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
 4. rank 0 replaces ``latest_checkpointed_iteration.txt`` atomically (temp file + ``os.replace``);
-5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the newest; each
-   renamed aside before it is deleted) and removes leftovers of interrupted saves; all ranks barrier.
+5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the one just saved,
+   nor those of later iterations a --ckpt-step resume rolled back from; each renamed aside before
+   it is deleted) and removes leftovers of interrupted saves; all ranks barrier.
 
 The marker records every stored item's checksum (``checksums``: the algorithm of ``checksum.py``,
 file -> offset -> [length, digest], computed by each rank's writer as it writes, gathered with one
@@ -91,6 +92,28 @@ def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
     """The newest complete checkpoint, or None. Incomplete and ``.tmp-`` directories are ignored."""
     complete = list_complete_checkpoints(root)
     return complete[-1] if complete else None
+
+
+def find_last_published_checkpoint(root: str) -> tuple[int, str] | None:
+    """The complete checkpoint published last (by its marker's time): the newest one, unless a
+    --ckpt-step resume rolled back below it and has published since; then the newest of those saves
+    (the run's own), not the rolled-back-from run's later iteration. The newest one whenever its
+    marker has no readable time."""
+    complete = list_complete_checkpoints(root)
+    if not complete:
+        return None
+    newest = complete[-1]
+
+    def published(path: str) -> float | None:
+        marker = read_marker(path)
+        when = marker.get("time") if isinstance(marker, dict) else None
+        return when if isinstance(when, (int, float)) else None
+
+    newest_time = published(newest[1])
+    if newest_time is None:
+        return newest
+    later = [(when, it, path) for it, path in complete if (when := published(path)) is not None and when > newest_time]
+    return max(later)[1:] if later else newest
 
 
 def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, str] | None, str | None]:
@@ -260,7 +283,11 @@ def publish_checkpoint(
         except OSError:
             os.rename(stale, final_dir)  # the checkpoint it was to replace stays, under its name
             raise
-        shutil.rmtree(stale, ignore_errors=True)
+        # out of the ``.replaced-`` names first: once iter_XXXXXXX is retired, loads would find a
+        # delete cut short there as this iteration
+        aside = _retire_checkpoint(stale)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(tmp_dir, final_dir)
     _fsync_dir(root)
@@ -275,11 +302,16 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
     """Delete old complete checkpoints beyond ``keep_last`` (renamed to ``*.old-*`` first) and
     leftovers of interrupted saves and deletes (``*.tmp-*``, ``*.old-*``, stale pointer temp
     files), after a re-save's earlier copy left aside by a kill is renamed back
-    (``restore_replaced_checkpoints``); returns the deleted paths."""
+    (``restore_replaced_checkpoints``); returns the deleted paths. ``keep_dir``, the checkpoint
+    just published, stays; checkpoints of later iterations than it (left by the run a --ckpt-step
+    resume rolled back from) are neither counted nor deleted: counted, they would push this run's
+    own older checkpoints out, leaving it one to fall back to."""
     restore_replaced_checkpoints(root)
     complete = list_complete_checkpoints(root)
-    doomed = set(select_checkpoints_to_delete([it for it, _ in complete], keep_last))
-    for it, path in complete:
+    newest_own = max((it for it, path in complete if path == keep_dir), default=None)
+    own = [(it, path) for it, path in complete if newest_own is None or it <= newest_own]
+    doomed = set(select_checkpoints_to_delete([it for it, _ in own], keep_last))
+    for it, path in own:
         if it in doomed and path != keep_dir:
             _retire_checkpoint(path)
     loadable = {path for _, path in list_complete_checkpoints(root)}  # a .replaced- one not renamed back
@@ -290,7 +322,9 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
         if any(m in name for m in leftover) and os.path.join(root, name) not in loadable
     ]
     for path in deleted:
-        if os.path.isdir(path):
+        if _REPLACED_DIR.match(os.path.basename(path)):  # a complete copy: renamed aside first
+            path = _retire_checkpoint(path)
+        if path is not None and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):  # a pointer temp file may already be gone
@@ -313,14 +347,18 @@ def restore_replaced_checkpoints(root: str) -> list[str]:
     return restored
 
 
-def _retire_checkpoint(path: str) -> None:
-    """Rename a complete checkpoint out of the ``iter_XXXXXXX`` names before it is deleted: rmtree
-    removes its files one at a time, and a delete cut short (a kill, a file it cannot remove) must
-    not leave a directory that still carries its marker without all its shards. The ``.old-``
-    directory is never loaded and goes with the leftovers (now, or at the next retention). A
-    checkpoint that cannot be renamed stays, whole."""
-    with contextlib.suppress(OSError):
-        os.rename(path, f"{path}.old-{uuid.uuid4().hex[:8]}")
+def _retire_checkpoint(path: str) -> str | None:
+    """Rename a complete checkpoint out of the ``iter_XXXXXXX`` (and ``.replaced-``) names before it
+    is deleted: rmtree removes its files one at a time, and a delete cut short (a kill, a file it
+    cannot remove) must not leave a directory that still carries its marker without all its shards.
+    The ``.old-`` directory is never loaded and goes with the leftovers (now, or at the next
+    retention); returns it. A checkpoint that cannot be renamed stays, whole (None)."""
+    aside = f"{path}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return None
+    return aside
 
 
 class CheckpointWriteFailed(RuntimeError):

@@ -50,21 +50,26 @@ def maybe_export_hf(run: Any, last: bool) -> str | None:
     meta = run.checkpoint_meta
     final = export_hf_model(run.model, run.ctx, run.cfg, meta.tokenizer, meta.padded_vocab_size, it, run.log)
     if final is not None:  # the publishing rank, after a published export
-        prune_hf_exports(os.path.dirname(final), run.cfg.checkpoint.keep_last, run.log)
+        prune_hf_exports(os.path.dirname(final), run.cfg.checkpoint.keep_last, run.log, keep=it)
     return final
 
 
-def prune_hf_exports(hf_root: str, keep_last: int | None, log: Callable[[str], None]) -> list[str]:
+def prune_hf_exports(
+    hf_root: str, keep_last: int | None, log: Callable[[str], None], keep: int | None = None
+) -> list[str]:
     """--keep-last applied to the exports in ``hf_root`` (``<save>/hf``) as to the checkpoints: the
     newest N ``iter_XXXXXXX`` remain, never the newest one, so that --save-hf-interval cannot fill the
-    disk the checkpoints need; a failure to delete is a warning. An export interrupted between its
-    renames is recovered first (it counts). Each is renamed out of the ``iter_XXXXXXX`` names before
-    it is deleted, so a delete cut short leaves no partial export under them (the next export removes
-    the ``.tmp_`` leftover). Returns the deleted directories."""
+    disk the checkpoints need; a failure to delete is a warning. ``keep``: the iteration just
+    exported, which stays; exports of later iterations (left by the run a --ckpt-step resume rolled
+    back from) are neither counted nor deleted, as ``apply_retention`` does for the checkpoints. An
+    export interrupted between its renames is recovered first (it counts). Each is renamed out of the
+    ``iter_XXXXXXX`` names before it is deleted, so a delete cut short leaves no partial export under
+    them (the next export removes the ``.tmp_`` leftover). Returns the deleted directories."""
     recover_interrupted_publish(hf_root, log)
     found = {int(m.group(1)): m.group(0) for m in map(re.compile(r"iter_(\d{7})$").match, os.listdir(hf_root)) if m}
+    own = [it for it in found if keep is None or it <= keep]
     deleted = []
-    for it in select_checkpoints_to_delete(list(found), keep_last):
+    for it in select_checkpoints_to_delete(own, keep_last):
         path = os.path.join(hf_root, found[it])
         aside = os.path.join(hf_root, f".tmp_{found[it]}.deleted")
         try:

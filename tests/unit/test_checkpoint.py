@@ -478,3 +478,78 @@ def test_a_refused_save_names_the_updates_since_the_last_finite_save():
     text = describe(None, 9, 4, newest=None)
     assert "iterations 6 to 8" in text and "not checked since this run started at iteration 5" in text, text
     assert "No checkpoint holds this run's weights" in text
+
+
+def test_retention_after_a_rollback_keeps_the_runs_own_checkpoints(tmp_path):
+    """A --ckpt-step resume rolls back below checkpoints of the run it abandons. Counted against
+    --keep-last, those later iterations pushed this run's own older checkpoints out as each new one
+    was saved: it was left the one just saved, nothing for --ckpt-fallback-on-corruption or a
+    --ckpt-step to go back to. They are now neither counted nor deleted."""
+    root = str(tmp_path)
+    for it in (100, 200, 300):  # 200 and 300: the history a --ckpt-step 100 resume rolled back from
+        _complete(tmp_path, it)
+    apply_retention(root, 2, _complete(tmp_path, 150))
+    assert [it for it, _ in list_complete_checkpoints(root)] == [100, 150, 200, 300]
+    apply_retention(root, 2, _complete(tmp_path, 175))
+    assert [it for it, _ in list_complete_checkpoints(root)] == [150, 175, 200, 300]
+
+
+def test_retention_without_a_rollback_counts_every_checkpoint(tmp_path):
+    root = str(tmp_path)
+    for it in (2, 4, 6):
+        _complete(tmp_path, it)
+    apply_retention(root, 2, _complete(tmp_path, 8))
+    assert [it for it, _ in list_complete_checkpoints(root)] == [6, 8]
+
+
+def test_a_replaced_copys_delete_cut_short_leaves_no_marked_partial_copy(tmp_path, monkeypatch):
+    """A re-save deletes the iteration's earlier copy (``.replaced-``) after its own rename: when
+    that delete stops part-way (a kill, or a file it cannot remove), the copy must not keep its
+    marker without all its shards: once --keep-last retires the iteration's ``iter_XXXXXXX``, loads
+    found the partial copy as that iteration and the next retention renamed it back under the name."""
+    import errno
+
+    root = str(tmp_path)
+    old = _complete(tmp_path, 4)
+    for name in ("__0_0.distcp", "common.pt"):
+        open(os.path.join(old, name), "w").write("the first save of iteration 4")
+    tmp = get_checkpoint_dir(root, 4) + ".tmp-y"
+    os.makedirs(tmp)
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):  # every file but the marker goes
+        if os.path.basename(path) == COMPLETE_MARKER:
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    publish_checkpoint(tmp, old, root, 4, rank=0)
+    apply_retention(root, 1, _complete(tmp_path, 6))  # retires iteration 4's new copy
+    assert list_complete_checkpoints(root) == [(6, get_checkpoint_dir(root, 6))]
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    apply_retention(root, 1, get_checkpoint_dir(root, 6))
+    assert list_complete_checkpoints(root) == [(6, get_checkpoint_dir(root, 6))]
+    assert resolve_load_path(root, 4) == (None, None)
+
+
+def test_a_swept_replaced_copys_delete_cut_short_leaves_no_marked_partial_copy(tmp_path, monkeypatch):
+    """The same for retention's sweep of a ``.replaced-`` copy beside its complete iteration."""
+    import errno
+
+    root = str(tmp_path)
+    _complete(tmp_path, 4)
+    aside = get_checkpoint_dir(root, 4) + ".replaced-0a1b2c3d"
+    os.makedirs(aside)
+    for name in (COMPLETE_MARKER, "__0_0.distcp", "common.pt"):
+        open(os.path.join(aside, name), "w").write("{}")
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if os.path.basename(path) == COMPLETE_MARKER:
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    apply_retention(root, None, get_checkpoint_dir(root, 4))
+    apply_retention(root, 1, _complete(tmp_path, 6))  # retires iteration 4
+    assert list_complete_checkpoints(root) == [(6, get_checkpoint_dir(root, 6))]

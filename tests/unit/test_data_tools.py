@@ -679,3 +679,65 @@ def test_a_worker_signalled_before_its_initializer_ends_quietly_or_ignores_ctrl_
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # the test process's mask is restored
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Interrupted" not in err, err
+
+
+def test_every_file_is_durable_before_it_replaces_a_previous_dataset(tmp_path, monkeypatch):
+    """The .bin, .idx and .tokenizer.json were renamed over a previous run's without an fsync: a
+    power loss after the renames could leave them empty or truncated where a whole dataset was.
+    Each is now fsynced under its temporary name before the renames, and the directory after."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", src))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    preprocess_data(
+        write_jsonl(tmp_path / "in.jsonl", ["1 2 3", "4 5"]), str(tmp_path / "out"), "NullTokenizer", vocab_size=100
+    )
+    replaced = [path for what, path in events if what == "replace"]
+    assert len(replaced) == 3
+    first_replace = events.index(("replace", replaced[0]))
+    assert all(("fsync", path) in events[:first_replace] for path in replaced)
+    assert ("fsync", str(tmp_path)) in events[events.index(("replace", replaced[-1])) :]
+
+
+class _Killed(BaseException):
+    """A SIGKILL at that instant: no except clause of ours runs."""
+
+
+def test_a_rerun_killed_between_its_renames_leaves_no_record_of_another_tokenizer(tmp_path, monkeypatch):
+    """Preprocessing again into a prefix with another tokenizer, killed after the new .bin/.idx were
+    renamed in but before the new .tokenizer.json: the previous run's record stayed beside the new
+    pair and vouched for it under the previous tokenizer (training read the new ids as that one's,
+    silently). The old record now goes before the renames: the pair is left unchecked at worst."""
+    from megatron_ext.data.indexed_check import check_indexed_dataset
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    path = write_jsonl(tmp_path / "ids.jsonl", [" ".join(str(i % 50) for i in range(j, j + 30)) for j in range(9)])
+    preprocess_data(path, str(tmp_path / "ids"), "NullTokenizer", vocab_size=100, append_eod=True, progress=False)
+    prefix = str(tmp_path / "ids_text_document")
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if dst.endswith(".tokenizer.json"):
+            raise _Killed
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(_Killed):
+        preprocess_data(path, str(tmp_path / "ids"), "NullTokenizer", vocab_size=120, append_eod=True, progress=False)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert check_indexed_dataset(prefix) == []
+    _, documents = read_documents(prefix)
+    assert documents[0][-1] == build_tokenizer("NullTokenizer", vocab_size=120).eod  # the new pair is in place
+    if os.path.exists(prefix + ".tokenizer.json"):
+        with open(prefix + ".tokenizer.json") as f:
+            assert (
+                json.load(f)["tokenizer"]["vocab_size"] == build_tokenizer("NullTokenizer", vocab_size=120).vocab_size
+            )

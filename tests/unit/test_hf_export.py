@@ -213,3 +213,17 @@ def test_the_export_line_gives_its_seconds(tmp_path):
     match = re.search(r" in (\d+\.\d\d) s: ", line)
     assert match and line.startswith(f"exported a Hugging Face LlamaForCausalLM to {final} in "), line
     assert 100.0 <= float(match.group(1)) <= 100.0 + elapsed + 0.01
+
+
+def test_keep_last_after_a_rollback_keeps_the_export_just_written(tmp_path):
+    """After a --ckpt-step resume rolled back below exports of the abandoned run, the export just
+    written is not the newest iteration: --keep-last deleted it right after its publication (and
+    this run's older ones); the abandoned run's later exports are now neither counted nor deleted."""
+    from megatron_ext.training.checkpointing import prune_hf_exports
+
+    for it in (100, 200, 300):  # 200 and 300: exported by the run a --ckpt-step 100 resume rolled back from
+        _export_dir(tmp_path / f"iter_{it:07d}", str(it))
+    _export_dir(tmp_path / "iter_0000150", "150, just exported")
+    assert prune_hf_exports(str(tmp_path), 1, [].append, keep=150) == [str(tmp_path / "iter_0000100")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000150", "iter_0000200", "iter_0000300"]
+    assert (tmp_path / "iter_0000150" / "sentinel").read_text() == "150, just exported"

@@ -84,3 +84,25 @@ def test_a_requeued_slurm_job_says_requeue_not_restart(tmp_path):
     assert apply_restart(cfg, env).startswith("> requeue 2: --save ")
     env = {**env, "MEGATRON_EXT_RESTART_ATTEMPT": "1"}  # a launcher restart inside the requeued job
     assert apply_restart(cfg, env).startswith("> restart 1: --save ")
+
+
+def test_a_restart_after_a_rollback_resumes_the_rolled_back_run(tmp_path):
+    """A --ckpt-step 4 resume rolled back below iteration 12 (kept in --save) and saved 6 and 8
+    since: a crash's restart resumed from 12, the run rolled back from, and its next save's
+    --keep-last deleted 6 and 8. The restart now takes the checkpoint published last."""
+    import json
+
+    save = str(tmp_path / "save")
+    for it, published in ((4, 100.0), (12, 300.0), (6, 400.0), (8, 500.0)):
+        os.makedirs(get_checkpoint_dir(save, it))
+        with open(os.path.join(get_checkpoint_dir(save, it), COMPLETE_MARKER), "w") as f:
+            json.dump({"iteration": it, "format_version": 1, "time": published}, f)
+    cfg = build_job_config(tiny_values(save=save, load=save, ckpt_step=4))
+    note = apply_restart(cfg, RESTART)
+    assert (cfg.checkpoint.load, cfg.checkpoint.ckpt_step) == (save, 8)
+    assert f"published last in --save {save} (iteration 8, as --ckpt-step 8; iteration 12" in note, note
+    with open(os.path.join(get_checkpoint_dir(save, 12), COMPLETE_MARKER), "w") as f:  # no rollback: 12 is newest
+        json.dump({"iteration": 12, "format_version": 1, "time": 600.0}, f)
+    cfg = build_job_config(tiny_values(save=save, load=save, ckpt_step=4))
+    assert apply_restart(cfg, RESTART).endswith("(iteration 12) (instead of the first start's --ckpt-step 4)")
+    assert cfg.checkpoint.ckpt_step is None
