@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
 import time
@@ -54,95 +53,25 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.checkpoint.checksum import DEFAULT_ALGORITHM, file_digest
+from megatron_ext.checkpoint.listing import (  # noqa: F401  (re-exported: importers find them here too)
+    COMPLETE_MARKER,
+    REPLACED_DIR,
+    TRACKER_FILE,
+    find_last_published_checkpoint,
+    find_latest_checkpoint,
+    get_checkpoint_dir,
+    list_complete_checkpoints,
+    read_marker,
+    read_tracker,
+    resolve_load_path,
+)
 from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
 from megatron_ext.config import ConfigError
 from megatron_ext.cpu_platform import get_collective_device
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-COMPLETE_MARKER = "complete.json"
 FAULT_ENV = "MEGATRON_EXT_CKPT_FAULT"
 FAULT_PHASES = ("in_shard_writer", "after_shards", "before_publish", "during_pointer_update", "before_retention")
 FORMAT_VERSION = 1
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
-# a re-saved iteration's earlier copy, moved aside for the rename of the new one (``publish_checkpoint``)
-_REPLACED_DIR = re.compile(r"^iter_(\d{7})\.replaced-[0-9a-f]+$")
-
-
-def get_checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def list_complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(iteration, path) of every complete checkpoint under ``root``, oldest first. An iteration with
-    no complete ``iter_XXXXXXX`` but a complete ``iter_XXXXXXX.replaced-<nonce>`` (a re-save killed
-    between its two renames: ``publish_checkpoint``) is found there, read-only; the next retention
-    renames it back (``restore_replaced_checkpoints``)."""
-    if not os.path.isdir(root):
-        return []
-    found, replaced = {}, {}
-    for name in sorted(os.listdir(root)):
-        match = _ITER_DIR.match(name) or _REPLACED_DIR.match(name)
-        path = os.path.join(root, name)
-        if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-            (found if match.re is _ITER_DIR else replaced).setdefault(int(match.group(1)), path)
-    return sorted({**replaced, **found}.items())
-
-
-def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
-    """The newest complete checkpoint, or None. Incomplete and ``.tmp-`` directories are ignored."""
-    complete = list_complete_checkpoints(root)
-    return complete[-1] if complete else None
-
-
-def find_last_published_checkpoint(root: str) -> tuple[int, str] | None:
-    """The complete checkpoint published last (by its marker's time): the newest one, unless a
-    --ckpt-step resume rolled back below it and has published since; then the newest of those saves
-    (the run's own), not the rolled-back-from run's later iteration. The newest one whenever its
-    marker has no readable time."""
-    complete = list_complete_checkpoints(root)
-    if not complete:
-        return None
-    newest = complete[-1]
-
-    def published(path: str) -> float | None:
-        marker = read_marker(path)
-        when = marker.get("time") if isinstance(marker, dict) else None
-        return when if isinstance(when, (int, float)) else None
-
-    newest_time = published(newest[1])
-    if newest_time is None:
-        return newest
-    later = [(when, it, path) for it, path in complete if (when := published(path)) is not None and when > newest_time]
-    return max(later)[1:] if later else newest
-
-
-def resolve_load_path(path: str, step: int | None = None) -> tuple[tuple[int, str] | None, str | None]:
-    """The checkpoint ``--load path`` names, and a warning to print: ``path`` is a save directory
-    (its newest complete checkpoint, or iteration ``step``) or one checkpoint's own ``iter_XXXXXXX``
-    directory. The warning says when the pointer file names another iteration than the one loaded
-    (one that is not a complete checkpoint here, or an older one)."""
-    if step is not None:
-        return next(((it, p) for it, p in list_complete_checkpoints(path) if it == step), None), None
-    name = os.path.basename(os.path.normpath(path))
-    match = _ITER_DIR.match(name)
-    if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-        return (int(match.group(1)), os.path.normpath(path)), None
-    found = find_latest_checkpoint(path)
-    pointer = read_tracker(path)
-    if found is None or pointer is None or pointer == found[0]:
-        return found, None
-    tracker = os.path.join(path, TRACKER_FILE)
-    if pointer not in {it for it, _ in list_complete_checkpoints(path)}:
-        return found, (
-            f"{tracker} names iteration {pointer}, which is not a complete checkpoint here: "
-            f"loading iteration {found[0]} instead"
-        )
-    # a pointer behind the newest checkpoint: a crash between the publish and the pointer update,
-    # or a pointer edited by hand to roll back (which Megatron-LM would follow)
-    return found, (
-        f"{tracker} names iteration {pointer}, but iteration {found[0]} is the newest complete "
-        f"checkpoint here and is loaded: give --ckpt-step {pointer} to load iteration {pointer}"
-    )
 
 
 def probe_save_dir(path: str | None, flag: str = "--save") -> None:
@@ -175,15 +104,6 @@ def select_checkpoints_to_delete(iterations: list[int], keep_last: int | None) -
         return []
     ordered = sorted(iterations)
     return ordered[: max(len(ordered) - keep_last, 0)]
-
-
-def read_tracker(root: str) -> int | None:
-    """The iteration in ``latest_checkpointed_iteration.txt`` (informational; Megatron-LM's file)."""
-    try:
-        with open(os.path.join(root, TRACKER_FILE)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def _fsync_dir(path: str) -> None:
@@ -252,15 +172,6 @@ def build_checksum_record(tmp_dir: str, item_checksums: list[dict]) -> dict[str,
     return {"algorithm": DEFAULT_ALGORITHM, "items": items, "files": files}
 
 
-def read_marker(ckpt_dir: str) -> dict[str, Any]:
-    """A complete checkpoint's marker ({} when it cannot be read: an old or damaged marker)."""
-    try:
-        with open(os.path.join(ckpt_dir, COMPLETE_MARKER)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def publish_checkpoint(
     tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int, checksums: dict[str, Any] | None = None
 ) -> None:
@@ -322,7 +233,7 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
         if any(m in name for m in leftover) and os.path.join(root, name) not in loadable
     ]
     for path in deleted:
-        if _REPLACED_DIR.match(os.path.basename(path)):  # a complete copy: renamed aside first
+        if REPLACED_DIR.match(os.path.basename(path)):  # a complete copy: renamed aside first
             path = _retire_checkpoint(path)
         if path is not None and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
