@@ -209,9 +209,9 @@ def get_lighter_first_splits(layers: int, pp: int, vpp: int) -> tuple[tuple[int,
     multiple of ``vpp``, the middle ranks even): spread over all of them where they divide (no
     --decoder-last-pipeline-num-layers); else the middle ranks take d = k // (p - 2) or d + 1 chunks
     each and the last rank the rest (the last holds one micro-batch in flight but also the output
-    layer: the lower d for memory, the higher for time; the ranking chooses). Needs a even split
-    (``layers`` a multiple of ``pp`` x ``vpp``) and ``pp`` > 1; with VPP the last rank must then be
-    given (megatron-core 0.16.1 needs a middle stage), so PP 2 with VPP has none."""
+    layer: the lower d for memory, the higher for time; the ranking chooses). At PP 2 the second rank
+    takes them all (giving both ranks' layers is refused with VPP: megatron-core 0.16.1 needs a middle
+    stage). Needs an even split (``layers`` a multiple of ``pp`` x ``vpp``) and ``pp`` > 1."""
     if pp < 2 or layers % (pp * vpp):
         return ()
     even = layers // pp
