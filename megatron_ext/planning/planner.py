@@ -333,32 +333,24 @@ def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, 
     return Candidate(layout, dp, m, worst, time, problems)
 
 
-def compare_with_even_split(candidates: list[Candidate]) -> list[Candidate]:
-    """The lighter first stages (``Layout.lighter_first``) that lower the fullest GPU below the same
-    layout's even split, each with the even split's bytes (``Candidate.even_memory``); the others
-    dropped (slower than the even split and no lighter, or invalid with it)."""
-    even = {c.layout: c for c in candidates if c.layout.first_layers is None and c.layout.last_layers is None}
-    out = []
-    for c in candidates:
-        if not c.layout.lighter_first:
-            out.append(c)
-            continue
-        ref = even.get(dataclasses.replace(c.layout, first_layers=None, last_layers=None, lighter_first=False))
-        if c.memory is not None and ref is not None and ref.memory is not None and c.memory.total < ref.memory.total:
-            out.append(dataclasses.replace(c, even_memory=ref.memory.total))
-    return out
-
-
 def plan(cfg: JobConfig, cluster: Cluster, vocab_size: int, fixed: dict[str, str]) -> list[Candidate]:
     """Every enumerated layout evaluated; those that fit first, by predicted step time, then by memory on
     the fullest GPU (of two equally fast layouts, the one with more headroom: recompute none and selective
-    often tie in time)."""
+    often tie in time). A lighter first stage (``Layout.lighter_first``) is evaluated only where its even
+    split is valid, and kept only where it lowers the fullest GPU below the even split's, whose bytes it
+    carries (``Candidate.even_memory``)."""
     cache: dict = {}
-    candidates = [
-        evaluate(cfg, layout, cluster, vocab_size, cache)
-        for layout in enumerate_layouts(cfg, cluster, fixed, vocab_size)
-    ]
-    candidates = compare_with_even_split(candidates)
+    layouts = enumerate_layouts(cfg, cluster, fixed, vocab_size)
+    candidates = [evaluate(cfg, x, cluster, vocab_size, cache) for x in layouts if not x.lighter_first]
+    even = {
+        c.layout: c for c in candidates if c.memory is not None and not (c.layout.first_layers or c.layout.last_layers)
+    }
+    for layout in (x for x in layouts if x.lighter_first):
+        ref = even.get(dataclasses.replace(layout, first_layers=None, last_layers=None))
+        if ref is not None:  # (its even split valid: the same batch, so the same validation but for the split)
+            c = evaluate(cfg, layout, cluster, vocab_size, cache)
+            if c.memory is not None and c.memory.total < ref.memory.total:
+                candidates.append(dataclasses.replace(c, even_memory=ref.memory.total))
     return sorted(
         candidates,
         key=lambda c: (
