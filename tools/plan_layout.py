@@ -16,6 +16,7 @@ after ``--``), loaded as pretrain_gpt.py loads them; ``--hf-config config.json``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -55,10 +56,13 @@ def parse_settings(items: list[str]) -> dict[str, str]:
     return out
 
 
-def describe(c: Candidate, rank: int | None = None, cfg: JobConfig | None = None) -> str:
-    head = f"{'' if rank is None else f'{rank}. '}{c.layout.describe()} | DP {c.dp}, {c.num_microbatches} micro-batches"
-    if c.memory is None:
+def describe(
+    c: Candidate, rank: int | None = None, cfg: JobConfig | None = None, gpu_memory_gib: float | None = None
+) -> str:
+    head = f"{'' if rank is None else f'{rank}. '}{c.layout.describe()} | DP {c.dp}"
+    if c.memory is None:  # (no micro-batch count: the batch may be what is invalid)
         return head + "\n   invalid: " + "; ".join(c.problems)
+    head += f", {c.num_microbatches} micro-batches"
     mem, t = c.memory, c.time
     lines = [
         head + f" | step {t.total:.2f} s predicted (bubble {t.bubble:.1%}, DP exposed {t.dp_exposed:.2f} s)",
@@ -68,12 +72,26 @@ def describe(c: Candidate, rank: int | None = None, cfg: JobConfig | None = None
         "   comm per GPU per step: " + ", ".join(f"{k.upper()} {v / GIB:.1f} GiB" for k, v in t.comm_bytes.items()),
         "   flags: " + " ".join(c.layout.flags()),
     ]
+    if c.even_memory is not None:
+        lines.insert(2, describe_lighter_first(c, gpu_memory_gib))
     remove = c.layout.get_settings_to_remove(cfg) if cfg is not None else []
     if remove:
         lines.append("   and remove from the config: " + " ".join(remove))
     if c.problems:
         lines.append("   does not fit: " + "; ".join(c.problems))
     return "\n".join(lines)
+
+
+def describe_lighter_first(c: Candidate, gpu_memory_gib: float | None) -> str:
+    """The line under a lighter first stage's memory: the even split's fullest GPU, and whether the
+    layout fits only thanks to the lighter first stage."""
+    line = (
+        f"   lighter first stage ({c.layout.first_layers} layers): {c.memory.total / GIB:.1f} GiB on the fullest GPU "
+        f"against {c.even_memory / GIB:.1f} GiB with the even split"
+    )
+    if gpu_memory_gib is not None and not c.problems and c.even_memory > gpu_memory_gib * GIB:
+        line += f", which does not fit {gpu_memory_gib:g} GiB: fits only with this split"
+    return line
 
 
 def load_config(args: argparse.Namespace, extra: list[str]) -> tuple[JobConfig, int | None]:
@@ -97,8 +115,10 @@ def load_config(args: argparse.Namespace, extra: list[str]) -> tuple[JobConfig, 
 
 
 def count_total_parameters(cfg: JobConfig, vocab_size: int) -> int:
-    """The model's parameters (one copy, TP 1)."""
-    parts = count_parts(cfg, vocab_size, 1)
+    """The model's parameters (one copy, TP 1: sequence parallelism off, as TP 1 turns it off; a config
+    that sets it would fail megatron-core's TransformerConfig at TP 1)."""
+    tp1 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=False))
+    parts = count_parts(tp1, vocab_size, 1)
     return cfg.model.num_layers * parts.layer + parts.embedding + parts.head
 
 
@@ -138,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(c.memory is not None for c in candidates)} valid, {len(fitting)} fit"
     )
     for i, c in enumerate(fitting[: args.top], 1):
-        print(describe(c, i, cfg))
+        print(describe(c, i, cfg, args.gpu_memory_gib))
     if show:
         print(f"layouts matching --show {' '.join(args.show)}:")
         for c in candidates:
             if c.problems:
-                print(describe(c, cfg=cfg))
+                print(describe(c, cfg=cfg, gpu_memory_gib=args.gpu_memory_gib))
     print(f"planned in {time.perf_counter() - start:.1f} s")
     return 0 if fitting else 1
 

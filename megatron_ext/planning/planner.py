@@ -8,8 +8,11 @@ rank's layers, up to ``MAX_VPP``; ZBVZeroBubble), micro-batch size 1, 2, 4, reco
 selective / full (uniform, 1 layer), the distributed optimizer on when DP > 1; sequence parallelism
 on with TP > 1; beside each even pipeline split (schedules other than the V placement's, which refuse
 it), the uneven one (--decoder-first/last-pipeline-num-layers) that best balances the ranks' compute
-with the output layer on the last (``get_balanced_split``), where one is better. Constraints
-(``--fix tp=8``) pin any of tp, pp, vpp, schedule, mbs, recompute.
+with the output layer on the last (``get_balanced_split``), where one is better; and splits whose first
+rank holds fewer layers than the even share (``get_lighter_first_splits``), kept where they lower the
+fullest GPU's memory below the even split's (under 1F1B-family schedules rank 0 holds the most
+micro-batches in flight: p of them, the last rank 1). Constraints (``--fix tp=8``) pin any of tp, pp,
+vpp, schedule, mbs, recompute.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class Layout:
     distributed_optimizer: bool
     first_layers: int | None = None  # --decoder-first-pipeline-num-layers (None: even)
     last_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    # offered for memory (``get_lighter_first_splits``), not time: ``plan`` keeps it only where it lowers
+    # the fullest GPU below the even split's (not part of the layout's identity)
+    lighter_first: bool = dataclasses.field(default=False, compare=False)
 
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags that select this layout."""
@@ -115,10 +121,11 @@ class Layout:
 class Candidate:
     layout: Layout
     dp: int
-    num_microbatches: int
+    num_microbatches: int | None  # per DP rank and step; None when the layout is invalid
     memory: RankMemory | None  # the worst pipeline rank; None when the layout is invalid
     time: StepTime | None
     problems: tuple[str, ...]  # why it does not fit or is not valid (empty: it fits)
+    even_memory: float | None = None  # a lighter first stage's: the fullest GPU's bytes with the even split
 
 
 def apply_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
@@ -192,6 +199,50 @@ def get_balanced_split(layers: int, pp: int, vpp: int, head_layers: float) -> tu
     return (best[2], best[3]) if even is None or best[0] < even[0] - 1e-9 else None
 
 
+@functools.cache
+def get_lighter_first_splits(layers: int, pp: int, vpp: int) -> tuple[tuple[int, int | None], ...]:
+    """(first, last) pipeline rank's layers (--decoder-first/last-pipeline-num-layers; None: that rank
+    as the middle ones) with the first rank ``k`` chunks of ``vpp`` layers below the even share, for
+    k = 1 up to e / ((p + 1) vpp) rounded up (e the even share: under 1F1B rank 0 holds p micro-batches
+    in flight and rank 1 p - 1, so past about e / (p + 1) layers moved rank 1 holds more than rank 0
+    did). The k chunks go to the other ranks, within megatron-core's rules (each count a positive
+    multiple of ``vpp``, the middle ranks even): spread over all of them where they divide (no
+    --decoder-last-pipeline-num-layers); else the middle ranks take d = k // (p - 2) or d + 1 chunks
+    each and the last rank the rest (the last holds one micro-batch in flight but also the output
+    layer: the lower d for memory, the higher for time; the ranking chooses). At PP 2 the second rank
+    takes them all (giving both ranks' layers is refused with VPP: megatron-core 0.16.1 needs a middle
+    stage). Needs an even split (``layers`` a multiple of ``pp`` x ``vpp``) and ``pp`` > 1."""
+    if pp < 2 or layers % (pp * vpp):
+        return ()
+    even = layers // pp
+    out: list[tuple[int, int | None]] = []
+    for k in range(1, max(1, -(-even // ((pp + 1) * vpp))) + 1):
+        first = even - k * vpp
+        if first <= 0:
+            break
+        if k % (pp - 1) == 0:  # k chunks over the p - 1 other ranks: the last rank is one of them
+            out.append((first, None))
+        if pp == 2:
+            continue
+        for d in sorted({k // (pp - 2), -(-k // (pp - 2))}):
+            last = even + (k - (pp - 2) * d) * vpp
+            if last > 0 and last != even + d * vpp:  # (equal to the middle ranks': the case above)
+                out.append((first, last))
+    return tuple(out)
+
+
+def get_lighter_first_pipes(pipes: list[tuple], layers: int, pp: int) -> list[tuple]:
+    """(vpp, schedule, (first, last)) for each even split's schedule in ``pipes`` but the V
+    placement's (which refuses --decoder-first/last-pipeline-num-layers): its lighter first stages
+    (``get_lighter_first_splits``) but the one already there as the time-balanced split."""
+    out = []
+    for vpp, schedule, split in pipes:
+        if split is None and schedule != "ZBVZeroBubble":
+            there = {x[2] for x in pipes if x[:2] == (vpp, schedule)}
+            out += [(vpp, schedule, x) for x in get_lighter_first_splits(layers, pp, vpp) if x not in there]
+    return out
+
+
 def enumerate_layouts(cfg: JobConfig, cluster: Cluster, fixed: dict[str, str], vocab_size: int) -> list[Layout]:
     layers = cfg.model.num_layers
     out = []
@@ -212,8 +263,13 @@ def enumerate_layouts(cfg: JobConfig, cluster: Cluster, fixed: dict[str, str], v
                         split = get_balanced_split(layers, pp, v, head_layers)
                         for s in ("Interleaved1F1B", "InterleavedZeroBubble"):
                             pipes += [(v, s, None)] + ([(v, s, split)] if split else [])
-            for (vpp, schedule, split), mbs, recompute in itertools.product(pipes, MICRO_BATCHES, RECOMPUTE):
-                layout = Layout(tp, pp, vpp, schedule, mbs, recompute, dp > 1, *(split or (None, None)))
+            offered = [(pipe, False) for pipe in pipes] + [
+                (pipe, True) for pipe in get_lighter_first_pipes(pipes, layers, pp)
+            ]
+            for ((vpp, schedule, split), lighter), mbs, recompute in itertools.product(
+                offered, MICRO_BATCHES, RECOMPUTE
+            ):
+                layout = Layout(tp, pp, vpp, schedule, mbs, recompute, dp > 1, *(split or (None, None)), lighter)
                 if all(
                     str(getattr(layout, k if k != "mbs" else "micro_batch")).lower() == v.lower()
                     for k, v in fixed.items()
@@ -242,7 +298,7 @@ def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, 
     if key not in cache:
         cache[key] = get_problems(job, cluster.gpus)
     if cache[key]:
-        return Candidate(layout, dp, 0, None, None, cache[key])
+        return Candidate(layout, dp, None, None, None, cache[key])
     if ("head", layout.tp) not in cache:
         cache[("head", layout.tp)] = get_head_layers(cfg, vocab_size, layout.tp)
     m = get_num_microbatches(job, cluster.gpus)
@@ -280,12 +336,21 @@ def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, 
 def plan(cfg: JobConfig, cluster: Cluster, vocab_size: int, fixed: dict[str, str]) -> list[Candidate]:
     """Every enumerated layout evaluated; those that fit first, by predicted step time, then by memory on
     the fullest GPU (of two equally fast layouts, the one with more headroom: recompute none and selective
-    often tie in time)."""
+    often tie in time). A lighter first stage (``Layout.lighter_first``) is evaluated only where its even
+    split is valid, and kept only where it lowers the fullest GPU below the even split's, whose bytes it
+    carries (``Candidate.even_memory``)."""
     cache: dict = {}
-    candidates = [
-        evaluate(cfg, layout, cluster, vocab_size, cache)
-        for layout in enumerate_layouts(cfg, cluster, fixed, vocab_size)
-    ]
+    layouts = enumerate_layouts(cfg, cluster, fixed, vocab_size)
+    candidates = [evaluate(cfg, x, cluster, vocab_size, cache) for x in layouts if not x.lighter_first]
+    even = {
+        c.layout: c for c in candidates if c.memory is not None and not (c.layout.first_layers or c.layout.last_layers)
+    }
+    for layout in (x for x in layouts if x.lighter_first):
+        ref = even.get(dataclasses.replace(layout, first_layers=None, last_layers=None))
+        if ref is not None:  # (its even split valid: the same batch, so the same validation but for the split)
+            c = evaluate(cfg, layout, cluster, vocab_size, cache)
+            if c.memory is not None and c.memory.total < ref.memory.total:
+                candidates.append(dataclasses.replace(c, even_memory=ref.memory.total))
     return sorted(
         candidates,
         key=lambda c: (

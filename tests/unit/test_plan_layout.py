@@ -5,6 +5,7 @@ size, and a layout pinned with --show that cannot fit says why."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -41,7 +42,9 @@ def test_show_says_why_a_layout_does_not_fit(capsys):
     out = capsys.readouterr().out
     assert re.search(r"does not fit: needs [\d.]+ GiB on its fullest GPU, 80 GiB available", out), out
     main(["--config", CONFIG, "--gpus", "512", "--show", "tp=1 pp=1 mbs=1"])  # DP 512 > global batch 128
-    assert "invalid: --global-batch-size 128 is not divisible" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "invalid: --global-batch-size 128 is not divisible" in out
+    assert "| DP 512\n   invalid:" in out and "micro-batches" not in out.split("--show", 1)[1], out  # (was "0")
 
 
 def test_of_two_equally_fast_layouts_the_one_with_less_memory_comes_first(monkeypatch):
@@ -70,7 +73,6 @@ def test_an_uneven_last_stage_is_chosen_where_the_time_model_says_it_is_faster(c
     layers), so 8 layers there make it the busiest. The planner offers the split that balances it and
     ranks it first; it is the fastest of every last-stage (and first-stage) size the validation accepts,
     priced one by one here with the same models, and its printed flags pass ``validate``."""
-    import dataclasses
 
     from megatron_ext.planning.planner import evaluate
     from megatron_ext.planning.step_time import Cluster
@@ -227,3 +229,105 @@ def test_settings_a_layout_turns_off_are_named_for_removal():
         validate(parse_args(["--config", config, *extra, *layout.flags()]), 64)
     even = Layout(8, 4, 1, "1F1B", 1, "selective", True)
     assert even.get_settings_to_remove(cfg) == ["--recompute-activations"]
+
+
+def test_lighter_first_splits_pass_megatron_cores_rules():
+    """Every lighter first stage the planner offers is a split megatron-core's TransformerConfig
+    accepts, and its own ``get_num_layers_to_build`` gives the first rank the layers asked for, fewer
+    than the even share, and all the layers to the ranks; ``validate`` accepts the layout too."""
+    import torch
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.planning.planner import apply_layout, get_lighter_first_splits
+
+    cfg = parse_args(["--config", os.path.join(ROOT, "configs", "llama3-8b.yaml")])
+    checked = 0
+    for layers in (24, 32, 40, 80):
+        for pp in (p for p in range(2, 17) if layers % p == 0):
+            for vpp in (v for v in range(1, 9) if (layers // pp) % v == 0):
+                for first, last in get_lighter_first_splits(layers, pp, vpp):
+                    tf = TransformerConfig(
+                        num_layers=layers,
+                        hidden_size=64,
+                        num_attention_heads=4,
+                        pipeline_model_parallel_size=pp,
+                        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                        num_layers_in_first_pipeline_stage=first,
+                        num_layers_in_last_pipeline_stage=last,
+                        pipeline_dtype=torch.bfloat16,
+                    )
+                    per_rank = [
+                        sum(get_num_layers_to_build(tf, vp_stage=s if vpp > 1 else None, pp_rank=r) for s in range(vpp))
+                        for r in range(pp)
+                    ]
+                    assert per_rank[0] == first < layers // pp, (layers, pp, vpp, first, last, per_rank)
+                    assert sum(per_rank) == layers and min(per_rank) > 0, (layers, pp, vpp, first, last, per_rank)
+                    checked += 1
+                    if layers == cfg.model.num_layers and pp <= 8:  # the planner's own check, at 8 GPUs x PP
+                        schedule = "Interleaved1F1B" if vpp > 1 else "1F1B"
+                        layout = Layout(1, pp, vpp, schedule, 1, "none", True, first, last)
+                        validate(apply_layout(cfg, layout), 8 * pp)
+    assert checked > 100, checked
+
+
+def test_a_lighter_first_stage_fits_where_the_even_split_needs_full_recompute(capsys):
+    """Llama 3 8B at TP 2 x PP 4 1F1B: 1F1B's rank 0 holds 4 micro-batches in flight, so it is the
+    fullest GPU. With a memory budget between the memory model's lightest lighter-first split and its
+    lightest even split without full recompute (no figure hard-coded), the even split fits only with
+    full recompute (x 4/3 compute); the planner proposes the lighter first stage, says it fits only
+    thanks to it, and its printed flags pass ``validate``; by ``predict_memory`` of those flags rank 0
+    is below the budget, and rank 0 of the same flags without the split above it."""
+    from megatron_ext.planning.memory import GIB
+    from megatron_ext.planning.planner import plan
+    from megatron_ext.planning.predict import predict_memory
+    from megatron_ext.planning.step_time import Cluster
+
+    config = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+    cfg = parse_args(["--config", config])
+    vocab = cfg.data.vocab_size
+    fix = "tp=2 pp=4 schedule=1F1B mbs=1"
+    roomy = plan(cfg, Cluster(64, 8, 1e6), vocab, dict(x.split("=") for x in fix.split()))
+    even = {c.layout: c for c in roomy if c.layout.first_layers is None and c.layout.last_layers is None}
+    lighter = [c for c in roomy if c.layout.lighter_first]
+    for c in lighter:  # each kept one is lighter than its even split, whose bytes it carries
+        even_split = dataclasses.replace(c.layout, first_layers=None, last_layers=None)
+        assert c.memory.total < c.even_memory == even[even_split].memory.total, c.layout
+    lightest = min(c.memory.total for c in lighter if c.layout.recompute != "full")
+    even_lightest = min(c.memory.total for c in even.values() if c.layout.recompute != "full")
+    assert lightest < even_lightest
+    budget = round((lightest + even_lightest) / 2 / GIB, 3)
+    full = [c for c in even.values() if c.layout.recompute == "full"]
+    assert full[0].memory.total < budget * GIB  # the even split fits, with full recompute
+
+    assert main(["--config", config, "--gpus", "64", "--gpu-memory-gib", str(budget), "--fix", fix, "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fits only with this split" in out and "remove from the config" not in out, out
+    argv = out.split("flags: ", 1)[1].splitlines()[0].split()
+    assert "--decoder-first-pipeline-num-layers" in argv and "full" not in argv, out
+    assert int(argv[argv.index("--decoder-first-pipeline-num-layers") + 1]) < cfg.model.num_layers // 4
+    job = parse_args(["--config", config, *argv])
+    validate(job, 64)
+    i = argv.index("--decoder-first-pipeline-num-layers")
+    j = argv.index("--decoder-last-pipeline-num-layers") if "--decoder-last-pipeline-num-layers" in argv else None
+    even_argv = [a for k, a in enumerate(argv) if k not in (i, i + 1) and (j is None or k not in (j, j + 1))]
+    even_job = parse_args(["--config", config, *even_argv])
+    ranks = predict_memory(job, 64, vocab)
+    even_ranks = predict_memory(even_job, 64, vocab)
+    assert max(r.total for r in ranks) < budget * GIB < even_ranks[0].total, (ranks, even_ranks)
+    assert ranks[0].total < budget * GIB
+    assert even_ranks[0].total == max(r.total for r in even_ranks)  # rank 0: the even split's fullest GPU
+    top = next(c for c in roomy if " ".join(c.layout.flags()) == " ".join(argv))
+    assert top.time.total < full[0].time.total  # faster than the even split that fits (full recompute)
+
+
+def test_no_lighter_first_stage_under_the_v_placement():
+    """ZBVZeroBubble refuses --decoder-first/last-pipeline-num-layers: none is offered with it."""
+    from megatron_ext.planning.planner import enumerate_layouts
+    from megatron_ext.planning.step_time import Cluster
+
+    cfg = parse_args(["--config", os.path.join(ROOT, "configs", "llama3-8b.yaml")])
+    layouts = enumerate_layouts(cfg, Cluster(64, 8, 80.0), {"tp": "8"}, cfg.data.vocab_size)
+    lighter = [x for x in layouts if x.lighter_first]
+    assert {x.schedule for x in lighter} == {"1F1B", "ZBH1", "Interleaved1F1B", "InterleavedZeroBubble"}
+    assert all(x.schedule != "ZBVZeroBubble" for x in layouts if x.first_layers or x.last_layers)
