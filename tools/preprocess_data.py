@@ -40,6 +40,7 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 
 quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
 
+from megatron_ext.checkpoint.directory import fsync_path  # noqa: E402
 from megatron_ext.data.indexed_check import TOKENIZER_RECORD_SUFFIX, build_tokenizer_record  # noqa: E402
 from megatron_ext.data.tokenizers import REFUSED_TYPES, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from tools.train_tokenizer import check_input_path, is_gzip, iter_jsonl_lines, parse_jsonl_line  # noqa: E402
@@ -317,7 +318,7 @@ def _replace_with_tmp_files(final_paths: list[str], out_dir: str) -> None:
     between the renames leaves a pair without a record (unchecked), never one vouching for it as
     another tokenizer's ids."""
     for path in final_paths:
-        _fsync(path + ".tmp")
+        fsync_path(path + ".tmp")
     with _signals_deferred():  # SIGTERM or Ctrl-C between two renames: a new .bin beside an old .idx
         for path in final_paths:
             if path.endswith(TOKENIZER_RECORD_SUFFIX):
@@ -325,16 +326,7 @@ def _replace_with_tmp_files(final_paths: list[str], out_dir: str) -> None:
                     os.remove(path)
         for path in final_paths:
             os.replace(path + ".tmp", path)
-    _fsync(out_dir)
-
-
-def _fsync(path: str) -> None:
-    """A file's data, or a directory's entries, on disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(out_dir)
 
 
 def _check_arguments(input_path: str, json_keys: list[str], workers: int) -> None:

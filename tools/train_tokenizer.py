@@ -229,6 +229,24 @@ class _Reader:
             raise
 
 
+# sentencepiece's trainer options for our models (tests train tiny models with them)
+TRAINER_OPTIONS = dict(
+    character_coverage=0.9995,
+    byte_fallback=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    allow_whitespace_only_pieces=True,
+    split_digits=True,
+    user_defined_symbols=["\n"],
+    unk_id=UNK_ID,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+    num_threads=1,
+    minloglevel=2,
+)
+
+
 def _train(sentences, output_prefix: str, vocab_size: int, model_type: str) -> None:
     import sentencepiece
 
@@ -237,22 +255,10 @@ def _train(sentences, output_prefix: str, vocab_size: int, model_type: str) -> N
         model_prefix=output_prefix,
         vocab_size=vocab_size,
         model_type=model_type,
-        character_coverage=0.9995,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        user_defined_symbols=["\n"],
-        unk_id=UNK_ID,
-        bos_id=BOS_ID,
-        eos_id=EOS_ID,
-        pad_id=PAD_ID,
         input_sentence_size=0,
         shuffle_input_sentence=False,
         max_sentence_length=MAX_SENTENCE_BYTES,  # no sentence is longer: iter_training_sentences cuts them
-        num_threads=1,
-        minloglevel=2,
+        **TRAINER_OPTIONS,
     )
 
 

@@ -106,7 +106,8 @@ def select_checkpoints_to_delete(iterations: list[int], keep_last: int | None) -
     return ordered[: max(len(ordered) - keep_last, 0)]
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """A file's data, or a directory's entries, on disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -154,7 +155,7 @@ def _fsync_coordinator_files(tmp_dir: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    _fsync_dir(tmp_dir)
+    fsync_path(tmp_dir)
 
 
 def build_checksum_record(tmp_dir: str, item_checksums: list[dict]) -> dict[str, Any]:
@@ -201,12 +202,12 @@ def publish_checkpoint(
             shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(tmp_dir, final_dir)
-    _fsync_dir(root)
+    fsync_path(root)
     tracker_tmp = os.path.join(root, f".{TRACKER_FILE}.tmp-{uuid.uuid4().hex[:8]}")
     _write_file_durably(tracker_tmp, str(iteration))
     maybe_inject_fault("during_pointer_update", rank, iteration)
     os.replace(tracker_tmp, os.path.join(root, TRACKER_FILE))
-    _fsync_dir(root)
+    fsync_path(root)
 
 
 def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str]:

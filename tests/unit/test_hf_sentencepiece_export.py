@@ -15,6 +15,7 @@ import pytest
 from megatron_ext.config import build_job_config
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.hf.export import TOKENIZER_NOTE, write_tokenizer_files
+from tools.train_tokenizer import TRAINER_OPTIONS
 
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -23,22 +24,7 @@ sentencepiece = pytest.importorskip("sentencepiece")
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SHIPPED_MODEL = os.path.join(REPO, "data", "default", "tokenizer.model")
 # tools/train_tokenizer.py's options (the models a run here uses)
-TRAIN_OPTIONS = dict(
-    model_type="bpe",
-    character_coverage=0.9995,
-    byte_fallback=True,
-    normalization_rule_name="identity",
-    remove_extra_whitespaces=False,
-    allow_whitespace_only_pieces=True,
-    split_digits=True,
-    user_defined_symbols=["\n"],
-    unk_id=0,
-    bos_id=1,
-    eos_id=2,
-    pad_id=3,
-    num_threads=1,
-    minloglevel=2,
-)
+TRAIN_OPTIONS = dict(model_type="bpe", **TRAINER_OPTIONS)
 EXACT_VARIANTS = {
     "train_tokenizer": {},
     "no_dummy_prefix": dict(add_dummy_prefix=False),
