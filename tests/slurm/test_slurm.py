@@ -87,7 +87,9 @@ def wait_for(env: dict, job: str, timeout: float) -> tuple[str, str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_state(env, job)
-        if state[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED"):
+        # SIGNALING / STAGE_OUT: transient (a --signal being delivered, the job's end being staged), not an end
+        transient = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SIGNALING", "STAGE_OUT")
+        if state[0] not in transient + ("REQUEUED", "REQUEUE_FED"):
             return state
         time.sleep(2)
     subprocess.run(["scancel", job], env=env)
