@@ -41,7 +41,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config import CheckpointConfig, JobConfig
-from megatron_ext.data.tokenizers import SENTENCEPIECE_TYPES, SentencePieceTokenizer
+from megatron_ext.data.tokenizers import (
+    SENTENCEPIECE_TYPES,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    get_tokenizer_args,
+)
 from megatron_ext.derived import get_ffn_hidden_size
 from megatron_ext.hf.config import build_hf_config
 from megatron_ext.hf.mapping import megatron_to_hf_tensors
@@ -230,6 +235,20 @@ def _maybe_write_sentencepiece(model_path: str | None, tokenizer_type: str, out_
         return [], f" (No tokenizer.json: {err}; pip install tokenizers protobuf, then export again.)"
 
 
+def get_special_token_ids(cfg: JobConfig) -> dict[str, int]:
+    """``config.json``'s ``eos_token_id`` (our EOD, which ends each document) and ``pad_token_id``
+    (our pad, where it is a token of its own: transformers' Llama makes ``pad_token_id`` its
+    embedding's ``padding_idx``, whose row fine-tuning then never updates, so a pad that is the EOD is
+    left out): without them transformers assumes Llama's 2, so ``generate`` would not stop at a GPT-2
+    vocabulary's EOD. {} when the run's tokenizer cannot be built here (the note says which)."""
+    try:
+        tokenizer = build_tokenizer(**get_tokenizer_args(cfg.data))
+        eod, pad = int(tokenizer.eod), int(tokenizer.pad)
+    except Exception:  # noqa: BLE001 - a file gone since training: the export goes on without the ids
+        return {}
+    return {"eos_token_id": eod, **({"pad_token_id": pad} if pad != eod else {})}
+
+
 def export_hf_model(
     chunks: list[torch.nn.Module],
     ctx: ParallelContext,
@@ -246,6 +265,8 @@ def export_hf_model(
     args = cfg.to_flat_dict()
     vocab = tokenizer_identity.get("vocab_size") or padded_vocab_size
     hf = build_hf_config(args, vocab, get_ffn_hidden_size(cfg.model))
+    if ctx.is_logging_rank:  # the publishing rank writes config.json
+        hf.update(get_special_token_ids(cfg))
     save = cfg.checkpoint.save
     final = get_hf_export_dir(save, iteration)
     tmp = os.path.join(save, HF_SUBDIR, f".tmp_iter_{iteration:07d}")

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_ext.config import build_job_config
 from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.hf.export import TOKENIZER_NOTE, write_tokenizer_files
+from megatron_ext.hf.export import TOKENIZER_NOTE, get_special_token_ids, write_tokenizer_files
 from tools.train_tokenizer import TRAINER_OPTIONS
 
 pytest.importorskip("tokenizers")
@@ -165,3 +165,19 @@ def test_a_model_hf_cannot_reproduce_gets_the_note_saying_why(models, variant, r
     assert os.listdir(tmp_path) == [TOKENIZER_NOTE]
     note = (tmp_path / TOKENIZER_NOTE).read_text()
     assert reason in note and models[variant] in note and "--tokenizer-type SentencePieceTokenizer" in note
+
+
+def test_config_names_our_eod_and_pad_as_the_models_eos_and_pad():
+    """--save-hf's config.json: eos_token_id / pad_token_id are the SentencePiece model's own eos and
+    pad (what our EOD and pad are), read here through sentencepiece itself; a pad that is the EOD
+    (NullTokenizer's) is not named (transformers would freeze that embedding row)."""
+    processor = sentencepiece.SentencePieceProcessor(model_file=SHIPPED_MODEL)
+    for tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        cfg = build_job_config(dict(mock_data=True, tokenizer_type=tokenizer_type, tokenizer_model=SHIPPED_MODEL))
+        assert get_special_token_ids(cfg) == {"eos_token_id": processor.eos_id(), "pad_token_id": processor.pad_id()}
+    gone = build_job_config(
+        dict(mock_data=True, tokenizer_type="SentencePieceTokenizer", tokenizer_model="/gone.model")
+    )
+    assert get_special_token_ids(gone) == {}
+    null = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100))
+    assert get_special_token_ids(null) == {"eos_token_id": 100}  # its pad is its EOD: no padding_idx made of it
