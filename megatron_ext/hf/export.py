@@ -52,6 +52,7 @@ from megatron_ext.hf.config import build_hf_config
 from megatron_ext.hf.mapping import megatron_to_hf_tensors
 from megatron_ext.hf.tokenizer import get_unsupported_reasons, load_model_proto, write_sentencepiece_tokenizer
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
+from megatron_ext.model.wrapping import unwrap_model
 from megatron_ext.parallel import ParallelContext
 
 HF_SUBDIR = "hf"
@@ -136,17 +137,11 @@ def get_unit(name: str) -> str:
     return ".".join(name.split(".")[:3]) if name.startswith("decoder.layers.") else name
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):  # megatron-core's DDP and Float16Module
-        chunk = chunk.module
-    return chunk
-
-
 def _list_stage_params(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
     """(our single-process name, parameter) of every parameter of this stage's chunks, in the same
     order on every TP rank of the stage; a tied output layer (a copy of the embedding) left out."""
     out = []
-    for chunk in map(_unwrap, chunks):
+    for chunk in map(unwrap_model, chunks):
         offset = get_layer_offset(chunk)
         tied = getattr(chunk, "share_embeddings_and_output_weights", False)
         for local_name, param in chunk.named_parameters():

@@ -50,6 +50,7 @@ from megatron_ext.model.attention import (
     select_packed_kernel,
 )
 from megatron_ext.model.wgrad import accumulate_wgrad
+from megatron_ext.model.wrapping import unwrap_model
 
 # graphs per layer: grad on/off (full recompute's no-grad forward) x a few length/document buckets
 # (dynamo counts every layer's graphs against one code object, TransformerLayer's call)
@@ -313,7 +314,7 @@ def install_lean_output_layers(chunks: list[torch.nn.Module]) -> int:
     embedding shares on this stage (megatron-core's ``zero_out_wgrad``) gets upstream's zeroed dummy
     gradient (``CompilableLinearZeroedDummy``). Returns how many."""
     count = 0
-    for model in map(_unwrap_chunk, chunks):
+    for model in map(unwrap_model, chunks):
         head = getattr(model, "output_layer", None)
         if head is None or not lean_forward_applies(head):
             continue
@@ -322,11 +323,6 @@ def install_lean_output_layers(chunks: list[torch.nn.Module]) -> int:
         if getattr(weight, "zero_out_wgrad", False):  # set by megatron-core when the model is built
             head.linear_function = CompilableLinearZeroedDummy
     return count
-
-
-def _unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model inside megatron-core's Float16Module (the chunk itself otherwise; before DDP)."""
-    return chunk.module if hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module) else chunk
 
 
 def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from megatron_ext.model.wrapping import unwrap_model
 from megatron_ext.pipeline.placement import get_stage_index, get_stage_location
 from megatron_ext.training.finalize import finalize_without_count, scale_by_global_token_count
 
@@ -102,12 +103,6 @@ def get_v_embedding_ranks(pp_ranks: list[int], *_: Any) -> list[int]:
     return [pp_ranks[0]]
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def tie_word_embedding_grads(model: list[torch.nn.Module]) -> None:
     """The tied word embedding's gradient under V, on rank 0: chunk 0's embedding weight and chunk
     1's duplicate output weight both become ``e + o`` (fp32 main_grad [vocab/tp, h]), as the
@@ -115,7 +110,7 @@ def tie_word_embedding_grads(model: list[torch.nn.Module]) -> None:
     untied."""
     weights = []
     for chunk in model:
-        module = _unwrap(chunk)
+        module = unwrap_model(chunk)
         if getattr(module, "share_embeddings_and_output_weights", False):
             weight = module.shared_embedding_or_output_weight()
             if weight is not None:
@@ -159,7 +154,7 @@ def build_placed_float16_module(config: Any, chunk: torch.nn.Module) -> torch.nn
         (vp_stage, pp rank) of the loop placement."""
 
         def forward(self, *inputs, fp32_output=True, **kwargs):
-            model = _unwrap(self)
+            model = unwrap_model(self)
             if model.pre_process:
                 inputs = fp32_to_float16(inputs, self.float16_convertor)
             outputs = self.module(*inputs, **kwargs)

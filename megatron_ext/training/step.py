@@ -33,6 +33,7 @@ from megatron_ext.model.compile import (
     warm_rotary_table,
 )
 from megatron_ext.model.v_placement import finalize_model_grads_v, get_config_placement
+from megatron_ext.model.wrapping import unwrap_model
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.pipeline.runtime import get_schedule_runtime
 from megatron_ext.training.finalize import finalize_model_grads
@@ -63,13 +64,6 @@ class StepResult:
 
 def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor, check_for_nan: bool = True):
     return compute_token_loss(output_tensor, valid).to_megatron(poison=check_for_nan)
-
-
-def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside megatron-core's DDP and Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) -> PackedSeqParams | None:

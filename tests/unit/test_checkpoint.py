@@ -336,26 +336,34 @@ def test_a_full_disk_at_the_save_probe_leaves_no_probe_file(tmp_path, monkeypatc
     assert os.listdir(tmp_path / "ck") == []
 
 
+def _undeletable_markers(monkeypatch):
+    """os.unlink removes every file but a checkpoint's marker (EACCES injected): a delete cut short
+    that leaves the marker. Returns the real os.unlink, to put back."""
+    import errno
+
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if os.path.basename(path) == COMPLETE_MARKER:
+            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    return real_unlink
+
+
 def test_a_retention_delete_cut_short_leaves_no_marked_partial_checkpoint(tmp_path, monkeypatch):
     """rmtree removes a checkpoint's files one at a time: when it stops part-way (a kill, or a
     file it cannot remove, e.g. EACCES or NFS's EBUSY), the directory must not still be an
     ``iter_XXXXXXX`` with its marker and some shards gone, counted complete and loadable by
     --ckpt-step or --ckpt-fallback-on-corruption."""
-    import errno
 
     root = str(tmp_path)
     old = _complete(tmp_path, 2)
     for name in ("__0_0.distcp", "__1_0.distcp", "common.pt"):
         open(os.path.join(old, name), "w").write("shard")
     _complete(tmp_path, 4)
-    real_unlink = os.unlink
-
-    def unlink(path, *args, **kwargs):  # every file but the marker goes
-        if os.path.basename(path) == COMPLETE_MARKER:
-            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
-        return real_unlink(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "unlink", unlink)
+    real_unlink = _undeletable_markers(monkeypatch)
     apply_retention(root, 1, get_checkpoint_dir(root, 4))
     assert [it for it, _ in list_complete_checkpoints(root)] == [4]
     monkeypatch.setattr(os, "unlink", real_unlink)
@@ -507,7 +515,6 @@ def test_a_replaced_copys_delete_cut_short_leaves_no_marked_partial_copy(tmp_pat
     that delete stops part-way (a kill, or a file it cannot remove), the copy must not keep its
     marker without all its shards: once --keep-last retires the iteration's ``iter_XXXXXXX``, loads
     found the partial copy as that iteration and the next retention renamed it back under the name."""
-    import errno
 
     root = str(tmp_path)
     old = _complete(tmp_path, 4)
@@ -515,14 +522,7 @@ def test_a_replaced_copys_delete_cut_short_leaves_no_marked_partial_copy(tmp_pat
         open(os.path.join(old, name), "w").write("the first save of iteration 4")
     tmp = get_checkpoint_dir(root, 4) + ".tmp-y"
     os.makedirs(tmp)
-    real_unlink = os.unlink
-
-    def unlink(path, *args, **kwargs):  # every file but the marker goes
-        if os.path.basename(path) == COMPLETE_MARKER:
-            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
-        return real_unlink(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "unlink", unlink)
+    real_unlink = _undeletable_markers(monkeypatch)
     publish_checkpoint(tmp, old, root, 4, rank=0)
     apply_retention(root, 1, _complete(tmp_path, 6))  # retires iteration 4's new copy
     assert list_complete_checkpoints(root) == [(6, get_checkpoint_dir(root, 6))]
