@@ -534,7 +534,6 @@ def test_a_replaced_copys_delete_cut_short_leaves_no_marked_partial_copy(tmp_pat
 
 def test_a_swept_replaced_copys_delete_cut_short_leaves_no_marked_partial_copy(tmp_path, monkeypatch):
     """The same for retention's sweep of a ``.replaced-`` copy beside its complete iteration."""
-    import errno
 
     root = str(tmp_path)
     _complete(tmp_path, 4)
@@ -542,14 +541,7 @@ def test_a_swept_replaced_copys_delete_cut_short_leaves_no_marked_partial_copy(t
     os.makedirs(aside)
     for name in (COMPLETE_MARKER, "__0_0.distcp", "common.pt"):
         open(os.path.join(aside, name), "w").write("{}")
-    real_unlink = os.unlink
-
-    def unlink(path, *args, **kwargs):
-        if os.path.basename(path) == COMPLETE_MARKER:
-            raise PermissionError(errno.EACCES, "Permission denied (injected)", path)
-        return real_unlink(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "unlink", unlink)
+    _undeletable_markers(monkeypatch)
     apply_retention(root, None, get_checkpoint_dir(root, 4))
     apply_retention(root, 1, _complete(tmp_path, 6))  # retires iteration 4
     assert list_complete_checkpoints(root) == [(6, get_checkpoint_dir(root, 6))]
