@@ -24,11 +24,13 @@ import json
 import math
 import os
 import time
+import zipfile
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from megatron_ext.checkpoint.directory import fsync_path
 from megatron_ext.config import ConfigError
 from megatron_ext.data.blends import get_blend_weights
 from megatron_ext.data.microbatch import IGNORE_INDEX
@@ -112,7 +114,9 @@ def _build_and_write(path: str, build: Callable[[], dict[str, np.ndarray]], what
     try:
         os.makedirs(directory, exist_ok=True)
         np.savez(tmp, **arrays)
+        fsync_path(tmp)  # a power loss after the rename must not leave an empty cache under its final name
         os.replace(tmp, path)
+        fsync_path(directory)
     except OSError as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -153,8 +157,22 @@ def load_or_build_arrays(
         _agree_built(0)
     if not os.path.exists(path):  # rank 0 wrote it where this node cannot see it
         return _build_and_write(path, build, what)
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
+    return read_cached_arrays(path)
+
+
+def read_cached_arrays(path: str) -> dict[str, np.ndarray]:
+    """The arrays of a cache file; one that cannot be read (cut short by a crash of an older
+    version, or damaged since) is named, with the fix: it is derived data, deleting it rebuilds it."""
+    try:
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ConfigError(
+            [
+                f"the index cache {path} cannot be read ({type(exc).__name__}: {exc}): it is a cache of "
+                f"indices derived from the data; delete it and start again to rebuild it"
+            ]
+        ) from None
 
 
 def _agree_built(failed: int) -> None:

@@ -241,3 +241,22 @@ def test_best_fit_matches_a_plain_reference(seed):
     order, offsets = pack_best_fit(lengths, 64)
     got = [order[offsets[b] : offsets[b + 1]].tolist() for b in range(len(offsets) - 1)]
     assert got == _best_fit_reference(lengths, 64)
+
+
+def test_an_unreadable_index_cache_is_named_with_its_fix_and_rebuilt_once_deleted(tmp_path):
+    """A cache cut short (a crash of a version that did not fsync it) gives one error naming the file
+    and saying it may be deleted, not numpy's BadZipFile; deleted, it is rebuilt equal."""
+    from megatron_ext.config import ConfigError
+    from megatron_ext.data.packed_dataset import load_or_build_arrays
+
+    path = str(tmp_path / "d_packed_0123.npz")
+    built = {"a": np.arange(1000, dtype=np.int64), "b": np.ones(7)}
+    first = load_or_build_arrays(path, lambda: built)
+    assert all(np.array_equal(first[k], built[k]) for k in built)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(ConfigError, match="d_packed_0123.npz cannot be read.*delete it"):
+        load_or_build_arrays(path, lambda: pytest.fail("a cache that exists is not rebuilt silently"))
+    os.remove(path)
+    again = load_or_build_arrays(path, lambda: built)
+    assert all(np.array_equal(again[k], built[k]) for k in built)
