@@ -131,15 +131,17 @@ def recover_replaced_export(final: str, log: Callable[[str], None], old: str | N
     return True
 
 
-def publish_directory(tmp: str, final: str, old: str | None = None) -> None:
+def publish_directory(tmp: str, final: str, old: str | None = None, synced: frozenset[str] = frozenset()) -> None:
     """Make ``tmp`` (a complete export) ``final`` in one rename, replacing an earlier ``final``: its
-    files and entries fsynced first (a power loss after the rename cannot leave a torn file under
-    the final name), the earlier export renamed to ``old`` (default ``final + ".old"``) before and
-    deleted after, so a crash in between leaves it whole there (``recover_replaced_export`` brings
-    it back). Raises OSError; ``final`` is then the earlier export, or it is under ``old``."""
+    files (but those named in ``synced``, fsynced by their writers: not reopened, one open per rank's
+    shard on a shared file system) and entries fsynced first (a power loss after the rename cannot
+    leave a torn file under the final name), the earlier export renamed to ``old`` (default
+    ``final + ".old"``) before and deleted after, so a crash in between leaves it whole there
+    (``recover_replaced_export`` brings it back). Raises OSError; ``final`` is then the earlier
+    export, or it is under ``old``."""
     for name in os.listdir(tmp):
         path = os.path.join(tmp, name)
-        if os.path.isfile(path):
+        if name not in synced and os.path.isfile(path):
             fsync_path(path)
     fsync_path(tmp)
     old = old or final + ".old"
@@ -390,7 +392,7 @@ def _publish(
         tokenizer = write_tokenizer_files(cfg.data, tmp)
         for name in os.listdir(tmp):  # safetensors creates its files 0600: readable as config.json is
             os.chmod(os.path.join(tmp, name), 0o644)
-        publish_directory(tmp, final)
+        publish_directory(tmp, final, synced=frozenset(index["weight_map"].values()))  # the writers fsynced the shards
     except OSError as err:
         return [str(err)]
     files = sorted(set(index["weight_map"].values()))
