@@ -7,7 +7,8 @@ at its new place, ``AutoTokenizer.from_pretrained`` on the export gives sentence
 flag the export gets the note; another SentencePiece model given is refused before anything is
 written. Over an earlier export (``--overwrite``), a converter killed (SIGKILL, in a forked child)
 while writing, or between its two renames, leaves the earlier export whole, and the next run finds
-it in place.
+it in place. A checkpoint converted from Hugging Face (no tokenizer recorded) keeps the HF config's
+special ids and exports the tokenizer given with --tokenizer-type.
 """
 
 from __future__ import annotations
@@ -230,3 +231,45 @@ def test_overwrite_replaces_only_a_directory_of_export_files(tmp_path):
     with pytest.raises(ValueError, match=r"holds files an export does not write \(README.md\)"):
         check_hf_output_dir(str(out), overwrite=True)
     assert sorted(os.listdir(out)) == ["README.md", "model.safetensors", "tokenizer.json"]
+
+
+def _hf_to_ours(rank: int, world_size: int, hf_dir: str, save: str) -> None:
+    from tools.convert_checkpoint import convert_hf_to_megatron
+
+    convert_hf_to_megatron(hf_dir, save, divisible_by=32, log=_quiet)
+
+
+def test_a_checkpoint_converted_from_hf_keeps_its_ids_and_takes_the_tokenizer_given(tmp_path, monkeypatch):
+    """hf-to-megatron records no tokenizer: the export back keeps the HF config's special ids and
+    writes the note, or with --tokenizer-type and --tokenizer-model that tokenizer's files (a
+    SentencePiece model's Hugging Face equivalent here, as a local tokenizer directory)."""
+    from megatron_ext.config import DataConfig
+    from megatron_ext.hf.export import write_tokenizer_files
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    write_tokenizer_files(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=SHIPPED_MODEL), str(tok))
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        bos_token_id=5,
+        eos_token_id=[2, 7],
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "hf"))
+    run_ranks(_hf_to_ours, 1, str(tmp_path / "hf"), str(tmp_path / "ours"), timeout=300)
+    save = str(tmp_path / "ours")
+    plain, given = tmp_path / "plain", tmp_path / "given"
+    convert_megatron_to_hf(save, str(plain), log=_quiet)
+    assert "records no tokenizer" in (plain / "TOKENIZER.txt").read_text()
+    with pytest.raises(ValueError, match="give --tokenizer-type too"):
+        convert_megatron_to_hf(save, str(given), log=_quiet, tokenizer_flags={"tokenizer_model": str(tok)})
+    assert not given.exists()
+    flags = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tok)}
+    convert_megatron_to_hf(save, str(given), log=_quiet, tokenizer_flags=flags)
+    assert (given / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    for out in (plain, given):
+        written = json.loads((out / "config.json").read_text())
+        assert (written["bos_token_id"], written["eos_token_id"]) == (5, [2, 7]), out
