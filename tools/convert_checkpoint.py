@@ -126,7 +126,7 @@ __all__ = [
 # that loads the converted checkpoint warned that it was "trained with --seq-length 16" (state.py's
 # WARNED_SETTINGS); the model settings a run must match stay recorded
 # megatron-to-hf's flags standing for the checkpoint's recorded tokenizer (DataConfig's names)
-TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 PLACEHOLDER_SETTINGS = ("seq_length", "seed", "hidden_dropout", "attention_dropout", "packed_sequences")
 
 
@@ -536,9 +536,9 @@ def main(argv: list[str] | None = None) -> int:
         help="replace an earlier export in --hf-dir (kept until the new one is complete; a directory holding "
         "other files is refused)",
     )
-    for flag in TOKENIZER_FLAGS:
+    for name in TOKENIZER_FLAGS:
         b.add_argument(
-            flag,
+            "--" + name.replace("_", "-"),
             default=None,
             help="the checkpoint's tokenizer where its recorded path is not on this machine (it must be the "
             "same tokenizer: checked against the checkpoint's record)",
@@ -566,9 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                 apply_layernorm_1p=args.apply_layernorm_1p,
             )
         else:
-            flags = {
-                f[2:].replace("-", "_"): v for f in TOKENIZER_FLAGS if (v := getattr(args, f[2:].replace("-", "_")))
-            }
+            flags = {name: getattr(args, name) for name in TOKENIZER_FLAGS if getattr(args, name)}
             convert_megatron_to_hf(args.load, args.hf_dir, overwrite=args.overwrite, tokenizer_flags=flags)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
