@@ -466,15 +466,23 @@ def _write_and_publish(
     """Write the export into a temporary sibling of ``final`` and publish it there
     (``publish_directory``); returns what was done for the tokenizer, for the log. On any failure
     the temporary directory is deleted and an earlier export under ``final`` stays (or comes back
-    from ``.old``); a process killed here leaves them for the next run (``recover_replaced_export``,
-    and the stale temporary directories deleted)."""
+    from ``get_replaced_path``); a write that fails (disk full, permissions) is a ValueError saying
+    so. A process killed here leaves them for the next run (``recover_replaced_export``, and the
+    stale temporary directories deleted)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     parent, base = os.path.split(final)
     for stale in glob.glob(os.path.join(parent, f".{glob.escape(base)}.tmp-*")):  # killed runs' leftovers
         shutil.rmtree(stale, ignore_errors=True)
     tmp = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
+    try:
+        os.makedirs(tmp)
+    except OSError as err:
+        raise ValueError(
+            f"--hf-dir {final}: cannot create {tmp} ({err}): the export is written beside --hf-dir and renamed "
+            f"in, so the directory holding it must be writable"
+        ) from None
     try:
         save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -490,9 +498,14 @@ def _write_and_publish(
         for name in os.listdir(tmp):  # safetensors creates its files 0600: readable as config.json is
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         publish_directory(tmp, final, get_replaced_path(final))
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         recover_replaced_export(final, log, get_replaced_path(final))  # failed between the renames
+        if isinstance(err, (OSError, SafetensorError)):
+            raise ValueError(
+                f"--hf-dir {final}: writing the export failed ({err}); nothing was published (an earlier export "
+                f"there is unchanged)"
+            ) from None
         raise
     return said
 

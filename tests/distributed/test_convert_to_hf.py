@@ -273,3 +273,32 @@ def test_a_checkpoint_converted_from_hf_keeps_its_ids_and_takes_the_tokenizer_gi
     for out in (plain, given):
         written = json.loads((out / "config.json").read_text())
         assert (written["bos_token_id"], written["eos_token_id"]) == (5, [2, 7]), out
+
+
+@pytest.mark.parametrize("where", ["writing", "publishing"])
+def test_a_failed_write_over_an_earlier_export_is_one_error_and_leaves_it(ckpt, tmp_path, monkeypatch, where):
+    """Disk full while writing the weights, or the publishing rename refused after the earlier
+    export was moved aside: one ValueError naming --hf-dir, the earlier export back in place, no
+    temporary or replaced directory left."""
+    import errno
+
+    import safetensors.torch
+
+    import megatron_ext.hf.export as export
+
+    save, model = ckpt
+    out = tmp_path / "out"
+    earlier = _earlier_export(save, out, model)
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "writing":
+        monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    else:
+        real_rename = os.rename
+        monkeypatch.setattr(export.os, "rename", lambda a, b: fail() if ".tmp-" in a else real_rename(a, b))
+    with pytest.raises(ValueError, match=f"--hf-dir {out}: writing the export failed .*No space left on device"):
+        convert_megatron_to_hf(save, str(out), log=_quiet, overwrite=True, tokenizer_flags={"tokenizer_model": model})
+    monkeypatch.undo()
+    assert _snapshot(out) == earlier and sorted(os.listdir(tmp_path)) == ["out"]
