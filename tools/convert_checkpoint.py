@@ -2,7 +2,19 @@
 
     python tools/convert_checkpoint.py hf-to-megatron --hf-dir HF --save CKPT \\
         [--tensor-model-parallel-size 2] [--make-vocab-size-divisible-by 128]
-    python tools/convert_checkpoint.py megatron-to-hf --load CKPT --hf-dir OUT
+    python tools/convert_checkpoint.py megatron-to-hf --load CKPT --hf-dir OUT [--overwrite] \\
+        [--tokenizer-model PATH] [--tokenizer-type TYPE]
+
+megatron-to-hf writes what ``--save-hf`` writes (``megatron_ext/hf/export.py``): the weights,
+config.json with the tokenizer's eos/pad/bos ids, and the tokenizer's files (a Hugging Face
+directory copied, a SentencePiece model's exact equivalent) or ``TOKENIZER.txt`` saying which
+tokenizer the ids are of. The tokenizer is the checkpoint's recorded one; ``--tokenizer-model``
+(and ``--tokenizer-type``) stand for it where its recorded path is not on this machine, and must
+give the same tokenizer (its identity, as a resume checks) or nothing is written. The export is
+written into a hidden sibling of OUT, fsynced and renamed into place: OUT must be new or empty,
+or, with ``--overwrite``, an earlier export (only an export's files), which stays until the new
+one is complete (a run killed between the two renames leaves it as ``.OUT.replaced-export``,
+renamed back by the next run).
 
 Our checkpoints (megatron-core ``torch_dist``) key every tensor by its global name and layer
 number, so one converted checkpoint loads under any TP x PP x VPP x DP: the conversion runs in
@@ -35,11 +47,15 @@ Tensor layouts (megatron-core, checked against 0.16.1):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import glob
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +64,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.checkpoint.compatibility import saved_ffn_hidden_size  # noqa: E402
+from megatron_ext.checkpoint.compatibility import check_same_tokenizer, saved_ffn_hidden_size  # noqa: E402
+from megatron_ext.config import DataConfig  # noqa: E402
+from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.hf.config import (  # noqa: E402
     LLAMA3_ROPE,
     REQUIRED_KEYS,
@@ -60,6 +78,16 @@ from megatron_ext.hf.config import (  # noqa: E402
     hf_config_to_values,
 )
 from megatron_ext.hf.config import build_hf_config as build_hf_config_of  # noqa: E402
+from megatron_ext.hf.export import (  # noqa: E402
+    INDEX_FILE,
+    SINGLE_FILE,
+    TOKENIZER_NOTE,
+    get_tokenizer_special_ids,
+    publish_directory,
+    recover_replaced_export,
+    write_tokenizer_files,
+)
+from megatron_ext.hf.export import TOKENIZER_FILES as EXPORT_TOKENIZER_FILES  # noqa: E402
 from megatron_ext.hf.mapping import (  # noqa: E402
     HF_NORMS,
     OUR_NORMS,
@@ -97,6 +125,8 @@ __all__ = [
 # Training settings of the converter's one-process model, not the HF model's: recorded, every run
 # that loads the converted checkpoint warned that it was "trained with --seq-length 16" (state.py's
 # WARNED_SETTINGS); the model settings a run must match stay recorded
+# megatron-to-hf's flags standing for the checkpoint's recorded tokenizer (DataConfig's names)
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 PLACEHOLDER_SETTINGS = ("seq_length", "seed", "hidden_dropout", "attention_dropout", "packed_sequences")
 
 
@@ -251,32 +281,66 @@ def check_empty_save_dir(save: str) -> None:
         )
 
 
-def check_hf_output_dir(hf_dir: str) -> None:
-    """Never overwrite a model: ``--hf-dir`` must be new, or a directory without config.json and
-    safetensors files."""
+def check_hf_output_dir(hf_dir: str, overwrite: bool = False) -> None:
+    """Never lose a model or a user's files: ``--hf-dir`` must be new or empty, or, with
+    ``overwrite``, hold nothing but what an export writes (it is then replaced as a whole, the
+    earlier export kept until the new one is complete: ``publish_directory``)."""
+    if os.path.islink(hf_dir):
+        raise ValueError(f"--hf-dir {hf_dir} is a symbolic link: give the directory it points to")
     if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
         raise ValueError(f"--hf-dir {hf_dir} is a file, not a directory")
-    if os.path.isdir(hf_dir):
-        held = sorted(n for n in os.listdir(hf_dir) if n == "config.json" or n.endswith(".safetensors"))
-        if held:
-            raise ValueError(
-                f"--hf-dir {hf_dir} already holds a model ({', '.join(held)}): give a new or empty directory"
-            )
+    entries = sorted(os.listdir(hf_dir)) if os.path.isdir(hf_dir) else []
+    if not entries:
+        return
+    shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+    if not overwrite:
+        held = [n for n in entries if n == "config.json" or n.endswith(".safetensors")]
+        what = f"a model ({', '.join(held)})" if held else f"files ({shown})"
+        raise ValueError(
+            f"--hf-dir {hf_dir} already holds {what}: give a new or empty directory, or --overwrite to replace "
+            f"an earlier export there"
+        )
+    foreign = [n for n in entries if not is_export_file(n)]
+    if foreign:
+        raise ValueError(
+            f"--hf-dir {hf_dir} holds files an export does not write ({', '.join(foreign[:4])}"
+            f"{', ...' if len(foreign) > 4 else ''}): --overwrite replaces the directory as a whole; move them "
+            f"away or give another directory"
+        )
 
 
-def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = print) -> str:
+def is_export_file(name: str) -> bool:
+    """Whether an export (this converter's or ``--save-hf``'s) writes a file of this name."""
+    return (
+        name in ("config.json", INDEX_FILE, TOKENIZER_NOTE)
+        or name in EXPORT_TOKENIZER_FILES
+        or name.endswith(".safetensors")
+    )
+
+
+def convert_megatron_to_hf(
+    load: str,
+    hf_dir: str,
+    log: Callable[[str], None] = print,
+    overwrite: bool = False,
+    tokenizer_flags: dict[str, str] | None = None,
+) -> str:
     """Our newest complete checkpoint under ``load`` (or ``load`` itself, one ``iter_XXXXXXX``
-    directory) -> HF safetensors + config.json in a new or empty ``hf_dir``. Every file and item read
-    is checked against the checksums its save recorded (as ``--ckpt-verify`` checks a load); a
-    damaged file, or one holding what a checkpoint never holds, is a ValueError naming it, and
-    nothing is written."""
-    from safetensors.torch import save_file
-
+    directory) -> HF safetensors, config.json (with the tokenizer's special ids) and the tokenizer's
+    files (or a note) in ``hf_dir``, published as ``--save-hf`` publishes: written into a sibling
+    temporary directory, fsynced, renamed into place (an earlier export, with ``overwrite``, kept
+    until then). ``tokenizer_flags`` ({"tokenizer_model": ..., "tokenizer_type": ...}, DataConfig
+    names) stand for the checkpoint's recorded ones (a tokenizer not at its recorded path here); they
+    must give the tokenizer the checkpoint records. Every file and item read is checked against the
+    checksums its save recorded (as ``--ckpt-verify`` checks a load). A damaged file, a mismatched
+    tokenizer or a refused ``hf_dir`` is a ValueError naming it, and nothing is written."""
     from megatron_ext.checkpoint.directory import resolve_load_path
     from megatron_ext.checkpoint.reader import NAMED_ERRORS, open_checkpoint
     from megatron_ext.checkpoint.state import load_full_tensors
 
-    check_hf_output_dir(hf_dir)
+    final = os.path.abspath(hf_dir)  # no trailing separator: the siblings are named after it
+    recover_replaced_export(final, log, get_replaced_path(final))  # an earlier run killed between its renames
+    check_hf_output_dir(hf_dir, overwrite)
     found, warning = resolve_load_path(load)  # a save directory or one iter_XXXXXXX, as --load takes
     if warning:
         log(f"WARNING: {warning}")
@@ -288,6 +352,8 @@ def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = 
         args = common["args"]
         hf = common.get("hf_config") or build_hf_config(args, common)
         check_supported(hf)
+        tokenizer = resolve_export_tokenizer(common, tokenizer_flags or {}, hf, log)
+        hf = {**hf, **tokenizer.special_ids}
         log(f"reading {ckpt_dir} (iteration {iteration})")
         # the weights only: a run's optimizer state (fp32 main parameters and two Adam moments, 6x the
         # bytes of a bf16 model) would be read into memory and dropped
@@ -296,16 +362,152 @@ def convert_megatron_to_hf(load: str, hf_dir: str, log: Callable[[str], None] = 
         raise ValueError(f"--load {load}: {err}; nothing was written to {hf_dir}") from None
     ours = unstack_layers(full, args["num_layers"])
     tensors = megatron_to_hf_tensors(ours, hf, zero_centered_gamma=bool(args.get("apply_layernorm_1p")))
-    os.makedirs(hf_dir, exist_ok=True)
-    weights = os.path.join(hf_dir, "model.safetensors")
-    save_file(tensors, weights, metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)  # safetensors creates it 0600: readable as config.json is
-    with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    log(f"wrote {len(tensors)} tensors to {hf_dir}")
+    said = _write_and_publish(tensors, hf, tokenizer, final, log)
+    log(f"wrote {len(tensors)} tensors to {hf_dir}; {said}")
     return hf_dir
+
+
+@dataclasses.dataclass
+class ExportTokenizer:
+    """What the converter writes for the checkpoint's tokenizer."""
+
+    data: DataConfig | None  # the tokenizer flags whose files are written; None: NO_TOKENIZER_NOTE
+    special_ids: dict[str, int | None]  # into config.json (none: the recorded HF config's stay)
+    unusable: str | None = None  # why the files at those paths are not the model's: a note instead
+
+
+# the note for a checkpoint that records no tokenizer (hf-to-megatron's)
+NO_TOKENIZER_NOTE = (
+    "No Hugging Face tokenizer files were written: this checkpoint records no tokenizer (it was converted "
+    "from a Hugging Face model by tools/convert_checkpoint.py hf-to-megatron). Its token ids are that "
+    "model's tokenizer's: copy its tokenizer files here, or convert again with --tokenizer-type and "
+    "--tokenizer-model.\n"
+)
+
+
+def get_recorded_data_config(args: dict[str, Any]) -> DataConfig:
+    """The data flags (the tokenizer's among them) a checkpoint's flat run flags record."""
+    names = {f.name for f in dataclasses.fields(DataConfig)}
+    return dataclasses.replace(DataConfig(), **{k: v for k, v in args.items() if k in names})
+
+
+def resolve_export_tokenizer(
+    common: dict[str, Any], flags: dict[str, str], hf: dict[str, Any], log: Callable[[str], None]
+) -> ExportTokenizer:
+    """The tokenizer to export from the checkpoint's record (``common``: its ``tokenizer`` identity
+    and flat ``args``), its paths replaced by ``flags`` where given. Given flags that do not build,
+    or build another tokenizer than the recorded identity (``check_same_tokenizer``, as a resume
+    checks), are a ValueError; recorded paths that are gone or changed here are a warning and the
+    note."""
+    saved = common.get("tokenizer") or None
+    if saved is None:
+        return _resolve_unrecorded_tokenizer(flags, hf, log)
+    data = dataclasses.replace(get_recorded_data_config(common["args"]), **flags)
+    given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
+    try:
+        built = build_tokenizer(**get_tokenizer_args(data))
+    except Exception as err:  # noqa: BLE001 - ConfigError, or a tokenizer library's own error
+        if flags:
+            raise ValueError(f"{given}: {' '.join(str(err).split())}") from None
+        log(
+            f"WARNING: the checkpoint's tokenizer ({data.tokenizer_type} {data.tokenizer_model}) cannot be "
+            f"loaded here ({' '.join(str(err).split())[:200]}): writing {TOKENIZER_NOTE} instead of its "
+            f"files; pass --tokenizer-model (the same tokenizer, where it is on this machine) to export them"
+        )
+        exists = data.tokenizer_model and os.path.exists(data.tokenizer_model)
+        return ExportTokenizer(data, {}, f"it could not be loaded: {err}" if exists else None)
+    problems = check_same_tokenizer(saved, built.identity(), whose=f"{given or 'its recorded paths'} give")
+    if problems and flags:
+        raise ValueError(f"{problems[0]}: pass the tokenizer the checkpoint was trained with (or none: a note)")
+    if problems:
+        log(f"WARNING: {problems[0]}: writing {TOKENIZER_NOTE} instead of its files")
+        return ExportTokenizer(data, {}, "the files at that path are no longer the ones it was trained with")
+    return ExportTokenizer(data, get_tokenizer_special_ids(built))
+
+
+def _resolve_unrecorded_tokenizer(
+    flags: dict[str, str], hf: dict[str, Any], log: Callable[[str], None]
+) -> ExportTokenizer:
+    """A checkpoint converted from Hugging Face records no tokenizer (its run flags name the
+    converter's placeholder NullTokenizer): the note, or the tokenizer ``flags`` name in full,
+    whose vocabulary must fit the model; the recorded HF config's special ids stay."""
+    if not flags:
+        return ExportTokenizer(None, {})
+    if "tokenizer_type" not in flags:
+        raise ValueError(
+            "--tokenizer-model: the checkpoint records no tokenizer (converted from a Hugging Face model) to "
+            "take the type from: give --tokenizer-type too (e.g. HuggingFaceTokenizer)"
+        )
+    data = dataclasses.replace(DataConfig(), **flags)
+    given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
+    try:
+        built = build_tokenizer(**get_tokenizer_args(data))
+    except Exception as err:  # noqa: BLE001 - ConfigError, or a tokenizer library's own error
+        raise ValueError(f"{given}: {' '.join(str(err).split())}") from None
+    if built.vocab_size > hf["vocab_size"]:
+        raise ValueError(
+            f"{given}: its {built.vocab_size} ids do not fit the model's vocabulary of {hf['vocab_size']}: "
+            f"pass the tokenizer of the Hugging Face model the checkpoint was converted from"
+        )
+    log(f"WARNING: the checkpoint records no tokenizer to check {given} against: its files are exported as given")
+    return ExportTokenizer(data, {})
+
+
+def get_replaced_path(final: str) -> str:
+    """Where an earlier export under ``final`` waits while the new one is renamed in: a hidden
+    sibling named for us (not ``final.old``, which may be a user's own copy)."""
+    parent, base = os.path.split(final)
+    return os.path.join(parent, f".{base}.replaced-export")
+
+
+def _write_and_publish(
+    tensors: dict[str, torch.Tensor], hf: dict[str, Any], tokenizer: ExportTokenizer, final: str, log: Callable
+) -> str:
+    """Write the export into a temporary sibling of ``final`` and publish it there
+    (``publish_directory``); returns what was done for the tokenizer, for the log. On any failure
+    the temporary directory is deleted and an earlier export under ``final`` stays (or comes back
+    from ``get_replaced_path``); a write that fails (disk full, permissions) is a ValueError saying
+    so. A process killed here leaves them for the next run (``recover_replaced_export``, and the
+    stale temporary directories deleted)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    parent, base = os.path.split(final)
+    for stale in glob.glob(os.path.join(parent, f".{glob.escape(base)}.tmp-*")):  # killed runs' leftovers
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(tmp)
+    except OSError as err:
+        raise ValueError(
+            f"--hf-dir {final}: cannot create {tmp} ({err}): the export is written beside --hf-dir and renamed "
+            f"in, so the directory holding it must be writable"
+        ) from None
+    try:
+        save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        if tokenizer.data is None:
+            with open(os.path.join(tmp, TOKENIZER_NOTE), "w") as f:
+                f.write(NO_TOKENIZER_NOTE)
+            said = f"no tokenizer files ({TOKENIZER_NOTE} says why)"
+        else:
+            said = write_tokenizer_files(tokenizer.data, tmp, tokenizer.unusable)
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in os.listdir(tmp):  # safetensors creates its files 0600: readable as config.json is
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        publish_directory(tmp, final, get_replaced_path(final))
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        recover_replaced_export(final, log, get_replaced_path(final))  # failed between the renames
+        if isinstance(err, (OSError, SafetensorError)):
+            raise ValueError(
+                f"--hf-dir {final}: writing the export failed ({err}); nothing was published (an earlier export "
+                f"there is unchanged)"
+            ) from None
+        raise
+    return said
 
 
 def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
@@ -341,6 +543,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--load", required=True)
     b.add_argument("--hf-dir", required=True)
+    b.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in --hf-dir (kept until the new one is complete; a directory holding "
+        "other files is refused)",
+    )
+    for name in TOKENIZER_FLAGS:
+        b.add_argument(
+            "--" + name.replace("_", "-"),
+            default=None,
+            help="the checkpoint's tokenizer where its recorded path is not on this machine (it must be the "
+            "same tokenizer: checked against the checkpoint's record)",
+        )
     args = parser.parse_args(argv)
     from megatron_ext.cpu_platform import quiet_known_warnings
 
@@ -364,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
                 apply_layernorm_1p=args.apply_layernorm_1p,
             )
         else:
-            convert_megatron_to_hf(args.load, args.hf_dir)
+            flags = {name: getattr(args, name) for name in TOKENIZER_FLAGS if getattr(args, name)}
+            convert_megatron_to_hf(args.load, args.hf_dir, overwrite=args.overwrite, tokenizer_flags=flags)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

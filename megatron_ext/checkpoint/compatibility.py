@@ -89,13 +89,19 @@ def check_compatible(
             f"is {meta.padded_vocab_size} (--vocab-size / --tokenizer-model, "
             f"--make-vocab-size-divisible-by): use the checkpoint's tokenizer and padding"
         )
-    saved_tok = saved.get("tokenizer")
-    if saved_tok is not None and saved_tok != meta.tokenizer:
-        problems.append(
-            f"--tokenizer-type/--tokenizer-model: the checkpoint was saved with tokenizer {saved_tok}, "
-            f"this run uses {meta.tokenizer}"
-        )
+    problems += check_same_tokenizer(saved.get("tokenizer"), meta.tokenizer)
     return problems
+
+
+def check_same_tokenizer(
+    saved: dict[str, Any] | None, current: dict[str, Any], whose: str = "this run uses"
+) -> list[str]:
+    """A problem when a checkpoint's tokenizer identity (``tokenizer.identity()``: type, sha256 of
+    its files, vocabulary) is not ``current`` (the resuming run's, or the one given to the
+    converter: ``whose`` says which); none when the checkpoint records none (converted from HF)."""
+    if saved is None or saved == current:
+        return []
+    return [f"--tokenizer-type/--tokenizer-model: the checkpoint was saved with tokenizer {saved}, {whose} {current}"]
 
 
 # settings a checkpoint loads under whatever their value, but that change what the model computes

@@ -179,6 +179,12 @@ class _DecodedWhole(_TokenizerFiles):
     def vocab_size(self) -> int:
         return int(self._impl.vocab_size)
 
+    @property
+    def bos(self) -> int | None:
+        """The library's BOS id (None when the tokenizer defines none); our data never holds it."""
+        bos = self._impl.bos_id
+        return None if bos is None else int(bos)
+
     def tokenize(self, text: str) -> list[int]:
         return [int(i) for i in self._impl.text_to_ids(text)]
 

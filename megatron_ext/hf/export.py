@@ -10,8 +10,10 @@ Publishing, as the checkpoints' (``checkpoint/directory.py``): the shards go to
 ``<save>/hf/.tmp_iter_XXXXXXX``; one all-gather of (error, {HF name: file}) tells the publishing
 rank (the logging rank) whether every shard was written; it then writes
 ``model.safetensors.index.json``, ``config.json`` and the tokenizer's files (copied, or for a
-SentencePiece model an exact equivalent, ``hf/tokenizer.py``; else a note), and renames
-the directory to ``<save>/hf/iter_XXXXXXX``. A reader never sees a partial export.
+SentencePiece model an exact equivalent, ``hf/tokenizer.py``; else a note), fsyncs every file
+(each writer fsynced its shard) and the directory, and renames the directory to
+``<save>/hf/iter_XXXXXXX`` (``publish_directory``, which ``tools/convert_checkpoint.py megatron-to-hf``
+publishes with too). A reader never sees a partial export, nor one torn by a power loss.
 
 An export of an iteration already exported (a resumed run) renames the earlier one to
 ``iter_XXXXXXX.old`` before its own rename and deletes it after: a crash between the two renames
@@ -40,8 +42,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.config import CheckpointConfig, JobConfig
+from megatron_ext.checkpoint.directory import fsync_path
+from megatron_ext.config import CheckpointConfig, DataConfig, JobConfig
 from megatron_ext.data.tokenizers import (
+    HF_TYPES,
     SENTENCEPIECE_TYPES,
     SentencePieceTokenizer,
     build_tokenizer,
@@ -57,6 +61,7 @@ from megatron_ext.parallel import ParallelContext
 
 HF_SUBDIR = "hf"
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 TOKENIZER_NOTE = "TOKENIZER.txt"
 # what a Hugging Face tokenizer directory holds (transformers' names)
 TOKENIZER_FILES = (
@@ -83,13 +88,15 @@ def get_hf_export_dir(save: str, iteration: int) -> str:
 
 
 def is_complete_export(path: str) -> bool:
-    """A published export: its index and config are written before the rename that publishes it."""
-    return all(os.path.isfile(os.path.join(path, name)) for name in (INDEX_FILE, "config.json"))
+    """A published export: its config and its index (``--save-hf``'s shards) or its one
+    ``model.safetensors`` (the converter's) are written before the rename that publishes it."""
+    present = {n for n in ("config.json", INDEX_FILE, SINGLE_FILE) if os.path.isfile(os.path.join(path, n))}
+    return "config.json" in present and bool(present & {INDEX_FILE, SINGLE_FILE})
 
 
 def recover_interrupted_publish(hf_root: str, log: Callable[[str], None]) -> list[str]:
-    """Undo a crash between ``_publish``'s two renames (the publishing rank, before it lists or
-    writes exports): an ``iter_XXXXXXX.old`` with no complete ``iter_XXXXXXX`` beside it is renamed
+    """Undo a crash between ``publish_directory``'s two renames (the publishing rank, before it lists
+    or writes exports): an ``iter_XXXXXXX.old`` with no complete ``iter_XXXXXXX`` beside it is renamed
     back, else it is deleted. A failure is a warning (the caller's export or pruning goes on).
     Returns the recovered directories."""
     if not os.path.isdir(hf_root):
@@ -97,22 +104,53 @@ def recover_interrupted_publish(hf_root: str, log: Callable[[str], None]) -> lis
     recovered = []
     for name in sorted(os.listdir(hf_root)):
         match = re.fullmatch(r"(iter_\d{7})\.old", name)
-        if not match:
-            continue
-        old, final = os.path.join(hf_root, name), os.path.join(hf_root, match.group(1))
-        try:
-            if is_complete_export(final) or not is_complete_export(old):
-                shutil.rmtree(old)
-                continue
-            if os.path.lexists(final):  # a partial directory under the name (a delete cut short)
-                shutil.rmtree(final)
-            os.rename(old, final)
-        except OSError as err:
-            log(f"WARNING: could not recover the interrupted Hugging Face export {old}: {err}")
-            continue
-        log(f"recovered the Hugging Face export {final} from {old} (an export of the same iteration was interrupted)")
-        recovered.append(final)
+        if match and recover_replaced_export(os.path.join(hf_root, match.group(1)), log):
+            recovered.append(os.path.join(hf_root, match.group(1)))
     return recovered
+
+
+def recover_replaced_export(final: str, log: Callable[[str], None], old: str | None = None) -> bool:
+    """``old`` (default ``final + ".old"``: an earlier export ``publish_directory`` was replacing
+    when it stopped) renamed back to ``final`` when ``final`` is not a complete export, else deleted;
+    a partial ``old`` is deleted. Returns whether it was renamed back (one log line); a failure is a
+    warning."""
+    old = old or final + ".old"
+    if not os.path.isdir(old):
+        return False
+    try:
+        if is_complete_export(final) or not is_complete_export(old):
+            shutil.rmtree(old)
+            return False
+        if os.path.lexists(final):  # a partial directory under the name (a delete cut short)
+            shutil.rmtree(final)
+        os.rename(old, final)
+    except OSError as err:
+        log(f"WARNING: could not recover the interrupted Hugging Face export {old}: {err}")
+        return False
+    log(f"recovered the Hugging Face export {final} from {old} (an export to the same directory was interrupted)")
+    return True
+
+
+def publish_directory(tmp: str, final: str, old: str | None = None, synced: frozenset[str] = frozenset()) -> None:
+    """Make ``tmp`` (a complete export) ``final`` in one rename, replacing an earlier ``final``: its
+    files (but those named in ``synced``, fsynced by their writers: not reopened, one open per rank's
+    shard on a shared file system) and entries fsynced first (a power loss after the rename cannot
+    leave a torn file under the final name), the earlier export renamed to ``old`` (default
+    ``final + ".old"``) before and deleted after, so a crash in between leaves it whole there
+    (``recover_replaced_export`` brings it back). Raises OSError; ``final`` is then the earlier
+    export, or it is under ``old``."""
+    for name in os.listdir(tmp):
+        path = os.path.join(tmp, name)
+        if name not in synced and os.path.isfile(path):
+            fsync_path(path)
+    fsync_path(tmp)
+    old = old or final + ".old"
+    if os.path.lexists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_path(os.path.dirname(os.path.abspath(final)))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def should_export_hf(c: CheckpointConfig, iteration: int, last: bool) -> bool:
@@ -182,29 +220,36 @@ def build_index(shards: list[dict[str, Any]]) -> dict[str, Any]:
     return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
 
 
-def write_tokenizer_files(cfg: JobConfig, out_dir: str) -> str:
-    """Copy the run's Hugging Face tokenizer files (a local --tokenizer-model directory), write the
-    files of an exact Hugging Face equivalent of its SentencePiece model (``hf/tokenizer.py``), or
-    write a note saying what tokenizer the token ids are of (and why no files); returns what was done,
-    for the log."""
-    d = cfg.data
-    local = d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model and os.path.isdir(d.tokenizer_model)
-    if local:
+def write_tokenizer_files(d: DataConfig, out_dir: str, unusable: str | None = None) -> str:
+    """Copy the tokenizer files of ``d`` (the run's tokenizer flags) when it is a local Hugging Face
+    directory, write the files of an exact Hugging Face equivalent of its SentencePiece model
+    (``hf/tokenizer.py``), or write a note saying what tokenizer the token ids are of and why no
+    files (``unusable``, a sentence, when the caller found the files at those paths are not the
+    model's tokenizer: then no file is copied or converted); returns what was done, for the log."""
+    if d.tokenizer_type in HF_TYPES and d.tokenizer_model and os.path.isdir(d.tokenizer_model) and not unusable:
         copied = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(d.tokenizer_model, n))]
         for name in copied:
             shutil.copyfile(os.path.join(d.tokenizer_model, name), os.path.join(out_dir, name))
         if copied:
             return f"tokenizer files {', '.join(copied)} copied from {d.tokenizer_model}"
-    why = ""
-    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model:
-        how = f"AutoTokenizer.from_pretrained({d.tokenizer_model!r})"
-    elif d.tokenizer_type in SENTENCEPIECE_TYPES:
+    why = f" ({unusable})" if unusable else ""
+    if d.tokenizer_type in SENTENCEPIECE_TYPES and not unusable:
         written, why = _maybe_write_sentencepiece(d.tokenizer_model, d.tokenizer_type, out_dir)
         if written:
             return f"tokenizer files {', '.join(written)} written for {d.tokenizer_model} (the same ids)"
-        how = f"sentencepiece.SentencePieceProcessor(model_file={d.tokenizer_model!r}).encode(text) (no BOS/EOS)"
-    else:
-        how = "a tokenizer producing the same ids"
+    return _write_tokenizer_note(d, out_dir, _describe_reader(d), why)
+
+
+def _describe_reader(d: DataConfig) -> str:
+    """How a user of the export gets the ids of the tokenizer ``d`` names, for the note."""
+    if d.tokenizer_type in HF_TYPES and d.tokenizer_model:
+        return f"AutoTokenizer.from_pretrained({d.tokenizer_model!r})"
+    if d.tokenizer_type in SENTENCEPIECE_TYPES:
+        return f"sentencepiece.SentencePieceProcessor(model_file={d.tokenizer_model!r}).encode(text) (no BOS/EOS)"
+    return "a tokenizer producing the same ids"
+
+
+def _write_tokenizer_note(d: DataConfig, out_dir: str, how: str, why: str) -> str:
     note = (
         f"No Hugging Face tokenizer files were written: this model was trained with --tokenizer-type "
         f"{d.tokenizer_type} (--tokenizer-model {d.tokenizer_model}). Its token ids are that tokenizer's; "
@@ -230,18 +275,30 @@ def _maybe_write_sentencepiece(model_path: str | None, tokenizer_type: str, out_
         return [], f" (No tokenizer.json: {err}; pip install tokenizers protobuf, then export again.)"
 
 
-def get_special_token_ids(cfg: JobConfig) -> dict[str, int]:
-    """``config.json``'s ``eos_token_id`` (our EOD, which ends each document) and ``pad_token_id``
-    (our pad, where it is a token of its own: transformers' Llama makes ``pad_token_id`` its
-    embedding's ``padding_idx``, whose row fine-tuning then never updates, so a pad that is the EOD is
-    left out): without them transformers assumes Llama's 2, so ``generate`` would not stop at a GPT-2
-    vocabulary's EOD. {} when the run's tokenizer cannot be built here (the note says which)."""
+def get_special_token_ids(d: DataConfig) -> dict[str, int | None]:
+    """``get_tokenizer_special_ids`` of the tokenizer ``d`` (the run's tokenizer flags) names; {} when
+    it cannot be built here (a file gone since training: the note says which tokenizer)."""
     try:
-        tokenizer = build_tokenizer(**get_tokenizer_args(cfg.data))
-        eod, pad = int(tokenizer.eod), int(tokenizer.pad)
+        tokenizer = build_tokenizer(**get_tokenizer_args(d))
     except Exception:  # noqa: BLE001 - a file gone since training: the export goes on without the ids
         return {}
-    return {"eos_token_id": eod, **({"pad_token_id": pad} if pad != eod else {})}
+    return get_tokenizer_special_ids(tokenizer)
+
+
+def get_tokenizer_special_ids(tokenizer: Any) -> dict[str, int | None]:
+    """``config.json``'s ``eos_token_id`` (our EOD, which ends each document), ``pad_token_id`` (our
+    pad, where it is a token of its own: transformers' Llama makes ``pad_token_id`` its embedding's
+    ``padding_idx``, whose row fine-tuning then never updates, so a pad that is the EOD is left out)
+    and ``bos_token_id``. Without them transformers assumes Llama's eos 2 and bos 1: ``generate``
+    would not stop at a GPT-2 vocabulary's EOD, and with no prompt it would start from token 1
+    (GPT-2's '"'). Our data never holds a BOS (tokenize adds none), but a SentencePiece model,
+    a Hugging Face tokenizer or tiktoken's specials define one, which the exported tokenizer
+    names too: that id. NullTokenizer and GPT2BPETokenizer have none: ``None`` (null), so an
+    unprompted ``generate`` is an error naming bos_token_id rather than text after a wrong token."""
+    eod, pad = int(tokenizer.eod), int(tokenizer.pad)
+    bos = getattr(tokenizer, "bos", None)  # sentencepiece says -1 for none, Hugging Face None
+    bos = int(bos) if bos is not None and int(bos) >= 0 else None
+    return {"eos_token_id": eod, "bos_token_id": bos, **({"pad_token_id": pad} if pad != eod else {})}
 
 
 def export_hf_model(
@@ -261,7 +318,7 @@ def export_hf_model(
     vocab = tokenizer_identity.get("vocab_size") or padded_vocab_size
     hf = build_hf_config(args, vocab, get_ffn_hidden_size(cfg.model))
     if ctx.is_logging_rank:  # the publishing rank writes config.json
-        hf.update(get_special_token_ids(cfg))
+        hf.update(get_special_token_ids(cfg.data))
     save = cfg.checkpoint.save
     final = get_hf_export_dir(save, iteration)
     tmp = os.path.join(save, HF_SUBDIR, f".tmp_iter_{iteration:07d}")
@@ -306,6 +363,7 @@ def _write_shard(tensors: dict[str, torch.Tensor], tmp: str, name: str, shard: d
 
     try:
         save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
+        fsync_path(os.path.join(tmp, name))  # durable before the publishing rank's rename
     except (OSError, SafetensorError) as err:  # disk full, permissions: safetensors raises its own error
         return f"{os.path.join(tmp, name)}: {err}"
     shard["weight_map"] = {k: name for k in tensors}
@@ -331,15 +389,10 @@ def _publish(
             json.dump(index, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
-        tokenizer = write_tokenizer_files(cfg, tmp)
+        tokenizer = write_tokenizer_files(cfg.data, tmp)
         for name in os.listdir(tmp):  # safetensors creates its files 0600: readable as config.json is
             os.chmod(os.path.join(tmp, name), 0o644)
-        old = final + ".old"
-        if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        publish_directory(tmp, final, synced=frozenset(index["weight_map"].values()))  # the writers fsynced the shards
     except OSError as err:
         return [str(err)]
     files = sorted(set(index["weight_map"].values()))

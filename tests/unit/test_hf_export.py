@@ -104,12 +104,12 @@ def test_tokenizer_files_are_copied_or_a_note_written(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     cfg = build_job_config({**BASE, "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tok)})
-    assert "copied" in write_tokenizer_files(cfg, str(out))
+    assert "copied" in write_tokenizer_files(cfg.data, str(out))
     assert sorted(os.listdir(out)) == ["tokenizer.json", "tokenizer_config.json"]
     note_dir = tmp_path / "note"
     note_dir.mkdir()
     cfg = build_job_config({**BASE, "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/m/sp.model"})
-    write_tokenizer_files(cfg, str(note_dir))
+    write_tokenizer_files(cfg.data, str(note_dir))
     note = (note_dir / "TOKENIZER.txt").read_text()
     assert "--tokenizer-type SentencePieceTokenizer" in note and "/m/sp.model" in note
 
@@ -227,3 +227,37 @@ def test_keep_last_after_a_rollback_keeps_the_export_just_written(tmp_path):
     assert prune_hf_exports(str(tmp_path), 1, [].append, keep=150) == [str(tmp_path / "iter_0000100")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000150", "iter_0000200", "iter_0000300"]
     assert (tmp_path / "iter_0000150" / "sentinel").read_text() == "150, just exported"
+
+
+def test_an_export_is_on_disk_before_its_publishing_rename(tmp_path, monkeypatch):
+    """Each shard is fsynced by its writer; ``publish_directory`` fsyncs every file and the
+    directory's entries before the rename that publishes it, and the parent's entries after (a
+    power loss after the rename cannot leave a published export with a torn or missing file)."""
+    import megatron_ext.hf.export as export
+
+    events = []
+    monkeypatch.setattr(export, "fsync_path", lambda path: events.append(("fsync", path)))
+    real_rename = os.rename
+    monkeypatch.setattr(export.os, "rename", lambda a, b: (events.append(("rename", a, b)), real_rename(a, b)))
+    tmp, final = tmp_path / ".tmp_iter_0000003", tmp_path / "iter_0000003"
+    tmp.mkdir()
+    shard = {}
+    name = "model-pp000-tp000.safetensors"
+    assert export._write_shard({"model.norm.weight": torch.ones(4)}, str(tmp), name, shard) is None
+    assert events == [("fsync", str(tmp / name))]
+    (tmp / "config.json").write_text("{}")
+    final.mkdir()  # an earlier export of the iteration: aside first, deleted after
+    (final / "config.json").write_text("{}")
+    events.clear()
+    export.publish_directory(str(tmp), str(final), synced=frozenset([name]))  # --save-hf's: not reopened
+    publish = events.index(("rename", str(tmp), str(final)))
+    synced = {e[1] for e in events[:publish] if e[0] == "fsync"}
+    assert synced == {str(tmp / "config.json"), str(tmp)}, events
+    assert ("rename", str(final), str(final) + ".old") in events[:publish]
+    assert events[publish + 1 :] == [("fsync", str(tmp_path))], events
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003"] and sorted(os.listdir(final)) == ["config.json", name]
+    (tmp_path / "tmp2").mkdir()
+    (tmp_path / "tmp2" / name).write_text("x")
+    events.clear()
+    export.publish_directory(str(tmp_path / "tmp2"), str(tmp_path / "new"))  # the converter's: every file
+    assert events[:2] == [("fsync", str(tmp_path / "tmp2" / name)), ("fsync", str(tmp_path / "tmp2"))], events

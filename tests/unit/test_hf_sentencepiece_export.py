@@ -104,7 +104,7 @@ def models(tmp_path_factory):
 def _export(model: str, tokenizer_type: str, out_dir) -> str:
     cfg = build_job_config(dict(mock_data=True, num_layers=2, tokenizer_type=tokenizer_type, tokenizer_model=model))
     os.makedirs(out_dir, exist_ok=True)
-    return write_tokenizer_files(cfg, str(out_dir))
+    return write_tokenizer_files(cfg.data, str(out_dir))
 
 
 def _load(out_dir, monkeypatch):
@@ -167,17 +167,28 @@ def test_a_model_hf_cannot_reproduce_gets_the_note_saying_why(models, variant, r
     assert reason in note and models[variant] in note and "--tokenizer-type SentencePieceTokenizer" in note
 
 
-def test_config_names_our_eod_and_pad_as_the_models_eos_and_pad():
-    """--save-hf's config.json: eos_token_id / pad_token_id are the SentencePiece model's own eos and
-    pad (what our EOD and pad are), read here through sentencepiece itself; a pad that is the EOD
-    (NullTokenizer's) is not named (transformers would freeze that embedding row)."""
+def test_config_names_our_eod_pad_and_bos_as_the_models_eos_pad_and_bos(models):
+    """--save-hf's config.json: eos_token_id / pad_token_id / bos_token_id are the SentencePiece
+    model's own eos, pad and bos (what our EOD and pad are), read here through sentencepiece itself
+    (a model trained without a BOS piece: null, not transformers' default 1); a pad that is the EOD
+    (NullTokenizer's) is not named (transformers would freeze that embedding row), and NullTokenizer
+    has no BOS."""
     processor = sentencepiece.SentencePieceProcessor(model_file=SHIPPED_MODEL)
     for tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         cfg = build_job_config(dict(mock_data=True, tokenizer_type=tokenizer_type, tokenizer_model=SHIPPED_MODEL))
-        assert get_special_token_ids(cfg) == {"eos_token_id": processor.eos_id(), "pad_token_id": processor.pad_id()}
+        assert get_special_token_ids(cfg.data) == {
+            "eos_token_id": processor.eos_id(),
+            "pad_token_id": processor.pad_id(),
+            "bos_token_id": processor.bos_id(),
+        }
+    no_bos = _train(os.path.dirname(models["unigram"]), "no_bos", bos_id=-1)
+    assert sentencepiece.SentencePieceProcessor(model_file=no_bos).bos_id() == -1
+    cfg = build_job_config(dict(mock_data=True, tokenizer_type="SentencePieceTokenizer", tokenizer_model=no_bos))
+    assert get_special_token_ids(cfg.data)["bos_token_id"] is None
     gone = build_job_config(
         dict(mock_data=True, tokenizer_type="SentencePieceTokenizer", tokenizer_model="/gone.model")
     )
-    assert get_special_token_ids(gone) == {}
+    assert get_special_token_ids(gone.data) == {}
     null = build_job_config(dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100))
-    assert get_special_token_ids(null) == {"eos_token_id": 100}  # its pad is its EOD: no padding_idx made of it
+    # its pad is its EOD: no padding_idx made of it
+    assert get_special_token_ids(null.data) == {"eos_token_id": 100, "bos_token_id": None}
