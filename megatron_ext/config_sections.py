@@ -408,12 +408,12 @@ class TrainingConfig:
     )
     cuda_graph_impl: str = _f(
         "none",
-        "CUDA graphs (Megatron-LM's flag): local captures each transformer layer whole with megatron-core's CudaGraphManager (CUDA only; with --cuda-graph-scope full_iteration megatron-core captures the whole step); transformer_engine needs Transformer Engine.",
+        "CUDA graphs (Megatron-LM's flag): local captures each transformer layer whole with megatron-core's CudaGraphManager (CUDA only; refused with --recompute-granularity full, whose recomputed layers run outside the graphs); transformer_engine needs Transformer Engine.",
         choices=["none", "local", "transformer_engine"],
     )
     cuda_graph_scope: str = _f(
         "full",
-        "What --cuda-graph-impl local captures: full (each whole transformer layer, the default) or full_iteration (the whole forward-backward step; needs --no-check-for-nan-in-loss-and-grad); attn, mlp and the other per-module scopes need Transformer Engine.",
+        "What --cuda-graph-impl local captures: full (each whole transformer layer, the default and the only scope that runs here); full_iteration (Megatron-LM's whole forward-backward step) is refused as not wired yet, and attn, mlp and the other per-module scopes need Transformer Engine.",
         choices=["full", "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"],
     )
     cuda_graph_warmup_steps: int = _f(

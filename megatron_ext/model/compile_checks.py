@@ -4,7 +4,9 @@
 CUDA graphs follow Megatron-LM 0.16's rules for ``--cuda-graph-impl local``: only the whole-layer
 scope or ``full_iteration`` (the per-module scopes need Transformer Engine's graphs), and
 ``full_iteration`` only without the NaN check (its host-side check cannot run inside a captured step);
-full recompute re-runs layers outside any graph, so only ``full_iteration`` can capture it.
+full recompute re-runs layers outside any graph, so only ``full_iteration`` could capture it. Here
+``full_iteration`` is refused as not wired yet (megatron-core's ``FullCudaGraphWrapper`` copies dict
+batches, ours are ``Microbatch`` objects), so every fix an error offers names a setting that runs now.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def _check_cuda_graphs(cfg: Any, cuda: bool) -> list[str]:
     if cfg.model.recompute_granularity == "full" and scope != "full_iteration":
         out.append(
             "--cuda-graph-impl local with --recompute-granularity full: a recomputed layer runs outside its "
-            "graph; use --cuda-graph-scope full_iteration or selective recompute"
+            "graph (only --cuda-graph-scope full_iteration could capture it, and that is not wired here yet); "
+            "use --recompute-granularity selective or drop it, or run without --cuda-graph-impl"
         )
     return out

@@ -65,6 +65,23 @@ def test_refused_with_one_error_naming_the_flag(values, cuda, message):
     assert sum(message in p for p in problems) == 1, problems
 
 
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def test_full_recompute_with_cuda_graphs_offers_only_fixes_that_validate():
+    """The refusal once said "use --cuda-graph-scope full_iteration", itself refused (not wired here): each
+    fix it names now must validate on its own, and it names no refused scope as the way out."""
+    [problem] = _problems(dict(cuda_graph_impl="local", **FULL_RECOMPUTE), cuda=True)
+    assert "--recompute-granularity full" in problem
+    assert "use --cuda-graph-scope full_iteration" not in problem
+    assert "use --recompute-granularity selective or drop it, or run without --cuda-graph-impl" in problem
+    assert _problems(dict(cuda_graph_impl="local", recompute_granularity="selective"), cuda=True) == []
+    assert _problems(dict(cuda_graph_impl="local"), cuda=True) == []
+    assert _problems(dict(FULL_RECOMPUTE), cuda=True) == []
+    # and the scope it no longer offers is still refused with full recompute
+    assert _problems(dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration", **FULL_RECOMPUTE), cuda=True)
+
+
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE)
 def test_a_zero_bubble_schedule_with_torch_compile_is_one_error_naming_both_flags_and_the_fix(schedule):
     """The zero-bubble schedules defer each linear's weight gradient into a Python queue from inside its
