@@ -84,7 +84,7 @@ def _train(
     run = build_training_run(cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider)
     if run.ctx.is_logging_rank:
         run.log(describe_run(run))
-        for note in flag_notes:  # Megatron-LM flags accepted without effect, settings adjusted as it does
+        for note in flag_notes:  # Megatron-LM flags accepted without effect, settings adjusted as it does, shapes
             run.log(f"WARNING: {note}")
         for line in (restart_note, load_message):
             if line:

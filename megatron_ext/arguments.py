@@ -39,6 +39,7 @@ from megatron_ext.megatron_flags import (
     judge_megatron_flags,
     pop_megatron_flags,
 )
+from megatron_ext.model.compile_checks import get_shape_notes
 
 
 def _base_type(annotation: Any) -> Any:
@@ -271,8 +272,9 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
 
 
 def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig, list[str]]:
-    """``parse_args``, plus the warnings of Megatron-LM flags accepted without effect
-    (``megatron_flags.py``); the refused ones raise one ConfigError."""
+    """``parse_args``, plus the start-up warnings: Megatron-LM flags accepted without effect
+    (``megatron_flags.py``; the refused ones raise one ConfigError), settings adjusted as Megatron-LM
+    adjusts them, and compiled or graphed layers facing many padded lengths (``get_shape_notes``)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     values: dict[str, Any] = {}
@@ -286,7 +288,7 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
     notes, problems = judge_megatron_flags(megatron_flags, cfg)
     if problems:
         raise ConfigError(problems)
-    return cfg, notes + adjust_like_megatron(cfg)
+    return cfg, notes + adjust_like_megatron(cfg) + get_shape_notes(cfg)
 
 
 def adjust_like_megatron(cfg: JobConfig) -> list[str]:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from megatron_ext.derived import get_sequence_padding, uses_variable_lengths
+from megatron_ext.derived import get_max_microbatch_length, get_sequence_padding, uses_variable_lengths
 from megatron_ext.pipeline.names import splits_backward
 
 LOCAL_SCOPES = ("full", "full_iteration")
 COMPILABLE_RECOMPUTE_MODULES = ("core_attn",)
+MAX_QUIET_LENGTHS = 8  # padded lengths a compiled or graphed run may see before start-up warns
 
 
 def check_compile_and_graphs(cfg: Any, cuda: bool) -> list[str]:
@@ -107,3 +108,42 @@ def _check_cuda_graphs(cfg: Any, cuda: bool) -> list[str]:
             "use --recompute-granularity selective or drop it, or run without --cuda-graph-impl"
         )
     return out
+
+
+def count_padded_lengths(max_length: int, multiple: int, bucket: str) -> int:
+    """How many padded lengths negotiated/variable padding can give (``data/padding.get_step_length``'s
+    rounding over every length up to ``max_length``): ceil(max / multiple) with ``multiple``, about
+    log2 of that plus one with ``power-of-two``."""
+    lengths = set()
+    for blocks in range(1, -(-max_length // multiple) + 1):
+        if bucket == "power-of-two":
+            blocks = 1 << (blocks - 1).bit_length()
+        lengths.add(min(max_length, blocks * multiple))
+    return len(lengths)
+
+
+def get_shape_notes(cfg: Any) -> list[str]:
+    """One start-up warning when --torch-compile or --cuda-graph-impl meets variable lengths padded with
+    ``--pad-length-bucket multiple``: each padded length is a recompile (or a capture), up to seq/64 of
+    them with the defaults, which nothing else would say; ``power-of-two`` keeps them to a handful."""
+    t, d = cfg.training, cfg.data
+    flags = [
+        flag
+        for flag, on in (("--torch-compile", t.torch_compile), ("--cuda-graph-impl", t.cuda_graph_impl != "none"))
+        if on
+    ]
+    multiple = d.pad_to_multiple_of
+    if not flags or not uses_variable_lengths(d) or get_sequence_padding(d) == "static":
+        return []
+    if d.pad_length_bucket != "multiple" or not (isinstance(multiple, int) and multiple >= 1):
+        return []
+    longest = get_max_microbatch_length(cfg)
+    num_lengths = count_padded_lengths(longest, multiple, "multiple")
+    if num_lengths <= MAX_QUIET_LENGTHS:
+        return []
+    return [
+        f"{' and '.join(flags)} with --pad-length-bucket multiple: micro-batches come in up to {num_lengths} "
+        f"padded lengths (multiples of --pad-to-multiple-of {multiple} up to {longest} tokens), each a "
+        f"recompile; add --pad-length-bucket power-of-two "
+        f"({count_padded_lengths(longest, multiple, 'power-of-two')} lengths, at up to 2x the padding)"
+    ]

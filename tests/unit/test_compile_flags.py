@@ -9,8 +9,11 @@ import importlib.util
 import pytest
 import torch
 
+from megatron_ext.arguments import parse_args_with_notes
 from megatron_ext.config import ConfigError, build_job_config
+from megatron_ext.data.padding import get_step_length
 from megatron_ext.derived import resolve_config
+from megatron_ext.model.compile_checks import count_padded_lengths, get_shape_notes
 from megatron_ext.model.gpt import build_transformer_config
 from megatron_ext.pipeline.names import SCHEDULES, splits_backward
 from megatron_ext.testing import VOCAB, tiny_values
@@ -153,3 +156,45 @@ def test_the_compiled_scope_is_the_whole_block_unless_it_cannot_trace(values, wh
     world = values.get("tensor_model_parallel_size", 1)
     config = build_transformer_config(cfg, resolve_config(cfg, world, VOCAB - 1), torch.device("cpu"))
     assert block_compiles(config) is whole
+
+
+# --torch-compile with variable lengths: start-up names the padding that would recompile per length
+PACKED_2048 = dict(packed_sequences=True, seq_length=2048, max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize(
+    "values,warned",
+    [
+        (dict(torch_compile=True, **PACKED_2048), True),  # negotiated, multiple 64: 32 lengths
+        (dict(torch_compile=True, one_document_per_row=True, seq_length=2048), True),
+        (dict(torch_compile=True, sequence_padding="variable", **PACKED_2048), True),
+        (dict(torch_compile=True, pad_length_bucket="power-of-two", **PACKED_2048), False),
+        (dict(torch_compile=True, sequence_padding="static", **PACKED_2048), False),
+        (dict(torch_compile=True, seq_length=2048), False),  # fixed-length windows: static
+        (dict(torch_compile=True, packed_sequences=True, seq_length=256), False),  # 4 lengths: a handful
+        (dict(PACKED_2048), False),  # eager: a length costs nothing more
+    ],
+    ids=["packed", "one-doc-per-row", "variable", "power-of-two", "static", "windows", "short", "eager"],
+)
+def test_compiled_runs_warn_once_when_padding_allows_many_lengths(values, warned):
+    notes = get_shape_notes(build_job_config(tiny_values(**values)))
+    assert len(notes) == int(warned), notes
+    if warned:
+        assert "--torch-compile with --pad-length-bucket multiple" in notes[0]
+        assert "add --pad-length-bucket power-of-two" in notes[0] and "\n" not in notes[0]
+
+
+def test_the_shape_warning_counts_what_padding_gives_and_reaches_start_up():
+    """The counts are data/padding.get_step_length's, and the note is one of parse_args_with_notes' (what
+    pretrain_gpt.py prints as a WARNING line at start-up)."""
+    for longest, multiple in ((2048, 64), (8192, 64), (1000, 64), (4096, 128)):
+        for bucket in ("multiple", "power-of-two"):
+            expected = {get_step_length(n, multiple, longest, bucket) for n in range(1, longest + 1)}
+            assert count_padded_lengths(longest, multiple, bucket) == len(expected)
+    argv = ["--mock-data", "--packed-sequences", "--seq-length", "2048", "--max-position-embeddings", "2048"]
+    argv += ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--torch-compile"]
+    _, notes = parse_args_with_notes(argv)
+    [note] = [n for n in notes if "--pad-length-bucket" in n]
+    assert "up to 32 padded lengths" in note and "power-of-two (6 lengths" in note
+    _, notes = parse_args_with_notes(argv + ["--pad-length-bucket", "power-of-two"])
+    assert not [n for n in notes if "--pad-length-bucket" in n]
