@@ -1,6 +1,7 @@
 """Host overhead per micro-batch: our layers (eager and --torch-compile) beside transformers' GPT-2 and Llama.
 
     python -m bench.host_overhead [--hidden-size 64] [--seq-length 128] [--steps 8] [--skip-compiled]
+    python -m bench.host_overhead --device cuda     # the same on one CUDA GPU (no TP-2 part)
 
 Same shapes on every side (GPT-2 style: LayerNorm, GELU, biases, learned positions, tied embedding;
 Llama style: RMSNorm, SwiGLU, RoPE, no biases, GQA 4/2, untied), a tiny hidden size so that kernels are
@@ -24,6 +25,12 @@ Figures, each beside the issue-30 target where there is one:
 - graphs and breaks per layer (``torch._dynamo.explain`` on one layer with the arguments it receives),
   at TP 1 and at TP 2 with sequence parallelism (two forked ranks; ours compiled and megatron-core's linears);
 - recompiles over a packed run (ours: 40 packed micro-batches, negotiated power-of-two buckets).
+
+``--device cuda`` runs the single-process parts on one CUDA GPU (issue 30 asks for the host overhead on
+CPUs and GPUs): the same sides and figures, the host milliseconds as synchronized wall time (with a tiny
+hidden size the GPU waits on the host, so the wall is the host's), inductor generating Triton kernels,
+and the C++ wrapper launching them from C++. The TP-2 part is skipped there and says so: its forked ranks
+cannot run dynamo once the parent has initialised CUDA (run it with ``--device cpu``).
 """
 
 from __future__ import annotations
@@ -58,7 +65,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps per side (first 2 dropped)")
     p.add_argument("--skip-compiled", action="store_true", help="eager sides only (inductor on a CPU is slow)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled sides")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the single-process parts on one CUDA GPU (wall ms; the forked TP-2 part is skipped)",
+    )
     return p.parse_args(argv)
+
+
+def get_device(args) -> torch.device:
+    return torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------- the sides
@@ -105,7 +122,7 @@ def build_ours(args, style: str, num_layers: int, ctx=None, **extra):
 
     cfg = build_job_config(our_values(args, style, num_layers, **extra))
     return build_training_run(
-        cfg, device=torch.device("cpu"), data=(None, None), log=lambda s: None, metrics=False, ctx=ctx
+        cfg, device=get_device(args), data=(None, None), log=lambda s: None, metrics=False, ctx=ctx
     )
 
 
@@ -128,7 +145,7 @@ def build_hf(args, style: str, num_layers: int):
             attn_pdrop=0.0,
             attn_implementation="sdpa",
         )
-        return GPT2LMHeadModel(config)
+        return GPT2LMHeadModel(config).to(get_device(args))
     config = LlamaConfig(
         hidden_size=h,
         intermediate_size=resolve_ffn_hidden_size(None, h, True),
@@ -140,7 +157,7 @@ def build_hf(args, style: str, num_layers: int):
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(get_device(args))
 
 
 def make_microbatches(args, n: int) -> list:
@@ -160,7 +177,7 @@ def make_microbatches(args, n: int) -> list:
                 position_ids=torch.arange(s).expand(b, s).contiguous(),
                 num_real_tokens=b * s,
                 attention_pairs=b * s * s,
-            )
+            ).to(get_device(args))
         )
     return out
 
@@ -214,12 +231,23 @@ def cpu_ms(fn, *args) -> float:
     return (time.process_time() - t0) * 1e3
 
 
-def alternate(sides: dict, steps: int) -> dict:
+def cuda_wall_ms(fn, *args) -> float:
+    """Wall time of ``fn(*args)`` between two synchronizations (process time would count the driver's
+    threads and a spinning wait)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def alternate(sides: dict, steps: int, timer=cpu_ms) -> dict:
     """{name: median ms per call} over ``steps`` rounds A B C ..., the first 2 dropped."""
     times = {name: [] for name in sides}
     for _ in range(steps):
         for name, (fn, args) in sides.items():
-            times[name].append(cpu_ms(fn, *args))
+            times[name].append(timer(fn, *args))
     return {name: statistics.median(t[2:]) for name, t in times.items()}
 
 
@@ -383,7 +411,7 @@ def measure_style(args, style: str, ctx) -> tuple[dict, object]:
         fn(*fargs)
         calls, platform = python_calls(fn, *fargs)
         out[name].update(calls=calls / m, platform=platform / m)
-    for name, ms in alternate(sides, args.steps).items():
+    for name, ms in alternate(sides, args.steps, cuda_wall_ms if args.device == "cuda" else cpu_ms).items():
         out[name]["ms"] = ms / m
     deep = {
         f"ours {style} eager": build_ours(args, style, 2 * L, ctx=ctx),
@@ -414,13 +442,15 @@ def measure_style(args, style: str, ctx) -> tuple[dict, object]:
 
 def print_style(style: str, out: dict, args, tp2: dict | None = None) -> None:
     hf_eager = out[f"transformers {style} eager"]["calls"]
+    cuda = args.device == "cuda"
     print(
         f"\n== {style} style: hidden {args.hidden_size}, {args.num_layers} layers, seq {args.seq_length}, "
         f"micro-batch {args.micro_batch_size}, {args.microbatches} micro-batches a step, fp32, 1 thread"
+        + (", CUDA (ms: synchronized wall time)" if cuda else "")
     )
     print(
         f"{'side':32} {'py calls/mb':>12} {'(platform)':>11} {'x hf eager':>10} {'aten ops/layer':>15} "
-        f"{'syncs/step':>10} {'host ms/mb':>10} {'graphs/breaks':>14}"
+        f"{'syncs/step':>10} {'wall ms/mb' if cuda else 'host ms/mb':>10} {'graphs/breaks':>14}"
     )
     for name, row in out.items():
         graphs = f"{row['explain'][0]}/{row['explain'][1]}" if "explain" in row else "-"
@@ -466,6 +496,13 @@ def print_style(style: str, out: dict, args, tp2: dict | None = None) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "bench.host_overhead --device cuda: torch sees no CUDA GPU here; run it on a GPU machine, "
+            "or leave --device out for the CPU figures",
+            file=sys.stderr,
+        )
+        return 2
     torch.set_num_threads(1)
     import os
 
@@ -474,15 +511,35 @@ def main(argv=None) -> int:
     print(
         f"host overhead | torch {torch.__version__} | load average {os.getloadavg()[0]:.1f} | "
         f"backend {args.backend if not args.skip_compiled else '-'}"
+        + (f" | {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "")
     )
-    # TP 2 first, in forked ranks of their own world (before this process joins its one-rank world)
-    tp2 = None if args.skip_compiled else run_ranks(explain_tp2, 2, args, STYLES, timeout=900)[0]
-    init_single_rank_world(timeout_minutes=30)
+    tp2 = None
+    if args.device == "cuda":
+        if not args.skip_compiled:
+            print(
+                "TP 2 with sequence parallelism: skipped on CUDA (its forked ranks cannot run dynamo once this "
+                "process has initialised CUDA); python -m bench.host_overhead (on the CPU) measures it"
+            )
+        start_cuda_world()
+    else:
+        # TP 2 first, in forked ranks of their own world (before this process joins its one-rank world)
+        tp2 = None if args.skip_compiled else run_ranks(explain_tp2, 2, args, STYLES, timeout=900)[0]
+        init_single_rank_world(timeout_minutes=30)
     ctx = None
     for style in STYLES:
         out, ctx = measure_style(args, style, ctx)
         print_style(style, out, args, tp2[style] if tp2 else None)
     return 0
+
+
+def start_cuda_world() -> None:
+    """A one-rank NCCL world on GPU 0, as ``pretrain_gpt.py`` starts one without torchrun."""
+    import os
+
+    from megatron_ext.parallel import init_distributed
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    init_distributed(torch.device("cuda", 0), 30)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ export PYTHONUNBUFFERED=1
 # 10: each group's limits add up to at most 570 s (one call), groups 1-3 to at most 1500 s (one session,
 # with the machine's start). Group 1 is what issue 30 needs first; group 4 is for a second session;
 # memory-model (issue 32: the memory model against max_memory_allocated) runs alone or with group 6.
-# bench/host_overhead.py is not here: its figures (Python calls, graph breaks, syncs) are the CPU's, and its
-# forked TP-2 ranks cannot run dynamo once the parent process has initialised CUDA.
+# Groups 7 and 8 are issue 30's rest: the host overhead on CUDA (bench/host_overhead.py --device cuda: the
+# C++ wrapper launching Triton kernels; its forked TP-2 part runs on the CPU only, skipped there) and the
+# 1.3B rows with --torch-compile and CUDA graphs against the MFU stretch 0.55.
 CHECKS=(
   "tests|450|1|python -m pytest tests/gpu -rs -q --durations=0"
   "gpt2|280|2|python -m bench.gpu_throughput --only gpt2 --accumulate 8 --torch-compile --cuda-graph-impl local"
@@ -30,6 +31,8 @@ CHECKS=(
   "memory-model|240|6|python -m bench.gpu_memory"
   "profile-gpt2|200|5|python -m bench.gpu_profile --shape gpt2 --micro-batch 8 --accumulate 8 --no-packed --python"
   "ablation|360|5|python -m bench.gpu_ablation"
+  "host-overhead|420|7|python -m bench.host_overhead --device cuda --steps 6"
+  "1.3b-variants|480|8|python -m bench.gpu_throughput --only 1.3b --accumulate 8 --steps 8 --warmup 2 --torch-compile --cuda-graph-impl local"
 )
 export MEGATRON_EXT_REQUIRE_GPU=1  # the gpu tests fail, not skip, if they cannot see the GPU
 
