@@ -58,6 +58,7 @@ def _train(values: dict, reference: bool, nan_at: int | None = None) -> tuple[li
 
     ours = step.step_optimizer_fetching
     step.step_optimizer_fetching = megatron_core_step if reference else ours
+    run = None
     try:
         run = build_tiny_run(tiny_values(**BASE, **values), MarkovDataset(32, mask_every=1))
         if nan_at is not None:
@@ -71,7 +72,7 @@ def _train(values: dict, reference: bool, nan_at: int | None = None) -> tuple[li
         params = [p.detach().clone() for chunk in run.model for p in chunk.parameters()]
     finally:
         step.step_optimizer_fetching = ours
-        if run.prefetcher is not None:
+        if run is not None and run.prefetcher is not None:
             run.prefetcher.close()
         destroy_parallel_context()
     return per_step, params
