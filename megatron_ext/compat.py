@@ -142,10 +142,16 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "skipped on a non-finite global grad norm, the norm computed and all-reduced on the device as "
         "get_grad_norm_fp32 does and read with the step's loss reports and exit agreement in one copy; "
         "where the grad scaler is a constant 1.0 (--bf16 with the guard) prepare_grads' unscale and "
-        "found-inf read are left out (a non-finite gradient is a non-finite norm). --fp16's dynamic "
-        "scaler keeps megatron-core's step",
+        "found-inf read are left out (a non-finite gradient is a non-finite norm); with --fp16's scaler "
+        "found-inf is unscaled, checked and MAX-reduced on the device as _unscale_main_grads_and_check_for_nan "
+        "does and read in the same copy, each scaler updated after it; with the guard off (no scaler "
+        "with --bf16) the update is applied whatever the norm, as upstream's step applies it",
         "megatron_ext.training.optimizer:step_optimizer_fetching",
         (
+            "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan",
+            "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._collect_main_grad_data_for_unscaling",
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._collect_main_grad_data_for_unscaling",
+            "megatron.core.optimizer.grad_scaler.DynamicGradScaler.update",
             "megatron.core.optimizer.optimizer.ChainedOptimizer.step",
             "megatron.core.optimizer.optimizer.FP32Optimizer.prepare_grads",
             "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer.prepare_grads",
@@ -201,13 +207,28 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "the distributed optimizer copies each updated fp32 main shard into the model's parameter buffer "
         "with its own copy_ (one kernel and launch per parameter per step: 148 at GPT-2 124M); ours "
         "collects the same pairs and makes one torch._foreach_copy_ (stub, Megatron-FSDP, precision-aware "
-        "and FP8 cases keep upstream's method); Float16OptimizerWithFloat16Params goes through "
-        "multi_tensor_scale_impl, our foreach_scale: a _foreach_copy_ already",
+        "and FP8 cases keep upstream's method); Float16OptimizerWithFloat16Params: see "
+        "foreach-float16-param-copy",
         "megatron_ext.training.optimizer:foreach_copy_main_params_to_model_params",
         (
             "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._copy_main_params_to_model_params",
             "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._get_model_param_range_map",
+        ),
+    ),
+    Workaround(
+        "foreach-float16-param-copy",
+        "Float16OptimizerWithFloat16Params copies main to model parameters (and back on a reload) with "
+        "_multi_tensor_copy_this_to_that, which goes through multi_tensor_scale_impl only when given an "
+        "overflow buffer; MixedPrecisionOptimizer sets _dummy_overflow_buf = None with --bf16, so there "
+        "it loops one copy_ per parameter every step (148 at GPT-2 124M; the GPU benches' configuration). "
+        "Ours replaces the module's function: without a buffer one torch._foreach_copy_ over the same "
+        "pairs, with one (--fp16) upstream's route (our foreach_scale at 1.0)",
+        "megatron_ext.training.optimizer:foreach_copy_this_to_that",
+        (
+            "megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that",
             "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
+            "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params._copy_model_params_to_main_params",
+            "megatron.core.optimizer.optimizer.MixedPrecisionOptimizer",
         ),
     ),
     Workaround(

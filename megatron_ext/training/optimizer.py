@@ -6,12 +6,11 @@ With --bf16/--fp16 megatron-core keeps fp32 main parameters and gradients and st
 The schedule counts samples, as Megatron-LM does (``scheduler.step(increment=global batch)``).
 
 Non-finite guard (``--check-for-nan-in-loss-and-grad``, on by default): an update whose gradients
-hold a NaN or Inf is skipped on every rank. megatron-core's mixed-precision and distributed
-optimizers already check found-inf (all ranks agree in their own reduction) and skip when a grad
-scaler is set, so they get a constant scaler of 1.0 (fp16 keeps its dynamic one); megatron-core's
-fp32 optimizer reports no found-inf, so ``step_optimizer`` decides on the global gradient norm it
-computes anyway for clipping (agreed by every rank), before the update. A non-finite loss reaches
-the same checks through its gradients, which ``loss.poison_non_finite`` makes NaN.
+hold a NaN or Inf is skipped on every rank, decided on the global gradient norm (agreed by every
+rank) before the update; --bf16 gets megatron-core's constant scaler of 1.0 for it, --fp16 keeps its
+dynamic scaler, whose found-inf skips. A non-finite loss reaches the same checks through its
+gradients, which ``loss.poison_non_finite`` makes NaN. Either way the step reads found-inf, the norm
+and the step's loss reports in one device-to-host copy (``step_optimizer_fetching``).
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
     )
     apply_multi_tensor_fallback_fix()
     apply_foreach_main_to_model_copy()
+    apply_foreach_float16_param_copy()
     # On the CPU every group is gloo already; separate gloo groups exist only on CUDA.
     optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=device.type == "cuda")
     use_fused_adam(optimizer)
@@ -106,8 +106,7 @@ def foreach_copy_main_params_to_model_params(self) -> None:
     per-parameter ``copy_`` loop (one kernel, and on CUDA one launch, per parameter, every step) as
     one ``torch._foreach_copy_`` over the same (model-buffer shard, fp32 main shard) pairs. Where
     upstream does something else (a stub, Megatron-FSDP, the precision-aware optimizer, FP8
-    parameters) upstream's method runs. (Float16OptimizerWithFloat16Params copies through
-    ``multi_tensor_scale_impl`` with scale 1.0: ``foreach_scale`` above, a ``_foreach_copy_`` already.)"""
+    parameters) upstream's method runs. (Float16OptimizerWithFloat16Params: ``foreach_copy_this_to_that``.)"""
     from megatron.core.fp8_utils import is_float8tensor
 
     groups = [
@@ -147,6 +146,34 @@ def apply_foreach_main_to_model_copy() -> None:
         DistributedOptimizer._copy_main_params_to_model_params = foreach_copy_main_params_to_model_params
 
 
+def foreach_copy_this_to_that(this: list[torch.Tensor], that: list[torch.Tensor], overflow_buf=None) -> None:
+    """Drop-in for megatron-core's ``optimizer._multi_tensor_copy_this_to_that``: ``that[i].copy_(this[i])``
+    for each pair as one ``torch._foreach_copy_``. Upstream copies through ``multi_tensor_scale_impl``
+    only when given an overflow buffer, which ``MixedPrecisionOptimizer`` leaves None with --bf16:
+    then it loops, one ``copy_`` (one kernel and launch) per parameter, in every
+    ``Float16OptimizerWithFloat16Params`` step (148 at GPT-2 124M). With a buffer (--fp16) upstream's
+    route is kept (``foreach_scale`` at scale 1.0: a ``_foreach_copy_`` too)."""
+    if overflow_buf is not None:
+        return _UPSTREAM_COPY_THIS_TO_THAT[0](this, that, overflow_buf)
+    pairs = list(zip(this, that))  # upstream zips: the shorter list decides
+    if pairs:
+        torch._foreach_copy_([d for _, d in pairs], [s for s, _ in pairs])
+
+
+_UPSTREAM_COPY_THIS_TO_THAT: list = []
+
+
+def apply_foreach_float16_param_copy() -> None:
+    """Install ``foreach_copy_this_to_that`` as megatron-core's ``optimizer._multi_tensor_copy_this_to_that``
+    (registered in compat.py; Float16OptimizerWithFloat16Params' main-to-model and model-to-main
+    copies and fp8_utils look it up there at call time). Idempotent."""
+    from megatron.core.optimizer import optimizer
+
+    if not _UPSTREAM_COPY_THIS_TO_THAT:
+        _UPSTREAM_COPY_THIS_TO_THAT.append(optimizer._multi_tensor_copy_this_to_that)
+        optimizer._multi_tensor_copy_this_to_that = foreach_copy_this_to_that
+
+
 def get_loss_scale(t: TrainingConfig) -> float | None:
     """--loss-scale with --fp16; 1.0 (a constant scaler, so found-inf is checked) with the guard on."""
     if t.fp16:
@@ -171,38 +198,100 @@ def step_optimizer_fetching(
     Returns (update applied, global gradient norm, each tensor of ``fetch`` flattened to host floats,
     None for None). megatron-core 0.16.1 wraps every optimizer in a ``ChainedOptimizer`` whose ``step`` is
     prepare_grads -> get_grad_norm -> clip -> step_with_ready_grads (registered in compat.py), with a
-    ``.item()`` for found-inf (a grad scaler's) and another for the norm. Where every child is the fp32
-    optimizer or a mixed-precision one with a constant scale of 1.0 (--bf16 with the guard on), found-inf
-    says nothing the norm does not (a gradient is non-finite exactly when the norm is, and unscaling by
-    1.0 changes nothing), so this runs those steps itself: the model gradients copied to the main ones,
-    the squared norm computed and all-reduced on the device (``grad_norm_squared``), then one copy of it
-    together with ``fetch`` (the step's loss reports), then clipping and the update, skipped when the
-    norm is not finite. Otherwise (--fp16's dynamic scaler) megatron-core's step runs and ``fetch`` is
-    copied after it. ``veto``: the index in ``fetch`` of a tensor whose first value, when nonzero, skips
-    the update as a non-finite norm does (the spike guard, ``spike.py``); then ``fetch`` is copied
-    before megatron-core's step, which is not called (no loss-scale change: the gradients are finite)."""
+    ``.item()`` for found-inf (a grad scaler's) and another for the norm. This runs those steps itself:
+    the model gradients copied to the main ones (and, with --fp16's scaler, unscaled and checked into
+    each child's ``found_inf``, reduced on the device: ``prepare_grads_on_device``), the squared norm
+    computed and all-reduced on the device (``grad_norm_squared``), then one copy of found-inf, the norm
+    and ``fetch`` (the step's loss reports and exit agreement), then on the host what megatron-core
+    decides after its reads: each scaler's update, the skip on found-inf, clipping and the update.
+    Where no scaler can overflow (fp32; --bf16) found-inf says nothing the norm does not (a gradient
+    is non-finite exactly when the norm is, and unscaling by 1.0 changes nothing): with
+    ``check_for_nan`` the update is skipped when the norm is not finite; without it the update is
+    applied, as megatron-core's step applies it (its clipping with a non-finite norm as upstream's).
+    ``veto``: the index in ``fetch`` of a tensor whose first value, when nonzero, skips the update (the
+    spike guard, ``spike.py``) before any scaler changes, as a step never taken. Children this does not
+    know (``steps_in_one_copy``) take megatron-core's step, with ``fetch`` copied after it."""
+    children = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not all(steps_in_one_copy(c) for c in children):
+        return _step_upstream(optimizer, fetch, veto)
+    found_inf = [prepare_grads_on_device(c) for c in children]  # [1] per child with a scaler, else None
+    flags = [f for f in found_inf if f is not None]
+    to_fetch = [grad_norm_squared(children), torch.cat(flags) if flags else None, *fetch]
+    (norm_sq,), fetched = fetch_to_host(to_fetch)  # the step's one copy
+    grad_norm = norm_sq**0.5  # as get_grad_norm_fp32 takes the root
+    inf_values, fetched = fetched[1], fetched[2:]
+    if veto is not None and fetched[veto][0]:
+        return False, grad_norm, fetched
+    if update_grad_scalers(children, found_inf, inf_values):
+        return False, None, fetched  # megatron-core's (success, norm) for an overflow
+    if check_for_nan and not flags and not math.isfinite(grad_norm):
+        return False, grad_norm, fetched
+    clip_main_grads(children, grad_norm)
+    return bool(optimizer.step_with_ready_grads()), grad_norm, fetched
+
+
+def _step_upstream(optimizer, fetch: list[torch.Tensor | None], veto: int | None):
+    """megatron-core's ``optimizer.step()`` (its own syncs), ``fetch`` copied before it with a
+    ``veto`` (a vetoed step does not call it), after it otherwise."""
+    if veto is not None:
+        fetched = fetch_to_host(fetch)[1]
+        if fetched[veto][0]:
+            return False, None, fetched
+        success, grad_norm, _ = optimizer.step()
+        return bool(success), grad_norm, fetched
+    success, grad_norm, _ = optimizer.step()
+    return bool(success), grad_norm, fetch_to_host(fetch)[1]
+
+
+def steps_in_one_copy(child) -> bool:
+    """megatron-core's fp32 or mixed-precision optimizer (Float16OptimizerWithFloat16Params, the
+    distributed one), not counting zeros in gradients (which ``step_optimizer_fetching`` does not do)."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+
+    return isinstance(child, (FP32Optimizer, MixedPrecisionOptimizer)) and not child.config.log_num_zeros_in_grad
+
+
+@torch.no_grad()
+def prepare_grads_on_device(child) -> torch.Tensor | None:
+    """``child.prepare_grads()`` less its host read and scaler update: returns the child's found-inf
+    ([1] fp32 on the device, reduced MAX over the grad-stats group as upstream's
+    ``_unscale_main_grads_and_check_for_nan``) where it has a scaler that can overflow, else None.
+    A constant scale of 1.0 (``scales_by_one``: --bf16 with the guard) gets only the copy to main
+    gradients: its unscale-by-1.0 changes nothing and its found-inf nothing the norm does not."""
+    if getattr(child, "grad_scaler", None) is None:
+        child.prepare_grads()  # no sync: the fp32 optimizer's, or a mixed-precision one without a scaler
+        return None
+    if not child.is_stub_optimizer:
+        child._copy_model_grads_to_main_grads()
+    if scales_by_one(child):
+        return None
+    main_grads = [] if child.is_stub_optimizer else child._collect_main_grad_data_for_unscaling()
+    child.found_inf.fill_(0.0)
+    if not child.is_stub_optimizer:
+        torch._amp_foreach_non_finite_check_and_unscale_(main_grads, child.found_inf, child.grad_scaler.inv_scale)
+    torch.distributed.all_reduce(
+        child.found_inf, op=torch.distributed.ReduceOp.MAX, group=child.get_grad_stats_parallel_group()
+    )
+    return child.found_inf
+
+
+def update_grad_scalers(children: list, found_inf: list[torch.Tensor | None], values: list[float] | None) -> bool:
+    """Each scaler updated with its own child's found-inf (host ``values``, in the order of the
+    non-None entries of ``found_inf``), as upstream's ``prepare_grads`` does; whether any overflowed."""
+    overflow, values = False, iter(values or [])
+    for child, flag in zip(children, found_inf):
+        if flag is None:
+            continue
+        found = next(values) > 0
+        child.grad_scaler.update(found)
+        overflow |= found
+    return overflow
+
+
+def clip_main_grads(children: list, grad_norm: float) -> None:
+    """``ChainedOptimizer.step``'s clipping of every child's main gradients by the global norm."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    children = getattr(optimizer, "chained_optimizers", [optimizer])
-    if not (check_for_nan and all(scales_by_one(c) for c in children)):
-        if veto is not None:
-            fetched = fetch_to_host(fetch)[1]
-            if fetched[veto][0]:
-                return False, None, fetched
-            success, grad_norm, _ = optimizer.step()
-            return bool(success), grad_norm, fetched
-        success, grad_norm, _ = optimizer.step()
-        return bool(success), grad_norm, fetch_to_host(fetch)[1]
-    for child in children:
-        if getattr(child, "grad_scaler", None) is None:
-            child.prepare_grads()  # no sync: the fp32 optimizer's, or a mixed-precision one without a scaler
-        elif not child.is_stub_optimizer:
-            child._copy_model_grads_to_main_grads()  # prepare_grads less its unscale-by-1.0 and found-inf sync
-    (norm_sq,), fetched = fetch_to_host([grad_norm_squared(children), *fetch])  # the step's one copy
-    grad_norm = norm_sq**0.5  # as get_grad_norm_fp32 takes the root
-    fetched = fetched[1:] if fetched else [None] * len(fetch)
-    if not math.isfinite(grad_norm) or (veto is not None and fetched[veto][0]):
-        return False, grad_norm, fetched
     for child in children:
         params = child.get_parameters()
         if getattr(child, "is_stub_optimizer", False) or not params or child.config.clip_grad <= 0.0:
@@ -213,7 +302,6 @@ def step_optimizer_fetching(
             total_norm=grad_norm,
             use_decoupled_grad=child.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
         )
-    return bool(optimizer.step_with_ready_grads()), grad_norm, fetched
 
 
 def fetch_to_host(tensors: list[torch.Tensor | None]) -> tuple[list[float], list[list[float] | None]]:
@@ -234,17 +322,13 @@ def fetch_to_host(tensors: list[torch.Tensor | None]) -> tuple[list[float], list
 
 
 def scales_by_one(child) -> bool:
-    """The fp32 optimizer, or a mixed-precision one whose grad scaler is a constant 1.0 (or absent)."""
+    """A mixed-precision optimizer whose grad scaler is a constant 1.0 with --bf16 (the guard's: see
+    ``get_loss_scale``); --fp16 with --loss-scale 1 keeps its found-inf check, upstream's skip."""
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler
-    from megatron.core.optimizer.optimizer import FP32Optimizer, MixedPrecisionOptimizer
 
-    if isinstance(child, FP32Optimizer):
-        return True
-    if not isinstance(child, MixedPrecisionOptimizer):
-        return False
     scaler = child.grad_scaler
     # (the configured constant, not the scaler's device tensor: reading that would be a sync)
-    return scaler is None or (isinstance(scaler, ConstantGradScaler) and child.config.loss_scale == 1.0)
+    return isinstance(scaler, ConstantGradScaler) and child.config.loss_scale == 1.0 and not child.config.fp16
 
 
 @torch.no_grad()
