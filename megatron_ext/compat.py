@@ -76,6 +76,8 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
             "megatron.core.dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync",
             "torch.distributed.checkpoint.filesystem._write_item",
+            "torch.distributed.checkpoint.api._wrap_exception",
+            "megatron.core.dist_checkpointing.strategies.torch._replace_state_dict_keys_with_sharded_keys",
         ),
     ),
     Workaround(
@@ -203,6 +205,24 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
+        "compile-block-viewless-input",
+        "nn.Module.compile compiles the module's _call_impl and stores it in the private "
+        "_compiled_call_impl, which nn.Module's __call__ runs; megatron-core's TransformerBlock calls "
+        "make_viewless_tensor on its input, an autograd.Function that makes a requires_grad tensor dynamo "
+        "will not trace (the input is a view at micro-batch 1: the embedding's transpose). Ours compiles "
+        "the same _call_impl and stores in _compiled_call_impl a call that makes the input viewless in "
+        "eager first (the block's own call then does nothing): the block compiles whole, in place, so "
+        "state-dict keys keep their names",
+        "megatron_ext.model.compile:compile_block",
+        (
+            "torch.nn.Module._compiled_call_impl",
+            "torch.nn.Module._call_impl",
+            "torch.nn.Module.compile",
+            "megatron.core.utils.make_viewless_tensor",
+            "megatron.core.transformer.transformer_block.TransformerBlock.forward",
+        ),
+    ),
+    Workaround(
         "foreach-main-to-model-copy",
         "the distributed optimizer copies each updated fp32 main shard into the model's parameter buffer "
         "with its own copy_ (one kernel and launch per parameter per step: 148 at GPT-2 124M); ours "
@@ -285,7 +305,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "BlendedDataset._build_indices calls torch.distributed.get_rank() unguarded on a cache "
         "miss, which raises without a process group",
         "megatron_ext.data.gpt_datasets:maybe_single_process_rank",
-        ("megatron.core.datasets.blended_dataset.BlendedDataset._build_indices",),
+        ("megatron.core.datasets.blended_dataset.BlendedDataset._build_indices", "torch.distributed.get_rank"),
     ),
     Workaround(
         "schedule-step-timing",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import warnings
 
 import pytest
@@ -84,6 +85,24 @@ def test_every_module_reaching_into_internals_is_registered():
         if uses and module not in registered:
             unregistered[module] = sorted(uses)
     assert not unregistered, f"register these in megatron_ext/compat.py: {unregistered}"
+
+
+def test_every_internal_a_module_reaches_is_named_by_its_entries():
+    """Not only the module: each private name it imports or assigns on megatron-core / torch (or
+    patches onto an instance) is named in an entry of that module (its upstream names or its text),
+    so the table says what each patch touches. Our own marker attributes (``_megatron_ext*``) aside."""
+    text: dict[str, str] = {}
+    for w in compat.WORKAROUNDS:
+        module = w.where.split(":")[0]
+        text[module] = text.get(module, "") + " ".join((w.corrects, *w.upstream)) + " "
+    unnamed = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = "megatron_ext." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        for use in _private_upstream_uses(path):
+            attr = use.split(".")[-1]
+            if not attr.startswith("_megatron_ext") and not re.search(rf"\b{re.escape(attr)}\b", text.get(module, "")):
+                unnamed.setdefault(module, []).append(use)
+    assert not unnamed, f"name these in their entries in megatron_ext/compat.py: {unnamed}"
 
 
 def test_version_drift_warns_once_and_never_fails(monkeypatch):
