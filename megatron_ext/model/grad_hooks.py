@@ -19,7 +19,7 @@ module global that ``is_graph_capturing()`` returns: one call per parameter (27)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
