@@ -14,12 +14,15 @@ megatron-core's hook runs for every parameter in every micro-batch and, per call
 calls around the hook's own (135 per micro-batch at 4 Llama-style layers, 27 parameters). Here the
 bucket group, the overlap setting and ``zero_out_wgrad`` (megatron-core marks the tied weight while
 building the model, before DDP) are read when DDP registers the hook, and the capture flag as the
-module global that ``is_graph_capturing()`` returns: one call per parameter (27).
+module global that ``is_graph_capturing()`` returns: one call per parameter (27). Under
+--overlap-grad-reduce ``register_grad_ready`` is called only where it acts, in the last micro-batch
+(inside ``no_sync`` it returns at once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
@@ -43,7 +46,7 @@ def build_grad_ready_hook(ddp: DistributedDataParallel, param: torch.nn.Paramete
     # megatron-core adds a tied weight's zeroed dummy gradient: its main_grad holds the other use's
     always_add = bool(getattr(param, "zero_out_wgrad", False))
     if ddp.ddp_config.overlap_grad_reduce:
-        return _overlapped_hook(ddp, param, bucket_group.register_grad_ready, always_add)
+        return _overlapped_hook(ddp, param, bucket_group, always_add)
     return _accumulating_hook(param, always_add)
 
 
@@ -65,8 +68,11 @@ def _accumulating_hook(param: torch.nn.Parameter, always_add: bool) -> Callable[
 
 
 def _overlapped_hook(
-    ddp: DistributedDataParallel, param: torch.nn.Parameter, register_grad_ready: Callable, always_add: bool
+    ddp: DistributedDataParallel, param: torch.nn.Parameter, bucket_group: Any, always_add: bool
 ) -> Callable[..., None]:
+    """``bucket_group``: megatron-core's ``_ParamAndGradBucketGroup`` holding ``param``."""
+    register_grad_ready = bucket_group.register_grad_ready
+
     def hook(*unused) -> None:
         if cuda_graphs._IS_GRAPH_CAPTURING:
             return
@@ -76,6 +82,7 @@ def _overlapped_hook(
         if always_add or not param.grad_added_to_main_grad:
             param.main_grad.add_(grad.data)
         param.grad = None
-        register_grad_ready(param, ddp.force_all_reduce)  # read per call, as upstream: a public attribute
+        if bucket_group.is_last_microbatch:  # before the last micro-batch register_grad_ready does nothing
+            register_grad_ready(param, ddp.force_all_reduce)  # read per call, as upstream: a public attribute
 
     return hook
