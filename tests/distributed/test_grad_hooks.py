@@ -3,7 +3,8 @@
 Two DP ranks, 3 steps of 2 micro-batches each, GPT-2 style (its tied embedding takes megatron-core's
 ``zero_out_wgrad`` path) and Llama style; with and without --overlap-grad-reduce (small buckets, so
 several become ready one by one in the backward), with the distributed optimizer, and without
-gradient-accumulation fusion (the hook adds each ``param.grad`` into ``main_grad``). Each run is made
+gradient-accumulation fusion (the hook adds each ``param.grad`` into ``main_grad``); and PP 2 under
+ZBH1, whose layers run the deferred weights' hooks in W. Each run is made
 twice: with our hooks and with megatron-core's (``DistributedDataParallel._make_backward_post_hook``
 put back on our DDP class while it is built). At the entry of every step's finalize (after the last
 hook, before the DP reduction ends) the gradient buffers, every ``param.grad`` and each bucket
@@ -42,6 +43,8 @@ VARIANTS = {
     "--use-distributed-optimizer": dict(use_distributed_optimizer=True),
     "distributed optimizer + overlap": dict(use_distributed_optimizer=True, overlap_grad_reduce=True),
     "--no-gradient-accumulation-fusion": dict(gradient_accumulation_fusion=False, overlap_grad_reduce=True),
+    # PP 2 x DP 1: the deferred weights' hooks are handed to their layers and run in W
+    "ZBH1": dict(pipeline_model_parallel_size=2, pipeline_schedule="ZBH1", overlap_grad_reduce=True),
 }
 
 
