@@ -273,8 +273,11 @@ def wrap_with_ddp(
     gradients accumulated into those buffers inside their GEMMs (``model/wgrad.py``) when
     ``gradient_accumulation_fusion`` (--gradient-accumulation-fusion). Where the chunks defer their
     weight gradients (``model/wgrad_deferral.py``), DDP's ``delay_wgrad_compute`` hands each deferred
-    weight's grad-ready hook to its layer, which runs it in W."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    weight's grad-ready hook to its layer, which runs it in W. DDP's grad-ready hooks are the lean
+    ones of ``model/grad_hooks.py`` (megatron-core's effects, fewer Python calls)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_ext.model.grad_hooks import LeanGradHookDDP
 
     if gradient_accumulation_fusion:
         wgrad.enable_gradient_accumulation_fusion(chunks)
@@ -289,6 +292,6 @@ def wrap_with_ddp(
         delay_wgrad_compute=uses_weight_grad_deferral(chunks),
     )
     return [
-        DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
+        LeanGradHookDDP(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
