@@ -448,6 +448,11 @@ def check_tokenizer_flags(
             ]
         return []
     if tokenizer_type in SENTENCEPIECE_TYPES:
+        if not tokenizer_model and (vocab_file or merge_file):  # a Megatron-LM GPT-2 script without the type
+            return [
+                f"--vocab-file/--merge-file are GPT-2 BPE files: add --tokenizer-type GPT2BPETokenizer "
+                f"(--tokenizer-type {tokenizer_type}, the default, reads --tokenizer-model PATH.model)"
+            ]
         if not tokenizer_model:
             return [
                 f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a sentencepiece .model (e.g. "
