@@ -389,3 +389,17 @@ def test_the_schedule_line_shows_the_schedulers_values_not_the_flags():
     assert line == (
         "> schedule X: 6 steps x 8 samples | lr 0.0003 -> 3e-05, warm-up 4 samples, linear decay over 16 samples"
     ), line
+
+
+def test_a_save_path_that_is_a_file_says_so_without_free_space(tmp_path):
+    # it said "(File exists: PATH (PATH has N MiB free))": neither the cause nor what to change
+    blocker = tmp_path / "ckpt"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError) as err:
+        probe_save_dir(str(blocker))
+    assert err.value.problems == [
+        f"--save {blocker} is a file, not a directory: give a directory this job can create and write"
+    ]
+    with pytest.raises(ConfigError) as err:
+        probe_save_dir(str(blocker / "sub"))  # a parent is a file: the OS's reason, no free-space figure
+    assert "Not a directory" in str(err.value) and "MiB free" not in str(err.value), err.value
