@@ -36,6 +36,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Apex on a CPU machine
+
 from megatron_ext.checkpoint.directory import resolve_load_path  # noqa: E402
 from megatron_ext.checkpoint.reader import NAMED_ERRORS, open_checkpoint  # noqa: E402
 from megatron_ext.checkpoint.state import load_full_tensors  # noqa: E402
@@ -261,9 +265,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron_ext.cpu_platform import quiet_known_warnings
-
-    quiet_known_warnings()
     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
     own = _join_one_process_world()
     try:
