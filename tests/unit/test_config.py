@@ -826,6 +826,17 @@ def test_a_data_path_missing_its_json_key_suffix_names_what_preprocess_wrote(tmp
     assert any(f"wrote {tmp_path / 'my_text_document'}: give that prefix" in p for p in problems), problems
 
 
+def test_a_data_path_naming_a_directory_names_the_prefixes_in_it(tmp_path):
+    # it said only "missing DIR.bin, DIR.idx"; a user who gave the data's directory learns the prefix form
+    (tmp_path / "data").mkdir()
+    problems = _data_path_problems(tmp_path / "data", "my_text_document", "")
+    data = str(tmp_path / "data")
+    assert any(
+        f"({data} is a directory: give the prefix of a .bin/.idx pair in it: {data}/my_text_document)" in p
+        for p in problems
+    ), problems
+
+
 def test_one_virtual_stage_per_rank_is_no_interleaving():
     # configs/default.yaml's --num-layers-per-virtual-pipeline-stage 1 at PP4 with its 4 layers: VPP 1
     # is plain 1F1B (megatron-core, told VPP = 1, asserted in every layer: "vp_stage must be provided")
