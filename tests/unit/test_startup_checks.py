@@ -45,6 +45,22 @@ def test_load_of_a_missing_or_empty_directory_is_an_error_naming_load(tmp_path):
         check_load_flags(_cfg(load=str(tmp_path / "empty")))
 
 
+def test_load_of_a_megatron_lm_checkpoint_says_it_is_not_loaded(tmp_path):
+    # a Megatron-LM save (iter_0000100 without our complete.json) read "holds no complete checkpoint
+    # ... give a directory that --save wrote" and, as --load = --save, "holds no checkpoint yet"
+    root = tmp_path / "mlm"
+    (root / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("100")
+    with pytest.raises(ConfigError) as err:
+        check_load_flags(_cfg(load=str(root)))
+    (problem,) = err.value.problems
+    assert f"--load {root} holds no complete checkpoint (iter_0000100 has no complete.json: " in problem, problem
+    assert "Megatron-LM" in problem, problem
+    message = check_load_flags(_cfg(load=str(root), save=str(root)))
+    assert message.startswith(f"WARNING: --load {root} holds no checkpoint yet (iter_0000100 has no"), message
+    assert message.endswith("starting from scratch (it is also --save)"), message
+
+
 def test_load_equal_to_save_starts_from_scratch_with_one_line_unless_told_otherwise(tmp_path):
     root = str(tmp_path / "ckpt")
     message = check_load_flags(_cfg(load=root, save=root))
