@@ -88,11 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_flag(group: Any, f: dataclasses.Field, annotation: Any) -> None:
     flag = "--" + f.name.replace("_", "-")
+    aliases = f.metadata.get("aliases", ())  # Megatron-LM's own spellings (--override-opt_param-scheduler)
     kind = _base_type(annotation)
     help_text = escape_help(f.metadata.get("help", ""))
     if kind is bool:
         # Default of None means "not given" so that a config file value survives.
-        group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
+        group.add_argument(flag, *aliases, dest=f.name, action="store_true", default=None, help=help_text)
         if f.metadata.get("negative_flag"):
             group.add_argument(
                 "--no-" + flag[2:], dest=f.name, action="store_false", default=None, help=f"Turn {flag} off."
@@ -105,7 +106,7 @@ def _add_flag(group: Any, f: dataclasses.Field, annotation: Any) -> None:
         kwargs["type"] = kind
     if "choices" in f.metadata:
         kwargs["choices"] = f.metadata["choices"]
-    group.add_argument(flag, **kwargs)
+    group.add_argument(flag, *aliases, **kwargs)
 
 
 def _read_config_file(path: str) -> Any:

@@ -210,3 +210,14 @@ def test_the_rerun_state_machines_flags_are_refused_by_name(argv, needle):
 def test_rerun_mode_disabled_is_accepted_silently():
     _, notes = parse_args_with_notes(["--mock-data", "--rerun-mode", "disabled"])
     assert not [n for n in notes if "rerun" in n], notes
+
+
+@pytest.mark.parametrize("field", ["override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"])
+def test_megatron_lms_own_spelling_of_the_scheduler_flags_is_accepted(field):
+    # Megatron-LM's arguments.py defines --override-opt_param-scheduler and
+    # --use-checkpoint-opt_param-scheduler (an underscore inside): its scripts' spelling was refused
+    megatron_spelling = "--" + field.replace("_", "-").replace("opt-param", "opt_param")
+    cfg, _ = parse_args_with_notes(
+        ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", megatron_spelling]
+    )
+    assert getattr(cfg.checkpoint, field) is True
