@@ -292,6 +292,24 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
     return cfg, notes + adjust_like_megatron(cfg) + get_shape_notes(cfg)
 
 
+def _adjust_evaluation(t: TrainingConfig) -> list[str]:
+    """--eval-iters 0 turns validation off (as Megatron-LM); --eval-iters N without --eval-interval
+    runs none either, our --eval-interval default being 0 (Megatron-LM's: 1000): said, not silent."""
+    if t.eval_interval and t.eval_iters == 0 and not t.full_validation:  # (it reads whole sets)
+        t.eval_interval = 0  # Megatron-LM: no validation without validation batches
+        return ["--eval-iters 0: no validation (--eval-interval is ignored)"]
+    if (
+        not t.eval_interval
+        and t.eval_iters > 0
+        and t.eval_iters != TrainingConfig.__dataclass_fields__["eval_iters"].default
+    ):
+        return [
+            f"--eval-iters {t.eval_iters}: no validation runs, --eval-interval is 0 (our default; "
+            f"Megatron-LM's is 1000): add --eval-interval N to validate every N steps"
+        ]
+    return []
+
+
 def adjust_like_megatron(cfg: JobConfig) -> list[str]:
     """Settings Megatron-LM adjusts rather than refuses, adjusted the same way in ``cfg``; returns
     one notice line for each (printed at start-up)."""
@@ -325,9 +343,7 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
             for flag, value in given
             if value
         ]
-    if t.eval_interval and t.eval_iters == 0 and not t.full_validation:  # (it reads whole sets)
-        t.eval_interval = 0  # Megatron-LM: no validation without validation batches
-        notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
+    notes += _adjust_evaluation(t)
     c = cfg.checkpoint
     for flag, value in (
         ("--exit-signal-handler", c.exit_signal_handler),

@@ -707,6 +707,18 @@ def test_a_config_error_is_printed_once_per_launch_and_on_every_launch():
         assert printed == [False, True], f"launch {launch}: {printed}"
 
 
+def test_eval_iters_without_eval_interval_says_no_validation_runs():
+    # Megatron-LM validates every 1000 steps by default; here --eval-interval defaults to 0, so a
+    # script giving only --eval-iters silently ran no validation at all
+    from megatron_ext.arguments import parse_args_with_notes
+
+    _, notes = parse_args_with_notes(["--eval-iters", "10"])
+    assert any(n.startswith("--eval-iters 10: no validation runs, --eval-interval is 0") for n in notes), notes
+    for argv in (["--eval-iters", "10", "--eval-interval", "5"], [], ["--eval-iters", "0"]):
+        _, notes = parse_args_with_notes(argv)
+        assert not any("no validation runs" in n for n in notes), (argv, notes)
+
+
 def test_settings_megatron_lm_adjusts_are_adjusted_with_a_notice():
     from megatron_ext.arguments import parse_args_with_notes
 
