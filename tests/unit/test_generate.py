@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tools.generate import get_nucleus, sample_next_token
@@ -39,3 +40,14 @@ def test_help_prints_no_megatron_core_import_warnings():
     done = subprocess.run([sys.executable, str(tool), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--load" in done.stdout, done.stderr
     assert "Warning" not in done.stderr, done.stderr
+
+
+def test_load_errors_say_what_the_directory_is(tmp_path):
+    # both read "--load X: no complete checkpoint", for a typo and for Megatron-LM's own checkpoint alike
+    from tools.generate import load_model
+
+    with pytest.raises(ValueError, match=r"--load .*/nope does not exist"):
+        load_model(str(tmp_path / "nope"), torch.device("cpu"))
+    (tmp_path / "mlm" / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"holds no complete checkpoint \(iter_0000100 has no complete.json: "):
+        load_model(str(tmp_path / "mlm"), torch.device("cpu"))
