@@ -1,5 +1,6 @@
 """tools/generate.py's sampling (pure): the nucleus is the smallest most-likely set reaching p,
-top-k keeps k tokens, temperature 0 is the argmax, a seed repeats its draws."""
+top-k keeps k tokens, temperature 0 is the argmax, a seed repeats its draws; and what a user sees
+first: no import warnings, a --load that is not our checkpoint named as such."""
 
 from __future__ import annotations
 
