@@ -128,7 +128,7 @@ def test_a_data_cache_path_that_is_a_file_stops_the_entry_point_before_any_work(
 
     blocker = tmp_path / "cache"
     blocker.write_text("x")
-    with pytest.raises(ConfigError, match=r"--data-cache-path .*/cache is not a writable directory"):
+    with pytest.raises(ConfigError, match=r"--data-cache-path .*/cache is a file, not a directory"):
         pretrain_gpt.main(
             [
                 "--mock-data",
