@@ -119,6 +119,7 @@ def test_without_the_refused_flags_the_script_runs_with_one_warning_per_no_op_fl
         (["--kv-channels", "64"], "--kv-channels 64: we use --hidden-size / --num-attention-heads = 128 per head"),
         (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
         (["--use-rotary-position-embeddings"], "add --position-embedding-type rope"),
+        (["--lr-warmup-init", "1e-5"], "--lr-warmup-init 1e-5: the warm-up starts from learning rate 0"),
         (
             ["--attention-backend", "fused", "--transformer-impl", "transformer_engine"],
             "choosing Transformer Engine's attention backend is not supported yet",
@@ -157,6 +158,8 @@ def test_accepted_flags_stating_our_behaviour_are_silent():
             "rope",
             "--use-rotary-position-embeddings",
             "--no-position-embedding",
+            "--lr-warmup-init",  # Megatron-LM's flag (default 0.0): it was refused as an unknown flag
+            "0.0",
         ]
     )
     assert notes == [] and cfg.model.position_embedding_type == "rope"
