@@ -707,6 +707,23 @@ def test_a_config_error_is_printed_once_per_launch_and_on_every_launch():
         assert printed == [False, True], f"launch {launch}: {printed}"
 
 
+def test_tp_splits_of_heads_groups_and_mlp_say_what_to_change():
+    # "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4" stopped there
+    cfg = build_job_config(
+        {**MOCK, "tensor_model_parallel_size": 4, "hidden_size": 96, "num_attention_heads": 12}
+        | {"group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 102}
+    )
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 4)
+    text = "\n".join(err.value.problems)
+    assert "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4: each TP rank" in text, text
+    assert "--ffn-hidden-size 102 is not divisible by --tensor-model-parallel-size 4: use a multiple of 4" in text
+    cfg = build_job_config({**MOCK, "hidden_size": 96, "num_attention_heads": 12} | {"group_query_attention": True})
+    cfg.model.num_query_groups = 5
+    with pytest.raises(ConfigError, match="divisible by --num-query-groups 5: use a number of key/value groups"):
+        validate(cfg, 1)
+
+
 def test_eval_iters_without_eval_interval_says_no_validation_runs():
     # Megatron-LM validates every 1000 steps by default; here --eval-interval defaults to 0, so a
     # script giving only --eval-iters silently ran no validation at all
