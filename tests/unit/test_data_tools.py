@@ -147,6 +147,19 @@ def test_cli_writes_megatron_lm_names(tmp_path, tiny_jsonl, capsys):
     assert err.startswith("error:") and "--vocab-size" in err
 
 
+def test_cli_unwritable_output_prefix_is_one_error(tmp_path, tiny_jsonl, capsys):
+    # an --output-prefix under a file (or a read-only directory) ended in a PermissionError traceback
+    (tmp_path / "file").write_text("x")
+    prefix = str(tmp_path / "file" / "out")
+    argv = ["--input", tiny_jsonl, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer"]
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_main(argv + ["--vocab-size", "300", "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and f"(writing --output-prefix {prefix})" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "tiny.jsonl"]
+
+
 def test_build_default_corpus_small(tmp_path):
     from pydoc_data.topics import topics
 
