@@ -362,6 +362,19 @@ def test_lone_surrogate_names_the_line(tmp_path, workers, capsys):
     assert "sur.jsonl line 2: 'text' holds a lone surrogate" in capsys.readouterr().err
 
 
+def test_train_tokenizer_unwritable_output_prefix_exits_2_before_training(tmp_path, tiny_jsonl, capsys, monkeypatch):
+    # sentencepiece failed only when writing the .model, after the whole training, with a traceback
+    from tools import train_tokenizer
+
+    monkeypatch.setattr(train_tokenizer, "_train", lambda *a: pytest.fail("trained before refusing"))
+    (tmp_path / "file").write_text("x")
+    prefix = str(tmp_path / "file" / "tok")
+    with pytest.raises(SystemExit) as exit_info:
+        train_tokenizer.main(["--input", tiny_jsonl, "--output-prefix", prefix, "--vocab-size", "300"])
+    assert exit_info.value.code == 2
+    assert f"error: --output-prefix {prefix}: cannot write {prefix}.model (" in capsys.readouterr().err
+
+
 def test_train_tokenizer_missing_empty_or_malformed_input_exits_2(tmp_path, capsys):
     from tools.train_tokenizer import main as train_tokenizer_main
 
