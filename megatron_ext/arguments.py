@@ -88,11 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_flag(group: Any, f: dataclasses.Field, annotation: Any) -> None:
     flag = "--" + f.name.replace("_", "-")
+    aliases = f.metadata.get("aliases", ())  # Megatron-LM's own spellings (--override-opt_param-scheduler)
     kind = _base_type(annotation)
     help_text = escape_help(f.metadata.get("help", ""))
     if kind is bool:
         # Default of None means "not given" so that a config file value survives.
-        group.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
+        group.add_argument(flag, *aliases, dest=f.name, action="store_true", default=None, help=help_text)
         if f.metadata.get("negative_flag"):
             group.add_argument(
                 "--no-" + flag[2:], dest=f.name, action="store_false", default=None, help=f"Turn {flag} off."
@@ -105,7 +106,7 @@ def _add_flag(group: Any, f: dataclasses.Field, annotation: Any) -> None:
         kwargs["type"] = kind
     if "choices" in f.metadata:
         kwargs["choices"] = f.metadata["choices"]
-    group.add_argument(flag, **kwargs)
+    group.add_argument(flag, *aliases, **kwargs)
 
 
 def _read_config_file(path: str) -> Any:
@@ -291,6 +292,24 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
     return cfg, notes + adjust_like_megatron(cfg) + get_shape_notes(cfg)
 
 
+def _adjust_evaluation(t: TrainingConfig) -> list[str]:
+    """--eval-iters 0 turns validation off (as Megatron-LM); --eval-iters N without --eval-interval
+    runs none either, our --eval-interval default being 0 (Megatron-LM's: 1000): said, not silent."""
+    if t.eval_interval and t.eval_iters == 0 and not t.full_validation:  # (it reads whole sets)
+        t.eval_interval = 0  # Megatron-LM: no validation without validation batches
+        return ["--eval-iters 0: no validation (--eval-interval is ignored)"]
+    if (
+        not t.eval_interval
+        and t.eval_iters > 0
+        and t.eval_iters != TrainingConfig.__dataclass_fields__["eval_iters"].default
+    ):
+        return [
+            f"--eval-iters {t.eval_iters}: no validation runs, --eval-interval is 0 (our default; "
+            f"Megatron-LM's is 1000): add --eval-interval N to validate every N steps"
+        ]
+    return []
+
+
 def adjust_like_megatron(cfg: JobConfig) -> list[str]:
     """Settings Megatron-LM adjusts rather than refuses, adjusted the same way in ``cfg``; returns
     one notice line for each (printed at start-up)."""
@@ -324,9 +343,7 @@ def adjust_like_megatron(cfg: JobConfig) -> list[str]:
             for flag, value in given
             if value
         ]
-    if t.eval_interval and t.eval_iters == 0 and not t.full_validation:  # (it reads whole sets)
-        t.eval_interval = 0  # Megatron-LM: no validation without validation batches
-        notes.append("--eval-iters 0: no validation (--eval-interval is ignored)")
+    notes += _adjust_evaluation(t)
     c = cfg.checkpoint
     for flag, value in (
         ("--exit-signal-handler", c.exit_signal_handler),

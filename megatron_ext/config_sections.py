@@ -520,10 +520,13 @@ class CheckpointConfig:
     )
     override_opt_param_scheduler: bool = _f(
         False,
-        "On resume, this run's LR/WD schedule and Adam flags (--lr, --min-lr, --adam-beta1/2, --adam-eps) win over the checkpoint's in every parameter group, from the first resumed step.",
+        "On resume, this run's LR/WD schedule and Adam flags (--lr, --min-lr, --adam-beta1/2, --adam-eps) win over the checkpoint's in every parameter group, from the first resumed step. Megatron-LM's spelling --override-opt_param-scheduler works too.",
+        aliases=("--override-opt_param-scheduler",),
     )
     use_checkpoint_opt_param_scheduler: bool = _f(
-        False, "On resume, the checkpoint's LR/WD schedule and Adam betas/eps win over this run's flags."
+        False,
+        "On resume, the checkpoint's LR/WD schedule and Adam betas/eps win over this run's flags. Megatron-LM's spelling --use-checkpoint-opt_param-scheduler works too.",
+        aliases=("--use-checkpoint-opt_param-scheduler",),
     )
     ckpt_verify: bool = _f(
         False,

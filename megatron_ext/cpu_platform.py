@@ -253,9 +253,9 @@ def remove_cpu_platform() -> None:
 def quiet_known_warnings() -> None:
     """Silence the warnings megatron-core and torch print on every CPU run, all expected here:
     no Transformer Engine/Apex, deprecated gloo collective names, the non-leaf ``.grad``
-    access megatron-core's schedules make, and torch's ShardedTensor deprecation, which every rank
-    printed on every resume (megatron-core's torch_dist load goes through torch ShardedTensors;
-    nothing a user can change). (CUDA tuning advice is silenced by ``apply_cpu_platform``, on the
+    access megatron-core's schedules make, and torch's ShardedTensor and ``load_state_dict``
+    deprecations, which every rank printed on every resume (megatron-core's torch_dist load goes
+    through both; nothing a user can change). (CUDA tuning advice is silenced by ``apply_cpu_platform``, on the
     CPU only: on a GPU it is advice worth reading.)"""
     import warnings
 
@@ -266,6 +266,7 @@ def quiet_known_warnings() -> None:
         ".*The .grad attribute of a Tensor that is not a leaf Tensor.*",
         ".*full scope is deprecated.*",
         ".*Please use DTensor instead and we are deprecating ShardedTensor.*",
+        ".*`load_state_dict` is deprecated and will be removed in future versions.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
 

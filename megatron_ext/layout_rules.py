@@ -406,9 +406,15 @@ def check_head_split(m: ModelConfig, tp: int) -> list[str]:
             out.append("--group-query-attention needs --num-query-groups N (N > 0)")
         else:
             if m.num_attention_heads % g:
-                out.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {g}")
+                out.append(
+                    f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {g}: "
+                    f"use a number of key/value groups that divides the heads"
+                )
             if tp > 0 and g % tp:
-                out.append(f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {tp}")
+                out.append(
+                    f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {tp}: each TP rank "
+                    f"holds whole key/value groups; use a TP size that divides {g}"
+                )
     return out
 
 
@@ -417,7 +423,9 @@ def check_ffn_split(m: ModelConfig, tp: int) -> list[str]:
     out = []
     ffn = m.ffn_hidden_size
     if ffn is not None and tp > 0 and ffn % tp:
-        out.append(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+        out.append(
+            f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}: use a multiple of {tp}"
+        )
     if ffn is None and m.swiglu and m.hidden_size > 0:
         default = resolve_ffn_hidden_size(None, m.hidden_size, True)
         what = (

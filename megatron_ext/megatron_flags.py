@@ -78,6 +78,19 @@ def _needs_rope(flag: str) -> Callable:
     return judge
 
 
+def _lr_warmup_init(value, cfg):
+    try:
+        zero = float(value) == 0.0
+    except ValueError:
+        zero = False
+    if zero:
+        return None, None
+    return None, (
+        f"--lr-warmup-init {value}: the warm-up starts from learning rate 0 (Megatron-LM's default); another "
+        f"starting learning rate is not supported: leave it out"
+    )
+
+
 def _attention_backend(value, cfg):
     if cfg.model.transformer_impl == "transformer_engine":
         return None, (
@@ -220,6 +233,12 @@ FLAGS = [
         _attention_backend,
         "Accepted with the local spec, no effect (one warning line: attention runs on torch SDPA, "
         "packed sequences on flash's varlen kernel on CUDA in bf16/fp16); refused with Transformer Engine.",
+    ),
+    MegatronFlag(
+        "--lr-warmup-init",
+        1,
+        _lr_warmup_init,
+        "0 accepted silently (the warm-up starts from learning rate 0, Megatron-LM's default); other values refused.",
     ),
     # refused: they would change the model or the training, and we lack them
     MegatronFlag(

@@ -466,6 +466,10 @@ def _check_data_files(blends: DataBlends | None) -> list[str]:
                     f" (preprocess_data.py --output-prefix {prefix} wrote "
                     f"{', '.join(w[:-4] for w in written)}: give that prefix)"
                 )
+            elif os.path.isdir(prefix):  # Megatron-LM's --data-path is a file prefix, never a directory
+                inside = sorted(glob.glob(os.path.join(glob.escape(prefix), "*.bin")))[:3]
+                named = f": {', '.join(b[:-4] for b in inside)}" if inside else ""
+                hint = f" ({prefix} is a directory: give the prefix of a .bin/.idx pair in it{named})"
             out.append(f"{blends.source} {prefix}: missing {', '.join(missing)}{hint}")
         else:
             out += [f"{blends.source} {prefix}: {p}" for p in check_indexed_dataset(prefix)]

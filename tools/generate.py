@@ -36,7 +36,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Apex on a CPU machine
+
 from megatron_ext.checkpoint.directory import resolve_load_path  # noqa: E402
+from megatron_ext.checkpoint.listing import describe_unmarked_iterations  # noqa: E402
 from megatron_ext.checkpoint.reader import NAMED_ERRORS, open_checkpoint  # noqa: E402
 from megatron_ext.checkpoint.state import load_full_tensors  # noqa: E402
 from megatron_ext.config import ModelConfig, build_job_config  # noqa: E402
@@ -196,7 +201,14 @@ def load_model(
     if warning:
         log(f"WARNING: {warning}")
     if found is None:
-        raise ValueError(f"--load {load}: no complete checkpoint")
+        what = (
+            "does not exist"
+            if not os.path.exists(load)
+            else f"holds no complete checkpoint{describe_unmarked_iterations(load)}"
+        )
+        raise ValueError(
+            f"--load {load} {what}: give a directory that pretrain_gpt.py --save wrote, or one of its iter_XXXXXXX"
+        )
     iteration, ckpt_dir = found
     try:
         common = open_checkpoint(ckpt_dir, warn=lambda message: log(f"WARNING: {message}"))[1]
@@ -261,9 +273,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron_ext.cpu_platform import quiet_known_warnings
-
-    quiet_known_warnings()
     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
     own = _join_one_process_world()
     try:

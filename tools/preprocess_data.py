@@ -435,6 +435,10 @@ def main(argv=None) -> None:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except OSError as exc:  # an unwritable --output-prefix, a full disk: named, without a traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where} (writing --output-prefix {args.output_prefix})", file=sys.stderr)
+        sys.exit(2)
     except (Interrupted, KeyboardInterrupt) as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
         print(

@@ -165,6 +165,22 @@ def iter_training_sentences(path: str, json_keys: Sequence[str], stats: Training
                         yield piece
 
 
+def check_output_prefix(output_prefix: str) -> None:
+    """ValueError now when ``{output_prefix}.model`` cannot be written (a read-only directory, a file
+    in the path): sentencepiece would fail only after training, with a RuntimeError traceback."""
+    probe = f"{output_prefix}.model.probe-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(
+            f"--output-prefix {output_prefix}: cannot write {output_prefix}.model ({err.strerror}); give a "
+            f"prefix in a directory this user can write"
+        ) from None
+
+
 def train_tokenizer(
     input_path: str,
     output_prefix: str,
@@ -188,8 +204,7 @@ def train_tokenizer(
             f"{stats.text_bytes} bytes in --json-keys {' '.join(json_keys)} (all empty or "
             f"whitespace); give a JSONL file with text"
         )
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    check_output_prefix(output_prefix)
     reader = _Reader(first, sentences)
     try:
         _train(reader, output_prefix, vocab_size, model_type)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -89,13 +90,17 @@ def probe_save_dir(path: str | None, flag: str = "--save") -> None:
     except OSError as err:
         with contextlib.suppress(OSError):
             os.remove(probe)  # a full disk fails the write after the file was created
-        where = f": {err.filename}" if err.filename else ""
-        raise ConfigError(
-            [
-                f"{flag} {path} is not a writable directory ({err.strerror}{where}{describe_free_space(path)}): "
-                f"give a directory this job can create and write"
-            ]
-        ) from None
+        raise ConfigError([describe_unwritable_dir(path, flag, err)]) from None
+
+
+def describe_unwritable_dir(path: str, flag: str, err: OSError) -> str:
+    """The start-up error of ``probe_save_dir``: a file in the directory's place said so (its
+    strerror, "File exists", did not), the free space only when the disk or quota is full."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{flag} {path} is a file, not a directory: give a directory this job can create and write"
+    where = f": {err.filename}" if err.filename else ""
+    space = describe_free_space(path) if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return f"{flag} {path} is not a writable directory ({err.strerror}{where}{space}): give a directory this job can create and write"
 
 
 def select_checkpoints_to_delete(iterations: list[int], keep_last: int | None) -> list[int]:

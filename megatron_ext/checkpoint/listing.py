@@ -40,6 +40,22 @@ def list_complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted({**replaced, **found}.items())
 
 
+def describe_unmarked_iterations(root: str) -> str:
+    """ " (iter_X has no complete.json: ...)" naming the ``iter_XXXXXXX`` directories under ``root``
+    without the marker, or "". Our saves give a directory that name only once it is marked, so these
+    are foreign (Megatron-LM's own checkpoints) or damaged, and are never loaded."""
+    names = [n for n in sorted(os.listdir(root)) if ITER_DIR.match(n)] if os.path.isdir(root) else []
+    names = [n for n in names if not os.path.isfile(os.path.join(root, n, COMPLETE_MARKER))]
+    if not names:
+        return ""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f" ({shown} {'has' if len(names) == 1 else 'have'} no {COMPLETE_MARKER}: only checkpoints this "
+        f"framework's --save completed load; one written by Megatron-LM does not, convert it through Hugging Face "
+        f"with tools/convert_checkpoint.py hf-to-megatron)"
+    )
+
+
 def find_latest_checkpoint(root: str) -> tuple[int, str] | None:
     """The newest complete checkpoint, or None. Incomplete and ``.tmp-`` directories are ignored."""
     complete = list_complete_checkpoints(root)

@@ -41,6 +41,7 @@ from megatron_ext.checkpoint.directory import (
     write_checkpoint,
 )
 from megatron_ext.checkpoint.finite import describe_non_finite_weights
+from megatron_ext.checkpoint.listing import describe_unmarked_iterations
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption,
     init_empty_optimizer_state,
@@ -238,13 +239,15 @@ def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
             )
         return None, None
     restartable = c.save and os.path.abspath(c.save) == os.path.abspath(c.load)
+    foreign = describe_unmarked_iterations(c.load)
     if restartable and not c.exit_on_missing_checkpoint:
-        return None, f"> --load {c.load} holds no checkpoint yet: starting from scratch (it is also --save)"
+        start = f"{'WARNING: ' if foreign else '> '}--load {c.load} holds no checkpoint yet{foreign}"
+        return None, f"{start}: starting from scratch (it is also --save)"
     what = "does not exist" if not os.path.exists(c.load) else "holds no complete checkpoint"
     why = " (--exit-on-missing-checkpoint)" if restartable else ""
     raise ConfigError(
         [
-            f"--load {c.load} {what}{why}: give a directory that --save wrote (or one of its "
+            f"--load {c.load} {what}{why}{foreign}: give a directory that --save wrote (or one of its "
             f"iter_XXXXXXX directories), or drop --load to start from scratch"
         ]
     )

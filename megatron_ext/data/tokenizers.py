@@ -448,6 +448,11 @@ def check_tokenizer_flags(
             ]
         return []
     if tokenizer_type in SENTENCEPIECE_TYPES:
+        if not tokenizer_model and (vocab_file or merge_file):  # a Megatron-LM GPT-2 script without the type
+            return [
+                f"--vocab-file/--merge-file are GPT-2 BPE files: add --tokenizer-type GPT2BPETokenizer "
+                f"(--tokenizer-type {tokenizer_type}, the default, reads --tokenizer-model PATH.model)"
+            ]
         if not tokenizer_model:
             return [
                 f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a sentencepiece .model (e.g. "
@@ -488,17 +493,20 @@ def check_tokenizer_flags(
                 f"(got {tokenizer_model}{'' if not tokenizer_model or os.path.isfile(tokenizer_model) else ': no such file'})"
             ]
         return []
-    missing = [
-        f"{flag} {path}" if path else flag
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file))
-        if not path or not os.path.isfile(path)
-    ]
+    files = (("--vocab-file", vocab_file, "vocab.json"), ("--merge-file", merge_file, "merges.txt"))
+    problems = []
+    missing = ", ".join(flag for flag, path, _ in files if not path)
     if missing:
-        return [
+        problems.append(
             f"--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt); "
-            f"missing: {', '.join(missing)}"
-        ]
-    return []
+            f"not given: {missing}"
+        )
+    return problems + [
+        f"{flag} {path} {'is a directory' if os.path.isdir(path) else 'does not exist'}: give the path of "
+        f"GPT2BPETokenizer's {name} file"
+        for flag, path, name in files
+        if path and not os.path.isfile(path)
+    ]
 
 
 def build_tokenizer(

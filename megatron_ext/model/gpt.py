@@ -11,6 +11,7 @@ for the interleaved schedule). The optimizer keeps fp32 main parameters (``train
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,16 @@ from megatron_ext.parallel import StagePlacement
 
 def build_transformer_config(cfg: JobConfig, resolved: ResolvedConfig, device: torch.device):
     """megatron-core TransformerConfig for this job: the flags of ``cfg`` and the values
-    ``resolved`` derived from them (virtual stages, MLP width, key/value heads, dtype, recompute)."""
+    ``resolved`` derived from them (virtual stages, MLP width, key/value heads, dtype, recompute).
+    megatron-core's advice against recomputing Transformer Engine's fused core_attn (printed for
+    --recompute-activations) is silenced on the local spec, which has no fused attention."""
+    with warnings.catch_warnings():
+        if not use_transformer_engine(cfg.model, device):
+            warnings.filterwarnings("ignore", message=".*the core_attn is from transformer_engine.*")
+        return _build_transformer_config(cfg, resolved, device)
+
+
+def _build_transformer_config(cfg: JobConfig, resolved: ResolvedConfig, device: torch.device):
     from megatron.core.transformer import TransformerConfig
 
     m, p = cfg.model, cfg.parallel

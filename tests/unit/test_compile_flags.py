@@ -5,6 +5,7 @@ naming the flag and the fix, and what reaches megatron-core's config. No process
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -198,3 +199,14 @@ def test_the_shape_warning_counts_what_padding_gives_and_reaches_start_up():
     assert "up to 32 padded lengths" in note and "power-of-two (6 lengths" in note
     _, notes = parse_args_with_notes(argv + ["--pad-length-bucket", "power-of-two"])
     assert not [n for n in notes if "--pad-length-bucket" in n]
+
+
+def test_recompute_on_the_local_spec_prints_no_transformer_engine_advice():
+    # megatron-core's "If you are using transformer_engine ... core_attn" advice was printed by every
+    # rank for --recompute-activations on the local spec, which has no fused attention to not recompute
+    cfg = build_job_config(tiny_values(recompute_activations=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = build_transformer_config(cfg, resolve_config(cfg, 1, VOCAB - 1), torch.device("cpu"))
+    assert config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
+    assert not [w for w in caught if "core_attn" in str(w.message)], [str(w.message) for w in caught]

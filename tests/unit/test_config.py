@@ -707,6 +707,35 @@ def test_a_config_error_is_printed_once_per_launch_and_on_every_launch():
         assert printed == [False, True], f"launch {launch}: {printed}"
 
 
+def test_tp_splits_of_heads_groups_and_mlp_say_what_to_change():
+    # "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4" stopped there
+    cfg = build_job_config(
+        {**MOCK, "tensor_model_parallel_size": 4, "hidden_size": 96, "num_attention_heads": 12}
+        | {"group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 102}
+    )
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 4)
+    text = "\n".join(err.value.problems)
+    assert "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4: each TP rank" in text, text
+    assert "--ffn-hidden-size 102 is not divisible by --tensor-model-parallel-size 4: use a multiple of 4" in text
+    cfg = build_job_config({**MOCK, "hidden_size": 96, "num_attention_heads": 12} | {"group_query_attention": True})
+    cfg.model.num_query_groups = 5
+    with pytest.raises(ConfigError, match="divisible by --num-query-groups 5: use a number of key/value groups"):
+        validate(cfg, 1)
+
+
+def test_eval_iters_without_eval_interval_says_no_validation_runs():
+    # Megatron-LM validates every 1000 steps by default; here --eval-interval defaults to 0, so a
+    # script giving only --eval-iters silently ran no validation at all
+    from megatron_ext.arguments import parse_args_with_notes
+
+    _, notes = parse_args_with_notes(["--eval-iters", "10"])
+    assert any(n.startswith("--eval-iters 10: no validation runs, --eval-interval is 0") for n in notes), notes
+    for argv in (["--eval-iters", "10", "--eval-interval", "5"], [], ["--eval-iters", "0"]):
+        _, notes = parse_args_with_notes(argv)
+        assert not any("no validation runs" in n for n in notes), (argv, notes)
+
+
 def test_settings_megatron_lm_adjusts_are_adjusted_with_a_notice():
     from megatron_ext.arguments import parse_args_with_notes
 
@@ -824,6 +853,17 @@ def test_a_data_path_missing_its_json_key_suffix_names_what_preprocess_wrote(tmp
     # preprocess_data.py --output-prefix my writes my_text_document.bin/.idx, not my.bin/.idx
     problems = _data_path_problems(tmp_path, "my_text_document", "my")
     assert any(f"wrote {tmp_path / 'my_text_document'}: give that prefix" in p for p in problems), problems
+
+
+def test_a_data_path_naming_a_directory_names_the_prefixes_in_it(tmp_path):
+    # it said only "missing DIR.bin, DIR.idx"; a user who gave the data's directory learns the prefix form
+    (tmp_path / "data").mkdir()
+    problems = _data_path_problems(tmp_path / "data", "my_text_document", "")
+    data = str(tmp_path / "data")
+    assert any(
+        f"({data} is a directory: give the prefix of a .bin/.idx pair in it: {data}/my_text_document)" in p
+        for p in problems
+    ), problems
 
 
 def test_one_virtual_stage_per_rank_is_no_interleaving():

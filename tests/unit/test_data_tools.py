@@ -147,6 +147,19 @@ def test_cli_writes_megatron_lm_names(tmp_path, tiny_jsonl, capsys):
     assert err.startswith("error:") and "--vocab-size" in err
 
 
+def test_cli_unwritable_output_prefix_is_one_error(tmp_path, tiny_jsonl, capsys):
+    # an --output-prefix under a file (or a read-only directory) ended in a PermissionError traceback
+    (tmp_path / "file").write_text("x")
+    prefix = str(tmp_path / "file" / "out")
+    argv = ["--input", tiny_jsonl, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer"]
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_main(argv + ["--vocab-size", "300", "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and f"(writing --output-prefix {prefix})" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "tiny.jsonl"]
+
+
 def test_build_default_corpus_small(tmp_path):
     from pydoc_data.topics import topics
 
@@ -347,6 +360,19 @@ def test_lone_surrogate_names_the_line(tmp_path, workers, capsys):
         train_tokenizer_main(["--input", str(path), "--output-prefix", str(tmp_path / "t"), "--vocab-size", "300"])
     assert exit_info.value.code == 2
     assert "sur.jsonl line 2: 'text' holds a lone surrogate" in capsys.readouterr().err
+
+
+def test_train_tokenizer_unwritable_output_prefix_exits_2_before_training(tmp_path, tiny_jsonl, capsys, monkeypatch):
+    # sentencepiece failed only when writing the .model, after the whole training, with a traceback
+    from tools import train_tokenizer
+
+    monkeypatch.setattr(train_tokenizer, "_train", lambda *a: pytest.fail("trained before refusing"))
+    (tmp_path / "file").write_text("x")
+    prefix = str(tmp_path / "file" / "tok")
+    with pytest.raises(SystemExit) as exit_info:
+        train_tokenizer.main(["--input", tiny_jsonl, "--output-prefix", prefix, "--vocab-size", "300"])
+    assert exit_info.value.code == 2
+    assert f"error: --output-prefix {prefix}: cannot write {prefix}.model (" in capsys.readouterr().err
 
 
 def test_train_tokenizer_missing_empty_or_malformed_input_exits_2(tmp_path, capsys):

@@ -119,6 +119,7 @@ def test_without_the_refused_flags_the_script_runs_with_one_warning_per_no_op_fl
         (["--kv-channels", "64"], "--kv-channels 64: we use --hidden-size / --num-attention-heads = 128 per head"),
         (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
         (["--use-rotary-position-embeddings"], "add --position-embedding-type rope"),
+        (["--lr-warmup-init", "1e-5"], "--lr-warmup-init 1e-5: the warm-up starts from learning rate 0"),
         (
             ["--attention-backend", "fused", "--transformer-impl", "transformer_engine"],
             "choosing Transformer Engine's attention backend is not supported yet",
@@ -157,6 +158,8 @@ def test_accepted_flags_stating_our_behaviour_are_silent():
             "rope",
             "--use-rotary-position-embeddings",
             "--no-position-embedding",
+            "--lr-warmup-init",  # Megatron-LM's flag (default 0.0): it was refused as an unknown flag
+            "0.0",
         ]
     )
     assert notes == [] and cfg.model.position_embedding_type == "rope"
@@ -210,3 +213,14 @@ def test_the_rerun_state_machines_flags_are_refused_by_name(argv, needle):
 def test_rerun_mode_disabled_is_accepted_silently():
     _, notes = parse_args_with_notes(["--mock-data", "--rerun-mode", "disabled"])
     assert not [n for n in notes if "rerun" in n], notes
+
+
+@pytest.mark.parametrize("field", ["override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"])
+def test_megatron_lms_own_spelling_of_the_scheduler_flags_is_accepted(field):
+    # Megatron-LM's arguments.py defines --override-opt_param-scheduler and
+    # --use-checkpoint-opt_param-scheduler (an underscore inside): its scripts' spelling was refused
+    megatron_spelling = "--" + field.replace("_", "-").replace("opt-param", "opt_param")
+    cfg, _ = parse_args_with_notes(
+        ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", megatron_spelling]
+    )
+    assert getattr(cfg.checkpoint, field) is True

@@ -73,16 +73,20 @@ def test_rng_tracker_forks_named_cpu_states():
 
 
 def test_known_warnings_are_quiet_and_others_are_not():
-    """torch's ShardedTensor deprecation (printed by every rank on every resume: megatron-core's
-    torch_dist load goes through ShardedTensors) is silenced; an unrelated warning still shows."""
+    """torch's ShardedTensor and ``load_state_dict`` deprecations (printed by every rank on every
+    resume: megatron-core's torch_dist load goes through both) are silenced; an unrelated warning
+    still shows."""
     import warnings
 
+    import torch.distributed.checkpoint as dcp
     from torch.distributed._shard._utils import DEPRECATE_MSG
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
         platform.quiet_known_warnings()
         warnings.warn(DEPRECATE_MSG, FutureWarning, stacklevel=1)
+        # megatron-core 0.16.1's torch_dist load calls torch.distributed.checkpoint.load_state_dict
+        warnings.warn(dcp.load_state_dict.__deprecated__, FutureWarning, stacklevel=1)
         warnings.warn("Transformer Engine and Apex are not installed. Falling back", UserWarning, stacklevel=1)
         warnings.warn("something users should read", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["something users should read"]

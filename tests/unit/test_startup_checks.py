@@ -45,6 +45,22 @@ def test_load_of_a_missing_or_empty_directory_is_an_error_naming_load(tmp_path):
         check_load_flags(_cfg(load=str(tmp_path / "empty")))
 
 
+def test_load_of_a_megatron_lm_checkpoint_says_it_is_not_loaded(tmp_path):
+    # a Megatron-LM save (iter_0000100 without our complete.json) read "holds no complete checkpoint
+    # ... give a directory that --save wrote" and, as --load = --save, "holds no checkpoint yet"
+    root = tmp_path / "mlm"
+    (root / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("100")
+    with pytest.raises(ConfigError) as err:
+        check_load_flags(_cfg(load=str(root)))
+    (problem,) = err.value.problems
+    assert f"--load {root} holds no complete checkpoint (iter_0000100 has no complete.json: " in problem, problem
+    assert "Megatron-LM" in problem, problem
+    message = check_load_flags(_cfg(load=str(root), save=str(root)))
+    assert message.startswith(f"WARNING: --load {root} holds no checkpoint yet (iter_0000100 has no"), message
+    assert message.endswith("starting from scratch (it is also --save)"), message
+
+
 def test_load_equal_to_save_starts_from_scratch_with_one_line_unless_told_otherwise(tmp_path):
     root = str(tmp_path / "ckpt")
     message = check_load_flags(_cfg(load=root, save=root))
@@ -112,7 +128,7 @@ def test_a_data_cache_path_that_is_a_file_stops_the_entry_point_before_any_work(
 
     blocker = tmp_path / "cache"
     blocker.write_text("x")
-    with pytest.raises(ConfigError, match=r"--data-cache-path .*/cache is not a writable directory"):
+    with pytest.raises(ConfigError, match=r"--data-cache-path .*/cache is a file, not a directory"):
         pretrain_gpt.main(
             [
                 "--mock-data",
@@ -389,3 +405,17 @@ def test_the_schedule_line_shows_the_schedulers_values_not_the_flags():
     assert line == (
         "> schedule X: 6 steps x 8 samples | lr 0.0003 -> 3e-05, warm-up 4 samples, linear decay over 16 samples"
     ), line
+
+
+def test_a_save_path_that_is_a_file_says_so_without_free_space(tmp_path):
+    # it said "(File exists: PATH (PATH has N MiB free))": neither the cause nor what to change
+    blocker = tmp_path / "ckpt"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError) as err:
+        probe_save_dir(str(blocker))
+    assert err.value.problems == [
+        f"--save {blocker} is a file, not a directory: give a directory this job can create and write"
+    ]
+    with pytest.raises(ConfigError) as err:
+        probe_save_dir(str(blocker / "sub"))  # a parent is a file: the OS's reason, no free-space figure
+    assert "Not a directory" in str(err.value) and "MiB free" not in str(err.value), err.value

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.data.tokenizers import build_tokenizer, check_tokenizer_flags
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SHIPPED_MODEL = os.path.join(REPO, "data", "default", "tokenizer.model")
@@ -90,3 +90,29 @@ def test_a_directory_given_as_sentencepiece_model_says_so_and_names_the_file_ins
     (tmp_path / "tokenizer.model").write_bytes(b"x")
     with pytest.raises(ValueError, match=f"is a directory: .* \\(e.g. {tmp_path}/tokenizer.model\\)"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path))
+
+
+def test_gpt2_files_without_the_tokenizer_type_name_gpt2bpetokenizer(tmp_path):
+    # a Megatron-LM GPT-2 script gives --vocab-file/--merge-file; without --tokenizer-type the default
+    # SentencePieceTokenizer asked for a --tokenizer-model the user never meant to give
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text("{}")
+    merges.write_text("#version: 0.2\n")
+    problems = check_tokenizer_flags("SentencePieceTokenizer", vocab_file=str(vocab), merge_file=str(merges))
+    assert len(problems) == 1 and "--tokenizer-type GPT2BPETokenizer" in problems[0], problems
+    assert check_tokenizer_flags("SentencePieceTokenizer", tokenizer_model=SHIPPED_MODEL, vocab_file=str(vocab)) == []
+
+
+def test_gpt2_file_flags_say_which_is_not_given_and_which_does_not_exist(tmp_path):
+    # "missing: --vocab-file /x/vocab.json" read as if the flag had not been given
+    merges = tmp_path / "merges.txt"
+    merges.write_text("#version: 0.2\n")
+    absent = str(tmp_path / "vocab.json")
+    assert check_tokenizer_flags("GPT2BPETokenizer", vocab_file=absent, merge_file=str(merges)) == [
+        f"--vocab-file {absent} does not exist: give the path of GPT2BPETokenizer's vocab.json file"
+    ]
+    (problem,) = check_tokenizer_flags("GPT2BPETokenizer", merge_file=str(merges))
+    assert problem.endswith("needs --vocab-file (vocab.json) and --merge-file (merges.txt); not given: --vocab-file")
+    assert check_tokenizer_flags("GPT2BPETokenizer", vocab_file=str(tmp_path), merge_file=str(merges)) == [
+        f"--vocab-file {tmp_path} is a directory: give the path of GPT2BPETokenizer's vocab.json file"
+    ]
