@@ -22,6 +22,7 @@ from megatron_ext.derived import ResolvedConfig
 # attention and wgrad are called through their modules: bench/gpu_ablation.py patches them there
 from megatron_ext.model import attention, wgrad
 from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy
+from megatron_ext.model.grad_hooks import LeanGradHookDDP
 from megatron_ext.model.init_weights import apply_layout_independent_init
 from megatron_ext.model.norm import TorchNorm
 from megatron_ext.model.v_placement import (
@@ -286,8 +287,6 @@ def wrap_with_ddp(
     weight's grad-ready hook to its layer, which runs it in W. DDP's grad-ready hooks are the lean
     ones of ``model/grad_hooks.py`` (megatron-core's effects, fewer Python calls)."""
     from megatron.core.distributed import DistributedDataParallelConfig
-
-    from megatron_ext.model.grad_hooks import LeanGradHookDDP
 
     if gradient_accumulation_fusion:
         wgrad.enable_gradient_accumulation_fusion(chunks)
