@@ -240,7 +240,100 @@ FLAGS = [
         _lr_warmup_init,
         "0 accepted silently (the warm-up starts from learning rate 0, Megatron-LM's default); other values refused.",
     ),
+    MegatronFlag(
+        "--timing-log-option",
+        1,
+        _one_of(
+            {
+                v: f"--timing-log-option {v} changes nothing: the timers line (--timing-log-level) reports the "
+                f"logging rank's own times; --log-straggler reports the slowest and fastest ranks"
+                for v in ("max", "minmax", "all")
+            },
+            "--timing-log-option {value}: Megatron-LM's values are max, minmax and all",
+        ),
+        "max, minmax or all accepted, no effect (one warning line): the timers line reports the logging "
+        "rank's own times (--log-straggler reports the slowest and fastest ranks); other values refused.",
+    ),
+    MegatronFlag(
+        "--ckpt-fully-parallel-save",
+        STORE_TRUE,
+        _noop(
+            "--ckpt-fully-parallel-save changes nothing (deprecated in Megatron-LM too): the checkpoint is the "
+            "same torch_dist checkpoint; its replicated parts are written by their main replica (data-parallel "
+            "rank 0) rather than spread over the data-parallel ranks"
+        ),
+        "Accepted, no effect (one warning line; deprecated in Megatron-LM too): the checkpoint is the same; its "
+        "replicated parts are written by their main replica (data-parallel rank 0).",
+    ),
+    MegatronFlag(
+        "--ckpt-assume-constant-structure",
+        STORE_TRUE,
+        _noop(
+            "--ckpt-assume-constant-structure changes nothing: each save makes its save plan afresh (caching it "
+            "is a speed-up in Megatron-LM; the files are the same)"
+        ),
+        "Accepted, no effect (one warning line): each save makes its save plan afresh (Megatron-LM's cached "
+        "plan is a speed-up; the files are the same).",
+    ),
+    MegatronFlag(
+        "--auto-detect-ckpt-format",
+        STORE_TRUE,
+        _noop(
+            "--auto-detect-ckpt-format changes nothing: --load reads torch_dist checkpoints, the only format "
+            "written and read (a legacy torch checkpoint is not read: convert it with Megatron-LM first)"
+        ),
+        "Accepted, no effect (one warning line): --load reads torch_dist checkpoints, the only format written and read.",
+    ),
+    MegatronFlag(
+        "--dist-ckpt-strictness",
+        1,
+        _one_of(
+            {"assume_ok_unexpected": None},
+            "--dist-ckpt-strictness {value}: loads here are assume_ok_unexpected (Megatron-LM's default: every "
+            "tensor the run expects must be in the checkpoint, and a checkpoint of another model "
+            "is refused by name before reading); leave it out",
+        ),
+        "assume_ok_unexpected (Megatron-LM's default, what loads do here) accepted silently; other values "
+        "(logging, tolerating or returning mismatched keys) refused.",
+    ),
+    MegatronFlag(
+        "--use-cpu-initialization",
+        STORE_TRUE,
+        _noop(
+            "--use-cpu-initialization changes nothing: the initial weights are drawn from --seed and each "
+            "parameter's global name, the same under every layout (what CPU initialisation gives in "
+            "Megatron-LM: model/init_weights.py)"
+        ),
+        "Accepted, no effect (one warning line): the initial weights are drawn from --seed and each parameter's "
+        "global name, the same under every layout (what CPU initialisation gives in Megatron-LM).",
+    ),
+    MegatronFlag(
+        "--no-persist-layer-norm",
+        STORE_TRUE,
+        _noop("--no-persist-layer-norm changes nothing: no persistent layer-norm kernel (Apex's) is used here"),
+        "Accepted, no effect (one warning line): no persistent layer-norm kernel (Apex's) is used here.",
+    ),
     # refused: they would change the model or the training, and we lack them
+    MegatronFlag(
+        "--tp-comm-overlap",
+        STORE_TRUE,
+        _refuse(
+            "--tp-comm-overlap: overlapping tensor-parallel communication with the GEMMs needs Transformer "
+            "Engine's userbuffers, which are not wired here; leave it out (the TP collectives run unoverlapped)"
+        ),
+        "Refused: overlapping tensor-parallel communication with the GEMMs needs Transformer Engine's "
+        "userbuffers, which are not wired here.",
+    ),
+    MegatronFlag(
+        "--qk-layernorm",
+        STORE_TRUE,
+        _refuse(
+            "--qk-layernorm: a norm on the attention queries and keys is not supported yet (the layer spec, "
+            "checkpoints and the Hugging Face conversion lack it); leave it out"
+        ),
+        "Refused: a norm on the attention queries and keys is not supported yet (layer spec, checkpoints and "
+        "Hugging Face conversion lack it).",
+    ),
     MegatronFlag(
         "--fp8-format",
         1,

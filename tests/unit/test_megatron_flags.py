@@ -224,3 +224,49 @@ def test_megatron_lms_own_spelling_of_the_scheduler_flags_is_accepted(field):
         ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", megatron_spelling]
     )
     assert getattr(cfg.checkpoint, field) is True
+
+
+# Flags of Megatron-LM launch scripts refused as unknown before (user review): each now parses, with
+# one warning line where it changes nothing here, or is one error naming it where we lack it.
+NO_OP_FLAGS = [
+    ["--timing-log-option", "max"],
+    ["--timing-log-option", "minmax"],
+    ["--timing-log-option", "all"],
+    ["--ckpt-fully-parallel-save"],
+    ["--ckpt-assume-constant-structure"],
+    ["--auto-detect-ckpt-format"],
+    ["--use-cpu-initialization"],
+    ["--no-persist-layer-norm"],
+]
+
+
+@pytest.mark.parametrize("argv", NO_OP_FLAGS, ids=lambda a: " ".join(a))
+def test_a_checkpoint_or_kernel_flag_that_changes_nothing_is_accepted_with_one_warning(argv):
+    base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+    _, plain = parse_args_with_notes(base)
+    _, notes = parse_args_with_notes(base + argv)
+    added = [n for n in notes if n not in plain]
+    assert len(added) == 1 and added[0].startswith(f"{argv[0]} ") and "changes nothing" in added[0], added
+
+
+def test_the_default_checkpoint_strictness_is_accepted_silently():
+    base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+    _, plain = parse_args_with_notes(base)
+    _, notes = parse_args_with_notes(base + ["--dist-ckpt-strictness", "assume_ok_unexpected"])
+    assert notes == plain
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--tp-comm-overlap"], "--tp-comm-overlap: overlapping tensor-parallel communication"),
+        (["--qk-layernorm"], "--qk-layernorm: a norm on the attention queries and keys is not supported"),
+        (["--dist-ckpt-strictness", "log_all"], "--dist-ckpt-strictness log_all: loads here are assume_ok_unexpected"),
+        (["--dist-ckpt-strictness", "raise_all"], "--dist-ckpt-strictness raise_all: loads here are"),
+        (["--timing-log-option", "median"], "--timing-log-option median: Megatron-LM's values are max, minmax and all"),
+    ],
+)
+def test_a_flag_we_lack_is_one_error_naming_it(argv, needle):
+    with pytest.raises(ConfigError) as err:
+        parse_args_with_notes(["--mock-data", *argv])
+    assert len(err.value.problems) == 1 and err.value.problems[0].startswith(needle), err.value.problems
