@@ -466,6 +466,30 @@ class LoggingConfig:
     log_memory_to_tensorboard: bool = _f(
         False, "Write memory (CUDA allocated/reserved, or the CPU's max RSS) to TensorBoard at each log line."
     )
+    tensorboard_queue_size: int = _f(
+        1000,
+        "TensorBoard events held in memory before a write forces a flush to disk (SummaryWriter's max_queue; default 1000, as Megatron-LM; TensorBoard also flushes every 2 minutes).",
+    )
+    log_loss_scale_to_tensorboard: bool = _f(
+        True,
+        "Write the loss scale ('loss scale': --fp16's dynamic or static scale, 1.0 otherwise) to TensorBoard/wandb at each log line (default on, as Megatron-LM, which writes it each --tensorboard-log-interval iteration; reading --fp16's scale each iteration would be a device sync). --no-log-loss-scale-to-tensorboard turns it off.",
+        negative_flag=True,
+    )
+    log_validation_ppl_to_tensorboard: bool = _f(
+        False,
+        "Also write each validation perplexity, exp(min(20, loss)) as the validation line prints it, as 'lm loss validation ppl' (with --multiple-validation-sets 'lm loss validation-K ppl'), as Megatron-LM.",
+    )
+    log_params_norm: bool = _f(
+        False,
+        "Compute the global L2 norm of the parameters at each log line ('params norm' on the line and in TensorBoard/wandb), as Megatron-LM's calc_params_l2_norm: every parameter once whatever the layout (TP duplicates and the tied output copy left out; under --bf16 the fp32 main parameters where the distributed optimizer holds them); one or two all-reduces at log lines only (Megatron-LM computes it every iteration).",
+    )
+    log_num_zeros_in_grad: bool = _f(
+        False,
+        "Count the zeros in the step's gradients ('num zeros' on the log line and each --tensorboard-log-interval iteration in TensorBoard/wandb; megatron-core's OptimizerConfig.log_num_zeros_in_grad). The optimizer step is then megatron-core's own, with its host reads (a few per step), instead of ours with one device-to-host copy per step.",
+    )
+    log_world_size_to_tensorboard: bool = _f(
+        False, "Write the number of ranks ('world size') to TensorBoard/wandb at each log line (Megatron-LM's)."
+    )
     profile: bool = _f(
         False,
         "Profile iterations --profile-step-start to --profile-step-end: with --use-pytorch-profiler a torch.profiler trace per rank into --tensorboard-dir, else CUDA profiler ranges for nsys (CUDA only).",

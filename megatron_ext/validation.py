@@ -115,6 +115,7 @@ def _check_positive(cfg: JobConfig) -> list[str]:
         ("log_interval", cfg.logging),
         ("straggler_minmax_count", cfg.logging),
         ("tensorboard_log_interval", cfg.logging),
+        ("tensorboard_queue_size", cfg.logging),
         ("make_vocab_size_divisible_by", m),
         ("pad_to_multiple_of", d),
         ("max_nan_iterations", t),

@@ -25,7 +25,7 @@ from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.validation_sets import FullPassDataset, get_validation_sets
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.training.loss import get_mean_loss, reduce_reported_loss
-from megatron_ext.training.metrics import format_validation_line
+from megatron_ext.training.metrics import format_validation_line, get_perplexity
 from megatron_ext.training.step import build_step_microbatches, forward_step, params_synced, run_forward_backward
 
 
@@ -90,5 +90,8 @@ def evaluate_and_log(run: Any) -> list[float]:
         for k, ((name, _), val) in enumerate(zip(sets, losses)):
             suffix = f"-{k}" if t.multiple_validation_sets else ""
             run.log(format_validation_line(iteration, val, suffix, name))
-            run.writer.write({f"lm loss validation{suffix}": val}, iteration)
+            values = {f"lm loss validation{suffix}": val}
+            if run.cfg.logging.log_validation_ppl_to_tensorboard:
+                values[f"lm loss validation{suffix} ppl"] = get_perplexity(val)
+            run.writer.write(values, iteration)
     return losses

@@ -49,11 +49,14 @@ from megatron_ext.training.metrics import (
     IterationStats,
     MetricWriter,
     format_iteration_line,
+    get_log_line_scalars,
     get_memory_report,
     get_memory_stats,
     get_peak_tflops,
     num_floating_point_operations,
 )
+from megatron_ext.training.optimizer import read_loss_scale
+from megatron_ext.training.params_norm import calc_params_l2_norm
 from megatron_ext.training.profiling import ManualGC, ProfilerWindow, StepTimers, format_timers
 from megatron_ext.training.spike import SpikeGuard, check_spike, log_spike_summary
 from megatron_ext.training.step import (
@@ -138,8 +141,8 @@ class LogWindow:
     totals: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
     iteration_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [2] float64 each
     advanced: list[bool] = dataclasses.field(default_factory=list)  # each iteration's update was applied
-    # each iteration's (iteration, learning rate, grad norm), for --tensorboard-log-interval
-    iteration_scalars: list[tuple[int, float, float | None]] = dataclasses.field(default_factory=list)
+    # each iteration's (iteration, learning rate, grad norm, zeros in grad or None), for --tensorboard-log-interval
+    iteration_scalars: list[tuple[int, float, float | None, float | None]] = dataclasses.field(default_factory=list)
     # the first iterations' losses, already summed over DP and written (flush_iteration_scalars)
     reduced_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [2] float64 each
     skipped_iterations: int = 0  # of this interval (fp16 overflows), as Megatron-LM's log line counts them
@@ -185,7 +188,9 @@ def run_training_iteration(run: TrainingRun, window: LogWindow) -> tuple[StepRes
     state.iteration += 1
     state.consumed_samples += batch
     state.skipped_iterations += skipped
-    window.iteration_scalars.append((state.iteration, run.optimizer.param_groups[0]["lr"], result.grad_norm))
+    window.iteration_scalars.append(
+        (state.iteration, run.optimizer.param_groups[0]["lr"], result.grad_norm, result.num_zeros_in_grad)
+    )
     return result, length
 
 
@@ -292,8 +297,12 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
     timers = run.timers.report() if run.timers is not None else {}
     # collective (every rank logs at the same steps): one all-gather of the ranks' timers
     straggler_lines = run.straggler.report(timers) if run.straggler is not None else []
+    params_norm = None
+    if run.cfg.logging.log_params_norm:  # collective too: an all-reduce over the model-parallel ranks
+        with params_synced(run.model):
+            params_norm = calc_params_l2_norm(run.model, run.ctx, run.cfg.training.bf16)
     if run.ctx.is_logging_rank:
-        _log_iteration(run, loss, result, window, totals, length)
+        _log_iteration(run, loss, result, window, totals, length, params_norm)
         _log_timers_and_memory(run, timers)
         for line in straggler_lines:
             run.log(line)
@@ -320,7 +329,7 @@ def write_iteration_scalars(run: TrainingRun, per_iteration: torch.Tensor, windo
     come from the log line's one all-reduce): its lm loss (global token mean; none for a skipped
     update, as the log line leaves it out: Megatron-LM writes it), learning rate and grad norm."""
     every = run.cfg.logging.tensorboard_log_interval
-    for (iteration, lr, grad_norm), row, applied in zip(
+    for (iteration, lr, grad_norm, num_zeros), row, applied in zip(
         window.iteration_scalars[start:], per_iteration, window.advanced[start:]
     ):
         if iteration % every:
@@ -330,6 +339,8 @@ def write_iteration_scalars(run: TrainingRun, per_iteration: torch.Tensor, windo
             values["lm loss"] = get_mean_loss(row)
         if grad_norm is not None:
             values["grad norm"] = grad_norm
+        if num_zeros is not None:
+            values["num zeros"] = num_zeros
         run.writer.write(values, iteration)
 
 
@@ -544,7 +555,13 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
 
 
 def _log_iteration(
-    run: TrainingRun, loss: float, result: StepResult, window: LogWindow, totals: torch.Tensor, seq_length: int
+    run: TrainingRun,
+    loss: float,
+    result: StepResult,
+    window: LogWindow,
+    totals: torch.Tensor,
+    seq_length: int,
+    params_norm: float | None = None,
 ) -> None:
     cfg, state, ctx = run.cfg, run.state, run.ctx
     lr = run.optimizer.param_groups[0]["lr"]
@@ -561,6 +578,8 @@ def _log_iteration(
         global_batch_size=window.global_batch_size,
         lm_loss=loss,
         grad_norm=result.grad_norm,
+        num_zeros_in_grad=result.num_zeros_in_grad,
+        params_norm=params_norm,
         skipped_iterations=window.skipped_iterations,
         nan_iterations=window.nan_iterations,
         seq_length=seq_length,
@@ -570,7 +589,10 @@ def _log_iteration(
     )
     run.log(format_iteration_line(stats))
     # (lm loss, learning rate and grad norm per iteration: write_iteration_scalars)
-    run.writer.write({"tokens/s": stats.tokens_per_second, "throughput per GPU (TFLOP/s/GPU)": tflops}, state.iteration)
+    lg = cfg.logging  # loss scale: after this iteration's step
+    loss_scale = read_loss_scale(run.optimizer) if lg.log_loss_scale_to_tensorboard else None
+    world_size = ctx.world_size if lg.log_world_size_to_tensorboard else None
+    run.writer.write(get_log_line_scalars(stats, loss_scale, world_size), state.iteration)
     if not run.memory_reported:  # this process's first log line: memory after its first steps
         run.memory_reported = True
         run.log(f"> memory after iteration {state.iteration}: {get_memory_report(ctx.device)}")

@@ -103,6 +103,19 @@ class IterationStats:
     padding_fraction: float | None = None
     tflops_per_gpu: float | None = None
     mfu: float | None = None
+    num_zeros_in_grad: float | None = None  # --log-num-zeros-in-grad
+    params_norm: float | None = None  # --log-params-norm
+
+
+def get_log_line_scalars(
+    s: IterationStats, loss_scale: float | None = None, world_size: int | None = None
+) -> dict[str, float]:
+    """What TensorBoard/wandb get at a log line (the per-iteration scalars are written apart): throughput,
+    and the loss scale (--log-loss-scale-to-tensorboard), world size (--log-world-size-to-tensorboard) and
+    parameters' norm (--log-params-norm) where given."""
+    values = {"tokens/s": s.tokens_per_second, "throughput per GPU (TFLOP/s/GPU)": s.tflops_per_gpu}
+    named = {"loss scale": loss_scale, "world size": world_size, "params norm": s.params_norm}
+    return values | {k: v for k, v in named.items() if v is not None}
 
 
 def format_iteration_line(s: IterationStats) -> str:
@@ -128,6 +141,10 @@ def format_iteration_line(s: IterationStats) -> str:
         parts.insert(5, f"MFU: {100 * s.mfu:.1f}%")
     if s.grad_norm is not None:
         parts.append(f"grad norm: {s.grad_norm:.3f}")
+    if s.num_zeros_in_grad is not None:
+        parts.append(f"num zeros: {s.num_zeros_in_grad}")
+    if s.params_norm is not None:
+        parts.append(f"params norm: {s.params_norm:.3f}")
     if s.seq_length is not None:
         parts.append(f"seq length: {s.seq_length}")
     if s.padding_fraction is not None:
@@ -137,10 +154,15 @@ def format_iteration_line(s: IterationStats) -> str:
     return " | ".join(parts) + " |"
 
 
+def get_perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(20) as Megatron-LM's validation line caps it."""
+    return math.exp(min(20.0, loss))
+
+
 def format_validation_line(iteration: int, loss: float, suffix: str = "", name: str = "") -> str:
     """Megatron-LM's validation line; ``suffix`` "-K" for the K-th of --multiple-validation-sets, whose
     ``name`` (its prefix) ends the line."""
-    ppl = math.exp(min(20.0, loss))
+    ppl = get_perplexity(loss)
     line = f" validation{suffix} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
     return line + (f" set: {name} |" if name else "")
 
@@ -184,7 +206,7 @@ class MetricWriter:
         if lg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=lg.tensorboard_dir)
+            self.tb = SummaryWriter(log_dir=lg.tensorboard_dir, max_queue=lg.tensorboard_queue_size)
         if lg.wandb_project:
             import wandb
 

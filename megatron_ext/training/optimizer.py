@@ -49,6 +49,7 @@ def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.
         loss_scale_window=t.loss_scale_window,
         hysteresis=t.hysteresis,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
     )
     apply_multi_tensor_fallback_fix()
     apply_foreach_main_to_model_copy()
@@ -181,6 +182,13 @@ def get_loss_scale(t: TrainingConfig) -> float | None:
     return 1.0 if t.check_for_nan_in_loss_and_grad else None
 
 
+def read_loss_scale(optimizer) -> float:
+    """The loss scale on the host (--fp16's; 1.0 without a scaler), as Megatron-LM logs it: the first
+    child's (megatron-core's ``ChainedOptimizer.get_loss_scale``, which assumes CUDA when it has none)."""
+    children = getattr(optimizer, "chained_optimizers", [optimizer])
+    return float(children[0].get_loss_scale()) if children else 1.0
+
+
 def step_optimizer(optimizer, check_for_nan: bool) -> tuple[bool, float | None]:
     """``step_optimizer_fetching`` without anything to fetch: (update applied, global gradient norm)."""
     applied, grad_norm, _ = step_optimizer_fetching(optimizer, check_for_nan)
@@ -213,7 +221,8 @@ def step_optimizer_fetching(
     know (``steps_in_one_copy``) take megatron-core's step, with ``fetch`` copied after it."""
     children = getattr(optimizer, "chained_optimizers", [optimizer])
     if not all(steps_in_one_copy(c) for c in children):
-        return _step_upstream(optimizer, fetch, veto)
+        applied, grad_norm, _, fetched = step_optimizer_upstream(optimizer, fetch, veto)
+        return applied, grad_norm, fetched
     found_inf = [prepare_grads_on_device(c) for c in children]  # [1] per child with a scaler, else None
     flags = [f for f in found_inf if f is not None]
     to_fetch = [grad_norm_squared(children), torch.cat(flags) if flags else None, *fetch]
@@ -230,17 +239,24 @@ def step_optimizer_fetching(
     return bool(optimizer.step_with_ready_grads()), grad_norm, fetched
 
 
-def _step_upstream(optimizer, fetch: list[torch.Tensor | None], veto: int | None):
+def step_optimizer_upstream(optimizer, fetch: list[torch.Tensor | None], veto: int | None = None):
     """megatron-core's ``optimizer.step()`` (its own syncs), ``fetch`` copied before it with a
-    ``veto`` (a vetoed step does not call it), after it otherwise."""
+    ``veto`` (a vetoed step does not call it), after it otherwise. Returns (update applied, global
+    gradient norm, number of zeros in the gradients (with --log-num-zeros-in-grad, else None), fetched)."""
     if veto is not None:
         fetched = fetch_to_host(fetch)[1]
         if fetched[veto][0]:
-            return False, None, fetched
-        success, grad_norm, _ = optimizer.step()
-        return bool(success), grad_norm, fetched
-    success, grad_norm, _ = optimizer.step()
-    return bool(success), grad_norm, fetch_to_host(fetch)[1]
+            return False, None, None, fetched
+        success, grad_norm, num_zeros = optimizer.step()
+        return bool(success), grad_norm, num_zeros, fetched
+    success, grad_norm, num_zeros = optimizer.step()
+    return bool(success), grad_norm, num_zeros, fetch_to_host(fetch)[1]
+
+
+def counts_zeros_in_grad(optimizer) -> bool:
+    """--log-num-zeros-in-grad: megatron-core's step counts the gradients' zeros (and takes our step's place)."""
+    children = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(c.config.log_num_zeros_in_grad for c in children)
 
 
 def steps_in_one_copy(child) -> bool:

@@ -38,7 +38,7 @@ from megatron_ext.parallel import ParallelContext
 from megatron_ext.pipeline.runtime import get_schedule_runtime
 from megatron_ext.training.finalize import finalize_model_grads
 from megatron_ext.training.loss import compute_token_loss, stack_reported_losses, sum_reported_losses
-from megatron_ext.training.optimizer import step_optimizer_fetching
+from megatron_ext.training.optimizer import counts_zeros_in_grad, step_optimizer_fetching, step_optimizer_upstream
 from megatron_ext.training.profiling import StepTimers
 from megatron_ext.training.spike import agree_spike
 
@@ -60,6 +60,8 @@ class StepResult:
     step_loss: float | None = None
     spiked: bool = False
     spike_microbatch: tuple[int, float] | None = None
+    # --log-num-zeros-in-grad (None without it): zeros in the step's main gradients, the whole model's
+    num_zeros_in_grad: float | None = None
 
 
 def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor, check_for_nan: bool = True):
@@ -248,6 +250,15 @@ def empty_unused_memory(ctx: ParallelContext, when: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def step_optimizer_counting(optimizer, check_for_nan: bool, fetch: list, veto: int | None):
+    """``step_optimizer_fetching``, or with --log-num-zeros-in-grad megatron-core's own step, which
+    counts the gradients' zeros: (update applied, grad norm, zeros or None, fetched)."""
+    if counts_zeros_in_grad(optimizer):
+        return step_optimizer_upstream(optimizer, fetch, veto)
+    applied, grad_norm, fetched = step_optimizer_fetching(optimizer, check_for_nan, fetch, veto=veto)
+    return applied, grad_norm, None, fetched
+
+
 def train_step(
     model: list[torch.nn.Module],
     optimizer: Any,
@@ -279,7 +290,7 @@ def train_step(
     bits = agreement() if agreement is not None else None
     spike = None if spike_threshold is None else agree_spike(on_device, spike_threshold, ctx.device)
     with timer("optimizer"):
-        update_successful, grad_norm, (fetched, agreed_bits, spike_row) = step_optimizer_fetching(
+        update_successful, grad_norm, num_zeros, (fetched, agreed_bits, spike_row) = step_optimizer_counting(
             optimizer, check_for_nan, [on_device, bits, spike], veto=None if spike is None else 2
         )
         if update_successful:
@@ -293,6 +304,7 @@ def train_step(
     if non_finite and model[0].config.fp16:
         non_finite = agree_loss_non_finite(bad_microbatch is not None)
     result = StepResult(local, grad_norm, update_successful, non_finite, bad_microbatch, agreed_bits)
+    result.num_zeros_in_grad = num_zeros
     if spike_row is not None:
         result.step_loss, result.spiked = spike_row[1], spiked
         means = [(i, s / c) for i, (s, c) in enumerate(rows) if c > 0]

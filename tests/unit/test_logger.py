@@ -64,3 +64,24 @@ def test_wandb_without_a_key_is_named_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert check_wandb_ready("proj") is None
     assert check_wandb_ready(None) is None
+
+
+def test_tensorboard_queue_size_is_summary_writers_max_queue(tmp_path):
+    # Megatron-LM's --tensorboard-queue-size (default 1000) is SummaryWriter's max_queue (torch's default 10)
+    for given, expected in (({}, 1000), ({"tensorboard_queue_size": 7}, 7)):
+        cfg = build_job_config({"tensorboard_dir": str(tmp_path / "tb"), **given})
+        writer = MetricWriter(cfg, enabled=True)
+        queue = writer.tb._get_file_writer().event_writer._async_writer._byte_queue
+        writer.close()
+        assert queue.maxsize == expected
+
+
+def test_a_tensorboard_queue_size_below_one_is_refused_naming_the_flag():
+    import pytest
+
+    from megatron_ext.config import ConfigError
+    from megatron_ext.validation import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(build_job_config({"mock_data": True, "tensorboard_queue_size": 0}), 1)
+    assert [p for p in err.value.problems if p.startswith("--tensorboard-queue-size must be a positive integer")]
