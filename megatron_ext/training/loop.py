@@ -590,7 +590,8 @@ def _log_iteration(
     run.log(format_iteration_line(stats))
     # (lm loss, learning rate and grad norm per iteration: write_iteration_scalars)
     lg = cfg.logging  # loss scale: after this iteration's step
-    loss_scale = read_loss_scale(run.optimizer) if lg.log_loss_scale_to_tensorboard else None
+    # (a device read: only where a writer takes it, not on every log line of a run without TensorBoard)
+    loss_scale = read_loss_scale(run.optimizer) if lg.log_loss_scale_to_tensorboard and run.writer.active else None
     world_size = ctx.world_size if lg.log_world_size_to_tensorboard else None
     run.writer.write(get_log_line_scalars(stats, loss_scale, world_size), state.iteration)
     if not run.memory_reported:  # this process's first log line: memory after its first steps

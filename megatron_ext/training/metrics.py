@@ -219,6 +219,11 @@ class MetricWriter:
                 config=cfg.to_flat_dict(),
             )
 
+    @property
+    def active(self) -> bool:
+        """Whether anything is written (a scalar read only for it, e.g. a device value, can be skipped)."""
+        return self.tb is not None or self.wandb is not None
+
     def write(self, values: dict[str, float], step: int) -> None:
         if self.tb is not None:
             for k, v in values.items():

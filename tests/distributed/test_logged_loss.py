@@ -44,6 +44,8 @@ def _inject_nan(run, iteration: int) -> None:
 class _Recorder:
     """Stands in for the TensorBoard/wandb writer: what was written, at which iteration."""
 
+    active = True  # as MetricWriter.active: scalars read only for the writer are read
+
     def __init__(self):
         self.written: list[tuple[int, dict]] = []
 

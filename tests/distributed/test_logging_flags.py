@@ -35,6 +35,8 @@ LAYOUTS = {
 class _Recorder:
     """Stands in for the TensorBoard/wandb writer."""
 
+    active = True  # as MetricWriter.active: scalars read only for the writer are read
+
     def __init__(self):
         self.written: list[tuple[int, dict]] = []
 

@@ -48,6 +48,8 @@ def test_tensorboard_and_offline_wandb_write_files(tmp_path, monkeypatch):
     assert glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))
     silent = MetricWriter(cfg, enabled=False)  # non-logging ranks write nothing
     assert silent.tb is None and silent.wandb is None
+    # what the loop asks before a device read for the writer alone (the loss scale)
+    assert writer.active and not silent.active and not MetricWriter(build_job_config({}), enabled=True).active
 
 
 def test_wandb_without_a_key_is_named_before_any_work(tmp_path, monkeypatch):
