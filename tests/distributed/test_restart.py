@@ -182,9 +182,8 @@ def test_a_crash_recurring_at_the_same_iteration_stops_after_two_tries(tmp_path)
     )
     assert rc == 1, output[-4000:]
     # a real crash keeps torchrun's report: the kill -9, then the exception's traceback (printed by the
-    # rank, torch's excepthook prefixing "[rank1]: ", and in torchrun's summary from its error file
-    # (@record); the root cause may be the survivor's
-    # "Connection reset by peer", which can reach torchrun in the same second)
+    # rank, torch's excepthook prefixing "[rank1]: ", and in torchrun's summary from its error file,
+    # @record's; the root cause may be the survivor's "Connection closed by peer", in the same second)
     assert "traceback : Signal 9 (SIGKILL) received by PID" in output, output[-6000:]
     assert re.search(r"^(\[rank1\]: )?RuntimeError: test crash at iteration 3$", output, re.M), output[-6000:]
     summary = (
