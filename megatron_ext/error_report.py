@@ -11,8 +11,8 @@ error-file contract, what its ``@record`` writes for an exception), so that torc
 summary, printed after it, shows the error as its root cause instead of "To enable traceback see
 ...": the rank that printed writes the whole message, the others a pointer to it, dated one second
 later so that torchrun (which takes the failure with the smallest whole-second timestamp, ties to the
-lowest local rank) picks the rank that printed as the root cause. The message's first line is the
-error's one-line summary (torchrun's parent error file, under a scheduler that reads one).
+lowest local rank) picks the rank that printed as the root cause. The file's one-line "message"
+(the error's first line) is what torchrun copies into its own error file, for a scheduler to read.
 """
 
 from __future__ import annotations
