@@ -16,6 +16,7 @@ from megatron_ext.cpu_platform import quiet_known_warnings, select_device
 quiet_known_warnings()  # before megatron-core's imports, which warn about TE/Apex on CPU
 
 import torch  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from megatron_ext.arguments import parse_args_with_notes  # noqa: E402
 from megatron_ext.checkpoint.directory import CheckpointWriteFailed, probe_save_dir  # noqa: E402
@@ -147,4 +148,6 @@ def run_cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli())
+    # torchelastic's @record: under torchrun an unexpected exception's traceback also becomes the
+    # root cause in torchrun's failure summary (our own errors write theirs: report_error_once)
+    sys.exit(record(run_cli)())

@@ -29,7 +29,9 @@
 # run, exit 1: this script exits with that code, also when MAX_RESTARTS is 0), after this script
 # was sent SIGTERM/SIGINT, or when the same failure (torchrun's exit code at the same iteration:
 # the highest a local rank started, from rank<R>.iteration) happened SAME_FAILURE_LIMIT (2) times
-# in a row. Each decision is one line on stderr starting with "launch/torchrun.sh:". Several
+# in a row. Each decision is one line on stderr starting with "launch/torchrun.sh:", also the final
+# "exit 2: a worker stopped on a user error ..." without MAX_RESTARTS (read from the markers, not
+# from torchrun's output, whose failure summary stays as it is for every failure). Several
 # nodes: each node's launcher decides alone, and they meet again in the rendezvous (RDZV_ID with
 # ".restart<K>" added).
 set -uo pipefail
@@ -94,7 +96,11 @@ run_attempt() {
     # A command started with `&` by a script (no job control) gets SIGINT and SIGQUIT ignored, and
     # torchrun sets its own handlers only when it starts its workers: the SIGINT forwarded below (Ctrl-C)
     # did nothing before, e.g. while it waited in the rendezvous for the other nodes. Restore them.
-    ( trap - INT QUIT; exec torchrun "${args[@]}" "${rdzv[@]}" "$TRAIN_SCRIPT" "$@" ) &
+    # torchrun copies the root cause's error file (a worker's error, pretrain_gpt.py writes it) to
+    # its own, and without one logs an "E ... no error file defined for parent" line after a failure
+    ( trap - INT QUIT
+      export TORCHELASTIC_ERROR_FILE=${TORCHELASTIC_ERROR_FILE:-"$MEGATRON_EXT_EXIT_MARKER_DIR/torchrun_error.json"}
+      exec torchrun "${args[@]}" "${rdzv[@]}" "$TRAIN_SCRIPT" "$@" ) &
     pid=$!
     (( stopping )) && kill -TERM "$pid" 2>/dev/null  # a signal between attempts, before pid was this one
     # A trapped signal interrupts `wait`: wait again until torchrun is gone, then read its status
@@ -121,8 +127,11 @@ while true; do
     no_retry=("$dir"/rank*.noretry)
     if (( ${#no_retry[@]} )); then  # the worker's own code (torchrun reports 1 for any failure)
         read -r code reason < "${no_retry[0]}"
-        (( MAX_RESTARTS )) && echo "launch/torchrun.sh: not restarting: a worker stopped on $reason," \
-                                   "which a restart would repeat" >&2
+        if (( MAX_RESTARTS )); then
+            echo "launch/torchrun.sh: not restarting: a worker stopped on $reason, which a restart would repeat" >&2
+        else  # the last line, after torchrun's failure summary (whose root cause names the error)
+            echo "launch/torchrun.sh: exit ${code:-$rc}: a worker stopped on $reason" >&2
+        fi
         exit "${code:-$rc}"
     fi
     (( rc == 0 )) && exit 0

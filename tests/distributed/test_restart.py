@@ -4,15 +4,18 @@
 load --save), --exit-signal-handler on (the survivors of a dead rank must not wait for it in the
 agreed SIGTERM save). Faults come from a test-only TRAIN_SCRIPT that wraps the real entry point:
 rank 1 SIGKILLs itself (kill -9) as it starts iteration TEST_CRASH_AT in the attempts listed in
-TEST_CRASH_ATTEMPTS, or every step from TEST_DIVERGE_FROM on counts as non-finite (a diverged run).
+TEST_CRASH_ATTEMPTS (or raises an exception there, in those also in TEST_RAISE_ATTEMPTS), or every
+step from TEST_DIVERGE_FROM on counts as non-finite (a diverged run).
 Seven torchrun launches in all:
 
 1. an uninterrupted run, then a run whose rank 1 dies at iteration 6 under MAX_RESTARTS=2: restarted
    once from iteration 4, it finishes with exit code 0 and its final checkpoint's tensors (weights
    and optimizer state) equal the uninterrupted run's bit for bit; the survivor was not SIGKILLed;
-2. a configuration error (MAX_RESTARTS without --save) is not retried: exit code 2, one attempt;
+2. a configuration error (MAX_RESTARTS without --save) is not retried: exit code 2, one attempt; its
+   error: block is printed once and is the root cause of torchrun's failure summary;
 3. a diverged run is not retried: exit code 1, one attempt;
-4. a crash at iteration 3 in every attempt stops after 2 attempts (the same failure twice in a row).
+4. a crash at iteration 3 in every attempt stops after 2 attempts (the same failure twice in a row):
+   a kill -9, then an exception, each the root cause of torchrun's summary (the signal; the traceback).
 """
 
 from __future__ import annotations
@@ -30,13 +33,13 @@ from tests.distributed.test_launch import REPO, finish, start_launcher
 pytestmark = pytest.mark.torchrun
 
 FAULTY_WORKER = f"""\
-import dataclasses, os, signal, sys
+import dataclasses, os, runpy, signal, sys
 sys.path.insert(0, {REPO!r})
-import pretrain_gpt
 from megatron_ext.training import loop
 
 crash_at = int(os.environ.get("TEST_CRASH_AT", "0"))
 crash_attempts = os.environ.get("TEST_CRASH_ATTEMPTS", "0").split(",")
+raise_attempts = os.environ.get("TEST_RAISE_ATTEMPTS", "").split(",")
 diverge_from = int(os.environ.get("TEST_DIVERGE_FROM", "0"))
 attempt = os.environ.get("MEGATRON_EXT_RESTART_ATTEMPT")
 real_iteration = loop.run_training_iteration
@@ -45,6 +48,8 @@ real_iteration = loop.run_training_iteration
 def faulty_iteration(run, window):
     starting = run.state.iteration + 1
     if starting == crash_at and os.environ["RANK"] == "1" and ("all" in crash_attempts or attempt in crash_attempts):
+        if attempt in raise_attempts:
+            raise RuntimeError(f"test crash at iteration {{starting}}")
         os.kill(os.getpid(), signal.SIGKILL)
     result, length = real_iteration(run, window)
     if diverge_from and starting >= diverge_from:
@@ -53,7 +58,7 @@ def faulty_iteration(run, window):
 
 
 loop.run_training_iteration = faulty_iteration
-sys.exit(pretrain_gpt.run_cli())
+runpy.run_path(os.path.join({REPO!r}, "pretrain_gpt.py"), run_name="__main__")  # as torchrun runs it
 """
 
 
@@ -139,6 +144,15 @@ def test_a_configuration_error_is_not_retried(tmp_path):
     rc, output = _launch(tmp_path, "config", _args(None), MAX_RESTARTS="2")
     assert rc == 2, output[-4000:]
     assert "error: invalid configuration:\n  - MAX_RESTARTS=2 needs --save DIR" in output, output[-4000:]
+    # one error: block per host, and torchrun's summary names it as the root cause (not "To enable
+    # traceback see ..."); the other rank, if it got as far, points to it
+    assert len(re.findall(r"^error: invalid configuration:", output, re.M)) == 1, output[-4000:]
+    assert re.search(
+        r"Root Cause \(first observed failure\):\n\[\d\]:\n(  .*\n)*?  traceback : error: invalid configuration:\n"
+        r"    - MAX_RESTARTS=2 needs --save DIR",
+        output,
+    ), output[-4000:]
+    assert "To enable traceback see" not in output, output[-4000:]
     assert _restarts(output) == [
         "launch/torchrun.sh: not restarting: a worker stopped on a user error (the error: "
         "block above), which a restart would repeat"
@@ -164,8 +178,18 @@ def test_a_crash_recurring_at_the_same_iteration_stops_after_two_tries(tmp_path)
         MAX_RESTARTS="3",
         TEST_CRASH_AT="3",
         TEST_CRASH_ATTEMPTS="all",
+        TEST_RAISE_ATTEMPTS="1",
     )
     assert rc == 1, output[-4000:]
+    # a real crash keeps torchrun's report: the kill -9, then the exception's traceback (printed by the
+    # rank, torch's excepthook prefixing "[rank1]: ", and in torchrun's summary from its error file,
+    # @record's; the root cause may be the survivor's "Connection closed by peer", in the same second)
+    assert "traceback : Signal 9 (SIGKILL) received by PID" in output, output[-6000:]
+    assert re.search(r"^(\[rank1\]: )?RuntimeError: test crash at iteration 3$", output, re.M), output[-6000:]
+    summary = (
+        r"  traceback : Traceback \(most recent call last\):\n(    .*\n)+  RuntimeError: test crash at iteration 3\n"
+    )
+    assert re.search(summary, output), output[-6000:]
     assert _restarts(output) == [
         "launch/torchrun.sh: torchrun exit code 1 at iteration 3; restart 1 of 3, from the newest complete "
         "checkpoint in --save",

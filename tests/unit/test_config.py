@@ -707,6 +707,50 @@ def test_a_config_error_is_printed_once_per_launch_and_on_every_launch():
         assert printed == [False, True], f"launch {launch}: {printed}"
 
 
+def _rank_reports_under_torchrun(message: str, error_file: str, results) -> None:
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="none", LOCAL_WORLD_SIZE="2", WORLD_SIZE="2", TORCHELASTIC_ERROR_FILE=error_file
+    )
+    _rank_reports(message, results)
+
+
+def _launch_two_ranks_in_turn(message: str, error_files: list[str], results) -> None:
+    """torchrun's agent with local rank 1 reporting before local rank 0, within one second."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for local_rank in (1, 0):
+        w = ctx.Process(target=_rank_reports_under_torchrun, args=(message, error_files[local_rank], results))
+        w.start()
+        w.join()
+
+
+def test_torchruns_summary_names_the_printed_error_as_its_root_cause(tmp_path):
+    # torchrun's failure summary showed "To enable traceback see ..." as the root cause of a
+    # configuration error; each rank now writes its error file, and the rank that printed is the root
+    # cause even when a lower local rank (torchrun's tie-break) failed in the same second
+    import multiprocessing as mp
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    ctx = mp.get_context("fork")
+    message = f"invalid configuration:\n  - --global-batch-size 3 ... {uuid.uuid4().hex}"
+    files = [str(tmp_path / f"error{r}.json") for r in range(2)]
+    results = ctx.Queue()
+    agent = ctx.Process(target=_launch_two_ranks_in_turn, args=(message, files, results))
+    agent.start()
+    agent.join()
+    assert [results.get(timeout=10) for _ in range(2)] == [True, False]  # local rank 1 printed
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=2, error_file=files[r]) for r in range(2)}
+    summary = ChildFailedError("pretrain_gpt.py", failures)
+    assert summary.get_first_failure()[0] == 1
+    text = str(summary)
+    root = text.split("Root Cause (first observed failure):")[1]
+    assert f"  traceback : error: invalid configuration:\n    - --global-batch-size 3 ... {message[-32:]}" in root, text
+    assert "traceback : (the same error: as the root cause below, printed once above)" in text.split("Root Cause")[0]
+
+
 def test_tp_splits_of_heads_groups_and_mlp_say_what_to_change():
     # "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4" stopped there
     cfg = build_job_config(

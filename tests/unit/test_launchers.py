@@ -224,7 +224,7 @@ step = plan[len(seen)]
 with open(os.environ["FAKE_TORCHRUN_LOG"], "a") as f:
     f.write(json.dumps({{"argv": sys.argv[1:], "marker_dir": marker_dir, "files": sorted(os.listdir(marker_dir)),
                         **{{k: os.environ.get(k) for k in ("MEGATRON_EXT_RESTART_ATTEMPT", "MEGATRON_EXT_RESUME_FROM_SAVE",
-                                                          "MEGATRON_EXT_MAX_RESTARTS")}}}}) + "\\n")
+                                                          "MEGATRON_EXT_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE")}}}}) + "\\n")
 for rank in step.get("ok", []):
     open(os.path.join(marker_dir, "rank%d.ok" % rank), "w").write("finished\\n")
 for rank, it in step.get("stopped", {{}}).items():
@@ -314,6 +314,14 @@ def test_a_worker_that_says_do_not_retry_is_not_restarted(tmp_path):
     diverged = {"rc": 1, "noretry": {"1": "1 the run diverged (the error: block above)"}, "iteration": {"1": 9}}
     rc, err, attempts = run_restarts(tmp_path / "d", [diverged, DONE], "3")
     assert rc == 1 and len(attempts) == 1 and "the run diverged" in err, (rc, err, attempts)
+    # without MAX_RESTARTS too, the last line (after torchrun's failure summary) names the user error
+    rc, err, attempts = run_restarts(tmp_path / "no_restarts", [user_error, DONE], "0")
+    assert rc == 2 and len(attempts) == 1, (rc, err, attempts)
+    assert err.strip().splitlines()[-1] == (
+        "launch/torchrun.sh: exit 2: a worker stopped on a user error (the error: block above)"
+    ), err
+    # torchrun copies the root cause's error file to its own (without one it logs an error line)
+    assert attempts[0]["TORCHELASTIC_ERROR_FILE"] == os.path.join(attempts[0]["marker_dir"], "torchrun_error.json")
 
 
 def test_no_restart_by_default_and_a_bad_max_restarts_is_one_error(tmp_path):
