@@ -199,6 +199,31 @@ def tiny_values(**overrides) -> dict:
     return values
 
 
+# the Llama-style flags of the tests' tiny models (GQA added where a test wants it)
+LLAMA_STYLE = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+)
+
+
+class ScalarRecorder:
+    """Stands in for the TensorBoard/wandb writer (``run.writer``): what was written, at which iteration."""
+
+    active = True  # as MetricWriter.active: scalars read only for the writer are read
+
+    def __init__(self):
+        self.written: list[tuple[int, dict]] = []
+
+    def write(self, values: dict, step: int) -> None:
+        self.written.append((step, dict(values)))
+
+    def close(self) -> None:
+        pass
+
+
 def build_tiny_run(values: dict, dataset: Any, valid_dataset: Any = None) -> TrainingRun:
     """The run ``pretrain_gpt.py`` would build from ``values`` (flag names), on the CPU, training
     on ``dataset``, printing nothing."""

@@ -16,19 +16,11 @@ import pytest
 import torch
 
 from megatron_ext.config import build_job_config
-from megatron_ext.testing import PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.testing import LLAMA_STYLE, PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
-LLAMA = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    disable_bias_linear=True,
-    untie_embeddings_and_output_weights=True,
-    group_query_attention=True,
-    num_query_groups=2,
-)
+LLAMA = dict(LLAMA_STYLE, group_query_attention=True, num_query_groups=2)
 
 
 def _seed_call(rank, world_size, values):

@@ -23,18 +23,19 @@ import pytest
 import torch
 
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.testing import MarkovDataset, build_tiny_run, fetch_step_microbatches, run_ranks, tiny_values
+from megatron_ext.testing import (
+    LLAMA_STYLE,
+    MarkovDataset,
+    build_tiny_run,
+    fetch_step_microbatches,
+    run_ranks,
+    tiny_values,
+)
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
 
-LLAMA = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    disable_bias_linear=True,
-    untie_embeddings_and_output_weights=True,
-)
+LLAMA = LLAMA_STYLE
 BASE = dict(num_layers=2, global_batch_size=8, micro_batch_size=2, train_iters=3, ddp_bucket_size=4000)
 VARIANTS = {
     "plain": {},

@@ -17,7 +17,7 @@ import math
 import pytest
 
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.testing import MarkovDataset, ScalarRecorder, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
@@ -41,21 +41,6 @@ def _inject_nan(run, iteration: int) -> None:
     run.model[0].module.embedding.register_forward_hook(hook)
 
 
-class _Recorder:
-    """Stands in for the TensorBoard/wandb writer: what was written, at which iteration."""
-
-    active = True  # as MetricWriter.active: scalars read only for the writer are read
-
-    def __init__(self):
-        self.written: list[tuple[int, dict]] = []
-
-    def write(self, values: dict, step: int) -> None:
-        self.written.append((step, dict(values)))
-
-    def close(self) -> None:
-        pass
-
-
 def _logged(
     log_interval: int,
     nan_at: int | None = None,
@@ -73,7 +58,7 @@ def _logged(
     )
     lines: list[str] = []
     run.log = lines.append
-    run.writer = _Recorder()
+    run.writer = ScalarRecorder()
     if nan_at is not None:
         _inject_nan(run, nan_at)
     train(run)

@@ -19,7 +19,14 @@ import math
 import pytest
 
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.testing import MarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values
+from megatron_ext.testing import (
+    MarkovDataset,
+    ScalarRecorder,
+    build_tiny_run,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
+)
 from megatron_ext.training.loop import train
 from megatron_ext.training.params_norm import calc_params_l2_norm
 
@@ -30,21 +37,6 @@ LAYOUTS = {
     "pp2 tied": dict(pipeline_model_parallel_size=2),
     "dp2 distopt bf16": dict(use_distributed_optimizer=True, bf16=True),
 }
-
-
-class _Recorder:
-    """Stands in for the TensorBoard/wandb writer."""
-
-    active = True  # as MetricWriter.active: scalars read only for the writer are read
-
-    def __init__(self):
-        self.written: list[tuple[int, dict]] = []
-
-    def write(self, values: dict, step: int) -> None:
-        self.written.append((step, dict(values)))
-
-    def close(self) -> None:
-        pass
 
 
 def _initial_norm(rank: int, world_size: int, layout: dict) -> float:
@@ -79,7 +71,7 @@ def _trained(rank: int, world_size: int, values: dict) -> dict:
         MarkovDataset(32, seed=1),
     )
     lines: list[str] = []
-    run.log, run.writer = lines.append, _Recorder()
+    run.log, run.writer = lines.append, ScalarRecorder()
     train(run)
     out = {
         "lines": [line for line in lines if "lm loss:" in line or "validation" in line],

@@ -14,19 +14,11 @@ import os
 import pytest
 import torch
 
-from megatron_ext.testing import MarkovDataset, PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.testing import LLAMA_STYLE, MarkovDataset, PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
-LLAMA = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    disable_bias_linear=True,
-    untie_embeddings_and_output_weights=True,
-    group_query_attention=True,
-    num_query_groups=2,
-)
+LLAMA = dict(LLAMA_STYLE, group_query_attention=True, num_query_groups=2)
 SELECTIVE = dict(recompute_granularity="selective")
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 SEQ = 32
