@@ -266,6 +266,13 @@ FLAGS = [
         "replicated parts are written by their main replica (data-parallel rank 0).",
     ),
     MegatronFlag(
+        "--no-ckpt-fully-parallel-save",
+        STORE_TRUE,
+        lambda value, cfg: (None, None),  # states what our saves do: silent
+        "Accepted silently: our saves already write each replicated part from its main replica "
+        "(data-parallel rank 0), which is what this selects in Megatron-LM.",
+    ),
+    MegatronFlag(
         "--ckpt-assume-constant-structure",
         STORE_TRUE,
         _noop(

@@ -249,10 +249,13 @@ def test_a_checkpoint_or_kernel_flag_that_changes_nothing_is_accepted_with_one_w
     assert len(added) == 1 and added[0].startswith(f"{argv[0]} ") and "changes nothing" in added[0], added
 
 
-def test_the_default_checkpoint_strictness_is_accepted_silently():
+@pytest.mark.parametrize(
+    "argv", [["--dist-ckpt-strictness", "assume_ok_unexpected"], ["--no-ckpt-fully-parallel-save"]], ids=" ".join
+)
+def test_a_flag_stating_what_we_do_is_accepted_silently(argv):
     base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
     _, plain = parse_args_with_notes(base)
-    _, notes = parse_args_with_notes(base + ["--dist-ckpt-strictness", "assume_ok_unexpected"])
+    _, notes = parse_args_with_notes(base + argv)
     assert notes == plain
 
 
