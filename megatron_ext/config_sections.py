@@ -78,7 +78,15 @@ class ParallelConfig:
         "Elements per DDP gradient bucket of the first pipeline stage's first model chunk, the only one bucketed, as in Megatron-LM (with --overlap-grad-reduce; default megatron-core's, max(4e7, 1e6 x DP)).",
     )
     distributed_timeout_minutes: int = _f(10, "Timeout of collective operations, in minutes.")
-    context_parallel_size: int = _f(1, "Context parallelism: only 1 (not supported yet; refused otherwise).")
+    context_parallel_size: int = _f(
+        1,
+        "Context parallelism: each micro-batch's sequence split over this many ranks (long context; docs/context-parallel.md). Keys and values are all-gathered over the CP group, queries stay local; packed documents are split head-tail per document, other rows head-tail per row. World = TP x CP x PP x DP.",
+    )
+    cp_comm_type: list[str] = _f(
+        ["all_gather"],
+        "How context-parallel attention communicates: all_gather (K/V all-gathered, the only one here; 'allgather' accepted), one value or one per layer. Megatron-LM's default is p2p (a ring); p2p and a2a are not supported.",
+        nargs="+",
+    )
     use_torch_fsdp2: bool = _f(False, "FSDP2 (Megatron-LM's flag): not supported; refused.")
     use_custom_fsdp: bool = _f(False, "Megatron-core's custom FSDP (Megatron-LM's flag): not supported; refused.")
     optimizer_cpu_offload: bool = _f(
@@ -274,6 +282,10 @@ class DataConfig:
     )
     pad_to_multiple_of: int = _f(
         64, "Round negotiated/variable lengths up to a multiple of this (--seq-length must be one)."
+    )
+    document_pad_multiple: int | None = _f(
+        None,
+        "Pad every packed document to a multiple of this many tokens (pads at the document's end: labels ignored, positions continue). Context parallelism needs a multiple of 2 x --context-parallel-size (the default then; 1 without CP). A data setting of its own: the packs, and so what each step reads, depend on it and not on the CP size; recorded in checkpoints and in the packing cache key.",
     )
     pad_length_bucket: str = _f(
         "multiple",

@@ -40,9 +40,44 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 # ----------------------------------------------------------------------------- layout and batch
 
 
-def get_data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+def get_replica_size(cfg: JobConfig) -> int:
+    """Ranks of one data-parallel replica, which read the same samples: TP x CP x PP."""
     p = cfg.parallel
-    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    return p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
+
+
+def get_data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+    """DP = world / (TP x CP x PP): replicas reading distinct samples (CP ranks share theirs)."""
+    return world_size // max(get_replica_size(cfg), 1)
+
+
+CP_COMM_TYPES = {"all_gather": "all_gather", "allgather": "all_gather"}
+
+
+def get_cp_comm_types(p: ParallelConfig) -> list[str | None]:
+    """--cp-comm-type values in our spelling (None: a value we do not implement), one per value given."""
+    return [CP_COMM_TYPES.get(v) for v in p.cp_comm_type]
+
+
+def get_document_pad_multiple(d: DataConfig, cp_size: int) -> int:
+    """--document-pad-multiple g, or its default: 2 x CP with context parallelism, 1 without (a
+    run without CP reads exactly the packs it read before the flag existed)."""
+    if d.document_pad_multiple is not None:
+        return d.document_pad_multiple
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def get_cp_length_multiple(cfg: JobConfig) -> int:
+    """What every sequence length (--seq-length, --pad-to-multiple-of, a padded step) must be a
+    multiple of under CP: 2c (each rank takes two chunks of every row or document), c x lcm(2, TP)
+    with sequence parallelism (each CP shard then splits over TP); 1 without CP."""
+    p = cfg.parallel
+    c = p.context_parallel_size
+    if c <= 1:
+        return 1
+    if p.sequence_parallel:
+        return c * math.lcm(2, max(p.tensor_model_parallel_size, 1))
+    return 2 * c
 
 
 def get_schedule_name(cfg: JobConfig) -> str | None:
@@ -359,6 +394,8 @@ class ResolvedConfig:
     uses_document_boundaries: bool
     uses_variable_lengths: bool
     cuda_graph_max_documents: int | None  # packed boundaries' fixed count under CUDA graphs (else None)
+    context_parallel_size: int = 1
+    document_pad_multiple: int = 1  # every packed document's length is a multiple of it (g)
 
 
 def get_cuda_graph_max_documents(cfg: JobConfig) -> int | None:
@@ -398,4 +435,6 @@ def resolve_config(cfg: JobConfig, world_size: int, vocab_size: int) -> Resolved
         uses_document_boundaries=uses_document_boundaries(d),
         uses_variable_lengths=uses_variable_lengths(d),
         cuda_graph_max_documents=get_cuda_graph_max_documents(cfg),
+        context_parallel_size=cfg.parallel.context_parallel_size,
+        document_pad_multiple=get_document_pad_multiple(d, cfg.parallel.context_parallel_size),
     )

@@ -18,6 +18,7 @@ from megatron_ext.derived import (
     RECOMPUTE_MODULES,
     get_batch_schedule,
     get_chunk_layer_counts,
+    get_data_parallel_size,
     get_global_batch_size,
     get_num_microbatches,
     get_running_global_batch_size,
@@ -33,10 +34,17 @@ from megatron_ext.pipeline.validate import check_pipeline_schedule, check_schedu
 def check_layout(cfg: JobConfig, world_size: int) -> list[str]:
     p, m = cfg.parallel, cfg.model
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if tp <= 0 or pp <= 0 or m.num_layers <= 0:
+    if tp <= 0 or pp <= 0 or m.num_layers <= 0 or p.context_parallel_size <= 0:
         return []
     out = []
-    if world_size % (tp * pp):
+    cp = p.context_parallel_size
+    if cp > 1 and world_size % (tp * cp * pp):
+        out.append(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {tp * cp * pp}: launch a "
+            f"multiple of {tp * cp * pp} processes or change TP/CP/PP"
+        )
+    elif world_size % (tp * pp):
         out.append(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} = {tp * pp}: launch a multiple of {tp * pp} "
@@ -160,16 +168,17 @@ def check_uneven_split(cfg: JobConfig, pp: int, lps: int | None, vps: int | None
 
 def check_batch(cfg: JobConfig, world_size: int) -> list[str]:
     p, t = cfg.parallel, cfg.training
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     if (
         tp <= 0
         or pp <= 0
-        or world_size % (tp * pp)
+        or cp <= 0
+        or world_size % (tp * cp * pp)
         or t.micro_batch_size <= 0
         or (t.global_batch_size is not None and t.global_batch_size <= 0)
     ):
-        return []  # reported by _check_positive
-    dp = world_size // (tp * pp)
+        return []  # reported by _check_positive / check_layout
+    dp = get_data_parallel_size(cfg, world_size)
     found = check_batch_divisibility(t, get_global_batch_size(cfg, world_size), dp)
     if found:
         return found
@@ -340,8 +349,8 @@ def check_step_batches(cfg: JobConfig, world_size: int, batches: list[int]) -> l
 def check_pipeline_schedule_layout(cfg: JobConfig, world_size: int) -> list[str]:
     """--pipeline-schedule with the layout (``pipeline/validate.py``), once the layout itself is valid."""
     p = cfg.parallel
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if tp <= 0 or pp <= 0 or world_size % (tp * pp) or check_layout(cfg, world_size):
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    if tp <= 0 or pp <= 0 or cp <= 0 or world_size % (tp * cp * pp) or check_layout(cfg, world_size):
         return check_schedule_name(cfg)  # the rest once the layout is valid
     m = get_num_microbatches(cfg, world_size) if cfg.training.micro_batch_size > 0 else None
     return check_pipeline_schedule(cfg, get_virtual_pipeline_size(cfg), m)

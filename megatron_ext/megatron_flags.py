@@ -29,7 +29,7 @@ STORE_TRUE = None
 @dataclasses.dataclass(frozen=True)
 class MegatronFlag:
     flag: str
-    nargs: Any  # STORE_TRUE, or argparse nargs (1 value: None -> use "?"-free single value)
+    nargs: Any  # STORE_TRUE, 1 (one value) or an argparse nargs ("+": one or more values, a list)
     # (value, cfg) -> (warning or None, problem or None)
     judge: Callable[[Any, JobConfig], tuple[str | None, str | None]]
     help: str
@@ -408,6 +408,53 @@ FLAGS = [
         ),
         "Refused: give the model flags (a mismatch with the checkpoint is refused by name).",
     ),
+    # Context parallelism's variants (ours: --context-parallel-size with --cp-comm-type all_gather)
+    MegatronFlag(
+        "--hierarchical-context-parallel-sizes",
+        "+",
+        _refuse(
+            "--hierarchical-context-parallel-sizes: hierarchical (a2a+p2p) context parallelism is not supported; "
+            "use --context-parallel-size N with --cp-comm-type all_gather"
+        ),
+        "Refused: hierarchical context parallelism is not supported (--context-parallel-size with all_gather is).",
+    ),
+    MegatronFlag(
+        "--hybrid-context-parallel",
+        STORE_TRUE,
+        _refuse(
+            "--hybrid-context-parallel: a CP size chosen per sequence is not supported; use one "
+            "--context-parallel-size for the run"
+        ),
+        "Refused: a context-parallel size per sequence is not supported.",
+    ),
+    MegatronFlag(
+        "--max-seqlen-per-dp-cp-rank",
+        1,
+        _refuse(
+            "--max-seqlen-per-dp-cp-rank: hybrid context parallelism's per-rank budget is not supported; leave it "
+            "out (each rank holds --seq-length / --context-parallel-size tokens)"
+        ),
+        "Refused: hybrid context parallelism's per-rank budget is not supported.",
+    ),
+    MegatronFlag(
+        "--use-tp-pp-dp-mapping",
+        STORE_TRUE,
+        _refuse(
+            "--use-tp-pp-dp-mapping: only megatron-core's default rank order (tp-cp-ep-dp-pp: TP inside a node) "
+            "is supported; leave it out"
+        ),
+        "Refused: only megatron-core's default rank order tp-cp-ep-dp-pp is supported.",
+    ),
+    MegatronFlag(
+        "--dataloader-inter-document-masking",
+        STORE_TRUE,
+        _refuse(
+            "--dataloader-inter-document-masking (Megatron-LM 0.19+): our document masking for GPTDataset windows "
+            "is --reset-attention-mask --reset-position-ids (document boundaries as THD cu_seqlens, with "
+            "--context-parallel-size too), or pack whole documents with --packed-sequences: use those"
+        ),
+        "Refused by name: use --reset-attention-mask --reset-position-ids (the same document masking) or --packed-sequences.",
+    ),
 ]
 BY_DEST = {f.dest: f for f in FLAGS}
 MEGATRON_FLAG_NAMES = frozenset(f.flag for f in FLAGS)
@@ -427,7 +474,8 @@ def add_megatron_flags(parser: Any) -> None:
         if f.nargs is STORE_TRUE:
             group.add_argument(f.flag, dest=f.dest, action="store_true", default=None, help=escape_help(f.help))
         else:
-            group.add_argument(f.flag, dest=f.dest, default=None, help=escape_help(f.help))
+            nargs = None if f.nargs == 1 else f.nargs
+            group.add_argument(f.flag, dest=f.dest, nargs=nargs, default=None, help=escape_help(f.help))
 
 
 def pop_megatron_flags(values: dict[str, Any]) -> dict[str, Any]:

@@ -67,8 +67,24 @@ class ParallelContext:
     tp_group: Any
     pp_group: Any
     dp_group: Any
-    mp_group: Any  # TP x PP ranks sharing one DP rank: the ranks of one pipeline replica
+    mp_group: Any  # TP x PP ranks sharing one DP and one CP rank: they hold one copy of the model
     stage_placement: str = "loop"  # "v" under ZBV / DualPipeV (pipeline/placement.py)
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: Any = None  # the CP ranks splitting one micro-batch's sequence (same TP, PP and DP rank)
+    dp_cp_group: Any = None  # DP x CP: gradients, token counts and loss sums reduce over it (None: dp_group)
+    replica_group: Any = None  # TP x CP x PP: the ranks reading the same samples (None: mp_group)
+
+    @property
+    def data_group(self) -> Any:
+        """The ranks that read the same samples and must agree on a step's padded length (TP x CP x
+        PP; without CP megatron-core's model-parallel group)."""
+        return self.replica_group if self.replica_group is not None else self.mp_group
+
+    @property
+    def reduce_group(self) -> Any:
+        """Where the loss sums and token counts of a step reduce: DP x CP (without CP, DP)."""
+        return self.dp_cp_group if self.dp_cp_group is not None else self.dp_group
 
     @property
     def placement(self) -> StagePlacement:
@@ -154,9 +170,11 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
     embedding_ranks = {}
     if stage_placement == "v":  # the tied embedding's two copies are both on pipeline rank 0
         embedding_ranks = dict(get_embedding_ranks=get_v_embedding_ranks)
+    cp = cfg.parallel.context_parallel_size
     ps.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
         distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
         create_gloo_process_groups=device.type == "cuda",
@@ -182,7 +200,28 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
         dp_group=ps.get_data_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
         stage_placement=stage_placement,
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=cp,
+        cp_group=ps.get_context_parallel_group() if cp > 1 else None,
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True) if cp > 1 else None,
+        replica_group=build_replica_group(cfg, dist.get_world_size()) if cp > 1 else None,
     )
+
+
+def build_replica_group(cfg: JobConfig, world_size: int) -> Any:
+    """This rank's TP x CP x PP group (megatron-core builds TP x PP and TP x CP, not the three):
+    the ranks of one DP replica. Collective: every rank creates every group, in the same order."""
+    from megatron.core.parallel_state import RankGenerator
+
+    p = cfg.parallel
+    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
+    gen = RankGenerator(tp=tp, ep=1, dp=world_size // (tp * cp * pp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    mine, me = None, dist.get_rank()
+    for ranks in gen.get_ranks("tp-cp-pp"):
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = group
+    return mine
 
 
 def destroy_parallel_context() -> None:

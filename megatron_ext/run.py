@@ -100,7 +100,7 @@ def build_training_run(
             resolved.batch_schedule,
         )
 
-    step_data = StepDataBuilder(build_step_data_spec(cfg, resolved, ctx, tokenizer), ctx.device, ctx.mp_group)
+    step_data = StepDataBuilder(build_step_data_spec(cfg, resolved, ctx, tokenizer), ctx.device, ctx.data_group)
 
     return TrainingRun(
         cfg=cfg,

@@ -21,6 +21,7 @@ import os
 from megatron_ext.checkpoint.directory import resolve_load_path
 from megatron_ext.checkpoint.reader import read_resumed_position
 from megatron_ext.config import ConfigError, DataConfig, JobConfig, TrainingConfig
+from megatron_ext.context_parallel.rules import check_context_parallel
 from megatron_ext.data.blends import DataBlends, get_data_blends
 from megatron_ext.data.gpt_datasets import parse_split
 from megatron_ext.data.indexed_check import check_indexed_dataset, check_tokenizer_record
@@ -59,6 +60,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_validation_sets(cfg)
         + _check_spike_guard(cfg.training)
         + check_compile_and_graphs(cfg, cuda)
+        + check_context_parallel(cfg)
     )
     if problems:
         raise ConfigError(problems)
@@ -107,6 +109,7 @@ def _check_positive(cfg: JobConfig) -> list[str]:
     sizes = [
         ("tensor_model_parallel_size", p),
         ("pipeline_model_parallel_size", p),
+        ("context_parallel_size", p),
         ("num_layers", m),
         ("hidden_size", m),
         ("num_attention_heads", m),
@@ -573,10 +576,10 @@ def _check_profiling(cfg: JobConfig, cuda: bool) -> list[str]:
 def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
     p = cfg.parallel
     out = _check_profiling(cfg, cuda) + _check_overlap(cfg)
-    if p.context_parallel_size != 1:
+    if p.context_parallel_size > 1:
         out.append(
-            f"--context-parallel-size {p.context_parallel_size}: context parallelism is not supported yet "
-            f"(use 1; long sequences: pack documents with --packed-sequences, recompute with "
+            f"--context-parallel-size {p.context_parallel_size}: context parallelism is not wired into training "
+            f"yet (use 1; long sequences: pack documents with --packed-sequences, recompute with "
             f"--recompute-granularity)"
         )
     for flag, value in (("--use-torch-fsdp2", p.use_torch_fsdp2), ("--use-custom-fsdp", p.use_custom_fsdp)):

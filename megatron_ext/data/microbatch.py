@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from megatron_ext.config import ConfigError
+from megatron_ext.context_parallel.layout import ContextParallelLayout
 
 # Labels at this value predict nothing (megatron-core's and torch's cross-entropy convention).
 IGNORE_INDEX = -100
@@ -54,6 +55,9 @@ class Microbatch:
     cu_seqlens_host: tuple[int, ...] | None = None  # the same boundaries on the host
     max_seqlen: int | None = None  # longest document, a Python int (kernels key caches on it)
     index: int = 0  # its place in the step (for the step watchdog's report)
+    # Under context parallelism: this CP rank's share (the tensors above then hold its local tokens,
+    # cu_seqlens_host / max_seqlen stay the whole sequence's); None without CP
+    cp_layout: ContextParallelLayout | None = None
 
     @property
     def is_packed(self) -> bool:
@@ -84,6 +88,7 @@ class Microbatch:
             labels=move(self.labels),
             position_ids=move(self.position_ids),
             cu_seqlens=move(self.cu_seqlens),
+            cp_layout=None if self.cp_layout is None else self.cp_layout.to(device),
         )
 
 

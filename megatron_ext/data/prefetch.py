@@ -33,10 +33,10 @@ from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 
 
 def build_data_group(ctx) -> Any:
-    """A gloo group per pipeline replica (the ranks sharing this rank's DP rank: megatron-core's
-    model-parallel group, TP x PP), for the background thread's padding negotiation; None when the
-    replica is one rank. Collective: every rank of the world calls it."""
-    if ctx.tp_size * ctx.pp_size == 1 or not dist.is_initialized():
+    """A gloo group per DP replica (the ranks sharing this rank's DP rank, which read the same samples:
+    TP x CP x PP), for the background thread's padding negotiation; None when the replica is one
+    rank. Collective: every rank of the world calls it."""
+    if ctx.tp_size * ctx.pp_size * ctx.cp_size == 1 or not dist.is_initialized():
         return None
     everyone: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(everyone, ctx.dp_rank)
