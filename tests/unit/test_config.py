@@ -534,7 +534,10 @@ def test_recompute_activations_is_selective_core_attention():
 @pytest.mark.parametrize(
     "values, needle",
     [
-        (dict(context_parallel_size=2), "--context-parallel-size 2: context parallelism is not wired into training yet"),
+        (
+            dict(context_parallel_size=2),
+            "--context-parallel-size 2: context parallelism is not wired into training yet",
+        ),
         (dict(use_torch_fsdp2=True), "--use-torch-fsdp2: FSDP is not supported"),
         (dict(use_custom_fsdp=True), "--use-custom-fsdp: FSDP is not supported"),
         (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload is not supported"),
