@@ -129,6 +129,12 @@ class ModelConfig:
     num_attention_heads: int = _f(4, "Attention heads.")
     group_query_attention: bool = _f(False, "Use grouped-query attention (with --num-query-groups).")
     num_query_groups: int | None = _f(None, "Key/value head groups under --group-query-attention.")
+    kv_channels: int | None = _f(
+        None, "Dimension of each attention head (default --hidden-size / --num-attention-heads; Qwen3-0.6B: 128)."
+    )
+    qk_layernorm: bool = _f(
+        False, "A norm (--normalization) over each head's queries and keys, before RoPE (Qwen3; megatron-core's)."
+    )
     seq_length: int = _f(256, "Sequence length of a training sample.")
     max_position_embeddings: int | None = _f(
         None, "Positions of the learned absolute embedding (default: --seq-length)."
