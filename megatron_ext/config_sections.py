@@ -535,7 +535,7 @@ class CheckpointConfig:
     load: str | None = _f(None, "Directory to resume from (its newest complete checkpoint).")
     save_hf: bool = _f(
         False,
-        "Also write a Hugging Face model (ours) at the run's last save: <save>/hf/iter_XXXXXXX with config.json, safetensors shards (each pipeline stage its own, split over its TP ranks, with model.safetensors.index.json) and the tokenizer's files (a local HuggingFaceTokenizer directory's, copied; for a SentencePiece BPE model a tokenizer.json giving the same ids; a note naming the tokenizer otherwise), for Llama/Qwen2-style models (--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope). Loads with transformers' AutoModelForCausalLM.from_pretrained. The checkpoint is written first; an export that fails is a warning and training goes on.",
+        "Also write a Hugging Face model (ours) at the run's last save: <save>/hf/iter_XXXXXXX with config.json, safetensors shards (each pipeline stage its own, split over its TP ranks, with model.safetensors.index.json) and the tokenizer's files (a local HuggingFaceTokenizer directory's, copied; for a SentencePiece BPE model a tokenizer.json giving the same ids; a note naming the tokenizer otherwise), for Llama/Qwen2/Qwen3-style models (--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope). Loads with transformers' AutoModelForCausalLM.from_pretrained. The checkpoint is written first; an export that fails is a warning and training goes on.",
     )
     save_hf_interval: int | None = _f(
         None,
