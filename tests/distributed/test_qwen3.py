@@ -3,7 +3,8 @@
 
 - HF -> ours (``tools/convert_checkpoint.py``, one forked process), loaded at TP2 x PP2 with
   sequence parallelism (4 forked ranks): the logits equal transformers' within 1e-5 relative (fp32),
-  for a head_dim = hidden / heads and a head_dim = 2 x hidden / heads (Qwen3-0.6B's ratio); ours -> HF
+  for a head_dim = hidden / heads and a head_dim = 2 x hidden / heads (Qwen3-0.6B's ratio; converted
+  with --apply-layernorm-1p, the q/k norms' 1 subtracted and added back); ours -> HF
   gives back every tensor bit for bit, and ``tools/generate.py`` on the converted checkpoint greedily
   continues a prompt as ``generate(do_sample=False)`` does.
 - Training parity: a Qwen3-style model (q/k norms, head_dim != hidden / heads) at TP2 + SP against one
@@ -32,8 +33,12 @@ from tests.distributed.test_hf_export import _our_logits  # noqa: E402  (our log
 from tools.convert_checkpoint import convert_hf_to_megatron, convert_megatron_to_hf, hf_config_to_values  # noqa: E402
 
 VOCAB, SEQ, BATCH, PADDED = 200, 16, 2, 224
-# hidden 64, 4 heads in 2 key/value groups; head_dim 16 is hidden / heads, 32 is twice it
-SHAPES = {"head_dim 16 = hidden / heads, tied": (16, True), "head_dim 32 != hidden / heads, untied": (32, False)}
+# hidden 64, 4 heads in 2 key/value groups; head_dim 16 is hidden / heads, 32 is twice it; (head_dim,
+# tied, converted with --apply-layernorm-1p: our (1 + gamma) norms, the q/k ones included)
+SHAPES = {
+    "head_dim 16 = hidden / heads, tied": (16, True, False),
+    "head_dim 32 != hidden / heads, untied, 1p": (32, False, True),
+}
 
 
 def _make_qwen3(path: str, head_dim: int, tied: bool):
@@ -62,19 +67,20 @@ def _make_qwen3(path: str, head_dim: int, tied: bool):
     return model
 
 
-def _convert(rank: int, world_size: int, pairs: list[tuple[str, str]]) -> None:
-    for hf_dir, save in pairs:
-        convert_hf_to_megatron(hf_dir, save, tp=2, divisible_by=32, log=lambda s: None)
+def _convert(rank: int, world_size: int, jobs: list[tuple[str, str, bool]]) -> None:
+    for hf_dir, save, one_p in jobs:
+        convert_hf_to_megatron(hf_dir, save, tp=2, divisible_by=32, log=lambda s: None, apply_layernorm_1p=one_p)
 
 
-def _logits_tp2pp2_sp(rank: int, world_size: int, jobs: list[tuple[str, dict]], tokens: torch.Tensor) -> list:
+def _logits_tp2pp2_sp(rank: int, world_size: int, jobs: list[tuple[str, dict, bool]], tokens: torch.Tensor) -> list:
     from megatron_ext.checkpoint.parts import CheckpointMeta
     from megatron_ext.training.checkpointing import load_checkpoint
 
     out = []
-    for save, hf in jobs:
+    for save, hf, one_p in jobs:
         values = {
             **hf_config_to_values(hf, 32),
+            "apply_layernorm_1p": one_p,
             "tensor_model_parallel_size": 2,
             "pipeline_model_parallel_size": 2,
             "sequence_parallel": True,
@@ -113,12 +119,11 @@ def qwen3(tmp_path_factory):
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     prompt = [5, 17, 3, 99, 42]
     out = {}
-    for i, (name, (head_dim, tied)) in enumerate(SHAPES.items()):
+    for i, (name, (head_dim, tied, one_p)) in enumerate(SHAPES.items()):
         paths = {k: str(root / f"{k}{i}") for k in ("hf", "ours", "back")}
-        out[name] = dict(model=_make_qwen3(paths["hf"], head_dim, tied), **paths)
-    pairs = [(o["hf"], o["ours"]) for o in out.values()]
-    run_ranks(_convert, 1, pairs, timeout=300)
-    jobs = [(o["ours"], o["model"].config.to_dict()) for o in out.values()]
+        out[name] = dict(model=_make_qwen3(paths["hf"], head_dim, tied), one_p=one_p, **paths)
+    run_ranks(_convert, 1, [(o["hf"], o["ours"], o["one_p"]) for o in out.values()], timeout=300)
+    jobs = [(o["ours"], o["model"].config.to_dict(), o["one_p"]) for o in out.values()]
     logits = run_ranks(_logits_tp2pp2_sp, 4, jobs, tokens, timeout=300)[-1]
     greedy = run_ranks(_back_and_generate, 1, [(o["ours"], o["back"]) for o in out.values()], prompt, timeout=300)[0]
     for o, ours, ids in zip(out.values(), logits, greedy):
@@ -151,7 +156,7 @@ def test_ours_back_to_hf_is_bit_exact_and_generate_works(qwen3, shape):
     from safetensors.torch import load_file
 
     o = qwen3[shape]
-    head_dim, tied = SHAPES[shape]
+    head_dim, tied, _ = SHAPES[shape]
     original = load_file(os.path.join(o["hf"], "model.safetensors"))
     restored = load_file(os.path.join(o["back"], "model.safetensors"))
     if tied:
