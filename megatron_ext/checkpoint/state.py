@@ -50,6 +50,7 @@ from megatron_ext.checkpoint.optimizer_state import (
 from megatron_ext.checkpoint.parts import CheckpointParts
 from megatron_ext.checkpoint.reader import (
     ChecksumMismatch,
+    UnreadableCheckpointItem,
     UnsafeCheckpointFile,
     VerifyingFileSystemReader,
     VerifyingTorchDistLoadStrategy,
@@ -493,7 +494,7 @@ def _read_coordinator_files(
         return open_checkpoint(ckpt_dir, warn)
     except ChecksumMismatch as err:
         raise CheckpointDamaged(str(err)) from None
-    except UnsafeCheckpointFile as err:
+    except (UnsafeCheckpointFile, UnreadableCheckpointItem) as err:
         raise ConfigError([f"--load {root}: {err}"]) from None
 
 
