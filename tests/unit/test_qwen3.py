@@ -168,3 +168,20 @@ def test_flops_count_the_query_width():
     matmul = L * (h * (heads + 2 * groups) * d + heads * d * h + 3 * h * ffn) + vocab * h
     expected = 6 * s * matmul + 12 * L * s * s * heads * d
     assert num_floating_point_operations(cfg.model, vocab, s, s * s) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_checkpoint_loads_only_with_its_q_k_norms_and_head_dimension():
+    from megatron_ext.checkpoint.compatibility import check_compatible
+    from megatron_ext.checkpoint.parts import CheckpointMeta
+
+    def cfg(**v):
+        return build_job_config({**MOCK, "hidden_size": 64, "num_attention_heads": 4, **v})
+
+    meta = CheckpointMeta(tokenizer={}, padded_vocab_size=128)
+    saved = {"args": cfg(qk_layernorm=True, kv_channels=32).to_flat_dict(), "padded_vocab_size": 128}
+    assert check_compatible(saved, cfg(qk_layernorm=True, kv_channels=32), meta) == []
+    problems = check_compatible(saved, cfg(), meta)
+    assert [p.split(":")[0] for p in problems] == ["--kv-channels", "--qk-layernorm"], problems
+    assert "saved with 32, this run has 16" in problems[0]
+    plain = {"args": cfg().to_flat_dict(), "padded_vocab_size": 128}
+    assert check_compatible(plain, cfg(kv_channels=16), meta) == []  # hidden / heads, given or not
