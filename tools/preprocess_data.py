@@ -42,7 +42,8 @@ quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings be
 
 from megatron_ext.checkpoint.directory import fsync_path  # noqa: E402
 from megatron_ext.data.indexed_check import TOKENIZER_RECORD_SUFFIX, build_tokenizer_record  # noqa: E402
-from megatron_ext.data.tokenizers import REFUSED_TYPES, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ext.data.tokenizer_flags import REFUSED_TYPES, TOKENIZER_TYPES  # noqa: E402
+from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from tools.train_tokenizer import check_input_path, is_gzip, iter_jsonl_lines, parse_jsonl_line  # noqa: E402
 
 
