@@ -32,6 +32,7 @@ from megatron_ext.config import (
     TrainingConfig,
     build_job_config,
 )
+from megatron_ext.data.tokenizer_flags import infer_tokenizer_type
 from megatron_ext.derived import precision_name
 from megatron_ext.megatron_argv import read_split, rejoin_word_split_values
 from megatron_ext.megatron_flags import (
@@ -275,7 +276,8 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
 
 
 def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig, list[str]]:
-    """``parse_args``, plus the start-up warnings: Megatron-LM flags accepted without effect
+    """``parse_args``, plus the start-up warnings: a tokenizer type inferred as Megatron-LM's
+    ``pretrain_gpt.py`` infers it (``infer_tokenizer_type``), Megatron-LM flags accepted without effect
     (``megatron_flags.py``; the refused ones raise one ConfigError, with a value bash split into words:
     ``megatron_argv.py``), settings adjusted as Megatron-LM adjusts them, and compiled or graphed
     layers facing many padded lengths (``get_shape_notes``)."""
@@ -291,6 +293,7 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
             values[name] = value
     if isinstance(values.get("split"), str):
         values["split"] = read_split(values["split"])  # '99,1,0', quotes kept by bash: as Megatron-LM reads it
+    inferred = [note for note in [infer_tokenizer_type(values)] if note]
     megatron_flags = pop_megatron_flags(values)
     try:
         cfg = build_job_config(values)
@@ -299,7 +302,7 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
     notes, problems = judge_megatron_flags(megatron_flags, cfg)
     if split_values or problems:
         raise ConfigError(split_values + problems)
-    return cfg, notes + adjust_like_megatron(cfg) + get_shape_notes(cfg)
+    return cfg, inferred + notes + adjust_like_megatron(cfg) + get_shape_notes(cfg)
 
 
 def _adjust_evaluation(t: TrainingConfig) -> list[str]:

@@ -1,25 +1,47 @@
 """The tokenizer flags, checked without loading anything: which ``--tokenizer-type`` names are built
-(``tokenizers.build_tokenizer``) and which of Megatron-LM's are refused.
+(``tokenizers.build_tokenizer``), which of Megatron-LM's are refused, and which type a Megatron-LM
+GPT-2 script means when it names none.
 
 Invariant: a flag combination this module passes names files that exist, of the kind the type
 reads; loading them (``tokenizers.py``) can still fail on their contents, with its own error.
+
+Megatron-LM's ``pretrain_gpt.py`` defaults ``--tokenizer-type`` to GPT2BPETokenizer; ours stays
+SentencePieceTokenizer (the shipped data's), and GPT2BPETokenizer is inferred only where a script
+means it beyond doubt: ``--vocab-file`` and ``--merge-file`` given, neither ``--tokenizer-type`` nor
+``--tokenizer-model`` (``infer_tokenizer_type``, one start-up line; the checkpoint records the type).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 NULL_TYPES = ("NullTokenizer",)
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+LLAMA2_TYPES = ("Llama2Tokenizer",)  # a sentencepiece model too, read as Megatron-LM core_v0.16.1 reads it
 HF_TYPES = ("HuggingFaceTokenizer",)
 GPT2_TYPES = ("GPT2BPETokenizer",)
 TIKTOKEN_TYPES = ("TikTokenizer",)
-TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES + HF_TYPES + GPT2_TYPES + TIKTOKEN_TYPES
+TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES + LLAMA2_TYPES + HF_TYPES + GPT2_TYPES + TIKTOKEN_TYPES
 REFUSED_TYPES = {
     "Llama3Tokenizer": "use --tokenizer-type HuggingFaceTokenizer --tokenizer-model <Llama-3's local tokenizer directory>",
-    "Llama2Tokenizer": "use --tokenizer-type SentencePieceTokenizer --tokenizer-model <Llama-2's tokenizer.model> (or "
-    "HuggingFaceTokenizer with its directory)",
 }
+
+
+def infer_tokenizer_type(given: dict[str, Any]) -> str | None:
+    """Sets ``given["tokenizer_type"]`` to GPT2BPETokenizer when a Megatron-LM GPT-2 script gives
+    ``--vocab-file`` and ``--merge-file`` and neither ``--tokenizer-type`` nor ``--tokenizer-model``
+    (``given``: the flags and config-file values set, by field name); returns the start-up line
+    saying so, or None when nothing is inferred."""
+    if given.get("tokenizer_type") or given.get("tokenizer_model"):
+        return None
+    if not (given.get("vocab_file") and given.get("merge_file")):
+        return None
+    given["tokenizer_type"] = "GPT2BPETokenizer"
+    return (
+        "--tokenizer-type GPT2BPETokenizer: inferred from --vocab-file and --merge-file (Megatron-LM's "
+        "pretrain_gpt.py default; ours, without them, is SentencePieceTokenizer); give --tokenizer-type to choose"
+    )
 
 
 def describe_model_files(directory: str) -> str:
@@ -113,7 +135,7 @@ def check_tokenizer_flags(
                 f"the model vocabulary is then --vocab-size + 1 (EOD = --vocab-size)"
             ]
         return []
-    if tokenizer_type in SENTENCEPIECE_TYPES:
+    if tokenizer_type in SENTENCEPIECE_TYPES + LLAMA2_TYPES:
         return _check_sentencepiece(tokenizer_type, tokenizer_model, vocab_file, merge_file)
     if tokenizer_type in HF_TYPES:
         return _check_huggingface(tokenizer_model)

@@ -29,10 +29,16 @@ The types, with Megatron-LM's ``--tokenizer-type`` names:
   ``--tiktoken-num-special-tokens`` ids (default 1000) come first, then the ranks; ``--vocab-size`` is
   the whole vocabulary (default 2**17). ``eod`` is ``</s>`` (id 2 with the default special tokens),
   ``pad`` is ``<pad>`` (id 4).
-- Megatron-LM's legacy ``Llama2Tokenizer``/``Llama3Tokenizer`` are refused with the type to use
-  instead.
+- ``Llama2Tokenizer``: Megatron-LM core_v0.16.1's, a sentencepiece model (Llama-2's
+  ``tokenizer.model``): the vocabulary is its piece count, ``eod`` its eos, ``pad`` = eod (its
+  legacy class defines no pad; Llama-2's model has none). ``tokenize`` is sentencepiece's
+  ``encode``, as megatron-core's tokenizer (Megatron-LM's default system, its ``preprocess_data.py``
+  included) reads this type; its legacy class (``--legacy-tokenizer``) puts BOS first, which
+  ``tools/preprocess_data.py --legacy-tokenizer`` reproduces (``bos``).
+- Megatron-LM main's ``Llama3Tokenizer`` is refused with the type to use instead.
 
-The flag checks and the type names: ``tokenizer_flags.py``.
+The flag checks and the type names: ``tokenizer_flags.py``. How these differ from Megatron-LM's
+(the specials its legacy SentencePieceTokenizer adds): docs/running.md, "Coming from Megatron-LM".
 
 ``identity()`` is what checkpoints store, so a resumed run can refuse a different tokenizer.
 """
@@ -46,6 +52,7 @@ from typing import Any
 from megatron_ext.config import ConfigError
 from megatron_ext.data.tokenizer_flags import (
     HF_TYPES,
+    LLAMA2_TYPES,
     NULL_TYPES,
     SENTENCEPIECE_TYPES,
     TIKTOKEN_TYPES,
@@ -232,6 +239,17 @@ class SentencePieceTokenizer(_TokenizerFiles):
 
     def detokenize(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM core_v0.16.1's ``Llama2Tokenizer``: a sentencepiece model whose vocabulary is its
+    piece count, ``eod`` its eos and ``pad`` = eod. ``tokenize`` is sentencepiece's ``encode`` (no
+    BOS), as megatron-core's tokenizer reads the type; ``bos`` is what Megatron-LM's legacy class
+    puts first (``tools/preprocess_data.py --legacy-tokenizer``)."""
+
+    def __init__(self, model_path: str):
+        super().__init__(model_path, "Llama2Tokenizer")
+        self._pad = self._eod  # Megatron-LM's class has no pad id (its .pad raises); Llama-2's model has none
 
 
 def get_files_sha256(paths: list[str]) -> str:
@@ -441,6 +459,8 @@ def build_tokenizer(
         )
     if tokenizer_type in SENTENCEPIECE_TYPES:
         tokenizer = SentencePieceTokenizer(tokenizer_model, tokenizer_type)
+    elif tokenizer_type in LLAMA2_TYPES:
+        tokenizer = Llama2Tokenizer(tokenizer_model)
     elif tokenizer_type in HF_TYPES:
         tokenizer = HuggingFaceTokenizer(tokenizer_model)
     else:
