@@ -28,47 +28,39 @@ LLAMA3_8B = "examples/llama/train_llama3_8b_h100_fp8.sh"
 GPT3_175B = "examples/gpt3/train_gpt3_175b_distributed.sh"
 MIXTRAL = "examples/mixtral/train_mixtral_8x7b_distributed.sh"
 
-# (output name, commit, ref, script, script arguments, what the case is)
-CASES = [
+REFS = (("core_v0.16.1", CORE_V0_16_1), ("d98e8a64", MAIN_D98E8A64))
+# (output name without the ref, script, its arguments, which branch of it they take)
+SCRIPTS = (
     (
-        f"llama3_8b_mock_{ref}",
-        commit,
-        ref,
+        "llama3_8b_mock",
         LLAMA3_8B,
         ["<CHECKPOINT_PATH>", "<TENSORBOARD_LOGS_PATH>"],
         "mock-data branch (TOKENIZER_ARG and DATA_ARG default to MOCK)",
-    )
-    for ref, commit in (("core_v0.16.1", CORE_V0_16_1), ("d98e8a64", MAIN_D98E8A64))
-] + [
+    ),
     (
-        f"llama3_8b_data_{ref}",
-        commit,
-        ref,
+        "llama3_8b_data",
         LLAMA3_8B,
         ["<CHECKPOINT_PATH>", "<TENSORBOARD_LOGS_PATH>", "<TOKENIZER_MODEL>", "<DATA_PATH>"],
         "real-data branch (a Hugging Face tokenizer directory and a data prefix)",
-    )
-    for ref, commit in (("core_v0.16.1", CORE_V0_16_1), ("d98e8a64", MAIN_D98E8A64))
-] + [
+    ),
     (
-        f"gpt3_175b_{ref}",
-        commit,
-        ref,
+        "gpt3_175b",
         GPT3_175B,
         ["<CHECKPOINT_PATH>", "<TENSORBOARD_LOGS_PATH>", "<VOCAB_FILE>", "<MERGE_FILE>", "<DATA_PATH>"],
         "the only branch",
-    )
-    for ref, commit in (("core_v0.16.1", CORE_V0_16_1), ("d98e8a64", MAIN_D98E8A64))
-] + [
+    ),
     (
-        f"mixtral_8x7b_{ref}",
-        commit,
-        ref,
+        "mixtral_8x7b",
         MIXTRAL,
         ["<CHECKPOINT_PATH>", "<TOKENIZER_MODEL>", "<DATA_PATH>"],
         "without WANDB_API_KEY (no --wandb-* flags)",
-    )
-    for ref, commit in (("core_v0.16.1", CORE_V0_16_1), ("d98e8a64", MAIN_D98E8A64))
+    ),
+)
+# (output name, commit, ref, script, script arguments, branch)
+CASES = [
+    (f"{name}_{ref}", commit, ref, script, args, branch)
+    for name, script, args, branch in SCRIPTS
+    for ref, commit in REFS
 ]
 
 STAND_IN_TORCHRUN = f"""#!{sys.executable}
