@@ -55,8 +55,10 @@ def describe_model_files(directory: str) -> str:
     return "e.g. " + ", ".join(os.path.join(directory, n) for n in found[:3])
 
 
-def _check_sentencepiece(tokenizer_type: str, model: str | None, vocab_file: str | None, merge_file: str | None):
-    if not model and (vocab_file or merge_file):  # a Megatron-LM GPT-2 script, and not both files
+def _check_sentencepiece(
+    tokenizer_type: str, model: str | None, vocab_file: str | None, merge_file: str | None
+) -> list[str]:
+    if not model and (vocab_file or merge_file):  # GPT-2 files: one alone, or both with this type given
         return [
             f"--vocab-file/--merge-file are GPT-2 BPE files: add --tokenizer-type GPT2BPETokenizer "
             f"(--tokenizer-type {tokenizer_type}{', the default,' if tokenizer_type == 'SentencePieceTokenizer' else ''} "
