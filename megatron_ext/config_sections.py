@@ -222,7 +222,7 @@ class DataConfig:
     )
     tokenizer_type: str = _f(
         "SentencePieceTokenizer",
-        "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer (a local tokenizer directory), GPT2BPETokenizer (--vocab-file, --merge-file) or TikTokenizer (Megatron's tiktoken .json; needs the tiktoken package).",
+        "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (a sentencepiece model as Megatron-LM core_v0.16.1 reads the type), HuggingFaceTokenizer (a local tokenizer directory), GPT2BPETokenizer (--vocab-file, --merge-file; inferred from them when neither --tokenizer-type nor --tokenizer-model is given, as Megatron-LM's pretrain_gpt.py defaults to it) or TikTokenizer (Megatron's tiktoken .json; needs the tiktoken package).",
     )
     tokenizer_model: str | None = _f(
         None,

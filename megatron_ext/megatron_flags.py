@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_ext.config import JobConfig
+from megatron_ext.megatron_moe_flags import MOE_FLAG_ROWS
 
 STORE_TRUE = None
 
@@ -429,6 +430,8 @@ FLAGS = [
         "Refused by name: use --reset-attention-mask --reset-position-ids (the same document masking) or --packed-sequences.",
     ),
 ]
+# Megatron-LM's mixture-of-experts flags: refused by name (megatron_moe_flags.py)
+FLAGS += [MegatronFlag(*row) for row in MOE_FLAG_ROWS]
 BY_DEST = {f.dest: f for f in FLAGS}
 MEGATRON_FLAG_NAMES = frozenset(f.flag for f in FLAGS)
 
