@@ -1,13 +1,15 @@
 """Padding a step's micro-batches to one length that every pipeline rank agrees on.
 
-Invariant: all ranks of one pipeline replica (its PP stages, virtual stages and TP ranks, which
-share a DP rank) pad micro-batch i of a step to the same length, so every P2P buffer of
-megatron-core's schedule matches. Modes (``--sequence-padding``):
+Invariant: all ranks of one pipeline replica (its PP stages, virtual stages, TP and CP ranks, which
+share a DP rank and read the same samples) pad micro-batch i of a step to the same length, so every
+P2P buffer of megatron-core's schedule and every CP all-gather matches. Modes (``--sequence-padding``):
 
 - ``static``: every micro-batch to its longest possible length (no collective);
-- ``negotiated``: one all-reduce MAX of the step's longest micro-batch over the replica's
-  model-parallel group (TP x PP), once per step, rounded up to ``--pad-to-multiple-of`` and never
-  above the longest possible length; the schedule is called with that ``seq_length``;
+- ``negotiated``: one all-reduce MAX of [longest, -longest] micro-batch of the step over the
+  replica's group (TP x CP x PP), once per step: the longest, rounded up to ``--pad-to-multiple-of``
+  and never above the longest possible length, is the schedule's ``seq_length``; ranks that found
+  different longest micro-batches read different samples, a ValueError on every rank (before any
+  CP all-gather, which would abort the process on mismatched sizes);
 - ``variable``: each micro-batch to its own rounded length, and megatron-core's
   ``variable_seq_lengths`` shape handshake before every P2P message.
 
@@ -158,11 +160,23 @@ def get_local_max(raw_microbatches: list[list[Sample]], split: ContextSplit = NO
 
 
 def negotiate_step_length(local_max: int, group, multiple: int, max_length: int, bucket: str = "multiple") -> int:
-    """THE collective of this feature: one all-reduce MAX over the replica's TP x PP group."""
+    """THE collective of this feature: one all-reduce MAX of [local_max, -local_max] over the replica's
+    group (TP x CP x PP), the longest and the shortest of the ranks' longest micro-batches at once;
+    ValueError on every rank when they differ (see the module docstring)."""
     if group is not None and dist.get_world_size(group) > 1:
-        t = torch.tensor([local_max], dtype=torch.int64, device=get_collective_device(group))
+        t = torch.tensor([local_max, -local_max], dtype=torch.int64, device=get_collective_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        local_max = int(t.item())
+        longest, negated_shortest = t.tolist()  # one device read, as before
+        shortest = -negated_shortest
+        if longest != shortest:
+            raise ValueError(
+                f"the {dist.get_world_size(group)} ranks reading the same samples (one data-parallel replica: "
+                f"TP x CP x PP) disagree on this step's longest micro-batch: {shortest} to {longest} tokens (this "
+                f"rank {local_max}); every one of them must read the same samples (the same --data-path, --split, "
+                f"--seed, data cache and --document-pad-multiple); under context parallelism their attention's "
+                f"all-gather would abort the process"
+            )
+        local_max = longest
     return get_step_length(local_max, multiple, max_length, bucket)
 
 
