@@ -99,6 +99,44 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
+        "checkpoint-allowlisted-unpickling",
+        "torch's FileSystemReader.read_metadata reads a checkpoint's .metadata with plain pickle.load, and "
+        "megatron-core's TorchCommonLoadStrategy.load_common reads common.pt with torch.load's default (the "
+        "full unpickler under TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1): a forged .metadata, its digest rewritten in "
+        "complete.json, ran its code in every load and tool (issue 45). Process-wide, on importing "
+        "megatron_ext.checkpoint.reader, read_metadata reads through unpickler.MetadataUnpickler (torch DCP's "
+        "metadata classes, dtypes, torch.Size: what our saves write, pinned by "
+        "tests/distributed/test_checkpoint_globals.py) and load_common through reader.read_common, so every "
+        "reader built on them is covered: ours, megatron-core's cached one (whose read_metadata calls torch's), "
+        "load_tensors_metadata, load_sharded_metadata, load_common_state_dict, load_content_metadata. "
+        "read_metadata is torch 2.13's own, line for line, but for the unpickler (it sets load_id and names "
+        "rank-local metadata __<rank>.metadata as torch does); our load_common reads local files only (no "
+        "multi-storage client)",
+        "megatron_ext.checkpoint.reader:install_allowlisted_unpickling",
+        (
+            "torch.distributed.checkpoint.FileSystemReader.read_metadata",
+            "megatron.core.dist_checkpointing.strategies.common.TorchCommonLoadStrategy.load_common",
+            "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader.CachedMetadataFileSystemReader.read_metadata",
+        ),
+    ),
+    Workaround(
+        "megatron-core-safe-globals",
+        "importing megatron-core 0.16.1 adds 16 classes to torch's weights-only allowlist, process-wide "
+        "(megatron/core/safe_globals.py: Namespace, SimpleNamespace, PosixPath, BytesIO, numpy arrays and "
+        "dtypes, Signals, OptimizerConfig, a few enums), and torch adds its own DTensor/DeviceMesh/NestedTensor "
+        "classes: 30 in all, none of which our checkpoints hold. Each of our reads of a torch.save file "
+        "(common.pt, tensor and byte items) sets them aside (torch.serialization.clear_safe_globals) and "
+        "restores them after, so torch's built-in set (tensors, storages, dtypes, plain containers) is all a "
+        "checkpoint of ours may hold",
+        "megatron_ext.checkpoint.unpickler:torch_allowlist_only",
+        (
+            "megatron.core.safe_globals.SAFE_GLOBALS",
+            "megatron.core.safe_globals.register_safe_globals",
+            "torch.serialization.get_safe_globals",
+            "torch.serialization.clear_safe_globals",
+        ),
+    ),
+    Workaround(
         "distrib-optimizer-bucket-padding",
         "the distributed optimizer gathers optimizer state without bucket-end padding but locates "
         "parameters with it: state after a padded bucket is saved shifted (resume not exact)",

@@ -58,17 +58,6 @@ def _one_of(accepted: dict[str, str | None], refusal: str) -> Callable:
     return judge
 
 
-def _kv_channels(value, cfg):
-    m = cfg.model
-    per_head = m.hidden_size // m.num_attention_heads
-    if int(value) == per_head:
-        return None, None
-    return None, (
-        f"--kv-channels {value}: we use --hidden-size / --num-attention-heads = {per_head} per head; other "
-        f"head sizes are not supported"
-    )
-
-
 def _needs_rope(flag: str) -> Callable:
     def judge(value, cfg):
         if cfg.model.position_embedding_type == "rope":
@@ -222,12 +211,6 @@ FLAGS = [
         "then); refused without it.",
     ),
     MegatronFlag(
-        "--kv-channels",
-        1,
-        _kv_channels,
-        "Accepted silently when it equals --hidden-size / --num-attention-heads; other head sizes refused.",
-    ),
-    MegatronFlag(
         "--attention-backend",
         1,
         _attention_backend,
@@ -330,16 +313,6 @@ FLAGS = [
         ),
         "Refused: overlapping tensor-parallel communication with the GEMMs needs Transformer Engine's "
         "userbuffers, which are not wired here.",
-    ),
-    MegatronFlag(
-        "--qk-layernorm",
-        STORE_TRUE,
-        _refuse(
-            "--qk-layernorm: a norm on the attention queries and keys is not supported yet (the layer spec, "
-            "checkpoints and the Hugging Face conversion lack it); leave it out"
-        ),
-        "Refused: a norm on the attention queries and keys is not supported yet (layer spec, checkpoints and "
-        "Hugging Face conversion lack it).",
     ),
     MegatronFlag(
         "--fp8-format",

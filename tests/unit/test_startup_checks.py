@@ -45,20 +45,35 @@ def test_load_of_a_missing_or_empty_directory_is_an_error_naming_load(tmp_path):
         check_load_flags(_cfg(load=str(tmp_path / "empty")))
 
 
-def test_load_of_a_megatron_lm_checkpoint_says_it_is_not_loaded(tmp_path):
-    # a Megatron-LM save (iter_0000100 without our complete.json) read "holds no complete checkpoint
-    # ... give a directory that --save wrote" and, as --load = --save, "holds no checkpoint yet"
-    root = tmp_path / "mlm"
+def _megatron_lm_save(root) -> None:
+    """A directory as Megatron-LM's --save leaves it: iter_XXXXXXX without our complete.json, its tracker."""
     (root / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
     (root / "latest_checkpointed_iteration.txt").write_text("100")
+
+
+def test_a_load_holding_megatron_lm_checkpoints_is_refused_whatever_save_is(tmp_path):
+    # issue 43: with --load = --save (Megatron-LM's example scripts) the run warned once, trained from
+    # scratch beside the user's checkpoints and pointed their tracker at its own iteration
+    root = tmp_path / "mlm"
+    _megatron_lm_save(root)
+    for save in (None, str(root), str(tmp_path / "other")):
+        with pytest.raises(ConfigError) as err:
+            check_load_flags(_cfg(load=str(root), **({"save": save} if save else {})))
+        (problem,) = err.value.problems
+        assert problem.startswith(f"--load {root} holds Megatron-LM checkpoints (iter_0000100)"), problem
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "100"
+
+
+def test_a_save_holding_megatron_lm_checkpoints_is_refused(tmp_path):
+    # a run that only saves there would replace their tracker too
+    root = tmp_path / "mlm"
+    _megatron_lm_save(root)
+    (root / "release").mkdir()
     with pytest.raises(ConfigError) as err:
-        check_load_flags(_cfg(load=str(root)))
+        check_load_flags(_cfg(save=str(root)))
     (problem,) = err.value.problems
-    assert f"--load {root} holds no complete checkpoint (iter_0000100 has no complete.json: " in problem, problem
-    assert "Megatron-LM" in problem, problem
-    message = check_load_flags(_cfg(load=str(root), save=str(root)))
-    assert message.startswith(f"WARNING: --load {root} holds no checkpoint yet (iter_0000100 has no"), message
-    assert message.endswith("starting from scratch (it is also --save)"), message
+    assert problem.startswith(f"--save {root} holds Megatron-LM checkpoints (iter_0000100, release): "), problem
+    assert "give another --save" in problem
 
 
 def test_load_equal_to_save_starts_from_scratch_with_one_line_unless_told_otherwise(tmp_path):
