@@ -27,6 +27,7 @@ from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import DataConfig, JobConfig, ParallelConfig, TrainingConfig
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
+from megatron_ext.data.context_split import build_context_split
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
 from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args
@@ -205,6 +206,7 @@ def build_step_data_spec(
         vocab_size=tokenizer.vocab_size,
         pad_length_bucket=cfg.data.pad_length_bucket,
         batch_schedule=None if resolved.batch_schedule.is_constant else resolved.batch_schedule,
+        context_split=build_context_split(cfg.data, ctx.cp_size, ctx.cp_rank),
     )
 
 

@@ -28,11 +28,13 @@ import torch
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.compatibility import (
     check_compatible,
+    check_document_pad_multiple,
     check_optimizer_flags,
     check_scheduler_flags,
     describe_changed_settings,
     describe_optimizer_flag_changes,
     effective_model_shape,
+    get_document_pad_record,
 )
 from megatron_ext.checkpoint.directory import (
     FORMAT_VERSION,
@@ -136,6 +138,7 @@ def build_sharded_state_dict(
     state["padded_vocab_size"] = parts.meta.padded_vocab_size
     state["ffn_hidden_size"] = effective_model_shape(state["args"])["ffn_hidden_size"]  # the width built
     state["layout"] = get_layout(ctx)
+    state["document_pad_multiple"] = get_document_pad_record(parts.cfg)  # g: it decides the packs
     state["device_type"] = ctx.device.type
     state["checkpoint_version"] = FORMAT_VERSION
     return state
@@ -435,6 +438,8 @@ def _check_loadable(
     (``compatibility.py``), before anything is read; warnings for what loads but differs."""
     cfg = parts.cfg
     problems = check_compatible(common, cfg, parts.meta, load_optimizer)
+    if not weights_only:  # --finetune starts the data over: another g reads other packs from sample 0
+        problems += check_document_pad_multiple(common, cfg)
     if load_optimizer:
         problems += check_scheduler_flags(common["opt_param_scheduler"], parts.scheduler, cfg, parts.global_batch_size)
         problems += check_optimizer_flags(common, cfg)
