@@ -25,8 +25,10 @@ Kernels:
   logsumexp (the flash identity), so no mask exists at all. What it saves: q, the gathered K/V,
   the output and the logsumexp. Measured against the alternative (one kernel call per piece with a
   float mask made in forward and made again in backward), ``bench/cp_attention.py``: the same saved
-  bytes, 0.80-0.85x its CPU time (the masked call computes the masked half of the square block);
-  SDPA with a bool mask, what not to do, saves 2.3-3x as much (its float32 copy of the mask).
+  bytes, 0.69-0.93x its CPU time per rank for a 4,096-token document (the masked call computes the
+  masked half of each square block; 1.1-1.2x for 256-token documents, where the second call and the
+  merge cost more than they save), and no transient nq x nk mask; SDPA with a bool mask, what not to
+  do, saves 1.4-3.2x as much (its float32 mask copy).
 - CUDA (bf16/fp16, sm80+): one flash varlen call per layer over all pieces (aten's
   ``_flash_attention_forward``, causal aligned bottom-right), ``cu_seqlens_q`` the pieces' local
   runs, K/V repacked per piece by one ``index_select`` of the gathered buffer (the reorder and the
