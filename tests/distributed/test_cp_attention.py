@@ -90,8 +90,9 @@ def cases(c: int) -> dict:
     return out
 
 
-def _run_case(rank: int, c: int, name: str, varlen: bool) -> list[torch.Tensor]:
-    """This rank's output and its local q/k/v gradients (k/v after the reduce-scatter)."""
+def _run_case(rank: int, c: int, name: str, varlen: bool) -> list:
+    """This rank's output and its local q/k/v gradients (k/v after the reduce-scatter), and the
+    (shape, dtype) of every tensor saved for backward."""
     from megatron_ext.context_parallel.attention import (
         ContextParallelPlan,
         build_context_parallel_plan,
@@ -106,9 +107,16 @@ def _run_case(rank: int, c: int, name: str, varlen: bool) -> list[torch.Tensor]:
     plan = build_context_parallel_plan(layout, torch.device("cpu"), rows)
     if varlen:
         plan = ContextParallelPlan(layout, plan.gather_index, rows, build_varlen_plan(layout, plan.gather_index, rows))
-    out = context_parallel_attention(q, k, v, plan, dist.group.WORLD, SCALE)
+    saved = []
+
+    def record(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+        out = context_parallel_attention(q, k, v, plan, dist.group.WORLD, SCALE)
     out.backward(grad)
-    return [out.detach().reshape(*out.shape[:2], HEADS, HEAD_DIM), q.grad, k.grad, v.grad]
+    return [out.detach().reshape(*out.shape[:2], HEADS, HEAD_DIM), q.grad, k.grad, v.grad, sorted(saved, key=str)]
 
 
 def stand_in_flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None):
@@ -150,7 +158,7 @@ def assemble(c: int, name: str, varlen: bool, per_rank: list[dict]) -> list[torc
     build, _, num_tokens, *_ = cases(c)[name]
     parts = [r[(name, varlen)] for r in per_rank]
     out = []
-    for i in range(4):
+    for i in range(4):  # output, dq, dk, dv
         full = torch.zeros(num_tokens, *parts[0][i].shape[1:], dtype=parts[0][i].dtype)
         for rank in range(c):
             full[build(rank).local_index] = parts[rank][i]
@@ -195,3 +203,21 @@ def test_local_keys_only_is_far_outside_the_tolerance():
         local = reference_attention(q[idx], k[idx], v[idx], sorted(set(local_bounds)))
         worst = max(worst, max_error(local, ref[idx]))
     assert worst > 0.1, worst
+
+
+def test_saves_no_mask_and_no_expanded_keys(world):
+    """What the CPU path keeps for backward, exactly: the local queries, the gathered [K;V] with its
+    grouped heads, the output, the logsumexp and the gather order. No [nq, nk] mask, no copy of K/V
+    expanded to the query heads."""
+    c, per_rank = world
+    _, _, num_tokens, _, groups, _ = cases(c)["packed-GQA-float32"]
+    n, kv_heads = num_tokens // c, 2 * HEADS // groups
+    expected = [
+        ((1, HEADS, n), torch.float32),  # logsumexp
+        ((n, 1, HEADS, HEAD_DIM), torch.float32),  # queries
+        ((n, 1, HEADS, HEAD_DIM), torch.float32),  # output
+        ((num_tokens,), torch.int64),  # the gather order (index_select's index)
+        ((num_tokens, 1, kv_heads, HEAD_DIM), torch.float32),  # [K;V], grouped
+    ]
+    for r in per_rank:
+        assert r[("packed-GQA-float32", False)][4] == sorted(expected, key=str)
