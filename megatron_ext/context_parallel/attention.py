@@ -321,7 +321,8 @@ def check_attention_under_cp(
     if why:
         raise ValueError(
             f"context parallelism ({c} ranks): {', '.join(why)} is not supported by the CP attention "
-            f"(megatron-core's DotProductAttention would attend to this rank's keys only)"
+            f"(megatron-core's DotProductAttention, the fallback, would attend to this rank's keys only; "
+            f"dropout would draw the same masks on every CP rank)"
         )
     if getattr(params, "context_parallel", None) is None:
         raise ValueError(

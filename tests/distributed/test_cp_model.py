@@ -5,7 +5,8 @@ one process (CP 1), on the same padded packs (document pad multiple g = 8 for bo
   megatron-core's DDP all-reduces over DP x CP), equal CP 1's: loss within 1e-6, gradients within
   2e-6. Models: Llama-style with GQA, RoPE with Llama-3.1 scaling, --rotary-percent 0.5 and
   interleaved rotation (positions from the sliced position ids, THD and rows); GPT-2 style with the
-  learned absolute embedding; the Llama one again with core attention recomputed;
+  learned absolute embedding; the Llama one again with core attention recomputed; --cp-comm-type
+  given per layer;
 - memory (``bench.simdevice.SavedTensorMeter``, parameters excluded): core attention recomputed,
   <= 1.05 x bytes(CP 1) / c; not recomputed, <= bytes(CP 1) / c + (2c+1)/(2c) x L x T x 2 ng x hn x 4;
 - communication (every torch.distributed collective counted with its bytes): per layer and
@@ -43,6 +44,7 @@ MODELS = {
         use_rope_scaling=True,
         rope_scaling_factor=8.0,
         rotary_percent=0.5,
+        cp_comm_type=["allgather", "all_gather"],  # per layer: megatron-core 0.16.1 would raise IndexError
     ),
     "gpt2": dict(position_embedding_type="learned_absolute"),
     "llama-recompute": dict(
