@@ -4,6 +4,8 @@
   config (megatron-core's own, the control, still raises);
 - every path that would attend to the local keys only (explicit masks, a bias, a window, another
   softmax, layer scaling), dropout, and a micro-batch without a CP plan: a ValueError at run time;
+- torch's CPU flash kernel takes grouped K/V (what SDPA's ``enable_gqa=True`` runs): the output and
+  dq bitwise the expanded form's, dk/dv to rounding (summed over the group in another order);
 - a per-layer --cp-comm-type list reaches TransformerConfig as one string (0.16.1 indexes the list
   with the 1-based layer number); the auto spec is the local one under CP; a rotary module our core
   attention does not apply is refused under CP.
@@ -122,3 +124,21 @@ def test_a_rotary_module_our_attention_does_not_apply_is_refused_under_cp():
     check_rotary_under_cp(chunk, 1)
     with pytest.raises(ValueError, match="rotary embedding Identity"):
         check_rotary_under_cp(chunk, 2)
+
+
+def test_grouped_keys_equal_expanded_ones_on_the_cpu_flash_kernel():
+    """torch 2.13: the output and dq are bitwise equal; dk/dv are not (2e-7 here: the kernel sums a
+    group's heads in another order than repeat_interleave's backward), well inside 1e-6."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 48, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 80, 16, generator=g, requires_grad=True) for _ in range(2))
+    grad = torch.randn(2, 8, 48, 16, generator=g)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    expanded = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    expected = torch.autograd.grad(expanded, (q, k, v), grad)
+    assert torch.equal(out, expanded) and torch.equal(grads[0], expected[0])
+    for ours, theirs in zip(grads[1:], expected[1:]):
+        assert float((ours - theirs).abs().max()) <= 1e-6
