@@ -78,10 +78,6 @@ class ContextParallelPlan:
     num_rows: int  # b: rows of an unpacked micro-batch (1 for THD)
     varlen: VarlenPlan | None = None  # CUDA only
 
-    @property
-    def cp_size(self) -> int:
-        return self.layout.cp_size
-
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(array))
@@ -260,7 +256,7 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     """query [n, b, np, hn], key/value [n, b, ng, hn] (this rank's n = T / c tokens of each row,
     RoPE applied) -> [n, b, np hn]: every query against its document's keys gathered from ``group``
-    (the CP group, ``plan.cp_size`` ranks)."""
+    (the CP group of the layout's c ranks)."""
     layout = plan.layout
     if query.shape[0] != layout.num_local_tokens or query.shape[1] != plan.num_rows:
         raise ValueError(
