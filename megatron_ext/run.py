@@ -30,7 +30,13 @@ from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
 from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args
-from megatron_ext.derived import ResolvedConfig, describe_batch_decrease, resolve_config, resolve_train_iters
+from megatron_ext.derived import (
+    ResolvedConfig,
+    describe_batch_decrease,
+    get_kv_channels,
+    resolve_config,
+    resolve_train_iters,
+)
 from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
@@ -322,7 +328,7 @@ def describe_run(run: TrainingRun) -> str:
             use_transformer_engine(cfg.model, ctx.device),
             resolved.uses_document_boundaries,
             resolved.params_dtype,
-            cfg.model.hidden_size // cfg.model.num_attention_heads,
+            get_kv_channels(cfg.model),
         )
         + describe_compilation(cfg, resolved)
     )

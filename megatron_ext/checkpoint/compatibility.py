@@ -22,6 +22,8 @@ MODEL_SHAPE_SETTINGS = (
     "num_attention_heads",
     "group_query_attention",
     "num_query_groups",
+    "kv_channels",  # compared resolved: None and hidden / heads are the same heads
+    "qk_layernorm",
     "normalization",
     "apply_layernorm_1p",  # the same weights mean another model with or without the 1
     "swiglu",
@@ -148,6 +150,8 @@ def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
     heads = args.get("num_attention_heads")
     shape["num_query_groups"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
     shape["group_query_attention"] = None  # its meaning is in num_query_groups
+    if args.get("hidden_size") and heads:
+        shape["kv_channels"] = args.get("kv_channels") or args["hidden_size"] // heads
     return shape
 
 

@@ -24,7 +24,7 @@ from megatron_ext.model import attention, wgrad
 from megatron_ext.model.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.model.grad_hooks import LeanGradHookDDP
 from megatron_ext.model.init_weights import apply_layout_independent_init
-from megatron_ext.model.norm import TorchNorm
+from megatron_ext.model.norm import HeadNorm, TorchNorm
 from megatron_ext.model.v_placement import (
     build_placed_float16_module,
     get_config_placement,
@@ -57,6 +57,8 @@ def _build_transformer_config(cfg: JobConfig, resolved: ResolvedConfig, device: 
         ffn_hidden_size=resolved.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=resolved.num_query_groups,
+        kv_channels=m.kv_channels,  # None: hidden / heads
+        qk_layernorm=m.qk_layernorm,  # also what sums the q/k norms' gradients over TP (model/norm.py)
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         normalization=m.normalization,
@@ -174,15 +176,18 @@ def build_layer_spec(m: ModelConfig, device: torch.device, context_parallel_size
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if use_transformer_engine(m, device, context_parallel_size):
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
     # (our core attention below also applies RoPE: see model/attention.py)
-    spec = get_gpt_layer_local_spec(normalization=m.normalization)
+    spec = get_gpt_layer_local_spec(normalization=m.normalization, qk_layernorm=m.qk_layernorm)
     # megatron-core's local DotProductAttention rejects packed (THD) inputs; ours honours them.
     spec.submodules.self_attention.submodules.core_attention = attention.VarlenDotProductAttention
     # its torch norms refuse --sequence-parallel; ours support it (model/norm.py)
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(spec.submodules, name) is WrappedTorchNorm:
             setattr(spec.submodules, name, TorchNorm)
+    if m.qk_layernorm:  # upstream's torch q/k norm refuses --sequence-parallel and --apply-layernorm-1p
+        attn = spec.submodules.self_attention.submodules
+        attn.q_layernorm = attn.k_layernorm = HeadNorm
     return spec
 
 
