@@ -60,7 +60,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + _check_validation_sets(cfg)
         + _check_spike_guard(cfg.training)
         + check_compile_and_graphs(cfg, cuda)
-        + check_context_parallel(cfg)
+        + check_context_parallel(cfg, cuda)
     )
     if problems:
         raise ConfigError(problems)
@@ -576,12 +576,6 @@ def _check_profiling(cfg: JobConfig, cuda: bool) -> list[str]:
 def _check_device(cfg: JobConfig, cuda: bool) -> list[str]:
     p = cfg.parallel
     out = _check_profiling(cfg, cuda) + _check_overlap(cfg)
-    if p.context_parallel_size > 1:
-        out.append(
-            f"--context-parallel-size {p.context_parallel_size}: context parallelism is not wired into training "
-            f"yet (use 1; long sequences: pack documents with --packed-sequences, recompute with "
-            f"--recompute-granularity)"
-        )
     for flag, value in (("--use-torch-fsdp2", p.use_torch_fsdp2), ("--use-custom-fsdp", p.use_custom_fsdp)):
         if value:
             out.append(

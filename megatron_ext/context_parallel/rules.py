@@ -6,7 +6,12 @@ flags, the values and the fix (pure; ``validation.validate`` runs them with ever
   must be multiples of 2c (c x lcm(2, TP) with --sequence-parallel);
 - packed documents are padded to a multiple of g = --document-pad-multiple (default 2c), and g must
   be a multiple of 2c: g is a data setting of its own, so the packs do not change with c;
-- what is not built under CP is refused by name (see ``NOT_UNDER_CP``).
+- what is not built under CP is refused by name (see ``NOT_UNDER_CP``), and fp32 on CUDA (the CUDA
+  path is flash varlen, half precision only).
+
+Hidden dropout is allowed: each CP rank draws its own masks (``parallel.get_dropout_seed`` offsets
+the dropout seed by the CP rank), as one process draws independent masks for every token; like any
+dropout it is not bitwise one process's.
 """
 
 from __future__ import annotations
@@ -149,6 +154,24 @@ def check_not_under_cp(cfg: JobConfig) -> list[str]:
     ]
 
 
-def check_context_parallel(cfg: JobConfig) -> list[str]:
+def check_cp_precision(cfg: JobConfig, cuda: bool) -> list[str]:
+    """On CUDA the CP attention is one flash varlen call per layer (``context_parallel/attention.py``),
+    which takes bf16 or fp16 only: an fp32 run is refused here rather than at its first layer."""
+    c, t = cfg.parallel.context_parallel_size, cfg.training
+    if c <= 1 or not cuda or t.bf16 or t.fp16:
+        return []
+    return [
+        f"--context-parallel-size {c} on CUDA needs --bf16 (or --fp16): the CP attention runs flash's varlen "
+        f"kernel, which has no fp32 form (fp32 under CP runs on the CPU only)"
+    ]
+
+
+def check_context_parallel(cfg: JobConfig, cuda: bool = False) -> list[str]:
     """Every CP rule (the world's divisibility by TP x CP x PP is ``layout_rules.check_layout``'s)."""
-    return check_cp_comm_type(cfg) + check_document_pad_multiple(cfg) + check_cp_lengths(cfg) + check_not_under_cp(cfg)
+    return (
+        check_cp_comm_type(cfg)
+        + check_document_pad_multiple(cfg)
+        + check_cp_lengths(cfg)
+        + check_not_under_cp(cfg)
+        + check_cp_precision(cfg, cuda)
+    )

@@ -534,10 +534,6 @@ def test_recompute_activations_is_selective_core_attention():
 @pytest.mark.parametrize(
     "values, needle",
     [
-        (
-            dict(context_parallel_size=2),
-            "--context-parallel-size 2: context parallelism is not wired into training yet",
-        ),
         (dict(use_torch_fsdp2=True), "--use-torch-fsdp2: FSDP is not supported"),
         (dict(use_custom_fsdp=True), "--use-custom-fsdp: FSDP is not supported"),
         (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload is not supported"),
@@ -545,6 +541,17 @@ def test_recompute_activations_is_selective_core_attention():
 )
 def test_out_of_scope_scale_features_are_refused_by_name(values, needle):
     assert any(needle in p for p in _problems(1, **values))
+
+
+def test_context_parallelism_is_accepted_by_validation():
+    """CP is wired into training (issue 42): a valid CP job validates, on the CPU in fp32 and on CUDA in
+    bf16; fp32 on CUDA is refused naming --bf16 (the CUDA path is flash varlen)."""
+    cp = dict(context_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4, seq_length=256)
+    assert _accepted_or_problems(4, **cp) == []
+    validate(build_job_config({**MOCK, **cp, "bf16": True}), 4, cuda=True)
+    with pytest.raises(ConfigError) as err:
+        validate(build_job_config({**MOCK, **cp}), 4, cuda=True)
+    assert any("--context-parallel-size 2 on CUDA needs --bf16" in p for p in err.value.problems)
 
 
 @pytest.mark.parametrize(

@@ -131,3 +131,17 @@ def test_megatron_lms_other_cp_flags_are_refused_by_name(argv, needle):
 def test_allgather_is_accepted_as_all_gather_once_or_per_layer():
     assert cp_problems(context_parallel_size=2, cp_comm_type=["allgather"]) == []
     assert cp_problems(context_parallel_size=2, cp_comm_type=["all_gather"] * 4) == []
+
+
+def test_fp32_under_cp_on_cuda_is_refused_naming_bf16():
+    """The CUDA path of the CP attention is flash varlen (bf16/fp16): fp32 under CP is refused on CUDA at
+    start-up, accepted on the CPU (the flash pieces there take fp32)."""
+    cfg = build_job_config({**MOCK, "context_parallel_size": 2, "seq_length": 256})
+    (problem,) = check_context_parallel(cfg, cuda=True)
+    assert "--context-parallel-size 2 on CUDA needs --bf16 (or --fp16)" in problem
+    assert check_context_parallel(cfg) == []
+    for half in ("bf16", "fp16"):
+        assert (
+            check_context_parallel(build_job_config({**MOCK, "context_parallel_size": 2, half: True}), cuda=True) == []
+        )
+    assert check_context_parallel(build_job_config(MOCK), cuda=True) == []  # no CP: fp32 on CUDA is fine
