@@ -1,7 +1,8 @@
 """Evaluation: the validation loss of each validation set, as Megatron-LM logs it.
 
 An evaluation's loss is the token mean over what it read: the sum of token losses and the count of
-valid tokens over every micro-batch of every DP rank, reduced once and divided once. What it reads:
+valid tokens over every micro-batch of every DP rank (and every CP rank's share of it), reduced once
+and divided once. What it reads:
 
 - by default, evaluation k (1, 2, ...) reads the k-th ``--eval-iters`` global batches of the one
   validation dataset (the end of a run whose length is not a multiple of ``--eval-interval`` is one
@@ -29,13 +30,16 @@ from megatron_ext.training.metrics import format_validation_line, get_perplexity
 from megatron_ext.training.step import build_step_microbatches, forward_step, params_synced, run_forward_backward
 
 
-def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """Global sums of ``local`` ([loss sum, count, ...]) on the last stage (one all-reduce over its
-    DP group)."""
-    if not (ctx.is_last_stage and ctx.dp_size > 1):
+def reduce_loss_over_dp_cp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Global sums of ``local`` ([loss sum, count, ...]) on the last stage: one all-reduce over its
+    DP x CP group (``ctx.reduce_group``): every DP replica's micro-batches, and under context
+    parallelism every CP rank's share of each (its loss sum and counts are of its own tokens), also
+    at DP 1."""
+    if not (ctx.is_last_stage and ctx.dp_size * ctx.cp_size > 1):
         return local.clone()
-    total = local.to(get_collective_device(ctx.dp_group))
-    dist.all_reduce(total, group=ctx.dp_group)
+    group = ctx.reduce_group
+    total = local.to(get_collective_device(group))
+    dist.all_reduce(total, group=group)
     return total.cpu()
 
 
@@ -68,7 +72,7 @@ def evaluate(run: Any, dataset: Any, start_sample: int, num_batches: int) -> flo
                 total += reduce_reported_loss(reports)
     for chunk in model:
         chunk.train()
-    return get_mean_loss(reduce_loss_over_dp(total, ctx))
+    return get_mean_loss(reduce_loss_over_dp_cp(total, ctx))
 
 
 def evaluate_and_log(run: Any) -> list[float]:

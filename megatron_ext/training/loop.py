@@ -11,7 +11,7 @@ says whether every rank finished writing the save in flight, which is then publi
 whose weights are not finite on some rank is refused and stops the run, ``WeightsNotFinite``) ->
 stop if exiting. At ``--train-iters`` (not at an earlier exit) a run whose length is not a multiple of
 ``--eval-interval`` is evaluated once more, as Megatron-LM evaluates at the end of training. An
-iteration's loss is its global sum / global count (every micro-batch and DP rank); a log line
+iteration's loss is its global sum / global count (every micro-batch, DP and CP rank); a log line
 reports the mean of those over its iterations whose update was applied, and counts the skipped and
 non-finite ones of its interval, as Megatron-LM's ``training_log`` does.
 """
@@ -43,7 +43,7 @@ from megatron_ext.parallel import ParallelContext
 from megatron_ext.restart import IterationRecord
 from megatron_ext.straggler import StragglerDetector
 from megatron_ext.training.checkpointing import maybe_export_hf, save_checkpoint, start_async_checkpoint
-from megatron_ext.training.evaluation import evaluate_and_log, reduce_loss_over_dp, watched
+from megatron_ext.training.evaluation import evaluate_and_log, reduce_loss_over_dp_cp, watched
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss
 from megatron_ext.training.metrics import (
     IterationStats,
@@ -136,14 +136,15 @@ class TrainingRun:
 class LogWindow:
     """What accumulates between two log lines. ``totals`` = [loss sum, valid-token count, real
     tokens, model FLOPs] of this rank's micro-batches, and ``iteration_losses`` each iteration's
-    [loss sum, valid-token count]: summed over DP in the one all-reduce the logged loss needs."""
+    [loss sum, valid-token count]: summed over DP x CP in the one all-reduce the logged loss needs
+    (under CP each rank's counts are its own tokens' share: tokens/s and FLOPs are summed, not c times)."""
 
     totals: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
     iteration_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [2] float64 each
     advanced: list[bool] = dataclasses.field(default_factory=list)  # each iteration's update was applied
     # each iteration's (iteration, learning rate, grad norm, zeros in grad or None), for --tensorboard-log-interval
     iteration_scalars: list[tuple[int, float, float | None, float | None]] = dataclasses.field(default_factory=list)
-    # the first iterations' losses, already summed over DP and written (flush_iteration_scalars)
+    # the first iterations' losses, already summed over DP x CP and written (flush_iteration_scalars)
     reduced_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [2] float64 each
     skipped_iterations: int = 0  # of this interval (fp16 overflows), as Megatron-LM's log line counts them
     nan_iterations: int = 0  # of this interval
@@ -235,14 +236,10 @@ def locate_non_finite(run: TrainingRun, result: StepResult) -> str:
     """Where a non-finite step came from: the ranks whose own loss was not finite, each with its
     first such micro-batch (one all-gather, only in a non-finite step, which every rank sees)."""
     ctx = run.ctx
-    mine = (ctx.rank, ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, result.non_finite_microbatch)
+    mine = (ctx.rank, ctx.describe_place(), result.non_finite_microbatch)
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
-    bad = [
-        f"rank {r} (pipeline stage {pp}, tensor rank {tp}, data-parallel rank {dp}, micro-batch {mb})"
-        for r, pp, tp, dp, mb in everyone
-        if mb is not None
-    ]
+    bad = [f"rank {r} ({place}, micro-batch {mb})" for r, place, mb in everyone if mb is not None]
     if bad:
         return "the loss was not finite on " + ", ".join(bad)
     return (
@@ -279,7 +276,7 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
     """The loss since the last log line (``get_interval_loss`` of each iteration's global token
     mean), logged and recorded; resets ``window``."""
     start = len(window.reduced_losses)  # iterations written before an evaluation (flush_iteration_scalars)
-    reduced = reduce_loss_over_dp(torch.cat([window.totals, *window.iteration_losses[start:]]), run.ctx)
+    reduced = reduce_loss_over_dp_cp(torch.cat([window.totals, *window.iteration_losses[start:]]), run.ctx)
     totals = reduced[:4]
     rows = reduced[4:].view(-1, 2)
     loss = get_interval_loss(torch.cat([torch.stack(window.reduced_losses), rows]) if start else rows, window.advanced)
@@ -311,13 +308,13 @@ def log_progress(run: TrainingRun, window: LogWindow, result: StepResult, length
 
 
 def flush_iteration_scalars(run: TrainingRun, window: LogWindow) -> None:
-    """Write the window's per-iteration scalars not yet written (one DP all-reduce of their losses,
+    """Write the window's per-iteration scalars not yet written (one DP x CP all-reduce of their losses,
     on every rank), before something writes a later step: wandb ignores a step below one it has
     logged, so an evaluation between two log lines would otherwise drop the iterations before it."""
     start = len(window.reduced_losses)
     if start == len(window.iteration_losses):
         return
-    rows = reduce_loss_over_dp(torch.cat(window.iteration_losses[start:]), run.ctx).view(-1, 2)
+    rows = reduce_loss_over_dp_cp(torch.cat(window.iteration_losses[start:]), run.ctx).view(-1, 2)
     window.reduced_losses.extend(rows)
     if run.ctx.is_logging_rank:
         write_iteration_scalars(run, rows, window, start)

@@ -7,8 +7,10 @@ squares of its own parameters, leaving out a tensor-parallel duplicate (a parame
 except on TP rank 0, and the copy of the word embedding that a tied last pipeline stage holds
 (megatron-core marks it ``shared``); one all-reduce over the model-parallel group (TP x PP) adds the
 ranks up. Values, as Megatron-LM reads them: under --bf16 the fp32 main parameter where the
-optimizer keeps one on the parameter (the distributed optimizer: this DP rank's shard of it, so
-those shards are summed over the DP group first), else the parameter itself in fp32.
+optimizer keeps one on the parameter (the distributed optimizer: this rank's shard of it, sharded
+over DP x CP, so those shards are summed over the DP x CP group first), else the parameter itself in
+fp32. CP ranks hold whole replicas of their stage, as DP replicas do: the model-parallel group holds
+one CP rank, so no replica is counted twice.
 Computed on logging iterations only: a multi-tensor norm, one or two all-reduces, one host read.
 """
 
@@ -60,9 +62,9 @@ def calc_params_l2_norm(model: list[torch.nn.Module], ctx: ParallelContext, use_
     whole, sharded = select_params_to_norm(params, ctx.tp_rank, use_main_params)
     device = get_collective_device(ctx.mp_group)
     total = sum_of_squares(whole, device)
-    if use_main_params and ctx.dp_size > 1:  # every DP rank joins, also one holding no shard
+    if use_main_params and ctx.dp_size * ctx.cp_size > 1:  # every DP x CP rank joins, also one holding no shard
         shards = sum_of_squares(sharded, device)
-        dist.all_reduce(shards, group=ctx.dp_group)
+        dist.all_reduce(shards, group=ctx.reduce_group)
         total = total + shards
     else:
         total = total + sum_of_squares(sharded, device)
