@@ -116,6 +116,8 @@ class Heartbeat:
     pp_size: int = 1
     tp_rank: int = 0
     dp_rank: int = 0
+    cp_rank: int = 0
+    cp_size: int = 1
     seq: int = 0
     phase: str = "starting"
     iteration: int = 0
@@ -136,8 +138,9 @@ class Heartbeat:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     def describe_rank(self) -> str:
+        cp = f", context-parallel rank {self.cp_rank}" if self.cp_size > 1 else ""
         return (
-            f"rank {self.rank} (pipeline stage {self.pp_rank} of {self.pp_size}, tensor rank {self.tp_rank}, "
+            f"rank {self.rank} (pipeline stage {self.pp_rank} of {self.pp_size}, tensor rank {self.tp_rank}{cp}, "
             f"data-parallel rank {self.dp_rank}, host {self.host})"
         )
 
@@ -254,7 +257,7 @@ def read_heartbeats(store: Any, world_size: int) -> dict[int, Heartbeat]:
 class HeartbeatPublisher:
     """A daemon thread that publishes this rank's ``Heartbeat`` every ``interval_s`` (after a
     failed publication, up to 8 x less often). ``identity``: rank, host, pp_rank, pp_size, tp_rank,
-    dp_rank. The thread that builds it is the training thread it samples. ``publishes`` and
+    dp_rank (cp_rank, cp_size under context parallelism). The thread that builds it is the training thread it samples. ``publishes`` and
     ``publish_s`` (their total cost in this thread) are kept for measurement."""
 
     def __init__(self, store: Any, progress: StepProgress, identity: dict[str, Any], interval_s: float):

@@ -100,11 +100,21 @@ class ParallelContext:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The last TP and DP rank of the pipeline rank holding the loss (the last rank of the world
-        under the loop placement)."""
+        """The last TP, CP and DP rank of the pipeline rank holding the loss (the last rank of the
+        world under the loop placement)."""
         if self.stage_placement != "v":
             return self.rank == self.world_size - 1
-        return self.is_last_stage and self.tp_rank == self.tp_size - 1 and self.dp_rank == self.dp_size - 1
+        last = (self.tp_rank, self.cp_rank, self.dp_rank) == (self.tp_size - 1, self.cp_size - 1, self.dp_size - 1)
+        return self.is_last_stage and last
+
+    def describe_place(self) -> str:
+        """'pipeline stage 1 of 2, tensor rank 0, context-parallel rank 1, data-parallel rank 0' (the CP
+        rank only under CP): how errors and the stall watchdog name a rank."""
+        cp = f", context-parallel rank {self.cp_rank}" if self.cp_size > 1 else ""
+        return (
+            f"pipeline stage {self.pp_rank} of {self.pp_size}, tensor rank {self.tp_rank}{cp}, "
+            f"data-parallel rank {self.dp_rank}"
+        )
 
 
 def init_distributed(device: torch.device, timeout_minutes: int) -> None:
@@ -145,16 +155,33 @@ def get_rng_tracker_options(cfg: JobConfig) -> dict:
     return {"use_cudagraphable_rng": True} if cfg.training.cuda_graph_impl == "local" else {}
 
 
+# Dropout streams of CP rank r start from --seed + r x this stride (a prime above any TP size, so that
+# megatron-core's TP tracker seeds, seed + 2718 + TP rank, never meet another CP rank's).
+CP_SEED_STRIDE = 1009
+
+
+def get_dropout_seed(seed: int, cp_rank: int) -> int:
+    """The seed of this rank's dropout streams (the default generator and megatron-core's tracker).
+    megatron-core's convention is kept (TP ranks differ in the tracker, DP replicas agree), and CP
+    ranks differ: each holds other tokens of the same rows, and with one seed they would draw the same
+    hidden-dropout mask for different tokens, correlated where one process draws independent ones.
+    CP rank 0 keeps --seed, so a run without CP draws what it drew before. Weights never depend on it
+    (``model/init_weights.py`` seeds each parameter from --seed and its name)."""
+    return seed + CP_SEED_STRIDE * cp_rank
+
+
 def ensure_rng_tracker(cfg: JobConfig) -> None:
     """A run built on groups made for another (``build_training_run(ctx=...)``, two runs side by side)
     gets the RNG tracker its flags need: CUDA graphs (``--cuda-graph-impl local``) need megatron-core's
     graph-safe tracker, which the first run's seed call may not have asked for. Re-seeded with the same
     seed, so the first run's streams start over as if it had asked for it."""
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     options = get_rng_tracker_options(cfg)
     if options and not getattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", False):
-        model_parallel_cuda_manual_seed(cfg.training.seed, **options, force_reset_rng=True)
+        seed = get_dropout_seed(cfg.training.seed, ps.get_context_parallel_rank())
+        model_parallel_cuda_manual_seed(seed, **options, force_reset_rng=True)
 
 
 def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelContext:
@@ -180,10 +207,11 @@ def build_parallel_context(cfg: JobConfig, device: torch.device) -> ParallelCont
         create_gloo_process_groups=device.type == "cuda",
         **embedding_ranks,
     )
-    # Dropout streams: megatron-core's convention (TP ranks differ, DP replicas agree).
+    # Dropout streams: megatron-core's convention (TP ranks differ, DP replicas agree), CP ranks differ.
     # (CUDA graphs need the graph-safe tracker, whose states live in the captured graph's generator)
-    model_parallel_cuda_manual_seed(cfg.training.seed, **get_rng_tracker_options(cfg))
-    torch.manual_seed(cfg.training.seed)
+    seed = get_dropout_seed(cfg.training.seed, ps.get_context_parallel_rank())
+    model_parallel_cuda_manual_seed(seed, **get_rng_tracker_options(cfg))
+    torch.manual_seed(seed)
     return ParallelContext(
         device=device,
         rank=dist.get_rank(),

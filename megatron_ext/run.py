@@ -222,8 +222,8 @@ def build_schedule_runtime(
     queue = WeightGradQueue()
     if splits_backward(name):
         apply_weight_grad_deferral(chunks, queue)
-    divisor = ctx.tp_size if p.sequence_parallel else 1  # [s/tp, b, h] on the wire
-    return ScheduleRuntime(name, ctx.pp_group, ctx.pp_rank, ctx.pp_size, ctx.vp_size or 1, queue, divisor)
+    divisor = ctx.tp_size if p.sequence_parallel else 1  # [s/c/tp, b, h] on the wire
+    return ScheduleRuntime(name, ctx.pp_group, ctx.pp_rank, ctx.pp_size, ctx.vp_size or 1, queue, divisor, ctx.cp_size)
 
 
 def build_prefetcher(
@@ -262,16 +262,15 @@ def build_step_watchdog(
     if not (step_s or save_s):
         return None
     host = os.uname().nodename
-    where = (
-        f"rank {ctx.rank} (pipeline stage {ctx.pp_rank} of {ctx.pp_size}, tensor rank {ctx.tp_rank}, "
-        f"data-parallel rank {ctx.dp_rank}, host {host})"
-    )
+    where = f"rank {ctx.rank} ({ctx.describe_place()}, host {host})"
     progress = StepProgress()
     heartbeats = None
     if dist.is_initialized():
         identity = dict(
             rank=ctx.rank, host=host, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, tp_rank=ctx.tp_rank, dp_rank=ctx.dp_rank
         )
+        if ctx.cp_size > 1:  # (a heartbeat without them is a run without CP)
+            identity.update(cp_rank=ctx.cp_rank, cp_size=ctx.cp_size)
         interval = heartbeat_interval_s or get_heartbeat_interval([s for s in (step_s, save_s) if s])
         try:
             heartbeats = build_heartbeat_board(progress, identity, ctx.world_size, interval)
@@ -317,7 +316,7 @@ def describe_run(run: TrainingRun) -> str:
     ctx, cfg, resolved = run.ctx, run.cfg, run.resolved
     local = sum(prm.numel() for chunk in run.model for prm in chunk.parameters())
     return (
-        f"> layout: world {ctx.world_size} = TP {ctx.tp_size} x PP {ctx.pp_size} x DP {ctx.dp_size}"
+        f"> layout: world {ctx.world_size} = TP {ctx.tp_size} x CP {ctx.cp_size} x PP {ctx.pp_size} x DP {ctx.dp_size}"
         f" | virtual stages per pipeline rank {ctx.vp_size or 1}"
         f" | distributed optimizer {cfg.parallel.use_distributed_optimizer} | device {ctx.device}"
         f" | {resolved.precision} | padded vocab {resolved.padded_vocab_size}"
@@ -327,7 +326,7 @@ def describe_run(run: TrainingRun) -> str:
         + describe_attention_kernels(
             ctx.device.type,
             cfg.model.attention_dropout,
-            use_transformer_engine(cfg.model, ctx.device),
+            use_transformer_engine(cfg.model, ctx.device, ctx.cp_size),
             resolved.uses_document_boundaries,
             resolved.params_dtype,
             get_kv_channels(cfg.model),

@@ -91,17 +91,14 @@ def locate_spike(run: Any, microbatch: tuple[int, float] | None) -> str:
     """The rank and micro-batch of the spiky step's largest micro-batch loss (one all-gather, only
     in a spiky step, which every rank takes)."""
     ctx = run.ctx
-    mine = (ctx.rank, ctx.pp_rank, ctx.tp_rank, ctx.dp_rank, microbatch)
+    mine = (ctx.rank, ctx.describe_place(), microbatch)
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
-    found = [e for e in everyone if e[4] is not None]
+    found = [e for e in everyone if e[2] is not None]
     if not found:
         return "no micro-batch loss reported"
-    r, pp, tp, dp, (mb, loss) = max(found, key=lambda e: e[4][1])
-    return (
-        f"largest micro-batch loss {loss:.4g} on rank {r} (pipeline stage {pp}, tensor rank {tp}, "
-        f"data-parallel rank {dp}, micro-batch {mb})"
-    )
+    r, place, (mb, loss) = max(found, key=lambda e: e[2][1])
+    return f"largest micro-batch loss {loss:.4g} on rank {r} ({place}, micro-batch {mb})"
 
 
 def check_spike(run: Any, result: Any) -> None:

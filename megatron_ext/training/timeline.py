@@ -22,7 +22,7 @@ a picture, not for cross-node dependency checks.
 
 Records (one JSON object per line), per step:
   {"kind": "step", "step", "rank", "pp_rank", "pp_size", "vp_size", "pipeline" (one id per
-   pipeline replica: dp_rank * tp_size + tp_rank), "num_microbatches", "start", "end",
+   pipeline: (dp_rank * cp_size + cp_rank) * tp_size + tp_rank), "num_microbatches", "start", "end",
    "schedule" (--pipeline-schedule, null: megatron-core's default), "placement" ("loop" | "v")}
    -- the whole step (the context manager's enter -> exit)
   {"kind": "F" | "B" | "W", "step", "chunk", "mb", "start", "end"}  -- one forward / backward (the
@@ -173,8 +173,8 @@ class PipelineTimeline:
 
 def build_pp_timeline(out_dir: str, ctx: Any, schedule: str | None = None) -> PipelineTimeline:
     """The tracer for this rank of a ``ParallelContext``; ``schedule``: --pipeline-schedule."""
-    # ranks of one pipeline replica share (dp_rank, tp_rank)
-    pipeline_id = ctx.dp_rank * ctx.tp_size + ctx.tp_rank
+    # ranks of one pipeline share (dp_rank, cp_rank, tp_rank): CP peers run pipelines of their own
+    pipeline_id = (ctx.dp_rank * ctx.cp_size + ctx.cp_rank) * ctx.tp_size + ctx.tp_rank
     return PipelineTimeline(
         out_dir, ctx.rank, ctx.pp_rank, ctx.pp_size, ctx.vp_size, pipeline_id, schedule, ctx.stage_placement
     )

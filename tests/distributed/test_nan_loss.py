@@ -254,7 +254,7 @@ def test_repeated_inf_loss_stops_naming_rank_stage_and_microbatch(results):
     (bad,) = [r["where"] for r in d if r["where"][3] and r["where"][2] == BAD_DP_RANK]
     assert "3 consecutive iterations up to 4" in message and "first at iteration 2" in message, message
     assert (
-        f"the loss was not finite on rank {bad[0]} (pipeline stage {bad[1]}, tensor rank 0, data-parallel "
+        f"the loss was not finite on rank {bad[0]} (pipeline stage {bad[1]} of 2, tensor rank 0, data-parallel "
         f"rank {bad[2]}, micro-batch {BAD_MICROBATCH})"
     ) in message, message
     assert message.count("rank ") == 3  # one rank named (with its tensor and data-parallel ranks)
