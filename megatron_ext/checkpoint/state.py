@@ -1,7 +1,8 @@
 """What a checkpoint holds, and saving/loading a training run through the directory protocol.
 
 Invariant: a checkpoint restores a run exactly in its own layout and reshards to any other
-TP x PP x VPP x DP. Content: every model chunk (``chunk.sharded_state_dict()`` per virtual stage;
+TP x CP x PP x VPP x DP (CP ranks hold whole replicas, as DP ranks do; the distributed optimizer's
+state is sharded over DP x CP and saved gathered, ``fully_reshardable``). Content: every model chunk (``chunk.sharded_state_dict()`` per virtual stage;
 megatron-core keys layers by their global number, so the layout is not part of the format), the
 optimizer (the distributed optimizer in its ``fully_reshardable`` form), the LR scheduler,
 ``TrainState``, each rank's RNG states (CPU generator and megatron-core's model-parallel tracker),
@@ -77,10 +78,17 @@ def get_layout(ctx: ParallelContext) -> dict[str, int]:
     return {
         "world_size": ctx.world_size,
         "tp": ctx.tp_size,
+        "cp": ctx.cp_size,
         "pp": ctx.pp_size,
         "dp": ctx.dp_size,
         "vp": ctx.vp_size or 1,
     }
+
+
+def is_same_layout(saved: dict[str, int] | None, ctx: ParallelContext) -> bool:
+    """Whether a checkpoint's layout record is this run's (a record without "cp", written before
+    context parallelism, was saved at CP 1): only then are its per-rank RNG states restored."""
+    return saved is not None and {"cp": 1, **saved} == get_layout(ctx)
 
 
 def get_rng_state(device: torch.device) -> dict[str, Any]:
@@ -396,7 +404,7 @@ def _load_from(
     _check_loadable(parts, ctx, log, root, ckpt_dir, common, load_optimizer, weights_only)
     if holds_no_optimizer and ctx.is_logging_rank:
         log(f"{ckpt_dir} holds no optimizer state: starting with a fresh optimizer")
-    same_layout = common.get("layout") == get_layout(ctx)
+    same_layout = is_same_layout(common.get("layout"), ctx)
     saved_device = common.get("device_type", "cpu")
     restore_rng = load_rng and same_layout and saved_device == ctx.device.type
     if load_rng and same_layout and not restore_rng and ctx.is_logging_rank:
