@@ -14,6 +14,7 @@ through ``megatron_ext.run.build_training_run``, the same assembly as ``pretrain
 
 from __future__ import annotations
 
+import collections
 import gc
 import multiprocessing as mp
 import operator
@@ -21,6 +22,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -244,22 +246,22 @@ def fetch_step_microbatches(dataset: Any, indices: list[list[int]]) -> list[dict
 
 
 def _gather_dp_shards(model, ctx: ParallelContext) -> None:
-    """Distributed optimizer: each DP rank holds the reduced grads of its shard only; all-gather
+    """Distributed optimizer: each DP x CP rank holds the reduced grads of its shard only; all-gather
     the shards so every rank's buffer holds the full reduced gradient."""
+    group = ctx.reduce_group
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
     for chunk in model:
         for buffer in chunk.buffers:
             for bucket in buffer.buckets:
                 data = bucket.grad_data
-                shard = data.numel() // ctx.dp_size
-                mine = data[ctx.dp_rank * shard : (ctx.dp_rank + 1) * shard].clone()
-                dist.all_gather_into_tensor(data, mine, group=ctx.dp_group)
+                shard = data.numel() // size
+                mine = data[rank * shard : (rank + 1) * shard].clone()
+                dist.all_gather_into_tensor(data, mine, group=group)
 
 
-def gather_full_grads(run: TrainingRun) -> dict[str, torch.Tensor]:
-    """{global parameter name: full gradient} of this rank's parameters (after finalize)."""
+def gather_full_tensors(run: TrainingRun, get: Callable[[torch.nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{global parameter name: ``get(param)`` gathered over TP} of this rank's parameters."""
     ctx, cfg = run.ctx, run.cfg
-    if cfg.parallel.use_distributed_optimizer and ctx.dp_size > 1:
-        _gather_dp_shards(run.model, ctx)
     out = {}
     for chunk in run.model:
         module = chunk.module
@@ -270,20 +272,33 @@ def gather_full_grads(run: TrainingRun) -> dict[str, torch.Tensor]:
             name = get_global_name(local_name, offset)
             if module.share_embeddings_and_output_weights and name == "output_layer.weight":
                 name = "embedding.word_embeddings.weight"
-            grad = param.main_grad.detach().clone()
+            value = get(param).detach().clone()
             if getattr(param, "tensor_model_parallel", False) and ctx.tp_size > 1:
-                parts = [torch.empty_like(grad) for _ in range(ctx.tp_size)]
-                dist.all_gather(parts, grad, group=ctx.tp_group)
+                parts = [torch.empty_like(value) for _ in range(ctx.tp_size)]
+                dist.all_gather(parts, value, group=ctx.tp_group)
                 dim = param.partition_dim
                 if cfg.model.swiglu and "linear_fc1" in name:
                     halves = [p.chunk(2, dim=dim) for p in parts]
-                    grad = torch.cat(
+                    value = torch.cat(
                         [torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim
                     )
                 else:
-                    grad = torch.cat(parts, dim=dim)
-            out[name] = grad
+                    value = torch.cat(parts, dim=dim)
+            out[name] = value
     return out
+
+
+def gather_full_grads(run: TrainingRun) -> dict[str, torch.Tensor]:
+    """{global parameter name: full gradient} of this rank's parameters (after finalize)."""
+    ctx = run.ctx
+    if run.cfg.parallel.use_distributed_optimizer and ctx.dp_size * ctx.cp_size > 1:
+        _gather_dp_shards(run.model, ctx)
+    return gather_full_tensors(run, lambda param: param.main_grad)
+
+
+def gather_full_params(run: TrainingRun) -> dict[str, torch.Tensor]:
+    """{global parameter name: full weight} of this rank's parameters."""
+    return gather_full_tensors(run, lambda param: param)
 
 
 class PackedMarkovDataset:
@@ -291,10 +306,18 @@ class PackedMarkovDataset:
     sample shorter than or equal to ``seq_length``; sample i is a pure function of (seed, i)."""
 
     def __init__(
-        self, seq_length: int, seed: int = 0, num_samples: int = 10_000, median: float = 12.0, full: bool = False
+        self,
+        seq_length: int,
+        seed: int = 0,
+        num_samples: int = 10_000,
+        median: float = 12.0,
+        full: bool = False,
+        pad_multiple: int = 1,
     ):
         self.docs = MarkovDataset(seq_length, seed=seed)
         self.seq_length, self.seed, self.n, self.median, self.full = seq_length, seed, num_samples, median, full
+        # the packer's rule under --document-pad-multiple g: the documents padded to g fit the pack
+        self.pad_multiple = pad_multiple
 
     def __len__(self) -> int:
         return self.n
@@ -302,16 +325,55 @@ class PackedMarkovDataset:
     def get_documents(self, i: int) -> list[np.ndarray]:
         rng = np.random.default_rng([self.seed, 7, i])
         budget = self.seq_length if self.full else int(rng.integers(self.seq_length // 3, self.seq_length + 1))
-        docs, used, k = [], 0, 0
+        docs, used, k, g = [], 0, 0, self.pad_multiple
         while used < budget:
             n = int(min(budget - used, max(2, rng.lognormal(np.log(self.median), 0.8))))
             seq = self.docs[i * 1000 + k]["tokens"]
             docs.append(np.resize(seq, n))  # a document of n tokens
-            used, k = used + n, k + 1
+            used, k = used + -(-n // g) * g, k + 1
         return docs
 
     def __getitem__(self, i: int) -> dict:
         return build_packed_sample(self.get_documents(i))
+
+
+COUNTED_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "barrier",
+    "all_gather_object",
+    "reduce",
+)
+
+
+def count_collectives(fn: Callable[[], Any]) -> collections.Counter:
+    """Run ``fn()`` counting torch.distributed collectives by (calling module, op), every thread's."""
+    counts: collections.Counter = collections.Counter()
+    originals = {n: getattr(dist, n) for n in COUNTED_COLLECTIVES if hasattr(dist, n)}
+
+    def wrap(n):
+        def counted(*args, **kwargs):
+            caller = sys._getframe(1)  # inspect.stack() would read every frame's source: slow
+            while caller.f_code.co_filename.endswith(("c10d_logger.py", "distributed_c10d.py")):
+                caller = caller.f_back
+            counts[(caller.f_globals.get("__name__", "?"), n)] += 1
+            return originals[n](*args, **kwargs)
+
+        return counted
+
+    for n in originals:
+        setattr(dist, n, wrap(n))
+    try:
+        fn()
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    return counts
 
 
 class RunsThenReturns:

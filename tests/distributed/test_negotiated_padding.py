@@ -5,7 +5,6 @@ padding changes neither the loss nor the gradients (reference: one process, no p
 from __future__ import annotations
 
 import collections
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +20,15 @@ from megatron_ext.derived import resolve_config
 from megatron_ext.model.gpt import build_model_chunks
 from megatron_ext.model.init_weights import get_global_name, get_layer_offset
 from megatron_ext.parallel import build_parallel_context, destroy_parallel_context
-from megatron_ext.testing import VOCAB, PackedMarkovDataset, build_tiny_run, gather_full_grads, run_ranks, tiny_values
+from megatron_ext.testing import (
+    VOCAB,
+    PackedMarkovDataset,
+    build_tiny_run,
+    count_collectives,
+    gather_full_grads,
+    run_ranks,
+    tiny_values,
+)
 from megatron_ext.training.loop import train
 from megatron_ext.training.step import build_step_microbatches, get_packed_seq_params, run_forward_backward
 
@@ -116,42 +123,6 @@ def _reference(rank: int, world_size: int) -> dict:
     return out
 
 
-def _count_collectives(fn):
-    """Run fn() counting torch.distributed collectives by (caller module, op)."""
-    counts: collections.Counter = collections.Counter()
-    names = [
-        "all_reduce",
-        "broadcast",
-        "all_gather",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "barrier",
-        "all_gather_object",
-        "reduce",
-    ]
-    originals = {n: getattr(dist, n) for n in names}
-
-    def wrap(n):
-        def counted(*args, **kwargs):
-            caller = sys._getframe(1)  # inspect.stack() would read every frame's source: slow
-            while caller.f_code.co_filename.endswith(("c10d_logger.py", "distributed_c10d.py")):
-                caller = caller.f_back
-            module = caller.f_globals.get("__name__", "?")
-            counts[(module, n)] += 1
-            return originals[n](*args, **kwargs)
-
-        return counted
-
-    for n in names:
-        setattr(dist, n, wrap(n))
-    try:
-        fn()
-    finally:
-        for n, f in originals.items():
-            setattr(dist, n, f)
-    return counts
-
-
 def _layouts(rank: int, world_size: int) -> dict:
     out = {}
     # 1. agreement: the ranks of a pipeline replica (TP x PP) read the same samples, so they propose the
@@ -174,7 +145,7 @@ def _layouts(rank: int, world_size: int) -> dict:
             mbs, length = build_step_microbatches(run, run.train_ds, 0)
             run_forward_backward(run.model, mbs, length)
             grads = gather_full_grads(run)
-            counts = _count_collectives(lambda: train(run))
+            counts = count_collectives(lambda: train(run))
             keep = run.ctx.tp_rank == 0 and run.ctx.dp_rank == 0
             finite = all(torch.isfinite(p.main_grad).all() for c in run.model for p in c.parameters())
             out[(name, mode)] = {
@@ -263,7 +234,7 @@ def test_exactly_one_extra_collective_per_step(ranks):
         )
         ours = {k: v for k, v in neg.items() if k[0].startswith("megatron_ext") and k[0] not in rehomed}
         assert all(v == 1 for k, v in neg.items() if k[0] in rehomed[1:]), neg
-        # the logged loss's DP all-reduce (reduce_loss_over_dp, in training/evaluation.py beside the
+        # the logged loss's DP all-reduce (reduce_loss_over_dp_cp, in training/evaluation.py beside the
         # evaluation that shares it)
         allowed = {("megatron_ext.data.padding", "all_reduce"), ("megatron_ext.training.evaluation", "all_reduce")}
         assert set(ours) <= allowed and all(v == 1 for v in ours.values()), ours
