@@ -21,14 +21,14 @@ import threading
 import pytest
 import torch
 
-from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.testing import MarkovDataset, PackedMarkovDataset, build_tiny_run, run_ranks, tiny_values
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
 
 
-def _count(rank, world_size, overrides, inject=False):
+def _count(rank, world_size, overrides, inject=False, packed=False):
     from megatron_ext.training import step
     from megatron_ext.training.loop import LogWindow, train_one
     from megatron_ext.training.sync_counter import SyncCounter
@@ -44,9 +44,12 @@ def _count(rank, world_size, overrides, inject=False):
         step.stack_reported_losses = stack_and_read
 
     values = tiny_values(
-        num_layers=2, global_batch_size=4, micro_batch_size=2, train_iters=100, log_interval=1000, **overrides
+        **{
+            **dict(num_layers=2, global_batch_size=4, micro_batch_size=2, train_iters=100, log_interval=1000),
+            **overrides,
+        }
     )
-    run = build_tiny_run(values, MarkovDataset(32, mask_every=1))
+    run = build_tiny_run(values, PackedMarkovDataset(32, pad_multiple=4) if packed else MarkovDataset(32, mask_every=1))
     window, history = LogWindow(), []
     train_one(run, window, history)  # warm-up: the first step builds what later steps reuse
     with SyncCounter() as counter:
@@ -90,6 +93,19 @@ def test_one_sync_per_step_on_the_training_thread(overrides):
     assert all("(fetch_to_host)" in site for site in by_site), by_site  # the optimizer step's one copy
     assert sum(by_site.values()) == STEPS, by_site  # (the copy is there: the counter sees the loop)
     assert last[1] > 0 and last[0] > 0  # the step's [loss sum, valid tokens] still reach the host
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_one_sync_per_step_under_context_parallelism(packed):
+    """CP 2 (2 ranks): the CP plan of each micro-batch is host work on host data (the layout's pieces),
+    the data split happens in the prefetch thread, the loss and token shares travel in the step's one
+    copy: still one read per step on each CP rank's training thread."""
+    overrides = dict(context_parallel_size=2, pad_to_multiple_of=16)
+    if packed:
+        overrides.update(packed_sequences=True, micro_batch_size=1)  # g = 2c = 4 by default
+    for by_site, last in run_ranks(_count, 2, overrides, False, packed):
+        assert sum(by_site.values()) == STEPS and all("(fetch_to_host)" in site for site in by_site), by_site
+        assert last[1] > 0 and last[0] > 0  # this CP rank's share of the step's [loss sum, valid tokens]
 
 
 def test_the_counter_counts_known_reads_in_the_loop():

@@ -2,7 +2,7 @@
 
 Each torchrun of 8 CPU ranks costs ~40 s here (every process imports torch and megatron-core),
 so this file launches four times in all: the multi-node topology (two agents), one short
-training run of the real entry point, and two tiny launches of a fake worker for the exit-code
+training run of the real entry point (with context parallelism), and two tiny launches of a fake worker for the exit-code
 contract.
 """
 
@@ -145,11 +145,16 @@ ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*\| lm loss: ([0-9.e
 
 
 def test_end_to_end_training(tmp_path):
+    """The default job through launch/torchrun.sh, with context parallelism 2 added (the suite's one
+    launch of it): TP 2 x CP 2 x PP 2 x VPP 2 on 8 ranks, packed documents padded to g = 4, the
+    distributed optimizer sharded over CP. Trains, evaluates, saves, and logs its layout."""
     tb_dir = tmp_path / "tb"
     proc = start_launcher(
         [
             "--config",
             "configs/default.yaml",
+            "--context-parallel-size",
+            "2",
             "--train-iters",
             "6",
             "--log-interval",
@@ -178,6 +183,9 @@ def test_end_to_end_training(tmp_path):
     assert [s[:2] for s in steps] == [(i, 6) for i in range(1, 7)], output[-6000:]
     losses = [s[2] for s in steps]
     assert losses[-1] < losses[0], losses
+    assert "> layout: world 8 = TP 2 x CP 2 x PP 2 x DP 1 | virtual stages per pipeline rank 2" in output, output[
+        -6000:
+    ]
     assert "validation loss at iteration 3 | lm loss value:" in output, output[-6000:]
     assert glob.glob(str(tb_dir / "**" / "events.out.tfevents.*"), recursive=True), os.listdir(tmp_path)
 
