@@ -77,7 +77,11 @@ FOUR_RANKS = {
         dict(PACKED, **CP2_PP2, num_layers_per_virtual_pipeline_stage=1, log_params_norm=False),
         "packed",
     ),
-    "CP2 x PP2 ZBH1": (dict(PACKED, **CP2_PP2, pipeline_schedule="ZBH1"), "packed"),
+    # (the spike guard, never armed in 3 steps, records each step's agreed global loss)
+    "CP2 x PP2 ZBH1": (
+        dict(PACKED, **CP2_PP2, pipeline_schedule="ZBH1", skip_spiky_loss_factor=100.0, skip_spiky_loss_window=5),
+        "packed",
+    ),
     "CP2 x PP2 ZBVZeroBubble": (dict(PACKED, **CP2_PP2, pipeline_schedule="ZBVZeroBubble"), "packed"),
     "CP2 x PP2 1F1B rows": (dict(ROWS, **CP2_PP2), "rows"),
 }
@@ -99,9 +103,12 @@ RESUME_CP1 = dict(PACKED, pipeline_model_parallel_size=2, use_distributed_optimi
 RESUME_CP4 = dict(RESUME_CP1, context_parallel_size=4)
 
 
-def _train(values: dict, data: str, load: str | None = None, count: bool = False) -> dict:
-    """``train`` of the run of ``values`` (loading ``load`` first): what each rank saw and logged."""
+def _train(values: dict, data: str, load: str | None = None, count: bool = False, inf_at: int | None = None) -> dict:
+    """``train`` of the run of ``values`` (loading ``load`` first; an inf loss on CP rank 1 at
+    iteration ``inf_at``): what each rank saw and logged."""
     run = build_tiny_run(tiny_values(**values), DATA[data]())
+    if inf_at is not None:
+        inject_inf_loss(run, inf_at)
     ctx = run.ctx
     lines: list[str] = []
     run.log = lines.append
@@ -129,9 +136,25 @@ def _train(values: dict, data: str, load: str | None = None, count: bool = False
         "loaded": [line for line in lines if line.startswith("loaded checkpoint")],
         "counts": counts,
         "seeds": get_dropout_seeds(),
+        "spike_losses": list(run.spike_guard.losses) if run.spike_guard is not None else None,
+        "nan": (run.state.nan_iterations, run.nan_origin),
     }
     destroy_parallel_context()
     return out
+
+
+def inject_inf_loss(run, iteration: int) -> None:
+    """+inf added to CP rank 1's per-token losses (its share of every micro-batch) at ``iteration``:
+    its loss sum is inf, its gradients stay finite (a constant), CP rank 0's loss is finite."""
+    from megatron_ext.training.step import unwrap_model
+
+    if not (run.ctx.is_last_stage and run.ctx.cp_rank == 1):
+        return
+
+    def hook(module, inputs, output):  # output: this rank's per-token loss [b, s/c]
+        return output + float("inf") if module.training and run.state.iteration + 1 == iteration else output
+
+    unwrap_model(run.model[-1]).register_forward_hook(hook)
 
 
 def record_actions(run) -> list[str]:
@@ -173,6 +196,7 @@ def _four_ranks(rank: int, world_size: int, root: str) -> dict:
         out[name] = _train(values, data, count=name == COUNTED)
     out["resumed at CP1 x PP2 x DP2"] = _train(RESUME_CP1, "packed", load=root)
     out[BF16] = _train(*BF16_RUN)
+    out["inf loss"] = _train(dict(PACKED, **CP2_PP2), "packed", inf_at=2)
     return out
 
 
@@ -270,6 +294,21 @@ def test_the_params_norm_sums_the_distributed_optimizers_main_parameter_shards_o
         norms,
         ref_norms,
     )
+
+
+def test_the_guards_agree_under_cp(four_ranks, reference):
+    """The spike guard's step loss (one all-reduce of [sum, count] over the world, each CP rank adding its
+    share) is the one-process loss on every rank. An inf loss on CP rank 1 alone (its gradients finite)
+    poisons its gradients, which DDP's reduce over DP x CP carries to every rank: every rank skips that
+    step as non-finite, and the origin names the CP rank."""
+    ref = [loss for _, loss, _ in reference["packed"]["records"]]
+    for r in four_ranks:
+        assert r["CP2 x PP2 ZBH1"]["spike_losses"] == pytest.approx(ref, rel=1e-5)
+        count, origin = r["inf loss"]["nan"]
+        assert count == 1, r["inf loss"]["nan"]
+        assert "iteration 2: the loss was not finite on rank 3 (pipeline stage 1 of 2, tensor rank 0, " in origin
+        assert "context-parallel rank 1, data-parallel rank 0, micro-batch 0)" in origin, origin
+        assert "context-parallel rank 0" not in origin, origin
 
 
 @pytest.mark.parametrize("name", list(EIGHT_RANKS))
