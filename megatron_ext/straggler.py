@@ -3,34 +3,34 @@
 One slow or stopped rank holds a whole synchronous job: its pipeline neighbours wait in P2P
 receives and its data-parallel peers in the gradient reduce, so every rank's step time grows alike
 and the step time names no one. The rank everyone waited for is the one whose late arrival ended
-their waits. From inside one rank, two things tell it apart, and each rank measures both itself:
+their waits. Each rank measures two things of itself, and a rank is named when either held the
+others up by more than ``--straggler-threshold`` (0.2) of the median step:
 
 - **slow**: its *own work* per step, i.e. ``compute`` (megatron-core's forward and backward steps,
   our runtime's weight-gradient steps; tensor-parallel collectives inside a layer are part of it),
-  the ``optimizer`` step and the ``data`` wait, exceeds that of its *peers* (the other ranks of its
-  pipeline stage, which do the same work; all other ranks when it is alone in its stage) by more
-  than ``--straggler-threshold`` (0.2: 20%). On CPUs the time its training thread waited for a core
-  (Linux's per-thread run delay) is not own work: four ranks sharing two cores would otherwise name
-  whichever the scheduler delayed. Noise is one interval long, slowness is not: a rank is named
-  when it was over the threshold in this log interval and in one of the two before.
-- **stopped**: it did not run at all (SIGSTOP, a frozen or swapping host, a call holding the GIL,
-  a long garbage collection). A rank stopped while it waits in a P2P receive or a collective does
-  no more own work than its peers: its wait grows, exactly as theirs do, and no timer tells the
-  two apart (PP2: the stopped rank waited in its receive as long as its partner waited for its
-  reply). What differs is that its process did not run: ``PauseMonitor``, a thread that wakes
-  every 50 ms, sees each wake-up come late by the time the process was stopped (less the time it
-  and the training thread waited for a core). A rank is named when, within a training step, it
-  did not run for more than the threshold times the median step at once or in total per step,
-  with the phase it was in (the open step timer, and whether it waited in a P2P transfer or a
-  collective).
+  the ``optimizer`` step and the ``data`` wait, exceeds the median of its *peers* (the other ranks
+  of its pipeline stage, which do the same work; all other ranks when it is alone in its stage), in
+  this log interval and in one of the two before (noise lasts one interval, slowness does not). On
+  CPUs the time its training thread waited for a core (Linux's per-thread run delay) is not own
+  work: four ranks sharing two cores would otherwise name whichever the scheduler delayed.
+- **stopped**: its process did not run (SIGSTOP, a frozen or swapping host, another thread holding
+  the GIL), at once or in total per step. A rank stopped while it waits in a P2P receive or a
+  collective does no more own work than its peers: its wait grows exactly as theirs do, and no timer
+  tells the two apart (PP2: the stopped rank waited in its receive as long as its partner waited
+  for its reply). What differs is that its process did not run: ``PauseMonitor``'s thread wakes
+  every 50 ms and sees a wake-up come late by the time the process was stopped (less what the
+  kernel says explains it: waiting for a core, the training thread running). The step timers log
+  their phase transitions, none of which can fall inside a pause, so the pause is placed in its
+  phase (compute, the schedule's P2P transfers, the gradient reduce, data, optimizer, between steps).
 
 Invariant: a rank is named only from what it measured of itself; no clock is compared across ranks.
 
 Cost: per log step, one all-gather of 12 numbers per rank over the world (and once, the hostnames);
 no synchronisation per step (the timers are the step timers, on CUDA events read once per log
-step). The pause monitor's thread wakes 20 times a second and reads two /proc files (a few us; no
-device call). Nothing runs with the flag off. Megatron-LM's own detector (``--log-straggler`` there)
-times each rank's own CUDA kernels, so it cannot see a rank stopped in a wait either.
+step). The monitor thread wakes 20 times a second and reads two /proc files (about 1 ms of CPU per
+second; no device call). Nothing runs with the flag off. Megatron-LM's own detector
+(``--log-straggler`` there) times each rank's own CUDA kernels, so it cannot see a rank stopped in
+a wait either. What it sees and what it does not: docs/failures.md.
 """
 
 from __future__ import annotations
