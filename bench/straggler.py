@@ -40,6 +40,14 @@ import sys
 import threading
 import time
 
+import torch
+
+import megatron_ext.straggler as straggler
+from megatron_ext.parallel import destroy_parallel_context
+from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.loop import train
+from megatron_ext.training.profiling import StepTimers
+
 PHASES = ("compute", "P2P wait", "collective", "data", "optimizer", "between steps")
 STEPS_PER_STOP = 4
 P2P_FUNCS = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
@@ -121,8 +129,6 @@ class Stopper:
 
 
 def build_values(train_iters: int, **overrides) -> dict:
-    from megatron_ext.testing import tiny_values
-
     values = dict(
         num_layers=4,
         hidden_size=128,
@@ -142,11 +148,6 @@ def build_values(train_iters: int, **overrides) -> dict:
 def run_rank(rank: int, world_size: int, values: dict, plans: dict, stop_s: float) -> dict:
     """One rank of a run: trains, stopping where ``plans[rank]`` says; returns its stops, and on the
     logging rank the log lines, the gathered timings of each log step and the gather times."""
-    import megatron_ext.straggler as straggler
-    from megatron_ext.parallel import destroy_parallel_context
-    from megatron_ext.testing import MarkovDataset, build_tiny_run
-    from megatron_ext.training.loop import train
-
     run = build_tiny_run(values, MarkovDataset(values["seq_length"]))
     lines: list[str] = []
     run.log = lines.append
@@ -223,8 +224,6 @@ def plan_run(index: int, stop_s: float) -> tuple[dict, int]:
 
 
 def measure_stops(runs: int, stop_s: float, verbose: bool = False) -> dict:
-    from megatron_ext.testing import run_ranks
-
     by_phase = {p: dict(new=0, old=0, stops=0, reported=[]) for p in PHASES}
     wrong, lines_total = dict(new=0, old=0), 0
     for index in range(runs):
@@ -263,8 +262,6 @@ def measure_stops(runs: int, stop_s: float, verbose: bool = False) -> dict:
 
 
 def measure_clean(steps: int) -> dict:
-    from megatron_ext.testing import run_ranks
-
     results = run_ranks(run_rank, 4, build_values(steps), {}, 0.0, timeout=900)
     log = next(r for r in results if "lines" in r)
     new = sum(1 for line in log["lines"] if line.startswith("  WARNING straggler:"))
@@ -276,10 +273,6 @@ def measure_clean(steps: int) -> dict:
 def measure_timer_us(calls: int = 20000) -> tuple[float, float]:
     """CPU us per open+close of a step timer, without and with --log-straggler's phase log (and,
     on CPUs, its two reads of the thread's run delay), in this process."""
-    import torch
-
-    from megatron_ext.training.profiling import StepTimers
-
     out = []
     for compute in (False, True):
         timers = StepTimers(1, torch.device("cpu"), compute=compute)

@@ -16,8 +16,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch.distributed as dist
 
+import megatron_ext.training.step as step
+from bench.straggler import Stopper
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.training.loop import train
 
 pytestmark = pytest.mark.distributed
 
@@ -25,11 +29,6 @@ SLOW_RANK, DELAY_S = 1, 0.15
 
 
 def _train(rank: int, world_size: int, log_straggler: bool):
-    import torch.distributed as dist
-
-    import megatron_ext.training.step as step
-    from megatron_ext.training.loop import train
-
     values = tiny_values(
         num_layers=2,
         pipeline_model_parallel_size=2,
@@ -91,9 +90,6 @@ STOPS = {2: [(3, "P2P wait")], 1: [(6, "collective")]}  # rank: [(from iteration
 
 
 def _stopped(rank: int, world_size: int):
-    from bench.straggler import Stopper
-    from megatron_ext.training.loop import train
-
     values = tiny_values(
         num_layers=2,
         pipeline_model_parallel_size=2,

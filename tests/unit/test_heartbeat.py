@@ -28,6 +28,7 @@ from megatron_ext.heartbeat import (
     read_heartbeats,
     sample_thread,
 )
+from megatron_ext.pipeline.p2p import P2PChannels
 from megatron_ext.testing import get_free_port
 from megatron_ext.validation import validate
 
@@ -140,8 +141,6 @@ def test_a_wait_is_a_communication_function_or_a_handle_wait_in_torch_or_megatro
 def test_a_receive_of_our_pipeline_runtime_is_a_wait():
     """Our runtime's P2P waits are ``handle.wait()`` in megatron_ext/pipeline/p2p.py: a rank waiting
     there for its neighbour waits; it was listed as STOPPED."""
-    from megatron_ext.pipeline.p2p import P2PChannels
-
     seen = []
 
     class Handle:
