@@ -55,3 +55,5 @@ class CheckpointParts:
     # after a load under --override-opt-param-scheduler
     optimizer_flags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     global_batch_size: int = 0  # samples per step: shows a checkpoint's schedule in this run's steps
+    # more entries of the save's marker (complete.json): the weight check's (replica_check.py)
+    marker_record: dict[str, Any] = dataclasses.field(default_factory=dict)

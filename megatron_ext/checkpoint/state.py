@@ -174,6 +174,7 @@ def start_async_save(
         iteration,
         keep_last,
         non_finite=describe_non_finite_weights(parts.model),
+        record=parts.marker_record,
     )
     if ctx.is_logging_rank:
         copied = saver.snapshot.bytes
@@ -188,7 +189,8 @@ def save_parts(parts: CheckpointParts, ctx: ParallelContext, root: str, keep_las
     start = time.perf_counter()
     iteration = parts.train_state.iteration
     state = build_save_state(parts, ctx, log)
-    final_dir = write_checkpoint(state, root, iteration, keep_last, non_finite=describe_non_finite_weights(parts.model))
+    non_finite = describe_non_finite_weights(parts.model)
+    final_dir = write_checkpoint(state, root, iteration, keep_last, non_finite, parts.marker_record)
     if ctx.is_logging_rank:
         log(f"saved checkpoint at iteration {iteration:8d} to {final_dir} in {time.perf_counter() - start:.2f} s")
     return final_dir
