@@ -400,6 +400,10 @@ class TrainingConfig:
         100,
         "Ours: the applied steps whose largest loss is --skip-spiky-loss-factor's reference; the guard is armed once it holds that many (after a resume too).",
     )
+    check_weight_hash_across_dp_replicas_interval: int | None = _f(
+        None,
+        "Megatron-LM's: before the first step and every N steps (after the optimizer step, pending parameter all-gathers completed), compare an exact digest of every parameter across the data-parallel (x context-parallel) replicas; a mismatch stops the run with exit code 3, naming the iteration, the parameters, the ranks and the newest checkpoint at or before the last check that passed, which --keep-last keeps and an automatic restart resumes from (docs/failures.md). Off by default.",
+    )
     bf16: bool = _f(
         False,
         "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.",

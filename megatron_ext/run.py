@@ -57,6 +57,7 @@ from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, Profile
 from megatron_ext.training.spike import build_spike_guard
 from megatron_ext.training.step import configure_model_hooks
 from megatron_ext.training.timeline import build_pp_timeline
+from megatron_ext.training.weight_hash import build_weight_hash_check
 
 
 def build_training_run(
@@ -138,6 +139,7 @@ def build_training_run(
         async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,
         prefetcher=build_prefetcher(cfg.data, ctx, step_data, data[0]),
         spike_guard=build_spike_guard(cfg.training),
+        weight_hash=build_weight_hash_check(cfg.training),
     )
 
 
