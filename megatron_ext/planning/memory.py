@@ -99,10 +99,18 @@ class Shape:
     tp: int
     sequence_parallel: bool
     swiglu: bool
+    cp: int = 1  # context parallelism: a rank holds 1/cp of each micro-batch's tokens
 
     @property
     def tokens(self) -> int:
-        return self.seq_length * self.micro_batch
+        """Tokens of one micro-batch on one rank (of a CP group: 1/cp of them)."""
+        return self.seq_length * self.micro_batch // self.cp
+
+    @property
+    def kv_width(self) -> int:
+        """K and V elements per token on one TP rank: 2 x query groups / TP x head dim (fewer groups
+        than TP ranks: one, replicated)."""
+        return 2 * max(self.query_groups // self.tp, 1) * (self.hidden // self.heads)
 
 
 def _common(s: Shape) -> dict[str, float]:
@@ -184,6 +192,7 @@ def get_shape(cfg: JobConfig, padded_vocab: int) -> Shape:
         tp=p.tensor_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
         swiglu=m.swiglu,
+        cp=p.context_parallel_size,
     )
 
 
@@ -228,18 +237,19 @@ class StateBytes:
         return self.parameters + self.gradients + self.optimizer
 
 
-def get_state_bytes(cfg: JobConfig, num_params: int, dp: int) -> StateBytes:
+def get_state_bytes(cfg: JobConfig, num_params: int, shards: int) -> StateBytes:
     """Bytes of ``num_params`` parameters held by one rank, as megatron-core keeps them: weights in
     the training dtype; gradients in fp32 buffers (bf16 with --grad-reduce-in-bf16); Adam's two
-    moments (SGD's momentum) in fp32, plus fp32 main parameters under bf16/fp16, sharded over DP with
-    --use-distributed-optimizer. bf16 Adam: 18 bytes a parameter, 6 + 12/DP distributed
-    (Megatron-LM's ``theoretical_memory_usage`` figures)."""
+    moments (SGD's momentum) in fp32, plus fp32 main parameters under bf16/fp16, sharded with
+    --use-distributed-optimizer over ``shards`` ranks: DP x CP (megatron-core's distributed optimizer
+    shards over the DP x CP group, whose ranks hold the same parameters). bf16 Adam: 18 bytes a
+    parameter, 6 + 12/(DP x CP) distributed (Megatron-LM's ``theoretical_memory_usage`` figures)."""
     t, p = cfg.training, cfg.parallel
     mixed = t.bf16 or t.fp16
     weight = 2 if mixed else 4
     grad = 2 if p.grad_reduce_in_bf16 else 4
     optimizer = (8 if t.optimizer == "adam" else 4) + (4 if mixed else 0)
-    shard = -(-num_params // dp) if p.use_distributed_optimizer else num_params
+    shard = -(-num_params // shards) if p.use_distributed_optimizer else num_params
     return StateBytes(num_params * weight, num_params * grad, shard * optimizer)
 
 
@@ -297,6 +307,21 @@ def get_wgrad_held_per_token(shape: Shape, dtype_bytes: int) -> PerToken:
     return PerToken(layer=(inputs + grads) * dtype_bytes, embedding=0.0, head=head * dtype_bytes)
 
 
+def get_gathered_kv_per_token(shape: Shape, dtype_bytes: int) -> float:
+    """Bytes per local token of one layer's gathered keys and values under context parallelism
+    (``context_parallel/``: K and V all-gathered over the CP group, each local query piece attending
+    to its document's keys up to its end): a rank's two chunks of every span of n tokens attend to
+    (r + 1) and (2c - r) of its 2c chunks, (2c + 1) / (2c) x n keys whatever r, so a layer keeps
+    (2c + 1) / (2c) x T x 2 x ng / TP x hn x bytes for a micro-batch of T tokens: per local token
+    (T / c of them), (2c + 1) / 2 x 2 ng / TP x hn x bytes. Saved for the backward when core
+    attention is not recomputed; one layer's at a time (in its forward, and again in its recompute)
+    when it is. 0 without CP (the local K and V are in the calibrated figures)."""
+    c = shape.cp
+    if c <= 1:
+        return 0.0
+    return (2 * c + 1) / (2 * c) * c * shape.kv_width * dtype_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class StageBytes:
     """What one micro-batch costs each stage (lists by stage): ``saved`` from its F to its backward;
@@ -352,8 +377,12 @@ class RankMemory:
         return self.state.total + self.activations + self.temporaries + self.margin
 
 
-def get_temporaries(shape: Shape, dtype_bytes: int, last_stage: bool, pipelined: bool) -> float:
-    """Stated bytes outside autograd (module docstring) for one micro-batch."""
+def get_temporaries(
+    shape: Shape, dtype_bytes: int, last_stage: bool, pipelined: bool, kv_transient: bool = False
+) -> float:
+    """Stated bytes outside autograd (module docstring) for one micro-batch on one rank;
+    ``kv_transient``: core attention recomputed under CP, so one layer's gathered K and V
+    (``get_gathered_kv_per_token``) exist at a time, outside what the backward keeps."""
     t = shape.tokens
     sp = shape.tp if shape.sequence_parallel else 1
     out = 2 * 4 * shape.padded_vocab / shape.tp * t if last_stage else 0.0
@@ -361,4 +390,6 @@ def get_temporaries(shape: Shape, dtype_bytes: int, last_stage: bool, pipelined:
         out += 2 * shape.hidden * dtype_bytes * t
     if pipelined:
         out += 2 * shape.hidden / sp * dtype_bytes * t
+    if kv_transient:
+        out += get_gathered_kv_per_token(shape, dtype_bytes) * t
     return out

@@ -32,6 +32,7 @@ from megatron_ext.planning.memory import (
     StageBytes,
     get_activation_peak,
     get_family,
+    get_gathered_kv_per_token,
     get_recompute_kind,
     get_saved_per_token,
     get_shape,
@@ -64,6 +65,7 @@ def _with(cfg: JobConfig, **parallel) -> JobConfig:
         account_for_embedding_in_pipeline_split=False,
         account_for_loss_in_pipeline_split=False,
         pipeline_schedule=None,
+        context_parallel_size=1,  # (the parameters do not depend on CP; model/param_count builds without it)
         **parallel,
     )
     return dataclasses.replace(cfg, parallel=p, model=dataclasses.replace(cfg.model, num_layers=layers))
@@ -168,26 +170,34 @@ def predict_memory(
     shape = get_shape(cfg, padded)
     precision = "bf16" if (t.bf16 or t.fp16) else "fp32"
     family, kind = get_family(cfg), get_recompute_kind(cfg)
-    saved = get_saved_per_token(family, precision, kind, shape)
-    plain = get_saved_per_token(family, precision, "none", shape) if kind == "full" else saved
+    dtype_bytes = 2 if precision == "bf16" else 4
+    # under CP a layer whose core attention is not recomputed also keeps the gathered K and V; a
+    # checkpointed one gathers them again in its recompute (full: the rebuilt layers keep them)
+    gathered = get_gathered_kv_per_token(shape, dtype_bytes)
+    none = get_saved_per_token(family, precision, "none", shape)
+    none = dataclasses.replace(none, layer=none.layer + gathered)
+    saved = none if kind == "none" else get_saved_per_token(family, precision, kind, shape)
+    plain = none if kind == "full" else saved
     plan = RecomputePlan(kind, m.recompute_method, m.recompute_num_layers or 1)
     stage_layers = get_stage_layers(cfg)
-    stages = get_stage_memory(stage_layers, shape, saved, plain, plan, 2 if precision == "bf16" else 4)
+    stages = get_stage_memory(stage_layers, shape, saved, plain, plan, dtype_bytes)
     order = get_pipeline_order(cfg, world_size)
     params = get_rank_parameters(
         parts or count_parts(cfg, vocab_size, p.tensor_model_parallel_size), stage_layers, order
     )
-    dp = get_data_parallel_size(cfg, world_size)
+    shards = get_data_parallel_size(cfg, world_size) * p.context_parallel_size  # the distributed optimizer's
     transient = max([0.0, *stages.backward_extra])
     last_rank = order.rank_of(len(stage_layers) - 1) if order is not None else 0
     out = []
     for r, n in enumerate(params):
         out.append(
             RankMemory(
-                state=get_state_bytes(cfg, n, dp),
+                state=get_state_bytes(cfg, n, shards),
                 activations=get_activation_peak(order, r, stages),
                 recompute_transient=transient,
-                temporaries=get_temporaries(shape, 2 if precision == "bf16" else 4, r == last_rank, order is not None),
+                temporaries=get_temporaries(
+                    shape, dtype_bytes, r == last_rank, order is not None, kv_transient=kind == "selective"
+                ),
             )
         )
     return out
