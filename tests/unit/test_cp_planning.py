@@ -37,7 +37,7 @@ KV_BYTES = 2 * 8 * 128 * 2
 
 
 def llama_8b(tp: int = 1, cp: int = 1, seq: int = 8192) -> Shape:
-    return Shape(4096, 32, 8, 14336, seq, 1, 128384, tp, tp > 1, True, cp)
+    return Shape(4096, 32, 8, 14336, seq, 1, 128384, tp, tp > 1, True, cp=cp)
 
 
 def job(cp: int, *flags: str):
