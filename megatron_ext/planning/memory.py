@@ -285,16 +285,22 @@ class RecomputePlan:
 
 
 def get_stage_bytes(
-    layers_per_stage: list[int], tokens: int, saved: PerToken, full_input: float, plan: RecomputePlan
+    layers_per_stage: list[int],
+    tokens: int,
+    saved: PerToken,
+    full_input: float,
+    plan: RecomputePlan,
+    shared: float = 0.0,
 ) -> list[float]:
     """Bytes one micro-batch leaves on each stage until its backward. ``saved`` is the per-token
     figure of the job's recompute kind; under full recompute ``full_input`` (the per-token bytes
-    of a checkpointed layer: its input) and ``saved.layer`` the bytes of a plain layer."""
+    of a checkpointed layer: its input) and ``saved.layer`` the bytes of a plain layer; ``shared``
+    per-token bytes a stage keeps once if it has a plain layer (CP's gather index)."""
     last = len(layers_per_stage) - 1
     out = []
     for s, n in enumerate(layers_per_stage):
         kept, plain, _ = plan.split(n)
-        per_token = kept * full_input + plain * saved.layer
+        per_token = kept * full_input + plain * saved.layer + (shared if plain else 0.0)
         per_token += (saved.embedding if s == 0 else 0) + (saved.head if s == last else 0)
         out.append(per_token * tokens)
     return out
@@ -317,19 +323,52 @@ def get_wgrad_held_per_token(shape: Shape, dtype_bytes: int) -> PerToken:
     return PerToken(layer=(inputs + grads) * dtype_bytes, embedding=0.0, head=head * dtype_bytes)
 
 
-def get_gathered_kv_per_token(shape: Shape, dtype_bytes: int) -> float:
+def get_gathered_kv_per_token(shape: Shape, dtype_bytes: int, repacked: bool = True) -> float:
     """Bytes per local token of one layer's gathered keys and values under context parallelism
-    (``context_parallel/``: K and V all-gathered over the CP group, each local query piece attending
-    to its document's keys up to its end): a rank's two chunks of every span of n tokens attend to
-    (r + 1) and (2c - r) of its 2c chunks, (2c + 1) / (2c) x n keys whatever r, so a layer keeps
-    (2c + 1) / (2c) x T x 2 x ng / TP x hn x bytes for a micro-batch of T tokens: per local token
-    (T / c of them), (2c + 1) / 2 x 2 ng / TP x hn x bytes. Saved for the backward when core
-    attention is not recomputed; one layer's at a time (in its forward, and again in its recompute)
-    when it is. 0 without CP (the local K and V are in the calibrated figures)."""
+    (``context_parallel/attention.py``: K and V all-gathered over the CP group, each local query piece
+    attending to its document's keys up to its end). On CUDA (``repacked``, what the planner prices)
+    the flash varlen call keeps each piece's keys, repacked: a rank's two chunks of every span of n
+    tokens attend to (r + 1) and (2c - r) of its 2c chunks, (2c + 1) / (2c) x n keys whatever r, so
+    (2c + 1) / (2c) x T x 2 ng / TP x hn x bytes for a micro-batch of T tokens; per local token (T / c
+    of them) (2c + 1) / 2 x 2 ng / TP x hn x bytes. The CPU kernel keeps the gathered buffer in
+    global order: T x 2 ng / TP x hn x bytes, c x ... per local token. Saved for the backward when
+    core attention is not recomputed; one layer's at a time (in its forward, and again in its
+    recompute) when it is. 0 without CP."""
     c = shape.cp
     if c <= 1:
         return 0.0
-    return (2 * c + 1) / (2 * c) * c * shape.kv_width * dtype_bytes
+    keys = (2 * c + 1) / (2 * c) if repacked else 1.0
+    return keys * c * shape.kv_width * dtype_bytes
+
+
+def get_cp_layer_delta_per_token(shape: Shape, dtype_bytes: int, rotary: bool, repacked: bool = True) -> float:
+    """What a layer without recompute saves per local token under CP beyond the calibrated CP 1 figure
+    (measured exactly at c = 2 and 4, tests/distributed/test_cp_memory.py): plus the gathered K/V
+    (``get_gathered_kv_per_token``); less the local attention's own keys and values, which the CP
+    attention (saving q, the gathered [K; V], its output and the logsumexp) does not keep. With RoPE
+    the local attention keeps its rotated q and, with GQA, k and v repeated to the query width (2 x
+    query width / TP), or without GQA the rotated k (query width / TP) and the whole QKV output (a
+    view of it, v, is saved: query width + K and V width, ``unrepeated_kv``); under CP only q stays,
+    a fresh tensor. Without RoPE q is a view of the QKV output, which the CP attention then keeps as
+    the local attention did: nothing less. 0 without CP."""
+    if shape.cp <= 1:
+        return 0.0
+    local = 0.0
+    if rotary:
+        groups_local = max(shape.query_groups // shape.tp, 1)
+        unrepeated = shape.kv_width if groups_local == shape.heads // shape.tp else 0
+        local = (2 * shape.query_width / shape.tp + unrepeated) * dtype_bytes
+    return get_gathered_kv_per_token(shape, dtype_bytes, repacked) - local
+
+
+def get_cp_index_per_token(shape: Shape, repacked: bool = True) -> float:
+    """Bytes per local token of the int64 index that puts the gathered K/V in order, saved once per
+    micro-batch by a stage's layers without recompute (they share it): the repacking index of
+    (2c + 1) / (2c) x T keys on CUDA, the [T] order on the CPU. 0 without CP."""
+    c = shape.cp
+    if c <= 1:
+        return 0.0
+    return 8 * c * ((2 * c + 1) / (2 * c) if repacked else 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

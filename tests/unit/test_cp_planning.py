@@ -20,7 +20,7 @@ import os
 import pytest
 
 from megatron_ext.arguments import parse_args
-from megatron_ext.planning import memory, predict
+from megatron_ext.planning import memory
 from megatron_ext.planning.memory import GIB, Shape, get_gathered_kv_per_token, get_state_bytes
 from megatron_ext.planning.planner import apply_layout, get_cp_sizes, plan
 from megatron_ext.planning.predict import predict_memory
@@ -60,19 +60,23 @@ def test_gathered_kv_per_layer_is_2c_plus_1_over_2c_of_the_micro_batchs_keys_and
     assert llama_8b(tp=8).kv_width == 2 * 128 == llama_8b(tp=16).kv_width
 
 
-def test_activations_are_one_c_th_plus_the_gathered_kv_of_every_layer():
-    """No recompute, no pipeline: every per-token term is over the T / c local tokens, and each of the
-    32 layers keeps its gathered K and V: 32 x 40 MiB = 1.25 GiB at c = 2 (configs/llama3-8b-cp2.yaml's
-    34.9 GiB = 67.3 / 2 + 1.25)."""
-    vocab = 128256
+def test_activations_are_one_c_th_with_the_gathered_kv_for_the_local_kv():
+    """No recompute, no pipeline: every per-token term is over the T / c local tokens; each of the 32
+    layers keeps its gathered K and V ((2c+1)/(2c) x T x 4,096 bytes) and not the local attention's
+    repeated k and v (2 x 4,096 x 2 bytes a local token: Llama 3 8B's query width in bf16); the stage
+    keeps one int64 index of the (2c+1)/(2c) x T repacked keys. At c = 2: -0.75 GiB against 1/2 of CP 1
+    (configs/llama3-8b-cp2.yaml's 32.9 GiB = 67.3 / 2 - 0.75)."""
+    vocab, t = 128256, 8192
     one = predict_memory(job(1), 8, vocab)[0]
     for cp in (2, 4):
         got = predict_memory(job(cp), 8, vocab)[0]
-        gathered = 32 * (2 * cp + 1) / (2 * cp) * 8192 * KV_BYTES
-        assert got.activations == pytest.approx(one.activations / cp + gathered, rel=1e-12)
+        keys = (2 * cp + 1) / (2 * cp) * t
+        per_layer = keys * KV_BYTES - 2 * 4096 * 2 * t / cp
+        assert got.activations == pytest.approx(one.activations / cp + 32 * per_layer + 8 * keys, rel=1e-12)
         # the last stage's logits and cross-entropy temporaries (2 x 4 B x vocabulary per token): 1/c
         assert got.temporaries == pytest.approx(one.temporaries / cp, rel=1e-12)
-    assert (predict_memory(job(2), 8, vocab)[0].activations - one.activations / 2) / GIB == 1.25
+    got = predict_memory(job(2), 8, vocab)[0].activations - one.activations / 2
+    assert got == pytest.approx(32 * (41_943_040 - 67_108_864) + 81_920) and round(got / GIB, 2) == -0.75
 
 
 def test_recomputed_core_attention_gathers_kv_one_layer_at_a_time(monkeypatch):
@@ -87,8 +91,7 @@ def test_recomputed_core_attention_gathers_kv_one_layer_at_a_time(monkeypatch):
     for flags, where in ((["--recompute-granularity", "selective"], "temporaries"), (full, "activations")):
         cfg = job(2, "--vocab-size", str(vocab), *flags)
         with monkeypatch.context() as m:
-            m.setattr(predict, "get_gathered_kv_per_token", lambda shape, dtype_bytes: 0.0)
-            m.setattr(memory, "get_gathered_kv_per_token", lambda shape, dtype_bytes: 0.0)
+            m.setattr(memory, "get_gathered_kv_per_token", lambda *args: 0.0)
             without = predict_memory(cfg, 8, vocab)[0]
         with_kv = predict_memory(cfg, 8, vocab)[0]
         assert getattr(with_kv, where) - getattr(without, where) == pytest.approx(layer, rel=1e-12), flags

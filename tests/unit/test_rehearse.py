@@ -283,7 +283,8 @@ def test_cp_group_map_follows_megatron_lms_rank_arithmetic():
 def test_llama3_8b_cp2_rehearses_at_8_ranks(capsys, monkeypatch):
     """configs/llama3-8b-cp2.yaml at WORLD_SIZE=8: TP 1 x CP 2 x PP 1 x DP 4, CP groups of consecutive
     ranks on one node, the optimizer state sharded over DP x CP = 8 (the CP 1 config's bytes), the
-    activations half of CP 1's plus the gathered K/V, and the launch's refusal of CP said."""
+    activations half of CP 1's with the gathered K/V for the local ones, and the launch's refusal of CP
+    said."""
     _env(monkeypatch, WORLD_SIZE="8")
     assert pretrain_gpt.run_cli(["--config", LLAMA_8B_CP2, "--rehearse"]) == 0
     out = capsys.readouterr().out
@@ -297,7 +298,9 @@ def test_llama3_8b_cp2_rehearses_at_8_ranks(capsys, monkeypatch):
     cp1 = rehearse(parse_args(["--config", LLAMA_8B, "--rehearse"]), 8, {})
     n = cp2.params.per_pp_rank()[0]
     assert cp2.state_bytes == cp1.state_bytes and cp2.state_bytes[0].optimizer == 12 * -(-n // 8)
-    assert cp2.predicted[0].activations == cp1.predicted[0].activations / 2 + 32 * 5 / 4 * 8192 * 2 * 8 * 128 * 2
+    # half of CP 1's, plus each layer's gathered K/V for its local repeated k and v, plus the index
+    layer = 5 / 4 * 8192 * 2 * 8 * 128 * 2 - 2 * 4096 * 2 * 4096
+    assert cp2.predicted[0].activations == cp1.predicted[0].activations / 2 + 32 * layer + 8 * 5 / 4 * 8192
     assert cp2.deferred and not cp1.deferred
 
 
