@@ -15,8 +15,9 @@ Each rank writes the squared norm of each of its gradient tensors (fp64) into it
 vector that every rank indexes alike (the sorted union of the units, agreed once by an object
 all-gather); one all-reduce SUM over the grad-stats group fills it (a slot has one writer, every other
 rank adds +0.0: exact in any order), and each rank adds the slots up in that order and rounds once to
-fp32. The per-tensor norms are fp32 multi-tensor norms (megatron-core's kernel), whose bits depend on
-a tensor's values, length and 16-byte alignment only: a misaligned one is copied first.
+fp32. The per-tensor norms are fp32 multi-tensor norms (``torch._foreach_norm``), whose bits depend on
+a tensor's values, length and 16-byte alignment only (CUDA's kernel takes its vectorised path on aligned
+tensors): a misaligned one is copied first.
 
 Invariant: where every rank holds its gradient tensors whole (no distributed optimizer, or data-parallel
 size 1), the norm is a pure function of the gradients: bit for bit the same under every pipeline schedule
