@@ -99,6 +99,44 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
     ),
     Workaround(
+        "checkpoint-allowlisted-unpickling",
+        "torch's FileSystemReader.read_metadata reads a checkpoint's .metadata with plain pickle.load, and "
+        "megatron-core's TorchCommonLoadStrategy.load_common reads common.pt with torch.load's default (the "
+        "full unpickler under TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1): a forged .metadata, its digest rewritten in "
+        "complete.json, ran its code in every load and tool (issue 45). Process-wide, on importing "
+        "megatron_ext.checkpoint.reader, read_metadata reads through unpickler.MetadataUnpickler (torch DCP's "
+        "metadata classes, dtypes, torch.Size: what our saves write, pinned by "
+        "tests/distributed/test_checkpoint_globals.py) and load_common through reader.read_common, so every "
+        "reader built on them is covered: ours, megatron-core's cached one (whose read_metadata calls torch's), "
+        "load_tensors_metadata, load_sharded_metadata, load_common_state_dict, load_content_metadata. "
+        "read_metadata is torch 2.13's own, line for line, but for the unpickler (it sets load_id and names "
+        "rank-local metadata __<rank>.metadata as torch does); our load_common reads local files only (no "
+        "multi-storage client)",
+        "megatron_ext.checkpoint.reader:install_allowlisted_unpickling",
+        (
+            "torch.distributed.checkpoint.FileSystemReader.read_metadata",
+            "megatron.core.dist_checkpointing.strategies.common.TorchCommonLoadStrategy.load_common",
+            "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader.CachedMetadataFileSystemReader.read_metadata",
+        ),
+    ),
+    Workaround(
+        "megatron-core-safe-globals",
+        "importing megatron-core 0.16.1 adds 16 classes to torch's weights-only allowlist, process-wide "
+        "(megatron/core/safe_globals.py: Namespace, SimpleNamespace, PosixPath, BytesIO, numpy arrays and "
+        "dtypes, Signals, OptimizerConfig, a few enums), and torch adds its own DTensor/DeviceMesh/NestedTensor "
+        "classes: 30 in all, none of which our checkpoints hold. Each of our reads of a torch.save file "
+        "(common.pt, tensor and byte items) sets them aside (torch.serialization.clear_safe_globals) and "
+        "restores them after, so torch's built-in set (tensors, storages, dtypes, plain containers) is all a "
+        "checkpoint of ours may hold",
+        "megatron_ext.checkpoint.unpickler:torch_allowlist_only",
+        (
+            "megatron.core.safe_globals.SAFE_GLOBALS",
+            "megatron.core.safe_globals.register_safe_globals",
+            "torch.serialization.get_safe_globals",
+            "torch.serialization.clear_safe_globals",
+        ),
+    ),
+    Workaround(
         "distrib-optimizer-bucket-padding",
         "the distributed optimizer gathers optimizer state without bucket-end padding but locates "
         "parameters with it: state after a padded bucket is saved shifted (resume not exact)",
@@ -380,6 +418,53 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "autograd node (FlashAttentionBackward0) runs the backward",
         "megatron_ext.model.attention:varlen_causal_attention",
         ("torch.ops.aten._flash_attention_forward", "torch.nn.attention.varlen.varlen_attn"),
+    ),
+    Workaround(
+        "local-attention-cp-assert",
+        "DotProductAttention.__init__ asserts context_parallel_size == 1: our core attention is built on a "
+        "shallow config copy with CP 1 and keeps the shared config (never changed)",
+        "megatron_ext.context_parallel.attention:get_config_without_cp",
+        ("megatron.core.transformer.dot_product_attention.DotProductAttention.__init__",),
+    ),
+    Workaround(
+        "cp-comm-type-per-layer-index",
+        "TransformerLayer.__init__ indexes a per-layer cp_comm_type list with the 1-based layer number (each "
+        "layer reads the next one's, the last raises IndexError): normalised to one string, all_gather",
+        "megatron_ext.model.gpt:get_transformer_cp_comm_type",
+        ("megatron.core.transformer.transformer_layer.TransformerLayer.__init__",),
+    ),
+    Workaround(
+        "cp-local-attention-fallback",
+        "under CP, DotProductAttention.forward (our fallback for masks, windows, other softmaxes, layer "
+        "scaling) would silently attend to the local keys only: the CP attention raises at run time instead",
+        "megatron_ext.context_parallel.attention:check_attention_under_cp",
+        ("megatron.core.transformer.dot_product_attention.DotProductAttention.forward",),
+    ),
+    Workaround(
+        "cp-rotary-positions",
+        "RotaryEmbedding.forward under CP slices positions 0..s-1 head-tail per row (wrong for packed "
+        "documents): our core attention rotates by the sliced position ids; other rotary modules are refused",
+        "megatron_ext.model.gpt:check_rotary_under_cp",
+        ("megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank",),
+    ),
+    Workaround(
+        "cp-collective-names",
+        "torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for all_gather_single / "
+        "reduce_scatter_single, which torch 2.11 lacks: the CP gather takes the _single name where it exists",
+        "megatron_ext.context_parallel.collectives:get_collective",
+        ("torch.distributed.all_gather_into_tensor", "torch.distributed.reduce_scatter_tensor"),
+    ),
+    Workaround(
+        "cp-attention-kernels",
+        "CPU SDPA keeps a float32 copy of a bool mask for backward and aligns is_causal top-left: CP pieces call "
+        "the CPU flash kernel and its backward directly (prefix + square causal block, logsumexp merge); on CUDA "
+        "aten's flash varlen kernel (bottom-right causal), as varlen_causal_attention does",
+        "megatron_ext.context_parallel.attention:PiecewiseCausalAttention",
+        (
+            "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+            "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
+            "torch.ops.aten._flash_attention_forward",
+        ),
     ),
     Workaround(
         "multi-tensor-fallback-host-syncs",

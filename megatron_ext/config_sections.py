@@ -129,6 +129,12 @@ class ModelConfig:
     num_attention_heads: int = _f(4, "Attention heads.")
     group_query_attention: bool = _f(False, "Use grouped-query attention (with --num-query-groups).")
     num_query_groups: int | None = _f(None, "Key/value head groups under --group-query-attention.")
+    kv_channels: int | None = _f(
+        None, "Dimension of each attention head (default --hidden-size / --num-attention-heads; Qwen3-0.6B: 128)."
+    )
+    qk_layernorm: bool = _f(
+        False, "A norm (--normalization) over each head's queries and keys, before RoPE (Qwen3; megatron-core's)."
+    )
     seq_length: int = _f(256, "Sequence length of a training sample.")
     max_position_embeddings: int | None = _f(
         None, "Positions of the learned absolute embedding (default: --seq-length)."
@@ -216,7 +222,7 @@ class DataConfig:
     )
     tokenizer_type: str = _f(
         "SentencePieceTokenizer",
-        "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer (a local tokenizer directory), GPT2BPETokenizer (--vocab-file, --merge-file) or TikTokenizer (Megatron's tiktoken .json; needs the tiktoken package).",
+        "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (a sentencepiece model as Megatron-LM core_v0.16.1 reads the type), HuggingFaceTokenizer (a local tokenizer directory), GPT2BPETokenizer (--vocab-file, --merge-file; inferred from them when neither --tokenizer-type nor --tokenizer-model is given, as Megatron-LM's pretrain_gpt.py defaults to it) or TikTokenizer (Megatron's tiktoken .json; needs the tiktoken package).",
     )
     tokenizer_model: str | None = _f(
         None,
@@ -529,7 +535,7 @@ class CheckpointConfig:
     load: str | None = _f(None, "Directory to resume from (its newest complete checkpoint).")
     save_hf: bool = _f(
         False,
-        "Also write a Hugging Face model (ours) at the run's last save: <save>/hf/iter_XXXXXXX with config.json, safetensors shards (each pipeline stage its own, split over its TP ranks, with model.safetensors.index.json) and the tokenizer's files (a local HuggingFaceTokenizer directory's, copied; for a SentencePiece BPE model a tokenizer.json giving the same ids; a note naming the tokenizer otherwise), for Llama/Qwen2-style models (--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope). Loads with transformers' AutoModelForCausalLM.from_pretrained. The checkpoint is written first; an export that fails is a warning and training goes on.",
+        "Also write a Hugging Face model (ours) at the run's last save: <save>/hf/iter_XXXXXXX with config.json, safetensors shards (each pipeline stage its own, split over its TP ranks, with model.safetensors.index.json) and the tokenizer's files (a local HuggingFaceTokenizer directory's, copied; for a SentencePiece BPE model a tokenizer.json giving the same ids; a note naming the tokenizer otherwise), for Llama/Qwen2/Qwen3-style models (--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope). Loads with transformers' AutoModelForCausalLM.from_pretrained. The checkpoint is written first; an export that fails is a warning and training goes on.",
     )
     save_hf_interval: int | None = _f(
         None,

@@ -27,10 +27,17 @@ from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import DataConfig, JobConfig, ParallelConfig, TrainingConfig
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
+from megatron_ext.data.context_split import build_context_split
 from megatron_ext.data.prefetch import StepPrefetcher, build_data_group
 from megatron_ext.data.step_data import StepDataBuilder, StepDataSpec
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args
-from megatron_ext.derived import ResolvedConfig, describe_batch_decrease, resolve_config, resolve_train_iters
+from megatron_ext.derived import (
+    ResolvedConfig,
+    describe_batch_decrease,
+    get_kv_channels,
+    resolve_config,
+    resolve_train_iters,
+)
 from megatron_ext.guards import StepProgress, StepWatchdog
 from megatron_ext.heartbeat import build_heartbeat_board, get_heartbeat_interval
 from megatron_ext.model.attention import describe_attention_kernels
@@ -201,6 +208,7 @@ def build_step_data_spec(
         vocab_size=tokenizer.vocab_size,
         pad_length_bucket=cfg.data.pad_length_bucket,
         batch_schedule=None if resolved.batch_schedule.is_constant else resolved.batch_schedule,
+        context_split=build_context_split(cfg.data, ctx.cp_size, ctx.cp_rank),
     )
 
 
@@ -324,7 +332,7 @@ def describe_run(run: TrainingRun) -> str:
             use_transformer_engine(cfg.model, ctx.device),
             resolved.uses_document_boundaries,
             resolved.params_dtype,
-            cfg.model.hidden_size // cfg.model.num_attention_heads,
+            get_kv_channels(cfg.model),
         )
         + describe_compilation(cfg, resolved)
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import operator
 import os
 import pickle
 import queue
@@ -311,3 +312,24 @@ class PackedMarkovDataset:
 
     def __getitem__(self, i: int) -> dict:
         return build_packed_sample(self.get_documents(i))
+
+
+class RunsThenReturns:
+    """What a forger puts in a checkpoint file: pickled, it calls ``os.system(command)`` and then
+    yields ``value`` (the file's real content), so a load that runs it also succeeds and nothing
+    looks wrong. Tests check that ``command`` (e.g. ``touch SENTINEL``) never runs."""
+
+    def __init__(self, command: str, value: Any):
+        self.command, self.value = command, value
+
+    def __reduce__(self):
+        # itemgetter(1)((os.system(command), value)): the call happens while the tuple is built
+        return operator.itemgetter(1), ((_SystemCall(self.command), self.value),)
+
+
+class _SystemCall:
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)

@@ -1,4 +1,4 @@
-"""Convert Hugging Face Llama-architecture checkpoints (Llama 2/3/3.1/3.2/3.3, Qwen2/2.5) to ours and back.
+"""Convert Hugging Face Llama-architecture checkpoints (Llama 2/3/3.1/3.2/3.3, Qwen2/2.5, Qwen3) to ours and back.
 
     python tools/convert_checkpoint.py hf-to-megatron --hf-dir HF --save CKPT \\
         [--tensor-model-parallel-size 2] [--make-vocab-size-divisible-by 128]
@@ -29,7 +29,7 @@ training-time export (``--save-hf``); its names stay importable from here.
 
 Tensor layouts (megatron-core, checked against 0.16.1):
 - ``linear_qkv.weight`` is grouped per key/value head: for each of the G query groups,
-  [its H/G query heads; its key head; its value head], each head ``head_dim`` rows;
+  [its H/G query heads; its key head; its value head], each head ``head_dim`` rows (``--kv-channels``);
 - ``linear_fc1.weight`` of the SwiGLU MLP is [gate; up] (megatron-core applies silu to the first
   half); ``linear_fc2`` is ``down_proj``;
 - RoPE: megatron-core's default (``rotary_interleaved=False``) rotates halves, as Hugging Face's
@@ -38,7 +38,9 @@ Tensor layouts (megatron-core, checked against 0.16.1):
   --rope-scaling-factor F``: megatron-core fixes the low/high frequency factors (1, 4) and the
   original context (8192), so other values are refused;
 - Qwen2/2.5: q/k/v biases (implied by ``model_type``) map to ``--add-qkv-bias``, grouped like the
-  weight rows; sliding-window attention is refused;
+  weight rows; sliding-window attention is refused (Qwen2 and Qwen3);
+- Qwen3: its per-head ``q_norm``/``k_norm`` map to ``--qk-layernorm`` (``q_layernorm``/``k_layernorm``),
+  its ``head_dim`` to ``--kv-channels`` where it is not hidden / heads; it has no q/k/v biases;
 - ``--apply-layernorm-1p`` (zero-centred gamma): our norms scale by ``1 + weight``, Hugging Face's
   by ``weight``: the export adds 1 to every norm weight, and ``hf-to-megatron --apply-layernorm-1p``
   subtracts it (the checkpoint then records the flag, which its runs must give).
@@ -521,7 +523,7 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-megatron", help="HF Llama / Qwen2 (safetensors + config.json) -> our checkpoint")
+    a = sub.add_parser("hf-to-megatron", help="HF Llama / Qwen2 / Qwen3 (safetensors + config.json) -> our checkpoint")
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--save", required=True)
     a.add_argument(
@@ -538,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     b = sub.add_parser(
         "megatron-to-hf",
-        help="our checkpoint -> HF Llama / Qwen2 (safetensors + config.json); "
+        help="our checkpoint -> HF Llama / Qwen2 / Qwen3 (safetensors + config.json); "
         "every file read is checked against the checksums its save recorded, a damaged one refused",
     )
     b.add_argument("--load", required=True)

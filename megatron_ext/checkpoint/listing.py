@@ -16,6 +16,7 @@ from typing import Any
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "complete.json"
 ITER_DIR = re.compile(r"^iter_(\d{7})$")
+RELEASE_DIR = "release"  # Megatron-LM's weights-only checkpoint, named by its tracker as "release"
 # a re-saved iteration's earlier copy, moved aside for the rename of the new one (``publish_checkpoint``)
 REPLACED_DIR = re.compile(r"^iter_(\d{7})\.replaced-[0-9a-f]+$")
 
@@ -40,19 +41,38 @@ def list_complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted({**replaced, **found}.items())
 
 
+def list_megatron_lm_entries(root: str) -> list[str]:
+    """The names under ``root`` that Megatron-LM's saves write and ours never leave: ``iter_XXXXXXX``
+    directories without our ``complete.json`` (our saves give a directory that name only once it is
+    marked, so these are Megatron-LM's, or damaged) and its ``release`` directory. Empty when
+    ``root`` is not a directory."""
+    if not os.path.isdir(root):
+        return []
+    return [
+        name
+        for name in sorted(os.listdir(root))
+        if (ITER_DIR.match(name) or name == RELEASE_DIR)
+        and os.path.isdir(os.path.join(root, name))
+        and not os.path.isfile(os.path.join(root, name, COMPLETE_MARKER))
+    ]
+
+
+def describe_megatron_lm_entries(root: str) -> str:
+    """ "iter_0000100, iter_0000200 and 3 more" naming ``list_megatron_lm_entries``, or ""."""
+    names = list_megatron_lm_entries(root)
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def describe_unmarked_iterations(root: str) -> str:
     """ " (iter_X has no complete.json: ...)" naming the ``iter_XXXXXXX`` directories under ``root``
-    without the marker, or "". Our saves give a directory that name only once it is marked, so these
-    are foreign (Megatron-LM's own checkpoints) or damaged, and are never loaded."""
-    names = [n for n in sorted(os.listdir(root)) if ITER_DIR.match(n)] if os.path.isdir(root) else []
-    names = [n for n in names if not os.path.isfile(os.path.join(root, n, COMPLETE_MARKER))]
+    without the marker, or "" (``list_megatron_lm_entries``); they are never loaded."""
+    names = list_megatron_lm_entries(root)
     if not names:
         return ""
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (
-        f" ({shown} {'has' if len(names) == 1 else 'have'} no {COMPLETE_MARKER}: only checkpoints this "
-        f"framework's --save completed load; one written by Megatron-LM does not, convert it through Hugging Face "
-        f"with tools/convert_checkpoint.py hf-to-megatron)"
+        f" ({describe_megatron_lm_entries(root)} {'has' if len(names) == 1 else 'have'} no {COMPLETE_MARKER}: only "
+        f"checkpoints this framework's --save completed load; one written by Megatron-LM does not, convert it "
+        f"through Hugging Face with tools/convert_checkpoint.py hf-to-megatron)"
     )
 
 

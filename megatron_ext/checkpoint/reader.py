@@ -10,20 +10,34 @@ subclass, ``VerifyingFileSystemReader``, which megatron-core's load strategy is 
 its own (``VerifyingTorchDistLoadStrategy``; the hook is ``compat.py``'s "checkpoint-reader-hook").
 
 Invariants, whatever the layout (same, or resharded at any TP/PP/DP):
+- nothing in a checkpoint runs: every pickle a load reads goes through an allowlist
+  (``unpickler.py``). ``.metadata`` through ``MetadataUnpickler`` (torch reads it with plain
+  ``pickle.load``: ``install_allowlisted_unpickling`` replaces torch's ``read_metadata`` and
+  megatron-core's ``load_common`` process-wide, on importing this module, so every reader built on
+  them is covered; ``compat.py``'s "checkpoint-allowlisted-unpickling"); ``common.pt`` and every
+  stored item through torch's weights-only unpickler with torch's own globals only
+  (``torch_allowlist_only``: the 30 classes megatron-core and torch register process-wide are set
+  aside for the read). A refused file is ``UnsafeCheckpointFile`` (``UNSAFE``: it may have been
+  tampered with; nothing in it ran);
 - always (cheap, structural): every shard file a rank reads exists and is at least as long as the
   items the metadata places in it, else ``ChecksumMismatch`` (``DAMAGED``: missing / truncated);
 - with the marker's checksum table (``--ckpt-verify``): every stored item the plan touches is hashed
   whole (``checksum.py``) before anything parses it, once however many requests share it, and compared
-  with the digest the writer recorded; only a mismatch is damage (``DAMAGED``, file and byte range). A
-  parse error is never taken as proof: the hash decides. Items read in part (a TP/DP reshard) are
-  hashed whole: torch's reader ``torch.load``s the whole stored item anyway, so this costs hashing
-  and no extra reading. Byte items (the RNG state, ``_extra_state``) are checked and counted too;
+  with the digest the writer recorded; a mismatch is damage (``DAMAGED``, file and byte range). Items
+  read in part (a TP/DP reshard) are hashed whole: torch's reader ``torch.load``s the whole stored
+  item anyway, so this costs hashing and no extra reading. Byte items (the RNG state,
+  ``_extra_state``) are checked and counted too;
+- an item or ``common.pt`` torch fails to load is told apart by its own structure
+  (``name_unloadable``): a broken zip archive (its signature, its directory, a member failing its
+  CRC-32) is damage unless a matching checksum says the bytes are those written; a pickle the
+  allowlist refuses is ``UNSAFE``; anything else is ``UnreadableCheckpointItem``. Damage is what
+  ``--ckpt-fallback-on-corruption`` falls back from; the others stop the run;
 - a tensor item is read by torch's own code (``FileSystemReader.read_data``, per stored item, so an
-  error names its file and byte range); a byte item is read once, checked with torch's weights-only
-  unpickler, and only then handed to DCP's ``load_bytes`` (which unpickles with ``weights_only=False``
-  and would run whatever the pickle calls). An item the weights-only unpickler refuses holds objects
-  a checkpoint never holds: ``UnsafeCheckpointFile`` says the file may have been tampered with; nothing
-  in it ran. Neither error suggests turning the safe loader off.
+  error names its file and byte range); a byte item is read once, checked through the allowlist, and
+  only then handed to DCP's ``load_bytes`` (which unpickles with ``weights_only=False`` and would run
+  whatever the pickle calls); an ``_extra_state`` holding a byte tensor (Transformer Engine's format,
+  which its ``set_extra_state`` unpickles with ``pickle.loads``) has the pickle inside it read by
+  ``unpickler.PlainUnpickler`` (no globals at all) too. No error suggests turning the safe loader off.
 
 Cost: verification reads each item once more (from the page cache: the first read brought it there)
 and hashes it; ``bench/checkpoint.py --readers`` prints it beside the load time.
@@ -48,12 +62,24 @@ from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_str
 from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
 )
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from megatron_ext.checkpoint.checksum import file_digest, is_available, new_hasher
 from megatron_ext.checkpoint.directory import read_marker, resolve_load_path
+from megatron_ext.checkpoint.unpickler import (
+    ZIP_SIGNATURE,
+    PlainUnpickler,
+    RefusedGlobal,
+    describe_zip_damage,
+    load_metadata_pickle,
+    names_a_global,
+    torch_allowlist_only,
+)
 
 DAMAGED = "damaged checkpoint file"
 UNSAFE = "may have been tampered with"
@@ -102,24 +128,30 @@ class VerifyStats:
 
 
 def describe_refusal(err: BaseException) -> str:
-    """The reason torch's weights-only unpickler gave ("Unsupported global: GLOBAL posix.system"),
-    without torch's advice to load with ``weights_only=False`` (its message words it two ways)."""
+    """The reason torch's weights-only unpickler (or ours, ``unpickler.py``) gave ("Unsupported global:
+    GLOBAL posix.system"), without torch's advice to load with ``weights_only=False`` (its message
+    words it two ways, the reason sometimes on a line of its own after a blank one)."""
     text = str(err)
     for pattern in (
-        r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. Please use|\n|$)",
+        r"WeightsUnpickler error:\s*(.*?)(?: was not an allowed global|\. Please use|\n|$)",
         r"(Trying to load unsupported GLOBAL [^\n]*?)\.?(?:\n|$)",
     ):
         found = re.search(pattern, text)
-        if found:
+        if found and found.group(1).strip():
             return found.group(1).strip()
-    return "torch's weights-only unpickler refused it"
+    if text and "weights_only" not in text and "\n" not in text:
+        return text
+    return f"torch's weights-only unpickler refused it ({type(err).__name__})"
 
 
-def describe_unsafe(where: str, err: BaseException, verified: bool) -> str:
+def describe_unsafe(where: str, err: BaseException, verified: bool | None) -> str:
     """The one message for a checkpoint file holding what a checkpoint never holds (``where``: the
-    file, and the byte range when it is an item of a shard)."""
+    file, and the byte range when it is an item of a shard; ``verified``: its checksum was compared
+    and matched, None when the reader cannot know)."""
     if verified:
         how = "its checksum matches the one complete.json records, so the file and that checksum were replaced together"
+    elif verified is None:
+        how = "it was replaced (together with its checksum in complete.json, when that records one), or damaged"
     else:
         how = "it is damaged, or was replaced (--ckpt-verify compares every item with its recorded checksum)"
     return (
@@ -128,13 +160,53 @@ def describe_unsafe(where: str, err: BaseException, verified: bool) -> str:
     )
 
 
-def check_safe_pickle(data: bytes, where: str, verified: bool) -> None:
-    """Raise ``UnsafeCheckpointFile`` unless torch's weights-only unpickler accepts ``data`` (a
-    ``torch.save`` of tensors and plain containers, as every byte item we write is)."""
+def name_unloadable(data: bytes, err: BaseException, where: str, verified: bool | None) -> RuntimeError:
+    """The named error for a ``torch.save`` archive (``data``, at ``where``) torch failed to load with
+    ``err``. Damage (``ChecksumMismatch``) when its zip structure says its bytes changed after torch
+    wrote them (``unpickler.describe_zip_damage``) and no matching checksum says they did not; a
+    refusal (``UnsafeCheckpointFile``) when the unpickler refused what a sound archive holds, or what
+    a pickle that is no archive at all names (someone wrote that); else ``UnreadableCheckpointItem``."""
+    damage = None if verified else describe_zip_damage(data)
+    written = not data.startswith(ZIP_SIGNATURE) and names_a_global(err)
+    if damage is not None and not written:
+        return ChecksumMismatch(f"{DAMAGED} ({damage}): {where}: the file was damaged after it was written")
+    if isinstance(err, pickle.UnpicklingError):
+        return UnsafeCheckpointFile(describe_unsafe(where, err, verified))
+    state = "its checksum matches" if verified else "not verified: --ckpt-verify tells whether it is damaged"
+    return UnreadableCheckpointItem(
+        f"{UNREADABLE}: {where} ({state}): {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    )
+
+
+def load_torch_archive(data: bytes, where: str, verified: bool | None):
+    """What the ``torch.save`` archive ``data`` holds, read by torch's weights-only unpickler allowing
+    torch's own globals only (``unpickler.torch_allowlist_only``); ``name_unloadable``'s error when
+    torch cannot or will not load it."""
     try:
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
+        with torch_allowlist_only():
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch's zip reader and unpickler raise many kinds
+        raise name_unloadable(data, err, where, verified) from None
+
+
+def read_metadata_file(stream, where: str, verified: bool | None) -> Metadata:
+    """torch DCP's ``Metadata`` from a ``.metadata`` stream, through ``unpickler.MetadataUnpickler``.
+    ``UnsafeCheckpointFile`` for a global outside its allowlist (nothing resolved, nothing ran) or
+    another object; damage (``ChecksumMismatch``) for bytes that are no pickle, unless its checksum
+    matched (``verified``): then ``UnreadableCheckpointItem``."""
+    try:
+        metadata = load_metadata_pickle(stream)
+    except RefusedGlobal as err:
         raise UnsafeCheckpointFile(describe_unsafe(where, err, verified)) from None
+    except Exception as err:  # noqa: BLE001 - pickle raises many kinds for bytes that are not one
+        reason = f"not a pickle torch DCP writes: {type(err).__name__}: {' '.join(str(err).split())[:160]}"
+        if verified:
+            raise UnreadableCheckpointItem(f"{UNREADABLE}: {where} (its checksum matches): {reason}") from None
+        raise ChecksumMismatch(f"{DAMAGED} ({reason}): {where}: the file was damaged after it was written") from None
+    if not isinstance(metadata, Metadata):
+        got = pickle.UnpicklingError(f"a {type(metadata).__name__}, not torch DCP's Metadata")
+        raise UnsafeCheckpointFile(describe_unsafe(where, got, verified))
+    return metadata
 
 
 def _pread_exact(fd: int, offset: int, length: int, path: str) -> bytes:
@@ -184,13 +256,17 @@ def _hash_by_pread(fd: int, offset: int, length: int, path: str, h) -> int:
 
 class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
     """megatron-core's reader (torch's ``FileSystemReader`` with cached metadata), checking what it
-    reads: sizes always, checksums when given (``checksums``: the marker's item table, relative path
-    -> str(offset) -> [length, digest]; ``stats`` counts what was checked)."""
+    reads: ``.metadata`` when made (named errors: ``read_metadata_file``), then sizes always, checksums
+    when given (``checksums``: the marker's item table, relative path -> str(offset) -> [length,
+    digest]; ``stats`` counts what was checked)."""
 
     def __init__(self, path, checksums: dict | None = None, algorithm: str = "crc32", stats: VerifyStats | None = None):
         super().__init__(path)
         self.checksums, self.algorithm = checksums, algorithm
         self.stats = stats if stats is not None else VerifyStats()
+        # read (through the allowlist) and cached now: inside torch DCP's planning a failed
+        # read_metadata becomes the text of an AssertionError, losing which named error it was
+        self.read_metadata()
 
     def _check_size(self, relative_path: str, reqs: list[ReadItem]) -> None:
         """A file shorter than the items the metadata places in it is named (one stat), instead
@@ -243,22 +319,17 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
         if reqs[0].type != LoadItemType.BYTE_IO:
             try:
                 super().read_data(dataclasses.replace(plan, items=reqs), planner)
-            except pickle.UnpicklingError as err:
-                raise UnsafeCheckpointFile(describe_unsafe(where, err, verified)) from None
             except Exception as err:  # noqa: BLE001 - torch's zip reader and unpickler raise many kinds
-                state = (
-                    "its checksum matches" if verified else "not verified: --ckpt-verify tells whether it is damaged"
-                )
-                raise UnreadableCheckpointItem(
-                    f"{UNREADABLE}: {where} ({state}): {type(err).__name__}: {' '.join(str(err).split())[:200]}"
-                ) from None
+                # the error path only: read the item again to tell damage from a refusal
+                raise name_unloadable(_pread_exact(fd, md.offset, md.length, path), err, where, verified) from None
             return
         self.stats.byte_items += verified
         data = _pread_exact(fd, md.offset, md.length, path)
         for req in reqs:
             stream = self.transforms.transform_load_stream(req, md.transform_descriptors or (), io.BytesIO(data))
             payload = stream.read()
-            check_safe_pickle(payload, where, verified)
+            # what load_bytes will unpickle (and TE after it), read through the allowlists first
+            check_extra_state(req.storage_index.fqn, load_torch_archive(payload, where, verified), where, verified)
             planner.load_bytes(req, io.BytesIO(payload))
 
     def _read_file(self, relative_path: str, per_item: dict, plan: LoadPlan, planner: LoadPlanner) -> None:
@@ -288,12 +359,29 @@ class VerifyingFileSystemReader(CachedMetadataFileSystemReader):
         for req in plan.items:
             item_md = self.storage_data[req.storage_index]
             per_file.setdefault(item_md.relative_path, {}).setdefault(req.storage_index, []).append(req)
-        for relative_path, per_item in per_file.items():
-            self._check_size(relative_path, [r for reqs in per_item.values() for r in reqs])
-            self._read_file(relative_path, per_item, plan, planner)
+        with torch_allowlist_only():  # torch's reader loads tensor items with the weights-only unpickler
+            for relative_path, per_item in per_file.items():
+                self._check_size(relative_path, [r for reqs in per_item.values() for r in reqs])
+                self._read_file(relative_path, per_item, plan, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+
+def check_extra_state(fqn: str, value, where: str, verified: bool | None) -> None:
+    """Raise ``UnsafeCheckpointFile`` unless a loaded ``_extra_state`` byte item (``value``) that is a
+    non-empty byte tensor holds a pickle of plain values: Transformer Engine's ``set_extra_state`` (GPU
+    runs on its layer spec) unpickles such a tensor with ``pickle.loads``. Bytes that are no pickle
+    pass: TE's unpickling of them fails the same way, having resolved nothing."""
+    if "_extra_state" not in fqn or not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+        return
+    try:
+        PlainUnpickler(io.BytesIO(value.numpy().tobytes())).load()
+    except RefusedGlobal as err:
+        what = f"{where} (the {fqn} Transformer Engine unpickles)"
+        raise UnsafeCheckpointFile(describe_unsafe(what, err, verified)) from None
+    except Exception:  # noqa: BLE001 - no pickle: nothing to run
+        pass
 
 
 # ----------------------------------------------------------------------------- the coordinator's files
@@ -319,16 +407,18 @@ def check_coordinator_files(ckpt_dir: str, checksums: dict) -> None:
             )
 
 
-def read_common(ckpt_dir: str, verified: bool = False) -> dict:
-    """``common.pt`` (args, train state, scheduler, ...) through torch's weights-only unpickler, asked
-    for explicitly (megatron-core relies on torch's default). ``verified``: its digest was checked."""
+def read_common(ckpt_dir: str, verified: bool | None = False) -> dict:
+    """``common.pt`` (args, train state, scheduler, ...) through torch's weights-only unpickler allowing
+    torch's own globals only (``load_torch_archive``; megatron-core relies on torch's default, which
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns into the full unpickler). ``verified``: its digest was
+    checked (None: not known here)."""
     path = os.path.join(ckpt_dir, COMMON_FILE)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointFile(describe_unsafe(path, err, verified)) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise ChecksumMismatch(f"{DAMAGED}: {path} cannot be read ({' '.join(str(err).split())[:160]})") from None
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise ChecksumMismatch(f"{DAMAGED}: {path} cannot be read ({err.strerror})") from None
+    return load_torch_archive(data, path, verified)
 
 
 def read_resumed_position(load: str, step: int | None = None) -> tuple[int, int] | None:
@@ -406,3 +496,41 @@ class VerifyingTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
     def load(self, sharded_state_dict, checkpoint_dir: Path):
         with _verifying_reader(self.checksums, self.algorithm, self.stats):
             return super().load(sharded_state_dict, checkpoint_dir)
+
+
+# ----------------------------------------------------------------------------- every reader, process-wide
+
+
+def _read_metadata_allowlisted(self: FileSystemReader, *args, **kwargs) -> Metadata:
+    """torch 2.13's ``FileSystemReader.read_metadata``, line for line, but reading ``.metadata`` through
+    ``read_metadata_file`` where torch calls ``pickle.load`` (and naming the file as 2.13's private
+    ``_get_metadata_path`` does: rank-local metadata, which torch DCP tries when ``.metadata`` fails, is
+    ``__<rank>.metadata``)."""
+    rank = kwargs.get("rank")
+    path = self.fs.concat_path(self.path, ".metadata" if rank is None else f"__{rank}.metadata")
+    with self.fs.create_stream(path, "rb") as stream:
+        metadata = read_metadata_file(stream, str(path), None)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = self.load_id
+    return metadata
+
+
+def _load_common_allowlisted(self: TorchCommonLoadStrategy, checkpoint_dir) -> dict:
+    """megatron-core's ``TorchCommonLoadStrategy.load_common`` (``common.pt``, local files) through
+    ``read_common``, not ``torch.load``'s default."""
+    return read_common(str(checkpoint_dir), verified=None)
+
+
+def install_allowlisted_unpickling() -> None:
+    """Process-wide (done on importing this module; repeating it changes nothing): torch's
+    ``FileSystemReader.read_metadata`` reads ``.metadata`` through the allowlist, and megatron-core's
+    ``load_common`` reads ``common.pt`` through ``read_common``. So every reader torch or megatron-core
+    builds reads them so, not only ours during a load: the cached-metadata reader, megatron-core's
+    ``load_tensors_metadata``, ``load_sharded_metadata``, ``load_common_state_dict`` and
+    ``load_content_metadata``."""
+    FileSystemReader.read_metadata = _read_metadata_allowlisted
+    TorchCommonLoadStrategy.load_common = _load_common_allowlisted
+
+
+install_allowlisted_unpickling()

@@ -28,11 +28,13 @@ import torch
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.compatibility import (
     check_compatible,
+    check_document_pad_multiple,
     check_optimizer_flags,
     check_scheduler_flags,
     describe_changed_settings,
     describe_optimizer_flag_changes,
     effective_model_shape,
+    get_document_pad_record,
 )
 from megatron_ext.checkpoint.directory import (
     FORMAT_VERSION,
@@ -41,7 +43,7 @@ from megatron_ext.checkpoint.directory import (
     write_checkpoint,
 )
 from megatron_ext.checkpoint.finite import describe_non_finite_weights
-from megatron_ext.checkpoint.listing import describe_unmarked_iterations
+from megatron_ext.checkpoint.listing import describe_megatron_lm_entries
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption,
     init_empty_optimizer_state,
@@ -50,6 +52,7 @@ from megatron_ext.checkpoint.optimizer_state import (
 from megatron_ext.checkpoint.parts import CheckpointParts
 from megatron_ext.checkpoint.reader import (
     ChecksumMismatch,
+    UnreadableCheckpointItem,
     UnsafeCheckpointFile,
     VerifyingFileSystemReader,
     VerifyingTorchDistLoadStrategy,
@@ -135,6 +138,7 @@ def build_sharded_state_dict(
     state["padded_vocab_size"] = parts.meta.padded_vocab_size
     state["ffn_hidden_size"] = effective_model_shape(state["args"])["ffn_hidden_size"]  # the width built
     state["layout"] = get_layout(ctx)
+    state["document_pad_multiple"] = get_document_pad_record(parts.cfg)  # g: it decides the packs
     state["device_type"] = ctx.device.type
     state["checkpoint_version"] = FORMAT_VERSION
     return state
@@ -209,6 +213,7 @@ def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
     c = cfg.checkpoint
     if c.ckpt_step is not None and not c.load:
         raise ConfigError(["--ckpt-step needs --load DIR (the directory whose iteration it names)"])
+    check_no_megatron_lm_checkpoints(c.load, c.save)
     if c.load:
         found, _ = resolve_load_path(c.load, c.ckpt_step)
         if found is not None:
@@ -239,18 +244,40 @@ def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
             )
         return None, None
     restartable = c.save and os.path.abspath(c.save) == os.path.abspath(c.load)
-    foreign = describe_unmarked_iterations(c.load)
     if restartable and not c.exit_on_missing_checkpoint:
-        start = f"{'WARNING: ' if foreign else '> '}--load {c.load} holds no checkpoint yet{foreign}"
-        return None, f"{start}: starting from scratch (it is also --save)"
+        return None, f"> --load {c.load} holds no checkpoint yet: starting from scratch (it is also --save)"
     what = "does not exist" if not os.path.exists(c.load) else "holds no complete checkpoint"
     why = " (--exit-on-missing-checkpoint)" if restartable else ""
     raise ConfigError(
         [
-            f"--load {c.load} {what}{why}{foreign}: give a directory that --save wrote (or one of its "
+            f"--load {c.load} {what}{why}: give a directory that --save wrote (or one of its "
             f"iter_XXXXXXX directories), or drop --load to start from scratch"
         ]
     )
+
+
+def check_no_megatron_lm_checkpoints(load: str | None, save: str | None) -> None:
+    """Megatron-LM's checkpoints are never trained over: a --load holding them and none of ours would
+    start from scratch, and any save into a directory holding them would replace their
+    latest_checkpointed_iteration.txt with an iteration of ours, which Megatron-LM cannot resume.
+    ConfigError naming the directories, before any work."""
+    problems = []
+    held = describe_megatron_lm_entries(load) if load else ""
+    if held and not list_complete_checkpoints(load):
+        problems.append(
+            f"--load {load} holds Megatron-LM checkpoints ({held}), which this framework does not load: "
+            f"convert one through Hugging Face with tools/convert_checkpoint.py hf-to-megatron, or drop --load "
+            f"and give another --save to start from scratch"
+        )
+    held = describe_megatron_lm_entries(save) if save else ""
+    if held and not (problems and os.path.abspath(save) == os.path.abspath(load)):
+        problems.append(
+            f"--save {save} holds Megatron-LM checkpoints ({held}): saving there would point their "
+            f"latest_checkpointed_iteration.txt at a checkpoint of ours, which Megatron-LM cannot resume: "
+            f"give another --save"
+        )
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_load_flags(cfg: JobConfig) -> str | None:
@@ -411,6 +438,8 @@ def _check_loadable(
     (``compatibility.py``), before anything is read; warnings for what loads but differs."""
     cfg = parts.cfg
     problems = check_compatible(common, cfg, parts.meta, load_optimizer)
+    if not weights_only:  # --finetune starts the data over: another g reads other packs from sample 0
+        problems += check_document_pad_multiple(common, cfg)
     if load_optimizer:
         problems += check_scheduler_flags(common["opt_param_scheduler"], parts.scheduler, cfg, parts.global_batch_size)
         problems += check_optimizer_flags(common, cfg)
@@ -470,7 +499,7 @@ def _read_coordinator_files(
         return open_checkpoint(ckpt_dir, warn)
     except ChecksumMismatch as err:
         raise CheckpointDamaged(str(err)) from None
-    except UnsafeCheckpointFile as err:
+    except (UnsafeCheckpointFile, UnreadableCheckpointItem) as err:
         raise ConfigError([f"--load {root}: {err}"]) from None
 
 

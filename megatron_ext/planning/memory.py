@@ -43,7 +43,7 @@ import json
 import os
 
 from megatron_ext.config import JobConfig
-from megatron_ext.derived import get_ffn_hidden_size, get_num_query_groups
+from megatron_ext.derived import get_ffn_hidden_size, get_kv_channels, get_num_query_groups
 from megatron_ext.pipeline.actions import BW, B, F, PipelineOrder, W
 
 CALIBRATION_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
@@ -101,10 +101,16 @@ class Shape:
     tp: int
     sequence_parallel: bool
     swiglu: bool
+    head_dim: int = 0  # --kv-channels; 0: hidden / heads
 
     @property
     def tokens(self) -> int:
         return self.seq_length * self.micro_batch
+
+    @property
+    def query_width(self) -> int:
+        """heads x head dimension: the width of q, the attention output and (repeated) k and v."""
+        return self.heads * (self.head_dim or self.hidden // self.heads)
 
 
 def _common(s: Shape) -> dict[str, float]:
@@ -126,18 +132,20 @@ def layer_features(s: Shape) -> list[float]:
     a copy selective recompute's checkpoint keeps as its input; ``unrepeated_kv`` (K and V width
     / TP) where there is no GQA repeat (a group per head): V reaches the attention as a view of the
     QKV output, which is then kept whole instead of a repeated V. ``per_micro_batch`` is 1 / tokens
-    (the checkpoint's 4-byte mask-type tensor, a CPU tensor even on a GPU)."""
-    head_dim = s.hidden // s.heads
+    (the checkpoint's 4-byte mask-type tensor, a CPU tensor even on a GPU). The ``hidden`` feature
+    is the attention's tensors (q, repeated k and v, their output): the query width / TP."""
+    head_dim = s.query_width // s.heads
     heads_local = s.heads // s.tp
     groups_local = max(s.query_groups // s.tp, 1)  # fewer groups than TP ranks: one, replicated
     kv = 2 * groups_local * head_dim
     x = _common(s) | {
+        "hidden": s.query_width / s.tp,
         "kv": kv,
         "ffn": s.ffn / s.tp,
         "heads_seq": s.heads * s.seq_length / s.tp,
         "heads": s.heads / s.tp,
         "head_dim_per_sample": head_dim / s.micro_batch,  # a table per sequence position, shared by the batch
-        "query_copy": s.hidden / s.tp if 1 < groups_local < heads_local else 0.0,
+        "query_copy": s.query_width / s.tp if 1 < groups_local < heads_local else 0.0,
         "unrepeated_kv": kv if groups_local == heads_local else 0.0,
         "per_micro_batch": 1 / s.tokens,
     }
@@ -186,6 +194,7 @@ def get_shape(cfg: JobConfig, padded_vocab: int) -> Shape:
         tp=p.tensor_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
         swiglu=m.swiglu,
+        head_dim=get_kv_channels(m),
     )
 
 
@@ -286,15 +295,16 @@ def get_stage_bytes(
 def get_wgrad_held_per_token(shape: Shape, dtype_bytes: int) -> PerToken:
     """Bytes per token a zero-bubble B leaves for its W (``model/wgrad_deferral.WeightGradWork``: each
     linear's saved input and its output gradient, until W runs). Per layer: the QKV and fc1 inputs
-    (norm outputs, [s / SP, b, h]), the proj input [s, b, h / TP], the fc2 input [s, b, ffn / TP];
-    the output gradients of QKV [s, b, (h + K + V) / TP], proj and fc2 [s, b, h] (row-parallel:
+    (norm outputs, [s / SP, b, h]), the proj input [s, b, q / TP] (q: the query width), the fc2 input
+    [s, b, ffn / TP]; the output gradients of QKV [s, b, (q + K + V) / TP], proj and fc2 [s, b, h] (row-parallel:
     whole), fc1 [s, b, (2 with SwiGLU) ffn / TP]. The head: the output layer's input [s / SP, b, h]
     and the logits' gradient [s, b, vocabulary / TP]. The embedding has no deferred W."""
     h, tp = shape.hidden, shape.tp
     sp = tp if shape.sequence_parallel else 1
-    kv = 2 * shape.query_groups * (h // shape.heads)
-    inputs = 2 * h / sp + h / tp + shape.ffn / tp
-    grads = (h + kv) / tp + 2 * h + (2 if shape.swiglu else 1) * shape.ffn / tp
+    q = shape.query_width
+    kv = 2 * shape.query_groups * (q // shape.heads)
+    inputs = 2 * h / sp + q / tp + shape.ffn / tp
+    grads = (q + kv) / tp + 2 * h + (2 if shape.swiglu else 1) * shape.ffn / tp
     head = h / sp + shape.padded_vocab / tp
     return PerToken(layer=(inputs + grads) * dtype_bytes, embedding=0.0, head=head * dtype_bytes)
 

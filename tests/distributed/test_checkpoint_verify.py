@@ -10,15 +10,21 @@ by each rank). A second 2-rank world loads every copy in turn. Each must fail on
 the same message is a warning, iteration 2 loads instead and training continues bit-identically to
 a clean load of iteration 2 in that layout (the uninterrupted run's losses in the saved layout).
 
-Files that hold objects a checkpoint never holds (a code-running pickle in common.pt, and in the RNG
-item, their checksums updated in complete.json as a tamperer would) are refused by name, nothing in
-them runs, and no message advises loading with ``weights_only=False``. tools/convert_checkpoint.py
-(megatron-to-hf) refuses a damaged shard and the tampered common.pt, naming the file, and writes
-nothing; the clean checkpoint converts (the control).
+Forged files (a pickle that runs a command and then gives the file's real content, so that a load
+running it succeeds; its checksum updated in complete.json, as a forger would): ``.metadata``,
+``common.pt``, the RNG item and an ``_extra_state`` item, each loaded by --load, --ckpt-verify and
+--finetune, and given to tools/generate.py and tools/convert_checkpoint.py. Each is refused by name
+(exit 2), the command never runs, and no message advises loading with ``weights_only=False``; the
+tools read tensors only (a forged byte item is never unpickled: exit 0), and --finetune does not read
+the RNG state. A flipped zip signature in a tensor item, without --ckpt-verify, is named damage (not
+possible tampering) and --ckpt-fallback-on-corruption alone falls back from it.
+tools/convert_checkpoint.py (megatron-to-hf) refuses a damaged shard and the tampered common.pt,
+naming the file, and writes nothing; the clean checkpoint converts (the control).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -35,7 +41,7 @@ from megatron_ext.checkpoint.checksum import file_digest, new_hasher
 from megatron_ext.checkpoint.directory import COMPLETE_MARKER
 from megatron_ext.config import ConfigError
 from megatron_ext.parallel import destroy_parallel_context
-from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
+from megatron_ext.testing import MarkovDataset, RunsThenReturns, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.checkpointing import load_checkpoint
 from megatron_ext.training.loop import train
 
@@ -85,8 +91,9 @@ def _load_world(rank: int, world_size: int, cases: list[tuple]) -> dict:
         run = _build(layout, **flags)
         lines = []
         run.log = lines.append
+        finetune = run.cfg.checkpoint.finetune  # what plan_load makes of --finetune
         try:
-            loaded = load_checkpoint(run, path, step=step)
+            loaded = load_checkpoint(run, path, step=step, weights_only=finetune, load_rng=not finetune)
         except ConfigError as err:
             out[name] = {"error": str(err)}
         else:
@@ -158,6 +165,18 @@ def _flip(file: str, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x5A]))
 
 
+def _damage_target(ckpt: str) -> tuple[str, int, int]:
+    """A plain tensor item of rank 0's shard file: the first after the byte items."""
+    return min(
+        (
+            v
+            for k, v in _items(ckpt).items()
+            if k.startswith("decoder.") and "_extra_state" not in k and v[0].endswith("__0_0.distcp")
+        ),
+        key=lambda v: v[1],
+    )
+
+
 def _damage(ckpt: str, what: str) -> tuple[str, int, int]:
     """Flip one byte; (file name, item start, item end) that a load must name."""
     items = _items(ckpt)
@@ -169,16 +188,8 @@ def _damage(ckpt: str, what: str) -> tuple[str, int, int]:
         item, part = items["rng_state/shard_0_2@"], "data"
     elif what == "embedding":
         item, part = items["embedding.word_embeddings.weight@(0, 0)"], "data"
-    else:  # a plain tensor item of rank 0's shard file: the first after the byte items
-        item = min(
-            (
-                v
-                for k, v in items.items()
-                if k.startswith("decoder.") and "_extra_state" not in k and v[0].endswith("__0_0.distcp")
-            ),
-            key=lambda v: v[1],
-        )
-        part = what
+    else:
+        item, part = _damage_target(ckpt), what
     _flip(item[0], _in_item(item, part))
     return os.path.basename(item[0]), item[1], item[1] + item[2]
 
@@ -189,33 +200,61 @@ def _digest(algorithm: str, data: bytes) -> int:
     return h.intdigest()
 
 
-class _RunsCode:
-    def __init__(self, sentinel: str):
-        self.sentinel = sentinel
+# what is forged -> the stored item it replaces (rank 0's RNG state; an _extra_state of its shard file,
+# which every load of the model reads, --finetune's too), or the coordinator's file
+FORGED = ("metadata", "common", "rng", "extra state")
+# how each entry point is asked to load: the flags of the run (--load is the copy's directory)
+ENTRIES = {"load": {}, "ckpt-verify": dict(ckpt_verify=True), "finetune": dict(finetune=True)}
 
-    def __reduce__(self):
-        return os.system, (f"touch {self.sentinel}",)
+
+def _forged_item(ckpt: str, what: str) -> tuple[str, int, int]:
+    items = _items(ckpt)
+    if what == "rng":
+        return items["rng_state/shard_0_2@"]
+    return min(
+        (v for k, v in items.items() if "_extra_state" in k and v[0].endswith("__0_0.distcp")), key=lambda v: v[1]
+    )
 
 
 def _tamper(ckpt: str, what: str, sentinel: str) -> None:
-    """Replace common.pt, or rank 0's RNG item (same length), with a pickle that runs a command, and
-    update its checksum in complete.json, as someone who meant it would."""
+    """Replace one file of ``ckpt`` with a pickle that runs ``touch sentinel`` and then gives the
+    file's real content (so a load that runs it succeeds), and update its checksum in complete.json,
+    as someone who meant it would. ``what``: one of FORGED; a byte item keeps its length (what
+    follows the pickle is never read)."""
     marker_path = os.path.join(ckpt, COMPLETE_MARKER)
     marker = json.load(open(marker_path))
-    algorithm = marker["checksums"]["algorithm"]
-    if what == "common":
-        path = os.path.join(ckpt, "common.pt")
-        torch.save({"args": _RunsCode(sentinel)}, path)
-        marker["checksums"]["files"]["common.pt"] = file_digest(path, algorithm)
+    algorithm, command = marker["checksums"]["algorithm"], f"touch {sentinel}"
+    if what in ("metadata", "common"):
+        name = ".metadata" if what == "metadata" else "common.pt"
+        path = os.path.join(ckpt, name)
+        with open(path, "rb") as f:  # the real content (our own save's, read before it is replaced)
+            real = pickle.load(f) if what == "metadata" else torch.load(f, weights_only=True)
+        with open(path, "wb") as f:
+            pickle.dump(RunsThenReturns(command, real), f) if what == "metadata" else torch.save(
+                RunsThenReturns(command, real), f
+            )
+        marker["checksums"]["files"][name] = file_digest(path, algorithm)
     else:
-        file, offset, length = _items(ckpt)["rng_state/shard_0_2@"]
-        payload = pickle.dumps([_RunsCode(sentinel)], protocol=2)
-        payload += b"\0" * (length - len(payload))  # what follows the pickle is never read
+        file, offset, length = _forged_item(ckpt, what)
+        payload = pickle.dumps(RunsThenReturns(command, None), protocol=2)
+        payload += b"\0" * (length - len(payload))
         with open(file, "r+b") as f:
             f.seek(offset)
             f.write(payload)
         marker["checksums"]["items"][os.path.basename(file)][str(offset)] = [length, _digest(algorithm, payload)]
     json.dump(marker, open(marker_path, "w"))
+
+
+def _where(what: str) -> str:
+    """The file (pattern) a refusal of ``what`` forged names."""
+    return {"metadata": r"\.metadata", "common": r"common\.pt"}.get(what, r"__0_0\.distcp bytes \d+\.\.\d+")
+
+
+def _flip_zip_signature(ckpt: str) -> tuple[str, int, int]:
+    """Flip the first byte of a tensor item of rank 0's shard file (its zip signature); the item."""
+    item = _damage_target(ckpt)
+    _flip(item[0], item[1])
+    return os.path.basename(item[0]), item[1], item[1] + item[2]
 
 
 # ----------------------------------------------------------------------------- the loads
@@ -235,12 +274,17 @@ def loads(saved, tmp_path_factory):
     for layout, saved_layout in (("tp1", "tp2"), ("tp2", "tp1")):  # the references of the reshard fallbacks
         cases.append((f"clean {saved_layout} at {layout}", layout, os.path.join(root, saved_layout), {}, 2, True))
     sentinels = {}
-    for what, flags in (("common", {}), ("rng", verify), ("rng", {})):
-        name = f"tampered {what}{' verified' if flags else ''}"
-        path = _copy(root, "tp2", os.path.join(tmp, name.replace(" ", "_")))
-        sentinels[name] = os.path.join(tmp, f"{name.replace(' ', '_')}.ran")
-        _tamper(os.path.join(path, "iter_0000004"), what, sentinels[name])
-        cases.append((name, "tp2", path, flags, None, False))
+    for what in FORGED:
+        for entry, flags in ENTRIES.items():
+            name = f"forged {what} at {entry}"
+            path = _copy(root, "tp2", os.path.join(tmp, name.replace(" ", "_")))
+            sentinels[name] = os.path.join(tmp, f"{name.replace(' ', '_')}.ran")
+            _tamper(os.path.join(path, "iter_0000004"), what, sentinels[name])
+            cases.append((name, "tp2", path, flags, None, False))
+    for name, flags in (("zip signature", {}), ("zip signature fallback", dict(ckpt_fallback_on_corruption=True))):
+        path = _copy(root, "tp2", os.path.join(tmp, name.replace(" ", "_")))  # --ckpt-verify off: torch parses it
+        named[name] = _flip_zip_signature(os.path.join(path, "iter_0000004"))
+        cases.append((name, "tp2", path, flags, None, name.endswith("fallback")))
     results = run_ranks(_load_world, 2, cases, timeout=600)
     return results, named, sentinels
 
@@ -275,19 +319,45 @@ def test_fallback_loads_the_previous_checkpoint_and_resumes_bit_identically(save
     assert results[-1][f"{name} fallback"]["losses"] == expected
 
 
-@pytest.mark.parametrize("name", ["tampered common", "tampered rng verified", "tampered rng"])
-def test_a_file_that_would_run_code_is_refused_and_nothing_runs(loads, name):
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("what", FORGED)
+def test_a_forged_file_is_refused_at_every_load_and_nothing_runs(loads, what, entry):
+    """--load, --ckpt-verify, --finetune: a forged .metadata, common.pt or byte item is refused by
+    name on every rank (exit 2: a ConfigError) and its command never runs; --finetune never reads
+    the RNG state, so a forged one is not read at all."""
     results, _, sentinels = loads
-    where = r"common\.pt" if "common" in name else r"__0_0\.distcp bytes \d+\.\.\d+"
+    name = f"forged {what} at {entry}"
+    assert not os.path.exists(sentinels[name]), "the pickle ran"
+    if (what, entry) == ("rng", "finetune"):
+        assert [out[name].get("loaded") for out in results] == [4, 4], results[0][name]
+        return
     for rank, out in enumerate(results):
         error = out[name].get("error", "")
         assert re.search(
-            rf"unsafe checkpoint file: \S*/iter_0000004/{where} holds objects a checkpoint never "
-            rf"holds .*may have been tampered with",
+            rf"unsafe checkpoint file: \S*/iter_0000004/{_where(what)} holds objects a checkpoint never "
+            rf"holds \((Unsupported global: )?GLOBAL (operator\.itemgetter|posix\.system)\).*may have been tampered with",
             error,
         ), (rank, out[name])
-        assert "weights_only" not in error and "GLOBAL" in error, error
-    assert not os.path.exists(sentinels[name]), "the pickle ran"
+        assert "weights_only" not in error, error
+
+
+def test_a_flipped_zip_signature_is_damage_and_falls_back_without_verification(saved, loads):
+    """--ckpt-fallback-on-corruption alone: a tensor item whose zip signature is flipped is named
+    damage (not possible tampering), with the file, byte range and reason; the fallback loads
+    iteration 2 and resumes exactly."""
+    _, reference = saved
+    results, named, _ = loads
+    file, start, end = named["zip signature"]
+    needle = rf"damaged checkpoint file \(bad zip signature 0a4b0304, .*\): \S*/iter_0000004/{re.escape(file)} bytes {start}\.\.{end}"
+    for rank, out in enumerate(results):
+        error = out["zip signature"].get("error", "")
+        assert re.search(needle, error) and "--ckpt-fallback-on-corruption" in error, (rank, out["zip signature"])
+        assert out["zip signature fallback"].get("loaded") == 2, (rank, out["zip signature fallback"])
+    (warning,) = [
+        x for out in results for x in out["zip signature fallback"]["log"] if x.startswith("WARNING: damaged")
+    ]
+    assert re.search(needle, warning), warning
+    assert results[-1]["zip signature fallback"]["losses"] == reference["tp2"][2:]
 
 
 # ----------------------------------------------------------------------------- the converter
@@ -319,3 +389,63 @@ def test_converter_refuses_a_damaged_or_tampered_checkpoint_naming_the_file(save
     assert not os.path.exists(sentinel) and "weights_only" not in err
     if how == "damaged shard":
         assert re.search(needle, err).groups() == (str(start), str(end))
+
+
+# ----------------------------------------------------------------------------- the tools
+
+
+def _tool_world(rank: int, world_size: int, cases: list[tuple]) -> dict:
+    """Each case: (name, tool, argv); what the tool's main returned and wrote to stderr. One rank:
+    tools/generate.py joins the world the test forked instead of making its own."""
+    from tools import convert_checkpoint, generate
+
+    out = {}
+    for name, tool, argv in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = (generate if tool == "generate" else convert_checkpoint).main(argv)
+        out[name] = (rc, err.getvalue())
+        destroy_parallel_context()  # generate built one for its model
+    return out
+
+
+@pytest.fixture(scope="module")
+def tool_runs(saved, tmp_path_factory):
+    """tools/generate.py and tools/convert_checkpoint.py (megatron-to-hf) on a copy with each file forged."""
+    pytest.importorskip("safetensors")
+    root, _ = saved
+    tmp = str(tmp_path_factory.mktemp("tools"))
+    cases, sentinels = [], {}
+    for what in FORGED:
+        for tool in ("generate", "convert"):
+            name = f"{tool} {what}"
+            path = _copy(root, "tp2", os.path.join(tmp, name.replace(" ", "_")))
+            sentinels[name] = os.path.join(tmp, f"{name.replace(' ', '_')}.ran")
+            _tamper(os.path.join(path, "iter_0000004"), what, sentinels[name])
+            argv = (
+                ["--load", path, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--greedy"]
+                if tool == "generate"
+                else ["megatron-to-hf", "--load", path, "--hf-dir", os.path.join(tmp, f"{name}.hf")]
+            )
+            cases.append((name, tool, argv))
+    return run_ranks(_tool_world, 1, cases, timeout=300)[0], sentinels
+
+
+@pytest.mark.parametrize("tool", ["generate", "convert"])
+@pytest.mark.parametrize("what", FORGED)
+def test_the_tools_refuse_a_forged_file_and_nothing_runs(tool_runs, what, tool):
+    """A forged .metadata or common.pt is refused by name, exit 2; the tools read tensors only, so a
+    forged byte item is never unpickled (exit 0). Never does the command run."""
+    results, sentinels = tool_runs
+    rc, err = results[f"{tool} {what}"]
+    assert not os.path.exists(sentinels[f"{tool} {what}"]), "the pickle ran"
+    if what in ("rng", "extra state"):
+        assert rc == 0, err
+        return
+    assert rc == 2, err
+    assert re.search(
+        rf"error: --load \S+: unsafe checkpoint file: \S*/iter_0000004/{_where(what)} holds objects a "
+        rf"checkpoint never holds .*may have been tampered with",
+        err,
+    ), err
+    assert "weights_only" not in err and "Traceback" not in err, err
