@@ -29,13 +29,15 @@ Per rank of pipeline rank r:
   shards over DP x CP. Measured exactly at c = 1, 2, 4 (tests/distributed/test_cp_memory.py).
 - **Temporaries outside autograd** (stated, not measured): the fp32 logits and the cross-entropy's
   fp32 temporaries on the last stage (2 x 4 bytes x vocabulary / TP per token), the sequence-parallel
-  all-gather buffer (2 x hidden x dtype per token: the forward's gather and the backward's re-gather),
+  buffers (2 x hidden x dtype per token: the gather buffer all SP linears share, and one full-sequence
+  tensor beside it, e.g. a column-parallel backward's input gradient before its reduce-scatter),
   and the received P2P buffers of one micro-batch (hidden / SP x dtype per token, twice).
 - **Margin** (stated): ``MARGIN_FIXED_GIB`` for the CUDA context, NCCL's buffers and the DDP
   communication buckets, plus ``MARGIN_FRACTION`` of the rest for allocator fragmentation.
 
 What the calibration validates (tests/distributed/test_memory_model.py): the saved-for-backward
-bytes and the state bytes per rank on CPU runs, within 5%; not the temporaries, nor the margin.
+bytes and the state bytes per rank on CPU runs, within 5%; not the temporaries (but the SP buffers:
+test_memory_terms.py, which also runs stage 0's W after a later forward), nor the margin.
 """
 
 from __future__ import annotations
