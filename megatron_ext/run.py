@@ -50,6 +50,7 @@ from megatron_ext.pipeline.names import splits_backward
 from megatron_ext.pipeline.runtime import ScheduleRuntime, attach_schedule_runtime
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.straggler import StragglerDetector
+from megatron_ext.training.grad_norm import maybe_apply_unit_grad_norm
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import build_optimizer, build_scheduler, get_schedule_lr_range
@@ -158,6 +159,7 @@ def build_model_and_optimizer(
         for chunk in model:
             apply_optimizer_state_offset_fix(chunk)
     optimizer = build_optimizer(cfg, model, device)
+    maybe_apply_unit_grad_norm(optimizer, model, ctx.pp_size, ctx.tp_rank)  # the norm whatever the placement
     configure_model_hooks(model, optimizer)
     return model, optimizer
 
