@@ -46,7 +46,9 @@ from megatron_ext.checkpoint.reader import (
     DAMAGED,
     ChecksumMismatch,
     UnsafeCheckpointFile,
+    VerifyingFileSystemReader,
     describe_unsafe,
+    find_named_failure,
     read_common,
 )
 from megatron_ext.config import ConfigError
@@ -206,10 +208,11 @@ def read_megatron_lm_common(ckpt_dir: str) -> dict[str, Any]:
         raise ChecksumMismatch(f"{DAMAGED}: {path} cannot be read ({' '.join(str(err).split())[:160]})") from None
 
 
-def read_sharded_object(ckpt_dir: str, key: str) -> Any:
+def read_sharded_object(ckpt_dir: str, key: str, allowed: list[Any] | tuple = ()) -> Any:
     """One small ShardedObject of a ``torch_dist`` checkpoint (e.g. the distributed optimizer's
     ``per_bucket_numel_unpadded``) by its stored key, read in this process through torch's
-    weights-only unpickler; KeyError when the checkpoint has no such item."""
+    weights-only unpickler (``allowed``: classes it may rebuild besides tensors and containers);
+    KeyError when the checkpoint has no such item."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -221,7 +224,8 @@ def read_sharded_object(ckpt_dir: str, key: str) -> Any:
         data = f.read(info.length)
     try:
         # megatron-core stores a ShardedObject's data as a one-element list (strategies/torch.py)
-        (value,) = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(allowed)):
+            (value,) = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         where = f"{path} bytes {info.offset}..{info.offset + info.length}"
         raise UnsafeCheckpointFile(describe_unsafe(where, err, verified=False)) from None
@@ -331,3 +335,29 @@ def describe_save_beside(save: str | None) -> str | None:
         f"from ours) and its {TRACKER_FILE} is left as it is ({kept}), so Megatron-LM still resumes from its "
         f"own; --load {save} resumes the newest of both here"
     )
+
+
+# ----------------------------------------------------------------------------- tools
+
+
+def read_megatron_lm_weights(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """{checkpoint key: full tensor} of the model's weights (not the optimizer's, RNG or extra
+    state), read whole in this process without a process group (for tools), through our reader
+    (every shard's size checked: ``reader.VerifyingFileSystemReader``; Megatron-LM records no checksums).
+    Layer-stacked keys (``decoder.layers.*``) have the global layer index as dimension 0."""
+    from torch.distributed import checkpoint as dcp
+
+    reader = VerifyingFileSystemReader(ckpt_dir)
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in reader.read_metadata().state_dict_metadata.items()
+        if hasattr(md, "size") and not key.startswith(("optimizer.", "rng_state"))
+    }
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except BaseException as err:  # torch's CheckpointException (a BaseException) wraps the reader's
+        found = find_named_failure(err)
+        if found is None:
+            raise
+        raise found from None
+    return state

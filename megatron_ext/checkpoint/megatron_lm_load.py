@@ -359,7 +359,7 @@ def describe_load(plan: ForeignLoad, ctx: ParallelContext, cfg) -> str:
         what = f"{position}; {optimizer}"
     verify = " (--ckpt-verify has nothing to compare with)" if cfg.checkpoint.ckpt_verify else ""
     return (
-        f"loaded Megatron-LM checkpoint {ckpt.path} at iteration {0 if plan.weights_only else ckpt.iteration} "
+        f"loaded Megatron-LM checkpoint {ckpt.path} at iteration {0 if plan.weights_only else plan.common['iteration']} "
         f"({saved}, padded vocabulary {args.padded_vocab_size}; {what}; {'; '.join(plan.notes)}; {UNVERIFIED}{verify})"
     )
 
@@ -394,7 +394,7 @@ def _load_one(parts: CheckpointParts, ctx: ParallelContext, ckpt: MegatronLMChec
         restore_parts(parts, ctx, plan, loaded)
     if ctx.is_logging_rank:
         log(describe_load(plan, ctx, parts.cfg))
-    return 0 if plan.weights_only else ckpt.iteration
+    return 0 if plan.weights_only else int(common["iteration"])
 
 
 def load_megatron_lm_parts(

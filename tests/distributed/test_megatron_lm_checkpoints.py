@@ -365,3 +365,62 @@ def test_the_entry_point_continues_megatron_lms_run_and_saves_beside_it(tmp_path
     assert {k: after[k] for k in theirs} == theirs  # every file of Megatron-LM's, its tracker included
     with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == "1"
+
+
+# ----------------------------------------------------------------------------- the converter
+
+
+def _converted(rank: int, world_size: int, root: str) -> dict:
+    from tools.convert_checkpoint import convert_megatron_lm_to_megatron, convert_megatron_to_hf
+
+    case, logs = "tp2pp2_dp_reshardable", []
+    convert_megatron_lm_to_megatron(os.path.join(DATA, case), os.path.join(root, "ours"), log=logs.append)
+    convert_megatron_to_hf(os.path.join(DATA, case), os.path.join(root, "hf"), log=logs.append)
+    run, load_logs, iteration = _load(_flags(case, os.path.join(root, "ours"), os.path.join(root, "cache"), 1, 1))
+    return {**_summary(run, load_logs, iteration, case), "logs": logs}
+
+
+def test_the_converter_takes_megatron_lm_checkpoints_to_ours_and_to_hugging_face(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (r,) = run_ranks(_converted, 1, str(tmp_path))
+    assert r["logits_error"] <= TOLERANCE and r["padded_vocab"] == 512  # ours, at TP1, keeps its 512 rows
+    assert r["iteration"] == 0 and "load it with: --load" in "\n".join(r["logs"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
+    tokens, _ = REF.get_fixed_input()
+    with torch.no_grad():
+        logits = model(tokens).logits  # [2, 16, 300]: the tokenizer's ids, the padding rows dropped
+    expected = _reference("tp2pp2_dp_reshardable")["logits"][..., :300]
+    assert logits.shape == expected.shape and (logits - expected).abs().max().item() <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- damage
+
+
+def _damaged(rank: int, world_size: int, root: str, cache: str) -> dict:
+    out = {}
+    try:
+        _load(_flags("tp1_non_distributed", root, cache, 1, 1))
+    except ConfigError as err:
+        out["refused"] = str(err)
+    destroy_parallel_context()
+    run, logs, iteration = _load(_flags("tp1_non_distributed", root, cache, 1, 1, "--ckpt-fallback-on-corruption"))
+    out["fallback"] = {**_summary(run, logs, iteration, "tp1_non_distributed"), "logs": logs}
+    return out
+
+
+def test_a_damaged_checkpoint_falls_back_only_to_one_the_tracker_named(tmp_path):
+    root = str(tmp_path / "run")
+    shutil.copytree(os.path.join(DATA, "tp1_non_distributed"), root, ignore=shutil.ignore_patterns("reference.pt"))
+    for it in (3, 5):  # 3: named by the tracker, its shard cut short; 5: newer than the tracker, whole
+        shutil.copytree(os.path.join(root, "iter_0000001"), os.path.join(root, f"iter_000000{it}"))
+    shard = os.path.join(root, "iter_0000003", "__0_0.distcp")
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    (r,) = run_ranks(_damaged, 1, root, str(tmp_path / "cache"))
+    assert "damaged checkpoint file (truncated)" in r["refused"] and shard in r["refused"], r["refused"]
+    assert "--ckpt-fallback-on-corruption" in r["refused"]
+    fallback = r["fallback"]
+    assert fallback["logits_error"] <= TOLERANCE and fallback["state"] == (1, 8)
+    assert f"{root}/iter_0000001 at iteration 1" in fallback["line"], fallback["line"]
+    assert any("--ckpt-fallback-on-corruption: trying iter_0000001" in line for line in fallback["logs"])

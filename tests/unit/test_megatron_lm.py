@@ -357,3 +357,35 @@ def test_the_moments_megatron_lm_saved_are_the_ones_it_held(case):
             saved = stored[f"optimizer.state.{which}.{key}"]
             got = _stats(saved if layer is None else saved[layer])
             assert got == pytest.approx(moments[which], rel=1e-9, abs=1e-12), (name, which)
+
+
+def test_megatron_lms_random_number_states_are_restored_as_its_load_restores_them(monkeypatch):
+    # the states loaded only on CUDA (decide_rng); here torch.cuda.set_rng_state is recorded, not run,
+    # and everything else is restored for real: Python's, NumPy's and torch's generators, the tracker
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    from megatron_ext.checkpoint.megatron_lm import get_rng_safe_globals, read_sharded_object
+    from megatron_ext.checkpoint.megatron_lm_load import set_megatron_lm_rng_state
+
+    ckpt = os.path.join(DATA, "tp1_non_distributed", "iter_0000001")
+    (state,) = read_sharded_object(ckpt, "rng_state/shard_0.0_1.1", get_rng_safe_globals())
+    before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, *a, **k: cuda.append(s))
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    try:
+        set_megatron_lm_rng_state([state], dp_rank=0, data_parallel_random_init=False)
+        assert random.getstate() == state["random_rng_state"]
+        np_state = np.random.get_state()
+        assert np_state[0] == state["np_rng_state"][0] and (np_state[1] == state["np_rng_state"][1]).all()
+        assert torch.equal(torch.get_rng_state(), state["torch_rng_state"])
+        assert len(cuda) == 1 and torch.equal(cuda[0], state["cuda_rng_state"])
+        assert sorted(tracker.get_states()) == sorted(state["rng_tracker_states"]) != []
+    finally:
+        random.setstate(before[0])
+        np.random.set_state(before[1])
+        torch.set_rng_state(before[2])
+        tracker.reset()
