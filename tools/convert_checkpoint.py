@@ -283,6 +283,7 @@ def convert_megatron_lm_to_megatron(load: str, save: str, log: Callable[[str], N
     from megatron_ext.checkpoint.megatron_lm_args import get_megatron_lm_tokenizer_identity
     from megatron_ext.checkpoint.reader import NAMED_ERRORS, VerifyingTorchDistLoadStrategy
     from megatron_ext.checkpoint.state import build_model_sharded_state_dict
+    from megatron_ext.checkpoint.unpickler import allowing
 
     check_empty_save_dir(save)
     selection = select_load(load)
@@ -296,7 +297,7 @@ def convert_megatron_lm_to_megatron(load: str, save: str, log: Callable[[str], N
     def save_chunk(chunk, cfg) -> str:
         metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         try:
-            with torch.serialization.safe_globals(get_common_safe_globals()):
+            with allowing(get_common_safe_globals()):
                 # nested: the load returns common.pt's items beside it (Megatron-LM's args, optimizer)
                 request = {"model": chunk.sharded_state_dict(prefix="", metadata=metadata)}
                 loaded = dist_checkpointing.load(request, ckpt.path, VerifyingTorchDistLoadStrategy())["model"]

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import os
-import pickle
 import signal
 from typing import Any
 
@@ -43,14 +41,12 @@ from megatron_ext.checkpoint.listing import (
 )
 from megatron_ext.checkpoint.reader import (
     COMMON_FILE,
-    DAMAGED,
-    ChecksumMismatch,
-    UnsafeCheckpointFile,
     VerifyingFileSystemReader,
-    describe_unsafe,
     find_named_failure,
+    load_torch_archive,
     read_common,
 )
+from megatron_ext.checkpoint.unpickler import allowing
 from megatron_ext.config import ConfigError
 
 METADATA_FILE = "metadata.json"  # megatron-core's dist-checkpoint marker: {"sharded_backend": "torch_dist", ...}
@@ -195,17 +191,12 @@ def get_rng_safe_globals() -> list[Any]:
 
 
 def read_megatron_lm_common(ckpt_dir: str) -> dict[str, Any]:
-    """A Megatron-LM checkpoint's ``common.pt`` through torch's weights-only unpickler, with
-    ``get_common_safe_globals`` allowed for this read only. UnsafeCheckpointFile for anything else in
-    it (nothing in it ran); ChecksumMismatch (``DAMAGED``) when it cannot be read."""
-    path = os.path.join(ckpt_dir, COMMON_FILE)
-    try:
-        with torch.serialization.safe_globals(get_common_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointFile(describe_unsafe(path, err, verified=False)) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise ChecksumMismatch(f"{DAMAGED}: {path} cannot be read ({' '.join(str(err).split())[:160]})") from None
+    """A Megatron-LM checkpoint's ``common.pt`` through the allowlist of our reads
+    (``reader.read_common``) widened by ``get_common_safe_globals`` for this read only.
+    UnsafeCheckpointFile for anything else in it (nothing in it ran); ChecksumMismatch (``DAMAGED``)
+    when it cannot be read."""
+    with allowing(get_common_safe_globals()):
+        return read_common(ckpt_dir, verified=None)
 
 
 def read_sharded_object(ckpt_dir: str, key: str, allowed: list[Any] | tuple = ()) -> Any:
@@ -222,13 +213,8 @@ def read_sharded_object(ckpt_dir: str, key: str, allowed: list[Any] | tuple = ()
     with open(path, "rb") as f:
         f.seek(info.offset)
         data = f.read(info.length)
-    try:
-        # megatron-core stores a ShardedObject's data as a one-element list (strategies/torch.py)
-        with torch.serialization.safe_globals(list(allowed)):
-            (value,) = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        where = f"{path} bytes {info.offset}..{info.offset + info.length}"
-        raise UnsafeCheckpointFile(describe_unsafe(where, err, verified=False)) from None
+    with allowing(allowed):  # megatron-core stores a ShardedObject's data as a one-element list
+        (value,) = load_torch_archive(data, f"{path} bytes {info.offset}..{info.offset + info.length}", None)
     return value
 
 

@@ -56,6 +56,7 @@ from megatron_ext.checkpoint.reader import (
     VerifyingTorchDistLoadStrategy,
     find_named_failure,
 )
+from megatron_ext.checkpoint.unpickler import allowing
 from megatron_ext.config import ConfigError
 from megatron_ext.optim import apply_flag_settings, load_scheduler_state
 from megatron_ext.parallel import ParallelContext
@@ -376,13 +377,13 @@ def _load_one(parts: CheckpointParts, ctx: ParallelContext, ckpt: MegatronLMChec
     in_buckets = plan.load_optimizer and plan.sharding == SAME_LAYOUT_ONLY
     if in_buckets:
         check_bucket_layout(parts, plan)
-    # megatron-core's load reads common.pt again, with torch's default (weights-only) unpickler: its
-    # classes allowed for the load only, and NumPy's where the RNG states (NumPy's among them) are read
+    # megatron-core's load reads common.pt again, and the byte items, through our allowlist: its
+    # classes allowed for this load only, and NumPy's where the RNG states (NumPy's among them) are read
     allowed = get_common_safe_globals() + (get_rng_safe_globals() if plan.restore_rng else [])
     with megatron_bucket_sizes(parts.optimizer) if in_buckets else contextlib.nullcontext():
         state = build_state(parts, ctx, plan)
         try:
-            with torch.serialization.safe_globals(allowed):
+            with allowing(allowed):
                 loaded = dist_checkpointing.load(state, ckpt.path, sharded_strategy=VerifyingTorchDistLoadStrategy())
         except BaseException as err:  # torch's CheckpointException is a BaseException, raised on every rank
             found = find_named_failure(err)

@@ -32,7 +32,7 @@ from megatron_ext.checkpoint.megatron_lm_args import (
     map_megatron_lm_args,
 )
 from megatron_ext.checkpoint.megatron_lm_load import check_optimizer_form, decide_rng, describe_stream_difference
-from megatron_ext.checkpoint.reader import UnsafeCheckpointFile
+from megatron_ext.checkpoint.reader import UnsafeCheckpointFile, read_common
 from megatron_ext.config import ConfigError, build_job_config
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "megatron_lm")
@@ -247,6 +247,9 @@ def test_common_pt_is_read_with_only_megatron_lms_own_classes_allowed(tmp_path):
     torch.save(common, path)
     with pytest.raises(UnsafeCheckpointFile, match="may have been tampered with"):
         read_megatron_lm_common(os.path.dirname(path))
+    # Megatron-LM's classes are allowed for its checkpoints' reads only: ours never hold a Namespace
+    with pytest.raises(UnsafeCheckpointFile, match="argparse.Namespace"):
+        read_common(os.path.join(DATA, "tp1_fully_reshardable", "iter_0000001"))
 
 
 # ----------------------------------------------------------------------------- what a load takes
