@@ -329,6 +329,22 @@ def _weights_only(rank: int, world_size: int, cache: str) -> dict:
         out[name] = _summary(run, logs, iteration, case)
         out[name]["adam"] = sum(len(opt.optimizer.state) for opt in run.optimizer.chained_optimizers)
         destroy_parallel_context()
+    try:  # a mapped setting that differs from its own: the usual named error, before anything is read
+        _load(
+            _flags(
+                "tp1_fully_reshardable",
+                os.path.join(DATA, "tp1_fully_reshardable"),
+                cache,
+                1,
+                1,
+                "--norm-epsilon",
+                "1e-6",
+                "--num-query-groups",
+                "4",
+            )
+        )
+    except ConfigError as err:
+        out["refused"] = err.problems
     return out
 
 
@@ -340,6 +356,9 @@ def test_release_and_finetune_load_the_weights_only(tmp_path):
         assert r[name]["scheduler"]["num_steps"] == 0
     assert "weights only (a release checkpoint)" in r["release"]["line"]
     assert "weights only (--finetune)" in r["finetune"]["line"]
+    # Megatron-LM's layernorm_epsilon is our --norm-epsilon (a warned setting); num_query_groups a shape
+    (problem,) = r["refused"]
+    assert "--group-query-attention/--num-query-groups (key/value heads): the checkpoint was saved with 2" in problem
 
 
 # ----------------------------------------------------------------------------- the entry point
