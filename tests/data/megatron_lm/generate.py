@@ -6,7 +6,8 @@ indexed corpus beside this file, one ``train_step`` and ``save_checkpoint``, in 
 gloo processes. Beside each checkpoint it records what a loader must reproduce, from Megatron-LM's
 memory at the save (``reference.pt``): the logits of a fixed input (fp32, gathered over TP), each
 parameter's Adam moments as statistics per (pipeline rank, TP rank, parameter), the next global
-batch Megatron-LM's data iterator yields, the iteration and consumed samples. The README lists
+batch Megatron-LM's data iterator yields, the iteration and consumed samples; after the save, its own
+next step on that batch (loss, grad norm). The README lists
 the stand-ins for CUDA this needs; none changes what is computed or written.
 
     python tests/data/megatron_lm/generate.py --megatron-lm /path/to/Megatron-LM [--case NAME]
