@@ -137,6 +137,12 @@ def decide_rng(common: dict[str, Any], ctx: ParallelContext, ckpt: MegatronLMChe
     return None
 
 
+def _data_names(data_path: list[str] | None) -> list[str]:
+    """--data-path's weights and prefixes by file name: a corpus moved to another directory (another
+    cluster, another checkout) is the same corpus; its files' contents are not compared."""
+    return [os.path.basename(str(entry)) for entry in data_path or []]
+
+
 def describe_stream_difference(args: Any, cfg) -> str:
     """One line: whether this run's samples after the resume are the ones megatron-core's GPTDataset
     gives Megatron-LM at the checkpoint's consumed samples (with these data flags), or which of our
@@ -156,7 +162,11 @@ def describe_stream_difference(args: Any, cfg) -> str:
             ("--seed", "seed", cfg.training.seed),
         )
         if hasattr(args, name)
-        and (list(getattr(args, name) or []) if name == "data_path" else getattr(args, name)) != value
+        and (
+            _data_names(getattr(args, name)) != _data_names(value)
+            if name == "data_path"
+            else getattr(args, name) != value
+        )
     ]
     start = f"samples from {args.consumed_train_samples} on"
     if ours or changed:
