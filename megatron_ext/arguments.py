@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import os
 import re
+import sys
 import tomllib
 import types
 import typing
@@ -31,7 +32,9 @@ from megatron_ext.config import (
     TrainingConfig,
     build_job_config,
 )
+from megatron_ext.data.tokenizer_flags import infer_tokenizer_type
 from megatron_ext.derived import precision_name
+from megatron_ext.megatron_argv import read_split, rejoin_word_split_values
 from megatron_ext.megatron_flags import (
     MEGATRON_FLAG_NAMES,
     add_megatron_flags,
@@ -273,10 +276,14 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
 
 
 def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig, list[str]]:
-    """``parse_args``, plus the start-up warnings: Megatron-LM flags accepted without effect
-    (``megatron_flags.py``; the refused ones raise one ConfigError), settings adjusted as Megatron-LM
-    adjusts them, and compiled or graphed layers facing many padded lengths (``get_shape_notes``)."""
+    """``parse_args``, plus the start-up warnings: a tokenizer type inferred as Megatron-LM's
+    ``pretrain_gpt.py`` infers it (``infer_tokenizer_type``), Megatron-LM flags accepted without effect
+    (``megatron_flags.py``; the refused ones raise one ConfigError, with a value bash split into words:
+    ``megatron_argv.py``), settings adjusted as Megatron-LM adjusts them, and compiled or graphed
+    layers facing many padded lengths (``get_shape_notes``)."""
     parser = build_parser()
+    # Megatron-LM scripts' argv as bash passes it (megatron_argv.py): a value bash split is one error
+    argv, split_values = rejoin_word_split_values(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
     values: dict[str, Any] = {}
     if ns.config:
@@ -284,12 +291,18 @@ def parse_args_with_notes(argv: Sequence[str] | None = None) -> tuple[JobConfig,
     for name, value in vars(ns).items():
         if name != "config" and value is not None:
             values[name] = value
+    if isinstance(values.get("split"), str):
+        values["split"] = read_split(values["split"])  # '99,1,0', quotes kept by bash: as Megatron-LM reads it
+    inferred = [note for note in [infer_tokenizer_type(values)] if note]
     megatron_flags = pop_megatron_flags(values)
-    cfg = build_job_config(values)
+    try:
+        cfg = build_job_config(values)
+    except ConfigError as err:  # reported with the split value's problem, all at once
+        raise ConfigError(split_values + err.problems) from None
     notes, problems = judge_megatron_flags(megatron_flags, cfg)
-    if problems:
-        raise ConfigError(problems)
-    return cfg, notes + adjust_like_megatron(cfg) + get_shape_notes(cfg)
+    if split_values or problems:
+        raise ConfigError(split_values + problems)
+    return cfg, inferred + notes + adjust_like_megatron(cfg) + get_shape_notes(cfg)
 
 
 def _adjust_evaluation(t: TrainingConfig) -> list[str]:

@@ -109,6 +109,10 @@ class ParallelConfig:
         False,
         "Rehearse the job on this machine instead of running it (ours): for WORLD_SIZE ranks (required, as torchrun sets it; LOCAL_WORLD_SIZE ranks per node, else NPROC_PER_NODE, else 8), with no process group or GPU: every flag and the layout checked as a launch checks them, the process-group map (TP, PP, DP groups, each rank's node; a TP group across nodes is an error), each distinct model chunk built once on the meta device (parameters per rank, the embedding's and output layer's pipeline ranks, uneven splits), weight, gradient and optimizer-state bytes per rank (not activations), the samples each DP rank reads in its first step; prints a summary, exit status 0 when all holds, 2 otherwise (docs/planning.md).",
     )
+    gpu_memory_gib: float | None = _f(
+        None,
+        "With --rehearse (ours; tools/plan_layout.py's flag): the GPUs' memory in GiB. A predicted peak above it (the planner's memory model: state, activations at the schedule's peak, temporaries, margin) is an error naming the largest term, the cheapest change that keeps the layout and the planner's best layout for the world. Without it the prediction is printed only. Ignored without --rehearse.",
+    )
     device: str = _f(
         "auto",
         "Where ranks run (ours, not Megatron-LM's): auto (the local GPU when CUDA is available, else the CPU with gloo), cpu (force the CPU/gloo path even on a GPU machine) or cuda.",
@@ -129,6 +133,12 @@ class ModelConfig:
     num_attention_heads: int = _f(4, "Attention heads.")
     group_query_attention: bool = _f(False, "Use grouped-query attention (with --num-query-groups).")
     num_query_groups: int | None = _f(None, "Key/value head groups under --group-query-attention.")
+    kv_channels: int | None = _f(
+        None, "Dimension of each attention head (default --hidden-size / --num-attention-heads; Qwen3-0.6B: 128)."
+    )
+    qk_layernorm: bool = _f(
+        False, "A norm (--normalization) over each head's queries and keys, before RoPE (Qwen3; megatron-core's)."
+    )
     seq_length: int = _f(256, "Sequence length of a training sample.")
     max_position_embeddings: int | None = _f(
         None, "Positions of the learned absolute embedding (default: --seq-length)."
@@ -216,7 +226,7 @@ class DataConfig:
     )
     tokenizer_type: str = _f(
         "SentencePieceTokenizer",
-        "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer (a local tokenizer directory), GPT2BPETokenizer (--vocab-file, --merge-file) or TikTokenizer (Megatron's tiktoken .json; needs the tiktoken package).",
+        "NullTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (a sentencepiece model as Megatron-LM core_v0.16.1 reads the type), HuggingFaceTokenizer (a local tokenizer directory), GPT2BPETokenizer (--vocab-file, --merge-file; inferred from them when neither --tokenizer-type nor --tokenizer-model is given, as Megatron-LM's pretrain_gpt.py defaults to it) or TikTokenizer (Megatron's tiktoken .json; needs the tiktoken package).",
     )
     tokenizer_model: str | None = _f(
         None,
@@ -394,6 +404,10 @@ class TrainingConfig:
         100,
         "Ours: the applied steps whose largest loss is --skip-spiky-loss-factor's reference; the guard is armed once it holds that many (after a resume too).",
     )
+    check_weight_hash_across_dp_replicas_interval: int | None = _f(
+        None,
+        "Megatron-LM's: before the first step and every N steps (after the optimizer step, pending parameter all-gathers completed), compare an exact digest of every parameter across the data-parallel (x context-parallel) replicas; a mismatch stops the run with exit code 3, naming the iteration, the parameters, the ranks and the newest checkpoint at or before the last check that passed, which --keep-last keeps and an automatic restart resumes from (docs/failures.md). Off by default.",
+    )
     bf16: bool = _f(
         False,
         "bf16 mixed precision: bf16 weights and activations (megatron-core Float16Module), fp32 main parameters, gradients and loss. Runs on the CPU too, slowly.",
@@ -529,7 +543,7 @@ class CheckpointConfig:
     load: str | None = _f(None, "Directory to resume from (its newest complete checkpoint).")
     save_hf: bool = _f(
         False,
-        "Also write a Hugging Face model (ours) at the run's last save: <save>/hf/iter_XXXXXXX with config.json, safetensors shards (each pipeline stage its own, split over its TP ranks, with model.safetensors.index.json) and the tokenizer's files (a local HuggingFaceTokenizer directory's, copied; for a SentencePiece BPE model a tokenizer.json giving the same ids; a note naming the tokenizer otherwise), for Llama/Qwen2-style models (--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope). Loads with transformers' AutoModelForCausalLM.from_pretrained. The checkpoint is written first; an export that fails is a warning and training goes on.",
+        "Also write a Hugging Face model (ours) at the run's last save: <save>/hf/iter_XXXXXXX with config.json, safetensors shards (each pipeline stage its own, split over its TP ranks, with model.safetensors.index.json) and the tokenizer's files (a local HuggingFaceTokenizer directory's, copied; for a SentencePiece BPE model a tokenizer.json giving the same ids; a note naming the tokenizer otherwise), for Llama/Qwen2/Qwen3-style models (--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope). Loads with transformers' AutoModelForCausalLM.from_pretrained. The checkpoint is written first; an export that fails is a warning and training goes on.",
     )
     save_hf_interval: int | None = _f(
         None,

@@ -308,6 +308,12 @@ def get_num_query_groups(m: ModelConfig) -> int:
     return m.num_query_groups if m.group_query_attention and m.num_query_groups else m.num_attention_heads
 
 
+def get_kv_channels(m: ModelConfig) -> int:
+    """Each attention head's dimension: --kv-channels, else --hidden-size / --num-attention-heads
+    (megatron-core's default). Queries are heads x this wide, keys and values groups x this."""
+    return m.kv_channels or m.hidden_size // max(m.num_attention_heads, 1)
+
+
 def precision_name(bf16: bool, fp16: bool) -> str:
     """The training precision of the --bf16/--fp16 flags: bf16, fp16 or fp32."""
     return "bf16" if bf16 else "fp16" if fp16 else "fp32"

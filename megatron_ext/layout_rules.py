@@ -20,6 +20,7 @@ from megatron_ext.derived import (
     get_chunk_layer_counts,
     get_data_parallel_size,
     get_global_batch_size,
+    get_kv_channels,
     get_num_microbatches,
     get_running_global_batch_size,
     get_stage_placement,
@@ -396,8 +397,13 @@ def check_model(cfg: JobConfig, world_size: int) -> list[str]:
 def check_head_split(m: ModelConfig, tp: int) -> list[str]:
     """The hidden size over the heads, and the vocabulary, heads and query groups over TP."""
     out = []
-    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
-        out.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
+    if m.kv_channels is not None and m.kv_channels <= 0:
+        out.append(f"--kv-channels must be > 0 (each attention head's dimension), got {m.kv_channels}")
+    if m.kv_channels is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        out.append(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}: "
+            f"give each head's dimension with --kv-channels"
+        )
     if tp > 0 and m.make_vocab_size_divisible_by > 0 and m.make_vocab_size_divisible_by % tp:
         out.append(
             f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} is not divisible by "
@@ -469,15 +475,23 @@ def check_position_embeddings(m: ModelConfig) -> list[str]:
                 f"--rotary-percent must be in (0, 1] (the fraction of each head's dimensions RoPE rotates), "
                 f"got {m.rotary_percent}"
             )
-        elif m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0:
-            head = m.hidden_size // m.num_attention_heads
+        elif (
+            m.num_attention_heads > 0
+            and (m.kv_channels or 0) >= 0
+            and (m.kv_channels or m.hidden_size % m.num_attention_heads == 0)
+        ):
+            head = get_kv_channels(m)
             if head % 2 and int(head * m.rotary_percent) == head:
                 # megatron-core builds ceil(d / 2) frequency pairs: d + 1 rotated dimensions, a shape error
                 # mid-forward
+                given = (
+                    "--kv-channels"
+                    if m.kv_channels
+                    else f"--hidden-size {m.hidden_size} / --num-attention-heads {m.num_attention_heads}"
+                )
                 out.append(
                     f"--position-embedding-type rope rotates dimension pairs, but the head dimension "
-                    f"(--hidden-size {m.hidden_size} / --num-attention-heads {m.num_attention_heads}) "
-                    f"is {head}, odd: choose an even head dimension (or --rotary-percent below 1)"
+                    f"({given}) is {head}, odd: choose an even head dimension (or --rotary-percent below 1)"
                 )
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         out.append("--use-rope-scaling scales rotary embeddings: add --position-embedding-type rope")

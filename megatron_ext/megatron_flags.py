@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_ext.config import JobConfig
+from megatron_ext.megatron_moe_flags import MOE_FLAG_ROWS
 
 STORE_TRUE = None
 
@@ -56,17 +57,6 @@ def _one_of(accepted: dict[str, str | None], refusal: str) -> Callable:
         return None, refusal.format(value=value)
 
     return judge
-
-
-def _kv_channels(value, cfg):
-    m = cfg.model
-    per_head = m.hidden_size // m.num_attention_heads
-    if int(value) == per_head:
-        return None, None
-    return None, (
-        f"--kv-channels {value}: we use --hidden-size / --num-attention-heads = {per_head} per head; other "
-        f"head sizes are not supported"
-    )
 
 
 def _needs_rope(flag: str) -> Callable:
@@ -222,12 +212,6 @@ FLAGS = [
         "then); refused without it.",
     ),
     MegatronFlag(
-        "--kv-channels",
-        1,
-        _kv_channels,
-        "Accepted silently when it equals --hidden-size / --num-attention-heads; other head sizes refused.",
-    ),
-    MegatronFlag(
         "--attention-backend",
         1,
         _attention_backend,
@@ -271,6 +255,13 @@ FLAGS = [
         lambda value, cfg: (None, None),  # states what our saves do: silent
         "Accepted silently: our saves already write each replicated part from its main replica "
         "(data-parallel rank 0), which is what this selects in Megatron-LM.",
+    ),
+    MegatronFlag(
+        "--dist-ckpt-optim-fully-reshardable",
+        STORE_TRUE,
+        lambda value, cfg: (None, None),  # states what our saves do: silent
+        "Accepted silently: our saves always store the distributed optimizer's state fully_reshardable "
+        "(loadable at any TP x PP x VPP x DP), which is what this selects in Megatron-LM.",
     ),
     MegatronFlag(
         "--ckpt-assume-constant-structure",
@@ -330,16 +321,6 @@ FLAGS = [
         ),
         "Refused: overlapping tensor-parallel communication with the GEMMs needs Transformer Engine's "
         "userbuffers, which are not wired here.",
-    ),
-    MegatronFlag(
-        "--qk-layernorm",
-        STORE_TRUE,
-        _refuse(
-            "--qk-layernorm: a norm on the attention queries and keys is not supported yet (the layer spec, "
-            "checkpoints and the Hugging Face conversion lack it); leave it out"
-        ),
-        "Refused: a norm on the attention queries and keys is not supported yet (layer spec, checkpoints and "
-        "Hugging Face conversion lack it).",
     ),
     MegatronFlag(
         "--fp8-format",
@@ -456,6 +437,8 @@ FLAGS = [
         "Refused by name: use --reset-attention-mask --reset-position-ids (the same document masking) or --packed-sequences.",
     ),
 ]
+# Megatron-LM's mixture-of-experts flags: refused by name (megatron_moe_flags.py)
+FLAGS += [MegatronFlag(*row) for row in MOE_FLAG_ROWS]
 BY_DEST = {f.dest: f for f in FLAGS}
 MEGATRON_FLAG_NAMES = frozenset(f.flag for f in FLAGS)
 

@@ -137,6 +137,7 @@ def _check_positive(cfg: JobConfig) -> list[str]:
         ("lr_decay_samples", t),
         ("lr_wsd_decay_iters", t),
         ("lr_wsd_decay_samples", t),
+        ("check_weight_hash_across_dp_replicas_interval", t),
     ]
     rates = [
         ("lr", t),
@@ -205,7 +206,7 @@ def _check_keep_last(cfg: JobConfig) -> list[str]:
 
 
 def _check_hf_export(cfg: JobConfig) -> list[str]:
-    """--save-hf / --save-hf-interval: a --save to write beside, a model Hugging Face's Llama/Qwen2
+    """--save-hf / --save-hf-interval: a --save to write beside, a model Hugging Face's Llama/Qwen2/Qwen3
     can express (a GPT-2-style model has learned positions and LayerNorm: refused, not exported wrong),
     and safetensors to write it with."""
     c = cfg.checkpoint
@@ -221,7 +222,7 @@ def _check_hf_export(cfg: JobConfig) -> list[str]:
     problems = get_exportable_problems(args)
     if problems:
         out.append(
-            "--save-hf exports Llama/Qwen2-style models only (RMSNorm, SwiGLU, RoPE over the whole head, no "
+            "--save-hf exports Llama/Qwen2/Qwen3-style models only (RMSNorm, SwiGLU, RoPE over the whole head, no "
             f"linear biases but q/k/v): this model needs {'; '.join(problems)}; or drop --save-hf"
         )
     if importlib.util.find_spec("safetensors") is None:

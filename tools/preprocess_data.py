@@ -19,6 +19,12 @@ training refuses), SIGTERM or Ctrl-C leave no half-written dataset behind; each 
 before the renames (and the directory after them), so a power loss cannot leave an empty or
 truncated file where an earlier run's dataset was. ``--input`` may be gzipped
 (``corpus.jsonl.gz``, found by gzip's magic bytes; Megatron-LM's tool reads .gz too).
+
+``--tokenizer-type Llama2Tokenizer`` writes what Megatron-LM core_v0.16.1's tool writes: by default
+sentencepiece's ids alone (its default tokenizer system, megatron-core's), with
+``--legacy-tokenizer`` BOS first, as its legacy ``_Llama2Tokenizer.tokenize`` puts it (an empty
+document then holds BOS, and EOD with ``--append-eod``). Other types' legacy classes are not
+reproduced: ``--legacy-tokenizer`` is refused with them.
 """
 
 import argparse
@@ -42,7 +48,8 @@ quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings be
 
 from megatron_ext.checkpoint.directory import fsync_path  # noqa: E402
 from megatron_ext.data.indexed_check import TOKENIZER_RECORD_SUFFIX, build_tokenizer_record  # noqa: E402
-from megatron_ext.data.tokenizers import REFUSED_TYPES, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ext.data.tokenizer_flags import LLAMA2_TYPES, REFUSED_TYPES, TOKENIZER_TYPES  # noqa: E402
+from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from tools.train_tokenizer import check_input_path, is_gzip, iter_jsonl_lines, parse_jsonl_line  # noqa: E402
 
 
@@ -61,11 +68,12 @@ class PreprocessStats:
 class _Encoder:
     """Per-process tokenizer; ``encode`` turns one JSON line into ids for each key."""
 
-    def __init__(self, input_path, json_keys, tokenizer_args, append_eod):
+    def __init__(self, input_path, json_keys, tokenizer_args, append_eod, prepend_bos=False):
         self.input_path = input_path
         self.json_keys = list(json_keys)
         self.tokenizer_args = tokenizer_args
         self.append_eod = append_eod
+        self.prepend_bos = prepend_bos  # Megatron-LM's legacy Llama2Tokenizer: BOS first, even before nothing
         self.tokenizer = None
 
     def initialize(self) -> None:
@@ -82,6 +90,8 @@ class _Encoder:
                 ids = self.tokenizer.tokenize(text)
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from exc
+            if self.prepend_bos:
+                ids = [self.tokenizer.bos] + ids
             if ids and self.append_eod:
                 ids.append(self.tokenizer.eod)
             ids_per_key[key] = ids
@@ -223,13 +233,15 @@ def preprocess_data(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     tiktoken_options: dict | None = None,
+    legacy_tokenizer: bool = False,
 ) -> PreprocessStats:
-    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.{bin,idx}`` per key."""
+    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document.{bin,idx}`` per key
+    (``legacy_tokenizer``: Megatron-LM's --legacy-tokenizer, BOS first with Llama2Tokenizer)."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
     json_keys = list(json_keys)
-    _check_arguments(input_path, json_keys, workers)
+    _check_arguments(input_path, json_keys, workers, tokenizer_type, legacy_tokenizer)
     tokenizer_args = dict(
         tokenizer_type=tokenizer_type,
         tokenizer_model=tokenizer_model,
@@ -238,8 +250,13 @@ def preprocess_data(
         merge_file=merge_file,
         **(tiktoken_options or {}),  # tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens
     )
-    encoder = _Encoder(input_path, json_keys, tokenizer_args, append_eod)
+    encoder = _Encoder(input_path, json_keys, tokenizer_args, append_eod, prepend_bos=legacy_tokenizer)
     encoder.initialize()  # fail fast on tokenizer flags, and gives us the dtype
+    if legacy_tokenizer and encoder.tokenizer.bos < 0:
+        raise ValueError(
+            f"--legacy-tokenizer puts BOS first, but --tokenizer-model {tokenizer_model} defines no BOS piece "
+            f"(Megatron-LM would write id -1): leave --legacy-tokenizer out, or use a model with one"
+        )
     dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
 
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -263,7 +280,7 @@ def preprocess_data(
             _add_documents(encoded, builders, stats, dtype, bar, log_interval)
             bar.close()
             _check_not_empty(input_path, stats)
-            _finalize_tmp_files(builders, stats, encoder.tokenizer, tokenizer_model, append_eod)
+            _finalize_tmp_files(builders, stats, encoder, tokenizer_model)
             _replace_with_tmp_files(final_paths, os.path.dirname(os.path.abspath(output_prefix)))
         except BaseException:
             if bar is not None:
@@ -291,13 +308,12 @@ def _start_stats(output_prefix: str, json_keys: list[str]) -> tuple[PreprocessSt
     return stats, final_paths
 
 
-def _finalize_tmp_files(
-    builders: dict, stats: PreprocessStats, tokenizer, tokenizer_model: str | None, append_eod: bool
-) -> None:
+def _finalize_tmp_files(builders: dict, stats: PreprocessStats, encoder: _Encoder, tokenizer_model: str | None) -> None:
     """Each key's ``.idx.tmp`` and tokenizer record ``.tmp`` beside its ``.bin.tmp``."""
     for key, builder in builders.items():
         builder.finalize(stats.output_prefixes[key] + ".idx.tmp")
-        record = build_tokenizer_record(tokenizer.identity(), tokenizer_model, key, append_eod)
+        record = build_tokenizer_record(encoder.tokenizer.identity(), tokenizer_model, key, encoder.append_eod)
+        record["prepend_bos"] = encoder.prepend_bos
         with open(stats.output_prefixes[key] + TOKENIZER_RECORD_SUFFIX + ".tmp", "w") as f:
             json.dump(record, f, indent=1)
 
@@ -329,9 +345,17 @@ def _replace_with_tmp_files(final_paths: list[str], out_dir: str) -> None:
     fsync_path(out_dir)
 
 
-def _check_arguments(input_path: str, json_keys: list[str], workers: int) -> None:
+def _check_arguments(
+    input_path: str, json_keys: list[str], workers: int, tokenizer_type: str, legacy_tokenizer: bool
+) -> None:
     """ValueError naming the flag, before any work."""
     check_input_path(input_path)
+    if legacy_tokenizer and tokenizer_type not in LLAMA2_TYPES:
+        raise ValueError(
+            f"--legacy-tokenizer with --tokenizer-type {tokenizer_type}: only Llama2Tokenizer's legacy "
+            f"behaviour (BOS first) is reproduced here; leave it out (for SentencePieceTokenizer, Megatron-LM's "
+            f"legacy <EOD> and other added ids lie outside the model's vocabulary here: docs/running.md)"
+        )
     if not json_keys:
         raise ValueError("--json-keys is empty: name at least one key (default: text)")
     repeated = sorted({key for key in json_keys if json_keys.count(key) > 1})
@@ -405,6 +429,11 @@ def main(argv=None) -> None:
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer")
     group.add_argument("--tiktoken-special-tokens", nargs="*", default=None, help="TikTokenizer")
     group.add_argument("--append-eod", action="store_true", help="end each document with EOD")
+    group.add_argument(
+        "--legacy-tokenizer",
+        action="store_true",
+        help="Megatron-LM's legacy tokenizer system: with Llama2Tokenizer, BOS first in each document",
+    )
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")
@@ -431,6 +460,7 @@ def main(argv=None) -> None:
                 tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
                 tiktoken_special_tokens=args.tiktoken_special_tokens,
             ),
+            legacy_tokenizer=args.legacy_tokenizer,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -447,6 +477,11 @@ def main(argv=None) -> None:
             file=sys.stderr,
         )
         sys.exit(128 + signum)
+    if args.tokenizer_type in LLAMA2_TYPES and not args.legacy_tokenizer:
+        print(
+            "note: Llama2Tokenizer: no BOS before each document, as Megatron-LM core_v0.16.1's tool writes by "
+            "default (its --legacy-tokenizer puts BOS first: so does --legacy-tokenizer here)"
+        )
     for key, prefix in stats.output_prefixes.items():
         print(
             f"wrote {prefix}.bin/.idx/{TOKENIZER_RECORD_SUFFIX[1:]}: {stats.num_documents} documents, "

@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import JobConfig
+from megatron_ext.data.context_split import get_document_padding
 from megatron_ext.derived import precision_name, resolve_ffn_hidden_size
 
 # Settings that fix the shapes and meaning of the saved weights: (config field, flag).
@@ -22,6 +23,8 @@ MODEL_SHAPE_SETTINGS = (
     "num_attention_heads",
     "group_query_attention",
     "num_query_groups",
+    "kv_channels",  # compared resolved: None and hidden / heads are the same heads
+    "qk_layernorm",
     "normalization",
     "apply_layernorm_1p",  # the same weights mean another model with or without the 1
     "swiglu",
@@ -93,6 +96,34 @@ def check_compatible(
     return problems
 
 
+def get_document_pad_record(cfg: JobConfig) -> int:
+    """The g a run's packs are built with (a checkpoint records it as ``document_pad_multiple``)."""
+    return get_document_padding(cfg.data, cfg.parallel.context_parallel_size)
+
+
+def check_document_pad_multiple(saved: dict[str, Any], cfg: JobConfig) -> list[str]:
+    """A resume of packed documents at the checkpoint's --seq-length and --packing-strategy whose g
+    differs from the checkpoint's (a checkpoint without the record was packed with g = 1): g decides
+    the packs, so a resume at another CP keeps the checkpoint's g or is refused, naming the flag."""
+    args = saved.get("args", {})
+    same_packs = all(args.get(k) == v for k, v in cfg.to_flat_dict().items() if k in ("seq_length", "packing_strategy"))
+    if not (cfg.data.packed_sequences and args.get("packed_sequences") and same_packs):
+        return []  # other packs anyway (a changed --seq-length is warned about)
+    kept, g = int(saved.get("document_pad_multiple", 1)), get_document_pad_record(cfg)
+    if kept == g:
+        return []
+    c = cfg.parallel.context_parallel_size
+    allowed = [1] + [k for k in range(2, kept // 2 + 1) if kept % (2 * k) == 0]
+    fix = f"pass --document-pad-multiple {kept}"
+    if c not in allowed:
+        fix += f" with a --context-parallel-size in {allowed} (2 x CP must divide it)"
+    return [
+        f"--document-pad-multiple: the checkpoint's packed documents were padded to a multiple of {kept}, this "
+        f"run's to {g} (--context-parallel-size {c}); g decides the packs, so the samples after the resume would "
+        f"differ from an uninterrupted run's: {fix}, or --finetune to start the data over"
+    ]
+
+
 def check_same_tokenizer(
     saved: dict[str, Any] | None, current: dict[str, Any], whose: str = "this run uses"
 ) -> list[str]:
@@ -148,6 +179,8 @@ def effective_model_shape(args: dict[str, Any]) -> dict[str, Any]:
     heads = args.get("num_attention_heads")
     shape["num_query_groups"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
     shape["group_query_attention"] = None  # its meaning is in num_query_groups
+    if args.get("hidden_size") and heads:
+        shape["kv_channels"] = args.get("kv_channels") or args["hidden_size"] // heads
     return shape
 
 

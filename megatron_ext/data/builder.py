@@ -17,6 +17,7 @@ from typing import Any
 from megatron_ext.config import DataConfig, JobConfig, TrainingConfig
 from megatron_ext.data.batch_schedule import BatchSchedule, get_planned_samples
 from megatron_ext.data.blends import DataBlends, get_data_blends
+from megatron_ext.data.context_split import get_document_padding
 from megatron_ext.data.gpt_datasets import EodBoundaryDataset, build_gpt_datasets, parse_split
 from megatron_ext.data.packed_dataset import EodLossMask, build_blended_packed_datasets
 from megatron_ext.data.validation_sets import ValidationSet
@@ -65,7 +66,8 @@ def build_train_valid_datasets(
     blends = None if d.mock_data else get_data_blends(d)
     num_samples, unused = get_num_samples(t, global_batch_size, schedule), get_unused_splits(t)
     if uses_variable_lengths(d):
-        return build_document_datasets(d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, unused, log)
+        g = get_document_padding(d, cfg.parallel.context_parallel_size)
+        return build_document_datasets(d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, unused, log, g)
     if t.multiple_validation_sets and 1 not in unused:
         train_ds, _ = build_window_datasets(
             d, blends, tokenizer, cfg.model.seq_length, t.seed, num_samples, (1, 2), log
@@ -103,9 +105,11 @@ def build_document_datasets(
     num_samples: Sequence[int],
     unused_splits: Sequence[int],
     log: Callable[[str], None] | None = None,
+    pad_multiple: int = 1,
 ) -> tuple[Any, Any]:
     """(train, valid) samples of whole documents (``--packed-sequences``, or
-    ``--one-document-per-row``) from our document-aware index (``packed_dataset.py``)."""
+    ``--one-document-per-row``) from our document-aware index (``packed_dataset.py``), packed with
+    every document counted padded to a multiple of ``pad_multiple`` (g, --document-pad-multiple)."""
     strategy = d.packing_strategy if d.packed_sequences else "one_per_row"
     train_ds, valid_ds, _ = build_blended_packed_datasets(
         blends,
@@ -117,6 +121,7 @@ def build_document_datasets(
         d.data_cache_path,
         unused_splits=unused_splits,
         split_flag=d.split,
+        pad_multiple=pad_multiple,
     )
     if d.eod_mask_loss:
         train_ds, valid_ds = (None if ds is None else EodLossMask(ds, tokenizer.eod) for ds in (train_ds, valid_ds))
@@ -127,10 +132,19 @@ def build_document_datasets(
                 f"> {strategy} samples of {part.indexed.path_prefix}: {index.num_bins} of <= "
                 f"{seq_length} tokens from {len(index.piece_len)} document pieces | packing "
                 f"efficiency (real tokens / slots at --seq-length): {index.efficiency(seq_length):.3f}"
-                f" | this run reads {part.samples_read} of them, "
+                f"{describe_document_padding(index, pad_multiple)} | this run reads {part.samples_read} of them, "
                 f"{part.samples_read / max(index.num_bins, 1):.2f} epochs"
             )
     return train_ds, valid_ds
+
+
+def describe_document_padding(index: Any, pad_multiple: int) -> str:
+    """' | documents padded to a multiple of g: +x% tokens' (empty at g = 1)."""
+    if pad_multiple == 1:
+        return ""
+    real = max(int(index.piece_len.sum()), 1)
+    extra = int(index.padded_bin_lengths(pad_multiple).sum()) - real
+    return f" | documents padded to a multiple of --document-pad-multiple {pad_multiple}: +{100 * extra / real:.2f}% tokens"
 
 
 def build_window_datasets(

@@ -20,7 +20,7 @@ Token validity has one encoding: a label equal to IGNORE_INDEX predicts nothing 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -44,13 +44,22 @@ class Microbatch:
     whole documents, with ``cu_seqlens`` the document boundaries; the host copies of the
     boundaries and of the longest document are computed once here, so that no layer has to ask
     the device for them.
+
+    Under context parallelism (``cp_layout`` set; ``context_split.py``) the tensors hold this CP
+    rank's tokens: [b, s/c] unpacked, [1, t/c] packed, in the layout's local order, positions the
+    sliced global ones (per document when packed); ``cu_seqlens``, ``cu_seqlens_host`` and
+    ``max_seqlen`` stay the whole sequence's (after padding). The counters are then this rank's
+    LOCAL SHARE: ``num_real_tokens`` its real tokens (per-document pads and padding excluded), and
+    ``attention_pairs`` 2q + 1 per real token at offset q of its document (pads: 0); summed over the
+    CP group they equal the whole micro-batch's, so tokens/s and FLOPs are summed over DP x CP (the
+    loss's group), never over DP alone after multiplying (that would count them c times).
     """
 
-    tokens: torch.Tensor  # [b, s] int64
+    tokens: torch.Tensor  # [b, s] int64 ([b, s/c] or [1, t/c] under CP)
     labels: torch.Tensor  # [b, s] int64, IGNORE_INDEX where nothing is predicted
     position_ids: torch.Tensor  # [b, s] int64, restarting at 0 for each document when packed
-    num_real_tokens: int  # tokens before padding
-    attention_pairs: int  # sum over documents (packed) or rows of real length^2 (FLOP count)
+    num_real_tokens: int  # tokens before padding (under CP: this rank's share)
+    attention_pairs: int  # sum over documents (packed) or rows of real length^2 (FLOP count; CP: share)
     cu_seqlens: torch.Tensor | None = None  # [n + 1] int32 document boundaries (packed only)
     cu_seqlens_host: tuple[int, ...] | None = None  # the same boundaries on the host
     max_seqlen: int | None = None  # longest document, a Python int (kernels key caches on it)
@@ -128,17 +137,25 @@ def normalize_sample(sample: dict[str, Any]) -> Sample:
     return out
 
 
-def fetch_step_samples(dataset: Any, indices: list[list[int]], vocab_size: int | None = None) -> list[list[Sample]]:
+def fetch_step_samples(
+    dataset: Any,
+    indices: list[list[int]],
+    vocab_size: int | None = None,
+    check: Callable[[Sample, Any, int], None] | None = None,
+) -> list[list[Sample]]:
     """The step's samples for this rank, unpadded, grouped by micro-batch (indices wrap around).
     With ``vocab_size``, a token id outside the vocabulary is a ConfigError naming the file and
-    the documents it came from (instead of an IndexError inside the embedding)."""
+    the documents it came from (instead of an IndexError inside the embedding); ``check(sample,
+    dataset, index)`` raises its own error naming the sample (the CP layout's, ``context_split``)."""
     n = len(dataset)
     out = []
     for mb in indices:
         samples = [normalize_sample(dataset[i % n]) for i in mb]
-        if vocab_size is not None:
-            for i, s in zip(mb, samples):
+        for i, s in zip(mb, samples):
+            if vocab_size is not None:
                 check_token_ids(s, vocab_size, dataset, i % n)
+            if check is not None:
+                check(s, dataset, i % n)
         out.append(samples)
     return out
 

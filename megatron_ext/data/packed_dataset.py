@@ -10,6 +10,10 @@ document boundaries. A sample is one bin of whole documents (or pieces of over-l
 - ``position_ids`` [L] (restarting at 0 for each document);
 - ``cu_seqlens`` [n_docs + 1] int32: document boundaries (0, ..., L).
 
+With ``--document-pad-multiple g`` > 1 the packer counts every piece padded to a multiple of g (the
+index and its cache key depend on g; g = 1 keeps both exactly as they were), and the step-data
+collate pads the documents (``data/context_split.py``): samples stay unpadded here.
+
 With ``one_per_row`` each sample is one document (pieces of at most ``seq_length`` tokens), for
 batches of variable-length rows (SFT-like), without ``cu_seqlens``: a row is one causal sequence,
 its padding at the end.
@@ -196,9 +200,10 @@ def load_or_build_index(
     strategy: str,
     cache_dir: str | None,
     digest: str,
+    pad_multiple: int = 1,
 ) -> PackingIndex:
-    """The packing index of documents ``doc_range`` (``digest``: ``lengths_digest`` of their lengths);
-    cached on disk (``load_or_build_arrays``)."""
+    """The packing index of documents ``doc_range`` (``digest``: ``lengths_digest`` of their lengths),
+    pieces counted padded to a multiple of ``pad_multiple``; cached on disk (``load_or_build_arrays``)."""
     # the index is a function of the documents' lengths: keyed on them, a dataset preprocessed again
     # into the same prefix gets a new index (a stale one read a shorter corpus without a word)
     key = {
@@ -209,17 +214,17 @@ def load_or_build_index(
         "strategy": strategy,
         "v": 1,
         "lengths": digest,
-    }
+    } | get_pad_key(pad_multiple)
     path = _cache_path(prefix, cache_dir, key)
 
     def build() -> dict[str, np.ndarray]:
         ids = np.arange(*doc_range, dtype=np.int64)
-        index = _build(ids, doc_lengths[doc_range[0] : doc_range[1]], seq_length, strategy)
+        index = _build(ids, doc_lengths[doc_range[0] : doc_range[1]], seq_length, strategy, pad_multiple)
         return {k: getattr(index, k) for k in ("piece_doc", "piece_start", "piece_len", "bin_offsets")}
 
     what = (
         f"the {strategy} packing index of {prefix} (documents {doc_range[0]}..{doc_range[1]}, "
-        f"--seq-length {seq_length})"
+        f"--seq-length {seq_length}{f', --document-pad-multiple {pad_multiple}' if pad_multiple > 1 else ''})"
     )
     z = load_or_build_arrays(path, build, what)
     index = PackingIndex(z["piece_doc"], z["piece_start"], z["piece_len"], z["bin_offsets"])
@@ -227,16 +232,21 @@ def load_or_build_index(
     return index
 
 
+def get_pad_key(pad_multiple: int) -> dict[str, int]:
+    """The cache keys' entry for g: none at g = 1, so that an index built before g existed is still read."""
+    return {"g": pad_multiple} if pad_multiple > 1 else {}
+
+
 def lengths_digest(lengths: np.ndarray) -> str:
     """A short content hash of document lengths (~0.2 s per 20M documents)."""
     return hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
-def _build(ids: np.ndarray, lengths: np.ndarray, seq_length: int, strategy: str) -> PackingIndex:
+def _build(ids: np.ndarray, lengths: np.ndarray, seq_length: int, strategy: str, pad_multiple: int) -> PackingIndex:
     if strategy == "one_per_row":
         piece_doc, piece_start, piece_len = split_documents(ids, lengths, seq_length)
         return PackingIndex(piece_doc, piece_start, piece_len, np.arange(len(piece_doc) + 1, dtype=np.int64))
-    return build_packing_index(ids, lengths, seq_length, strategy)
+    return build_packing_index(ids, lengths, seq_length, strategy, pad_multiple)
 
 
 def check_index_matches_documents(index: PackingIndex, doc_lengths: np.ndarray, path: str) -> None:
@@ -345,10 +355,11 @@ def build_packed_datasets(
     cache_dir: str | None,
     unused_splits: Sequence[int] = (),
     split_flag: str | None = None,
+    pad_multiple: int = 1,
 ):
-    """(train, valid, test) packed datasets of one indexed dataset; None for a split that is empty
-    or in ``unused_splits``. A split the run reads without tokens is a ConfigError naming
-    --split and the document counts."""
+    """(train, valid, test) packed datasets of one indexed dataset (documents counted padded to a
+    multiple of ``pad_multiple``); None for a split that is empty or in ``unused_splits``. A split
+    the run reads without tokens is a ConfigError naming --split and the document counts."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     indexed = IndexedDocuments(IndexedDataset(prefix))
@@ -380,15 +391,24 @@ def build_packed_datasets(
             continue
         out.append(
             _build_split(
-                indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed + k, num_samples[k], cache_dir
+                indexed,
+                doc_lengths,
+                doc_range,
+                prefix,
+                (seq_length, strategy, pad_multiple),
+                seed + k,
+                num_samples[k],
+                cache_dir,
             )
         )
     return tuple(out)
 
 
-def _build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, seed, num_samples, cache_dir):
+def _build_split(indexed, doc_lengths, doc_range, prefix, packing, seed, num_samples, cache_dir):
+    """One split's dataset; ``packing``: (seq_length, strategy, pad multiple g)."""
+    seq_length, strategy, pad_multiple = packing
     digest = lengths_digest(doc_lengths[doc_range[0] : doc_range[1]])  # keys the index and the sample order
-    index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir, digest)
+    index = load_or_build_index(prefix, doc_lengths, doc_range, seq_length, strategy, cache_dir, digest, pad_multiple)
     key = json.dumps(
         {
             "prefix": os.path.abspath(prefix),
@@ -399,6 +419,7 @@ def _build_split(indexed, doc_lengths, doc_range, prefix, seq_length, strategy, 
             "bins": index.num_bins,
             "lengths": digest,
         }
+        | get_pad_key(pad_multiple)
     )
     return PackedDocumentDataset(
         indexed, index, seq_length, seed, num_samples, one_per_row=strategy == "one_per_row", cache_key=key
@@ -476,10 +497,12 @@ def build_blended_packed_datasets(
     cache_dir: str | None,
     unused_splits: Sequence[int] = (),
     split_flag: str | None = None,
+    pad_multiple: int = 1,
 ):
     """(train, valid, test) packed datasets of a ``DataBlends`` (data/blends.py): with one blend,
     each prefix divided by --split and the splits blended; with a blend per split, each prefix read
-    whole. None for a split not read or without data."""
+    whole. None for a split not read or without data. Documents counted padded to a multiple of
+    ``pad_multiple`` (g) when packed."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     out: list = [None, None, None]
@@ -500,6 +523,7 @@ def build_blended_packed_datasets(
                     cache_dir,
                     unused_splits=unused_splits,
                     split_flag=split_flag,
+                    pad_multiple=pad_multiple,
                 )
             )
         for k in range(3):
@@ -519,10 +543,9 @@ def build_blended_packed_datasets(
             if not len(doc_lengths):
                 raise ConfigError([f"{blends.source} {prefix} has no documents"])
             n = num_samples[k] if weights is None else get_blend_sizes([weights[j]], num_samples[k])[0]
+            packing = (seq_length, strategy, pad_multiple)
             parts.append(
-                _build_split(
-                    indexed, doc_lengths, (0, len(doc_lengths)), prefix, seq_length, strategy, seed + k, n, cache_dir
-                )
+                _build_split(indexed, doc_lengths, (0, len(doc_lengths)), prefix, packing, seed + k, n, cache_dir)
             )
         out[k] = blend_packed_datasets(parts, weights, num_samples[k], cache_dir, prefixes[0])
     return tuple(out)

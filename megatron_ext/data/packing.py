@@ -4,7 +4,10 @@ Invariants of a packing index over documents d_0..d_{n-1} of lengths len_i:
 - every token of every document is in exactly one bin, once; a document longer than
   ``seq_length`` is split into consecutive pieces of at most ``seq_length`` tokens (never
   dropped); pieces of one document keep their order; no piece is empty;
-- a bin's pieces sum to at most ``seq_length`` tokens.
+- a bin's pieces sum to at most ``seq_length`` tokens, each piece counted padded to a multiple of
+  the document pad multiple g (``--document-pad-multiple``; 1 without context parallelism, which
+  leaves the index exactly as it was before g existed): the step-data collate pads every document
+  to a multiple of g (``data/context_split.py``), and the padded pack still fits ``seq_length``.
 
 Strategies (measured on the embedded corpus, seq 2048: see ``bench/varlen.py``):
 - ``sequential``: pieces in corpus order; a piece that does not fit the open bin closes it.
@@ -14,7 +17,7 @@ Strategies (measured on the embedded corpus, seq 2048: see ``bench/varlen.py``):
   tokens; bins mix documents from across the split.
 
 An index is three int64 arrays: ``piece_doc``, ``piece_start``, ``piece_len`` (one row per
-piece, in bin order) and ``bin_offsets`` [num_bins + 1] into them.
+piece, in bin order; real lengths, unpadded) and ``bin_offsets`` [num_bins + 1] into them.
 """
 
 from __future__ import annotations
@@ -42,9 +45,19 @@ class PackingIndex:
         sums = np.concatenate([[0], np.cumsum(self.piece_len)])
         return sums[self.bin_offsets[1:]] - sums[self.bin_offsets[:-1]]
 
+    def padded_bin_lengths(self, pad_multiple: int) -> np.ndarray:
+        """Tokens of each bin once every piece is padded to a multiple of ``pad_multiple``."""
+        sums = np.concatenate([[0], np.cumsum(round_up_lengths(self.piece_len, pad_multiple))])
+        return sums[self.bin_offsets[1:]] - sums[self.bin_offsets[:-1]]
+
     def efficiency(self, seq_length: int) -> float:
         """Real tokens / slots when every bin is padded to ``seq_length``."""
         return float(self.piece_len.sum()) / max(1, self.num_bins * seq_length)
+
+
+def round_up_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:
+    """Each length rounded up to a multiple of ``multiple`` (a document and its pads)."""
+    return -(-np.asarray(lengths, dtype=np.int64) // multiple) * multiple
 
 
 def split_documents(doc_ids: np.ndarray, doc_lengths: np.ndarray, seq_length: int):
@@ -111,23 +124,42 @@ def pack_best_fit(piece_len: np.ndarray, seq_length: int) -> tuple[np.ndarray, n
     return order, offsets
 
 
-def build_packing_index(doc_ids: np.ndarray, doc_lengths: np.ndarray, seq_length: int, strategy: str) -> PackingIndex:
-    """Pack the given documents (ids and token counts) with ``strategy``."""
+def build_packing_index(
+    doc_ids: np.ndarray, doc_lengths: np.ndarray, seq_length: int, strategy: str, pad_multiple: int = 1
+) -> PackingIndex:
+    """Pack the given documents (ids and token counts) with ``strategy``, each piece's size counted
+    padded to a multiple of ``pad_multiple`` (g)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"--packing-strategy {strategy}: use one of {', '.join(STRATEGIES)}")
+    check_pad_multiple(seq_length, pad_multiple)
     piece_doc, piece_start, piece_len = split_documents(doc_ids, doc_lengths, seq_length)
     pack = pack_sequential if strategy == "sequential" else pack_best_fit
-    order, offsets = pack(piece_len, seq_length)
+    order, offsets = pack(round_up_lengths(piece_len, pad_multiple), seq_length)
     return PackingIndex(piece_doc[order], piece_start[order], piece_len[order], offsets)
 
 
-def check_packing_index(index: PackingIndex, doc_lengths: dict[int, int], seq_length: int) -> None:
+def check_pad_multiple(seq_length: int, pad_multiple: int) -> None:
+    """A piece of ``seq_length`` tokens (an over-long document's) must still fit a pack once padded."""
+    if pad_multiple < 1 or seq_length % pad_multiple:
+        raise ValueError(
+            f"--seq-length {seq_length} is not a multiple of --document-pad-multiple {pad_multiple}: a document "
+            f"padded to the multiple would not fit a pack; use a --seq-length that is a multiple of it"
+        )
+
+
+def check_packing_index(
+    index: PackingIndex, doc_lengths: dict[int, int], seq_length: int, pad_multiple: int = 1
+) -> None:
     """Raise ValueError unless ``index`` covers each document's tokens exactly once, in order
-    within the document, with bins of at most ``seq_length`` tokens and no empty piece."""
+    within the document, with bins of at most ``seq_length`` tokens (pieces padded to a multiple of
+    ``pad_multiple``) and no empty piece."""
     if np.any(index.piece_len <= 0):
         raise ValueError("packing index has an empty piece")
-    if np.any(index.bin_lengths() > seq_length):
-        raise ValueError(f"packing index has a bin longer than --seq-length {seq_length}")
+    if np.any(index.padded_bin_lengths(pad_multiple) > seq_length):
+        raise ValueError(
+            f"packing index has a bin longer than --seq-length {seq_length} (documents padded to a multiple of "
+            f"{pad_multiple})"
+        )
     pieces: dict[int, list[tuple[int, int]]] = {}
     for d, s, n in zip(index.piece_doc.tolist(), index.piece_start.tolist(), index.piece_len.tolist()):
         pieces.setdefault(d, []).append((s, n))

@@ -1,13 +1,15 @@
 """Padding a step's micro-batches to one length that every pipeline rank agrees on.
 
-Invariant: all ranks of one pipeline replica (its PP stages, virtual stages and TP ranks, which
-share a DP rank) pad micro-batch i of a step to the same length, so every P2P buffer of
-megatron-core's schedule matches. Modes (``--sequence-padding``):
+Invariant: all ranks of one pipeline replica (its PP stages, virtual stages, TP and CP ranks, which
+share a DP rank and read the same samples) pad micro-batch i of a step to the same length, so every
+P2P buffer of megatron-core's schedule and every CP all-gather matches. Modes (``--sequence-padding``):
 
 - ``static``: every micro-batch to its longest possible length (no collective);
-- ``negotiated``: one all-reduce MAX of the step's longest micro-batch over the replica's
-  model-parallel group (TP x PP), once per step, rounded up to ``--pad-to-multiple-of`` and never
-  above the longest possible length; the schedule is called with that ``seq_length``;
+- ``negotiated``: one all-reduce MAX of [longest, -longest] micro-batch of the step over the
+  replica's group (TP x CP x PP), once per step: the longest, rounded up to ``--pad-to-multiple-of``
+  and never above the longest possible length, is the schedule's ``seq_length``; ranks that found
+  different longest micro-batches read different samples, a ValueError on every rank (before any
+  CP all-gather, which would abort the process on mismatched sizes);
 - ``variable``: each micro-batch to its own rounded length, and megatron-core's
   ``variable_seq_lengths`` shape handshake before every P2P message.
 
@@ -18,7 +20,9 @@ so the longest possible length is ``--seq-length`` unpacked and b x ``--seq-leng
 
 Padding: tokens with the pad id, labels IGNORE_INDEX, position ids 0; in ``cu_seqlens`` the LAST
 DOCUMENT GROWS to the padded length (a new zero-length document would make varlen kernels produce
-NaN); ``max_seqlen`` is recomputed from the grown boundaries.
+NaN); ``max_seqlen`` is recomputed from the grown boundaries. Before that, with a ``ContextSplit``,
+packed documents are each padded to a multiple of g, and after it the micro-batch is cut to this CP
+rank's share (``context_split.py``); lengths are counted with the documents padded.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.cpu_platform import get_collective_device
+from megatron_ext.data.context_split import (
+    NO_SPLIT,
+    ContextSplit,
+    get_sample_length,
+    pad_documents,
+    split_microbatch,
+)
 from megatron_ext.data.microbatch import IGNORE_INDEX, Microbatch, Sample, normalize_sample
 
 MODES = ("static", "negotiated", "variable")
@@ -62,9 +73,10 @@ def get_max_seqlen(cu_seqlens: torch.Tensor) -> int:
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
-def get_microbatch_length(samples: list[Sample]) -> int:
-    """Tokens of a micro-batch before padding: the joined packs, or the longest row."""
-    lengths = [int(s["tokens"].shape[0]) for s in samples]
+def get_microbatch_length(samples: list[Sample], split: ContextSplit = NO_SPLIT) -> int:
+    """Tokens of a micro-batch before padding: the joined packs (documents padded to ``split``'s g),
+    or the longest row."""
+    lengths = [get_sample_length(s, split) for s in samples]
     return sum(lengths) if "cu_seqlens" in samples[0] else max(lengths)
 
 
@@ -104,33 +116,37 @@ def pad_sample(sample: Sample, length: int, pad_id: int) -> Sample:
     return out
 
 
-def collate_padded(samples: list[Sample], length: int, pad_id: int) -> Microbatch:
+def collate_padded(samples: list[Sample], length: int, pad_id: int, split: ContextSplit = NO_SPLIT) -> Microbatch:
     """A micro-batch of ``length`` tokens per row: unpacked, b rows; packed, the b packs joined
-    into one THD row (b = 1) that keeps every document boundary."""
+    into one THD row (b = 1) that keeps every document boundary; with ``split``, packed documents
+    padded to its g first and the micro-batch cut to its CP rank's share last."""
     if "cu_seqlens" in samples[0]:
-        joined = join_packs(samples)
-        doc_lengths = (joined["cu_seqlens"][1:] - joined["cu_seqlens"][:-1]).tolist()
-        padded = pad_sample(joined, length, pad_id)
+        doc_lengths = [n for s in samples for n in (s["cu_seqlens"][1:] - s["cu_seqlens"][:-1]).tolist()]
+        if split.pads_documents:
+            samples = [pad_documents(s, split.document_pad_multiple, pad_id) for s in samples]
+        padded = pad_sample(join_packs(samples), length, pad_id)
         cu = padded["cu_seqlens"]
-        return Microbatch(
+        mb = Microbatch(
             tokens=padded["tokens"][None],
             labels=padded["labels"][None],
             position_ids=padded["position_ids"][None],
-            num_real_tokens=int(joined["tokens"].shape[0]),
+            num_real_tokens=sum(doc_lengths),
             attention_pairs=sum(n * n for n in doc_lengths),
             cu_seqlens=cu,
             cu_seqlens_host=tuple(cu.tolist()),
             max_seqlen=get_max_seqlen(cu),
         )
-    padded = [pad_sample(s, length, pad_id) for s in samples]
-    lengths = [int(s["tokens"].shape[0]) for s in samples]
-    return Microbatch(
-        tokens=torch.stack([p["tokens"] for p in padded]),
-        labels=torch.stack([p["labels"] for p in padded]),
-        position_ids=torch.stack([p["position_ids"] for p in padded]),
-        num_real_tokens=sum(lengths),
-        attention_pairs=sum(n * n for n in lengths),
-    )
+    else:
+        padded = [pad_sample(s, length, pad_id) for s in samples]
+        doc_lengths = [int(s["tokens"].shape[0]) for s in samples]
+        mb = Microbatch(
+            tokens=torch.stack([p["tokens"] for p in padded]),
+            labels=torch.stack([p["labels"] for p in padded]),
+            position_ids=torch.stack([p["position_ids"] for p in padded]),
+            num_real_tokens=sum(doc_lengths),
+            attention_pairs=sum(n * n for n in doc_lengths),
+        )
+    return split_microbatch(mb, split, doc_lengths, len(samples)) if split.cp_size > 1 else mb
 
 
 def collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> Microbatch:
@@ -139,16 +155,28 @@ def collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> Microbatch:
     return collate_padded(normalized, get_microbatch_length(normalized), pad_id)
 
 
-def get_local_max(raw_microbatches: list[list[Sample]]) -> int:
-    return max(get_microbatch_length(mb) for mb in raw_microbatches)
+def get_local_max(raw_microbatches: list[list[Sample]], split: ContextSplit = NO_SPLIT) -> int:
+    return max(get_microbatch_length(mb, split) for mb in raw_microbatches)
 
 
 def negotiate_step_length(local_max: int, group, multiple: int, max_length: int, bucket: str = "multiple") -> int:
-    """THE collective of this feature: one all-reduce MAX over the replica's TP x PP group."""
+    """THE collective of this feature: one all-reduce MAX of [local_max, -local_max] over the replica's
+    group (TP x CP x PP), the longest and the shortest of the ranks' longest micro-batches at once;
+    ValueError on every rank when they differ (see the module docstring)."""
     if group is not None and dist.get_world_size(group) > 1:
-        t = torch.tensor([local_max], dtype=torch.int64, device=get_collective_device(group))
+        t = torch.tensor([local_max, -local_max], dtype=torch.int64, device=get_collective_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        local_max = int(t.item())
+        longest, negated_shortest = t.tolist()  # one device read, as before
+        shortest = -negated_shortest
+        if longest != shortest:
+            raise ValueError(
+                f"the {dist.get_world_size(group)} ranks reading the same samples (one data-parallel replica: "
+                f"TP x CP x PP) disagree on this step's longest micro-batch: {shortest} to {longest} tokens (this "
+                f"rank {local_max}); every one of them must read the same samples (the same --data-path, --split, "
+                f"--seed, data cache and --document-pad-multiple); under context parallelism their attention's "
+                f"all-gather would abort the process"
+            )
+        local_max = longest
     return get_step_length(local_max, multiple, max_length, bucket)
 
 
@@ -160,17 +188,20 @@ def collate_step(
     max_length: int,
     pad_id: int,
     bucket: str = "multiple",
+    split: ContextSplit = NO_SPLIT,
 ) -> tuple[list[Microbatch], int]:
-    """Pad the step's micro-batches as ``mode`` says; returns them and the schedule's seq_length.
+    """Pad the step's micro-batches as ``mode`` says (and as ``split`` pads and cuts them); returns
+    them and the schedule's seq_length (the whole sequence's, before the CP split).
     ``max_length``: a micro-batch's longest possible length (``--seq-length``, x b when packed)."""
     if mode == "static":
-        mbs, length = [collate_padded(mb, max_length, pad_id) for mb in raw], max_length
+        mbs, length = [collate_padded(mb, max_length, pad_id, split) for mb in raw], max_length
     elif mode == "negotiated":
-        length = negotiate_step_length(get_local_max(raw), group, multiple, max_length, bucket)
-        mbs = [collate_padded(mb, length, pad_id) for mb in raw]
+        length = negotiate_step_length(get_local_max(raw, split), group, multiple, max_length, bucket)
+        mbs = [collate_padded(mb, length, pad_id, split) for mb in raw]
     elif mode == "variable":
         mbs = [
-            collate_padded(mb, get_step_length(get_local_max([mb]), multiple, max_length, bucket), pad_id) for mb in raw
+            collate_padded(mb, get_step_length(get_local_max([mb], split), multiple, max_length, bucket), pad_id, split)
+            for mb in raw
         ]
         length = max_length
     else:

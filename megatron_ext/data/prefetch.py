@@ -7,7 +7,7 @@ device (pinned host memory, copied on a side CUDA stream). ``StepPrefetcher.requ
 runs that builder for a step in one background thread; ``take(first_sample)`` returns it, waiting
 only if it is not ready (the wait is what ``bench/data.py`` reports and the ``data`` timer shows).
 
-Collectives: negotiated padding needs one all-reduce MAX over the pipeline replica (TP x PP). The
+Collectives: negotiated padding needs one all-reduce MAX over the replica (TP x CP x PP). The
 background thread issues it on a gloo group of its own (``build_data_group``), so it never shares a
 group, or a thread, with the model's collectives, and never waits on a GPU. Every rank requests the
 same steps in the same order (the loop does), so those all-reduces match across ranks; a ``take``
@@ -49,22 +49,25 @@ def build_data_group(ctx) -> Any:
 
 
 class _CheckedSamples(torch.utils.data.Dataset):
-    """``dataset[i]`` normalised and checked, as a worker process returns it (a bad token id comes
-    back as a value and is raised in the training process, with its message intact)."""
+    """``dataset[i]`` normalised and checked, as a worker process returns it (a bad token id or a
+    sample the CP layout cannot split comes back as a value and is raised in the training process,
+    with its message intact)."""
 
-    def __init__(self, dataset: Any, vocab_size: int | None):
-        self.dataset, self.vocab_size = dataset, vocab_size
+    def __init__(self, dataset: Any, spec: StepDataSpec):
+        self.dataset, self.vocab_size, self.check = dataset, spec.vocab_size, spec.get_sample_check()
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> Any:
         sample = normalize_sample(self.dataset[i])
-        if self.vocab_size is not None:
-            try:
+        try:
+            if self.vocab_size is not None:
                 check_token_ids(sample, self.vocab_size, self.dataset, i)
-            except ValueError as exc:
-                return exc
+            if self.check is not None:
+                self.check(sample, self.dataset, i)
+        except ValueError as exc:
+            return exc
         return sample
 
 
@@ -89,7 +92,7 @@ class WorkerSampleReader:
     worker). Restarted when a step other than the next one is asked for."""
 
     def __init__(self, dataset: Any, spec: StepDataSpec, num_workers: int):
-        self.samples = _CheckedSamples(dataset, spec.vocab_size)
+        self.samples = _CheckedSamples(dataset, spec)
         self.spec = spec
         self.num_workers = num_workers
         self._next: int | None = None
@@ -182,7 +185,9 @@ class StepPrefetcher:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
             for mb in microbatches:
-                for t in (mb.tokens, mb.labels, mb.position_ids, mb.cu_seqlens):
+                layout = mb.cp_layout
+                indices = (layout.local_index, layout.gather_index) if layout is not None else ()
+                for t in (mb.tokens, mb.labels, mb.position_ids, mb.cu_seqlens, *indices):
                     if t is not None:
                         t.record_stream(current)
         self.wait_seconds += time.perf_counter() - start

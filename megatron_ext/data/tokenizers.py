@@ -4,7 +4,7 @@ Invariant: ``eod`` is a real id inside ``[0, vocab_size)``, so an EOD token appe
 ``tools/preprocess_data.py --append-eod`` always has an embedding row. ``pad`` is the id the
 training loop pads with; it is loss-masked wherever it appears.
 
-Two types, with Megatron-LM's ``--tokenizer-type`` names:
+The types, with Megatron-LM's ``--tokenizer-type`` names:
 
 - ``NullTokenizer``: the text is space-separated integer ids. ``eod = vocab_size`` (the flag), so
   the model vocabulary is ``vocab_size + 1``, exactly as megatron-core's own NullTokenizer (which
@@ -29,8 +29,16 @@ Two types, with Megatron-LM's ``--tokenizer-type`` names:
   ``--tiktoken-num-special-tokens`` ids (default 1000) come first, then the ranks; ``--vocab-size`` is
   the whole vocabulary (default 2**17). ``eod`` is ``</s>`` (id 2 with the default special tokens),
   ``pad`` is ``<pad>`` (id 4).
-- Megatron-LM's legacy ``Llama2Tokenizer``/``Llama3Tokenizer`` are refused with the type to use
-  instead.
+- ``Llama2Tokenizer``: Megatron-LM core_v0.16.1's, a sentencepiece model (Llama-2's
+  ``tokenizer.model``): the vocabulary is its piece count, ``eod`` its eos, ``pad`` = eod (its
+  legacy class defines no pad; Llama-2's model has none). ``tokenize`` is sentencepiece's
+  ``encode``, as megatron-core's tokenizer (Megatron-LM's default system, its ``preprocess_data.py``
+  included) reads this type; its legacy class (``--legacy-tokenizer``) puts BOS first, which
+  ``tools/preprocess_data.py --legacy-tokenizer`` reproduces (``bos``).
+- Megatron-LM main's ``Llama3Tokenizer`` is refused with the type to use instead.
+
+The flag checks and the type names: ``tokenizer_flags.py``. How these differ from Megatron-LM's
+(the specials its legacy SentencePieceTokenizer adds): docs/running.md, "Coming from Megatron-LM".
 
 ``identity()`` is what checkpoints store, so a resumed run can refuse a different tokenizer.
 """
@@ -42,21 +50,18 @@ from collections import OrderedDict
 from typing import Any
 
 from megatron_ext.config import ConfigError
+from megatron_ext.data.tokenizer_flags import (
+    HF_TYPES,
+    LLAMA2_TYPES,
+    NULL_TYPES,
+    SENTENCEPIECE_TYPES,
+    TIKTOKEN_TYPES,
+    check_tokenizer_flags,
+)
 
-NULL_TYPES = ("NullTokenizer",)
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
-HF_TYPES = ("HuggingFaceTokenizer",)
-GPT2_TYPES = ("GPT2BPETokenizer",)
-TIKTOKEN_TYPES = ("TikTokenizer",)
-TOKENIZER_TYPES = NULL_TYPES + SENTENCEPIECE_TYPES + HF_TYPES + GPT2_TYPES + TIKTOKEN_TYPES
 # megatron-core's TikTokenTokenizer defaults (its module's constants, repeated for the checks)
 TIKTOKEN_DEFAULT_VOCAB_SIZE = 2**17
 TIKTOKEN_REQUIRED_SPECIAL = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
-REFUSED_TYPES = {
-    "Llama3Tokenizer": "use --tokenizer-type HuggingFaceTokenizer --tokenizer-model <Llama-3's local tokenizer directory>",
-    "Llama2Tokenizer": "use --tokenizer-type SentencePieceTokenizer --tokenizer-model <Llama-2's tokenizer.model> (or "
-    "HuggingFaceTokenizer with its directory)",
-}
 # files of a tokenizer directory that define its ids (hashed into the identity; never weights)
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -234,6 +239,17 @@ class SentencePieceTokenizer(_TokenizerFiles):
 
     def detokenize(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM core_v0.16.1's ``Llama2Tokenizer``: a sentencepiece model whose vocabulary is its
+    piece count, ``eod`` its eos and ``pad`` = eod. ``tokenize`` is sentencepiece's ``encode`` (no
+    BOS), as megatron-core's tokenizer reads the type; ``bos`` is what Megatron-LM's legacy class
+    puts first (``tools/preprocess_data.py --legacy-tokenizer``)."""
+
+    def __init__(self, model_path: str):
+        super().__init__(model_path, "Llama2Tokenizer")
+        self._pad = self._eod  # Megatron-LM's class has no pad id (its .pad raises); Llama-2's model has none
 
 
 def get_files_sha256(paths: list[str]) -> str:
@@ -417,98 +433,6 @@ def _check_tiktoken_vocabulary(
     return out
 
 
-def describe_model_files(directory: str) -> str:
-    """Which sentencepiece ``.model`` files a directory given as --tokenizer-model holds, as a hint."""
-    try:
-        found = sorted(n for n in os.listdir(directory) if n.endswith(".model"))
-    except OSError:
-        found = []
-    if not found:
-        return f"{directory} holds none; tools/train_tokenizer.py writes one"
-    return "e.g. " + ", ".join(os.path.join(directory, n) for n in found[:3])
-
-
-def check_tokenizer_flags(
-    tokenizer_type: str,
-    tokenizer_model: str | None = None,
-    vocab_size: int | None = None,
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-) -> list[str]:
-    """The tokenizer flags' problems, without loading anything (pure but for path checks)."""
-    if tokenizer_type in REFUSED_TYPES:
-        return [f"--tokenizer-type {tokenizer_type} is not supported: {REFUSED_TYPES[tokenizer_type]}"]
-    if tokenizer_type not in TOKENIZER_TYPES:
-        return [f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {', '.join(TOKENIZER_TYPES)}"]
-    if tokenizer_type in NULL_TYPES:
-        if vocab_size is None or int(vocab_size) <= 0:
-            return [
-                f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size}); "
-                f"the model vocabulary is then --vocab-size + 1 (EOD = --vocab-size)"
-            ]
-        return []
-    if tokenizer_type in SENTENCEPIECE_TYPES:
-        if not tokenizer_model and (vocab_file or merge_file):  # a Megatron-LM GPT-2 script without the type
-            return [
-                f"--vocab-file/--merge-file are GPT-2 BPE files: add --tokenizer-type GPT2BPETokenizer "
-                f"(--tokenizer-type {tokenizer_type}, the default, reads --tokenizer-model PATH.model)"
-            ]
-        if not tokenizer_model:
-            return [
-                f"--tokenizer-type {tokenizer_type} needs --tokenizer-model PATH to a sentencepiece .model (e.g. "
-                f"data/default/tokenizer.model, or train one with tools/train_tokenizer.py)"
-            ]
-        if os.path.isdir(tokenizer_model):
-            return [
-                f"--tokenizer-model {tokenizer_model} is a directory: {tokenizer_type} takes the sentencepiece "
-                f".model file itself ({describe_model_files(tokenizer_model)})"
-            ]
-        if not os.path.isfile(tokenizer_model):
-            return [
-                f"--tokenizer-model {tokenizer_model} does not exist; pass the path of a sentencepiece .model "
-                f"(e.g. data/default/tokenizer.model)"
-            ]
-        return []
-    if tokenizer_type in HF_TYPES:
-        if not tokenizer_model:
-            return [
-                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR, a local tokenizer directory "
-                "(tokenizer.json, tokenizer_config.json)"
-            ]
-        if os.path.isfile(tokenizer_model):
-            return [
-                f"--tokenizer-model {tokenizer_model} is a file: a bare tokenizer file names no eos token; pass "
-                f"the tokenizer's directory (with tokenizer_config.json)"
-            ]
-        if not os.path.isdir(tokenizer_model):
-            return [
-                f"--tokenizer-model {tokenizer_model} is not a local directory (hub ids are not downloaded: "
-                f"fetch the tokenizer beforehand, e.g. huggingface-cli download, and pass its directory)"
-            ]
-        return []
-    if tokenizer_type in TIKTOKEN_TYPES:
-        if not tokenizer_model or not os.path.isfile(tokenizer_model) or not tokenizer_model.endswith(".json"):
-            return [
-                f"--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json, Megatron's tiktoken vocabulary "
-                f"(got {tokenizer_model}{'' if not tokenizer_model or os.path.isfile(tokenizer_model) else ': no such file'})"
-            ]
-        return []
-    files = (("--vocab-file", vocab_file, "vocab.json"), ("--merge-file", merge_file, "merges.txt"))
-    problems = []
-    missing = ", ".join(flag for flag, path, _ in files if not path)
-    if missing:
-        problems.append(
-            f"--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt); "
-            f"not given: {missing}"
-        )
-    return problems + [
-        f"{flag} {path} {'is a directory' if os.path.isdir(path) else 'does not exist'}: give the path of "
-        f"GPT2BPETokenizer's {name} file"
-        for flag, path, name in files
-        if path and not os.path.isfile(path)
-    ]
-
-
 def build_tokenizer(
     tokenizer_type: str,
     tokenizer_model: str | None = None,
@@ -535,6 +459,8 @@ def build_tokenizer(
         )
     if tokenizer_type in SENTENCEPIECE_TYPES:
         tokenizer = SentencePieceTokenizer(tokenizer_model, tokenizer_type)
+    elif tokenizer_type in LLAMA2_TYPES:
+        tokenizer = Llama2Tokenizer(tokenizer_model)
     elif tokenizer_type in HF_TYPES:
         tokenizer = HuggingFaceTokenizer(tokenizer_model)
     else:

@@ -1,9 +1,11 @@
-"""The Hugging Face config of a Llama-architecture model (Llama 2/3/3.x, Qwen2/2.5) and ours (pure).
+"""The Hugging Face config of a Llama-architecture model (Llama 2/3/3.x, Qwen2/2.5, Qwen3) and ours (pure).
 
 ``check_supported`` judges an HF ``config.json`` (what the converter can read), ``hf_config_to_values``
 turns it into our flags, ``get_exportable_problems`` judges our flags (what ``--save-hf`` and the
 converter can write: RMSNorm, SwiGLU, RoPE over the whole head, no linear biases but Qwen2's q/k/v,
-no learned positions) and ``build_hf_config`` writes the HF ``config.json`` of a model trained here.
+no learned positions; q/k norms as Qwen3's) and ``build_hf_config`` writes the HF ``config.json`` of
+a model trained here. Qwen3 is Llama with RMSNorm q/k norms over each head (``--qk-layernorm``) and,
+in some sizes, a ``head_dim`` that is not hidden / heads (``--kv-channels``).
 Used by ``tools/convert_checkpoint.py``, the training-time export (``hf/export.py``) and validation.
 """
 
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# transformers' head_dim where config.json has none: Qwen3Config's 128, else hidden / heads
+DEFAULT_HEAD_DIM = {"qwen3": 128}
 # megatron-core 0.16.1's RotaryEmbedding._apply_scaling constants (Llama 3.1)
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -30,7 +34,7 @@ def check_supported(hf: dict[str, Any]) -> None:
         # e.g. a reward model (LlamaForSequenceClassification): its head would be dropped and the
         # tied embedding taken as the LM head, a causal LM that checkpoint never was
         problems.append(
-            f"architectures {not_causal}: only causal language models (LlamaForCausalLM, Qwen2ForCausalLM) convert"
+            f"architectures {not_causal}: only causal language models (LlamaForCausalLM, Qwen2/3ForCausalLM) convert"
         )
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r}: only silu (SwiGLU) is supported")
@@ -66,19 +70,24 @@ def check_supported(hf: dict[str, Any]) -> None:
             f"quantization_config (quant_method {method!r}): quantized checkpoints are not supported; "
             f"convert the unquantized (bf16/fp16/fp32) checkpoint"
         )
-    if hf.get("model_type") == "qwen2" and (
+    if hf.get("model_type") in ("qwen2", "qwen3") and (
         hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or [])
     ):
         problems.append("use_sliding_window=true: sliding-window attention is not supported")
     for key in REQUIRED_KEYS:
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf.get(key) <= 0:
             problems.append(f"config.json: {key} must be a positive integer, got {hf.get(key)!r}")
-    heads, hidden = hf.get("num_attention_heads", 0), hf.get("hidden_size", 0)
-    head_dim = hf.get("head_dim") or (hidden // heads if heads else 0)
-    if heads and head_dim * heads != hidden:
-        problems.append(f"head_dim {head_dim} x heads {heads} != hidden_size {hidden}: not supported")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0):
+        problems.append(f"config.json: head_dim must be a positive integer, got {head_dim!r}")
     if problems:
         raise ValueError("cannot convert this checkpoint:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def get_head_dim(hf: dict[str, Any]) -> int:
+    """Each attention head's dimension, as transformers reads the config (``head_dim``, else its default)."""
+    default = DEFAULT_HEAD_DIM.get(hf.get("model_type"), hf["hidden_size"] // hf["num_attention_heads"])
+    return hf.get("head_dim") or default
 
 
 def get_rope_theta(hf: dict[str, Any]) -> float:
@@ -113,6 +122,7 @@ def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
     factor = get_rope_scaling_factor(hf)
+    head_dim = get_head_dim(hf)
     return dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -120,6 +130,8 @@ def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str
         num_attention_heads=heads,
         group_query_attention=groups != heads,
         num_query_groups=groups if groups != heads else None,
+        kv_channels=head_dim if head_dim * heads != hf["hidden_size"] else None,
+        qk_layernorm=hf.get("model_type") == "qwen3",
         normalization="RMSNorm",
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         swiglu=True,
@@ -129,7 +141,7 @@ def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         max_position_embeddings=hf.get("max_position_embeddings"),
         make_vocab_size_divisible_by=divisible_by,
-        add_qkv_bias=hf.get("model_type") == "qwen2",
+        add_qkv_bias=hf.get("model_type") == "qwen2",  # Qwen3 has none (attention_bias, refused above)
         use_rope_scaling=factor is not None,
         **({"rope_scaling_factor": factor} if factor is not None else {}),
     )
@@ -137,7 +149,8 @@ def hf_config_to_values(hf: dict[str, Any], divisible_by: int = 128) -> dict[str
 
 def get_exportable_problems(args: dict[str, Any]) -> list[str]:
     """What keeps a model of our flags (flat, flag names with underscores) from being an HF
-    Llama/Qwen2 model, one line per problem naming the flag; empty when it exports."""
+    Llama/Qwen2/Qwen3 model, one line per problem naming the flag; empty when it exports. A model
+    with --qk-layernorm exports as Qwen3 only."""
     problems = []
     need = {
         "normalization": ("RMSNorm", "--normalization RMSNorm"),
@@ -153,13 +166,19 @@ def get_exportable_problems(args: dict[str, Any]) -> list[str]:
         problems.append(
             f"--rotary-percent {args['rotary_percent']}: HF Llama/Qwen2 rotate the whole head, give --rotary-percent 1.0"
         )
+    if args.get("qk_layernorm") and (problems or args.get("add_qkv_bias")):
+        bias = " (it has --add-qkv-bias)" if args.get("add_qkv_bias") else ""
+        problems.append(
+            f"--qk-layernorm: q/k norms export as Qwen3 only (RMSNorm, SwiGLU, RoPE, no linear or q/k/v "
+            f"biases), which this model is not{bias}: drop --qk-layernorm or what Qwen3 lacks"
+        )
     return problems
 
 
 def build_hf_config(args: dict[str, Any], vocab_size: int, ffn_hidden_size: int) -> dict[str, Any]:
-    """An HF LlamaConfig (or Qwen2Config, with --add-qkv-bias) dict for a model of our flags
-    ``args``; ``vocab_size`` is the tokenizer's (the padding rows are dropped), ``ffn_hidden_size``
-    the MLP width the model has."""
+    """An HF LlamaConfig (Qwen2Config with --add-qkv-bias, Qwen3Config with --qk-layernorm) dict for
+    a model of our flags ``args``; ``vocab_size`` is the tokenizer's (the padding rows are dropped),
+    ``ffn_hidden_size`` the MLP width the model has."""
     problems = get_exportable_problems(args)
     if problems:
         raise ValueError("only Llama-style models convert to HF: need " + "; ".join(problems))
@@ -168,16 +187,21 @@ def build_hf_config(args: dict[str, Any], vocab_size: int, ffn_hidden_size: int)
     rope = {"rope_type": "default", "rope_theta": theta}
     if args.get("use_rope_scaling"):
         rope = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE, "rope_theta": theta}
-    qwen = bool(args.get("add_qkv_bias"))
+    model_type = "qwen3" if args.get("qk_layernorm") else "qwen2" if args.get("add_qkv_bias") else "llama"
+    qwen = model_type != "llama"
     return {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+        ],
+        "model_type": model_type,
         **({"use_sliding_window": False} if qwen else {}),
+        **({"attention_bias": False} if model_type == "qwen3" else {}),
         "vocab_size": vocab_size,
         "hidden_size": args["hidden_size"],
         "intermediate_size": ffn_hidden_size,
         "num_hidden_layers": args["num_layers"],
         "num_attention_heads": heads,
+        "head_dim": args.get("kv_channels") or args["hidden_size"] // heads,
         "num_key_value_heads": args["num_query_groups"] if args.get("group_query_attention") else heads,
         "rms_norm_eps": args["norm_epsilon"],
         "rope_theta": theta,

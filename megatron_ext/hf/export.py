@@ -1,4 +1,4 @@
-"""--save-hf: a Hugging Face Llama/Qwen2 directory of the model a run trains, written by the run.
+"""--save-hf: a Hugging Face Llama/Qwen2/Qwen3 directory of the model a run trains, written by the run.
 
 Never the whole model on one rank: the ranks of data-parallel replica 0 write it. Each pipeline
 stage all-gathers its own parameters over its TP group one tensor at a time, and its TP ranks share

@@ -2,7 +2,10 @@
 
 Layouts (megatron-core, checked against 0.16.1):
 - ``linear_qkv.weight`` is grouped per key/value head: for each of the G query groups,
-  [its H/G query heads; its key head; its value head], each head ``head_dim`` rows;
+  [its H/G query heads; its key head; its value head], each head ``head_dim`` rows (``--kv-channels``,
+  HF's ``head_dim``: hidden / heads unless given);
+- Qwen3's ``q_norm``/``k_norm`` (one [head_dim] weight each, shared by the heads) are our
+  ``self_attention.q_layernorm``/``k_layernorm`` (``--qk-layernorm``);
 - ``linear_fc1.weight`` of the SwiGLU MLP is [gate; up] (megatron-core applies silu to the first
   half); ``linear_fc2`` is ``down_proj``;
 - RoPE: megatron-core's default (``rotary_interleaved=False``) rotates halves, as Hugging Face's
@@ -22,9 +25,28 @@ from typing import Any
 
 import torch
 
+from megatron_ext.hf.config import get_head_dim
+
 # the norm weights, in our names and HF's: (1 + gamma) under --apply-layernorm-1p, gamma in HF
-OUR_NORMS = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "final_layernorm.weight")
-HF_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
+OUR_NORMS = (
+    "input_layernorm.weight",
+    "pre_mlp_layernorm.weight",
+    "final_layernorm.weight",
+    "q_layernorm.weight",
+    "k_layernorm.weight",
+)
+HF_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "model.norm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+# Qwen3's per-head q/k norms: (HF name in a layer, ours), present in both or neither
+QK_NORMS = (
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+)
 
 
 def shift_norm_weights(state: dict[str, torch.Tensor], names: tuple[str, ...], by: float) -> dict[str, torch.Tensor]:
@@ -36,7 +58,7 @@ def shift_norm_weights(state: dict[str, torch.Tensor], names: tuple[str, ...], b
 def _dims(hf: dict[str, Any]) -> tuple[int, int, int]:
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
-    return heads, groups, hf["hidden_size"] // heads
+    return heads, groups, get_head_dim(hf)
 
 
 def hf_to_megatron_tensors(
@@ -61,6 +83,7 @@ def hf_to_megatron_tensors(
             vb = hf_state[src + "self_attn.v_proj.bias"].view(groups, d)
             out[dst + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
         out[dst + "self_attention.linear_proj.weight"] = hf_state[src + "self_attn.o_proj.weight"]
+        out.update({dst + ours: hf_state[src + theirs] for theirs, ours in QK_NORMS if src + theirs in hf_state})
         out[dst + "input_layernorm.weight"] = hf_state[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
@@ -119,6 +142,7 @@ def _layer_to_hf(ours: dict[str, torch.Tensor], i: int, hf: dict[str, Any]) -> d
         for name, b in (("q", qb), ("k", kb), ("v", vb)):
             out[dst + f"self_attn.{name}_proj.bias"] = b.reshape(-1)
     out[dst + "self_attn.o_proj.weight"] = ours[src + "self_attention.linear_proj.weight"]
+    out.update({dst + theirs: ours[src + name] for theirs, name in QK_NORMS if src + name in ours})
     out[dst + "input_layernorm.weight"] = ours[src + "input_layernorm.weight"]
     out[dst + "post_attention_layernorm.weight"] = ours[src + "pre_mlp_layernorm.weight"]
     gate, up = ours[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
@@ -145,7 +169,10 @@ _STACKED = {
 }
 
 
-_STACKED_OPTIONAL = {"decoder.layers.self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias"}
+_STACKED_OPTIONAL = {
+    "decoder.layers.self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias",
+    **{f"decoder.layers.{ours}": ours for _, ours in QK_NORMS},
+}
 
 
 def unstack_layers(full: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

@@ -11,8 +11,9 @@ holds is named after the word embedding it copies.
 
 Values (GPT-2 / Megatron conventions): linear and embedding weights ~ N(0, std); the residual
 output projections (``linear_proj``, ``linear_fc2``) ~ N(0, std / sqrt(2 L)); biases 0; norm
-weights 1 (0 with --apply-layernorm-1p: those norms scale by 1 + weight). Cost: each rank draws the full tensor of each of its parameters once (TP x the draws
-of a sharded init); negligible next to training.
+weights 1 (0 with --apply-layernorm-1p: those norms scale by 1 + weight), the per-head q/k norms of
+--qk-layernorm too (a [kv-channels] weight each). Cost: each rank draws the full tensor of each of its
+parameters once (TP x the draws of a sharded init); negligible next to training.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ refuses): the norm scales by ``1 + weight`` and its weight starts at 0 (Apex's a
 the same), so a weight decayed towards 0 pulls the scale towards 1, not 0, and the stored values are
 small where bf16 has most precision. The model equals a plain norm whose weight is ``1 + ours``:
 ``tools/convert_checkpoint.py`` adds the 1 on the way to Hugging Face and subtracts it on the way back.
+
+``--qk-layernorm`` (Qwen3): ``HeadNorm``, the same norms over each head's ``kv_channels`` of the
+queries and keys (``[s, b, heads / TP, d]``, before RoPE). Its input is the whole sequence, even
+under sequence parallelism (``linear_qkv`` gathers it), but only this TP rank's heads: its gradient
+is a partial sum over heads, which megatron-core's ``finalize_model_grads`` sums over TP because
+``TransformerConfig.qk_layernorm`` is set (it matches ``q_layernorm``/``k_layernorm`` in the name).
 """
 
 from __future__ import annotations
@@ -76,4 +82,17 @@ class TorchNorm:
         norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+class HeadNorm:
+    """The per-head query/key norm of ``--qk-layernorm`` for megatron-core's ``build_module``
+    (``SelfAttention`` passes ``hidden_size=kv_channels``): ``TorchNorm``, its parameters not marked
+    ``sequence_parallel`` (it sees the whole sequence; its TP sum is over heads, and comes from
+    ``config.qk_layernorm`` alone)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5):
+        norm = TorchNorm(config, hidden_size, eps)
+        for param in norm.parameters():
+            param.sequence_parallel = False
         return norm

@@ -23,6 +23,7 @@ from megatron_ext.config import JobConfig
 from megatron_ext.derived import (
     get_data_parallel_size,
     get_ffn_hidden_size,
+    get_kv_channels,
     get_num_query_groups,
     get_virtual_pipeline_size,
 )
@@ -50,7 +51,7 @@ def theoretical_memory(
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     vp = get_virtual_pipeline_size(cfg)
     vp = vp if vp and vp > 1 else None
-    kv_channels = h // heads
+    kv_channels = get_kv_channels(m)
     gated = 1.5 if m.swiglu else 1.0
     transformer = (
         2

@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from megatron_ext.config import JobConfig, ModelConfig
-from megatron_ext.derived import get_ffn_hidden_size, get_num_query_groups
+from megatron_ext.derived import get_ffn_hidden_size, get_kv_channels, get_num_query_groups
 
 # Dense bf16 peak TFLOP/s by device name, most specific first (vendor data sheets).
 PEAK_BF16_TFLOPS = (
@@ -47,7 +47,7 @@ def num_floating_point_operations(
     12 L h^2 [T ((1 + g/a) r + (f/h) k + V/(2Lh)) + r P/h] with r = a d_head / h, k = 3/2 with
     SwiGLU (else 1). For T = B s and P = B s^2 this is Megatron-LM's formula exactly."""
     h, layers, heads = m.hidden_size, m.num_layers, m.num_attention_heads
-    query_ratio = 1.0  # kv_channels x heads / hidden: hidden / heads per head here
+    query_ratio = get_kv_channels(m) * heads / h  # the queries' width over hidden (Qwen3-0.6B: 2)
     groups = get_num_query_groups(m)
     gated = 1.5 if m.swiglu else 1.0
     per_token = (

@@ -1,4 +1,4 @@
-"""--save-hf: a TP2 x PP2 run (4 forked gloo ranks, a tiny Llama/Qwen2 model, 3 steps) writes a
+"""--save-hf: a TP2 x PP2 run (4 forked gloo ranks, a tiny Llama/Qwen2/Qwen3 model, 3 steps) writes a
 Hugging Face directory at its last save, and ``transformers.AutoModelForCausalLM.from_pretrained``
 on it gives the logits our model gives at the same weights (the trained run's own forward, at
 TP2 x PP2, on fixed tokens): within 1e-5 relative (fp32; the layout-parity tolerance), within 2e-2
@@ -52,6 +52,10 @@ KINDS = {
     # tied (the last stage's output layer is a copy: not written), q/k/v biases, zero-centred norms, VPP 2
     "qwen2 tied 1p vpp fp32": dict(add_qkv_bias=True, apply_layernorm_1p=True, num_layers_per_virtual_pipeline_stage=1),
     "llama untied bf16": dict(untie_embeddings_and_output_weights=True, bf16=True),
+    # Qwen3ForCausalLM: q/k norms over a head_dim (24) that is not hidden / heads (16), SP
+    "qwen3 untied head_dim sp fp32": dict(
+        untie_embeddings_and_output_weights=True, qk_layernorm=True, kv_channels=24, sequence_parallel=True
+    ),
     # DP2 with the distributed optimizer: replica 1 writes nothing; exports at iterations 2 (the
     # interval) and 3 (the last save), not 1
     "llama tied dp2 interval fp32": dict(
@@ -144,6 +148,8 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, kind):
     assert os.path.isfile(os.path.join(hf_dir, "TOKENIZER.txt"))  # NullTokenizer: a note, no files
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    if "qwen3" in kind:
+        assert (type(model).__name__, model.config.head_dim) == ("Qwen3ForCausalLM", 24), model.config
     bf16 = "bf16" in kind
     assert model.model.embed_tokens.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
     with torch.no_grad():

@@ -154,11 +154,18 @@ def _count_collectives(fn):
 
 def _layouts(rank: int, world_size: int) -> dict:
     out = {}
-    # 1. agreement: each rank proposes its own maximum; a pipeline replica (TP x PP ranks) agrees.
+    # 1. agreement: the ranks of a pipeline replica (TP x PP) read the same samples, so they propose the
+    # same maximum (each replica its own) and agree on it rounded up; ranks proposing different maxima
+    # read different samples: a ValueError on every rank of the replica, in the same one collective
     ctx = build_parallel_context(build_job_config(_values(**PAR)), torch.device("cpu"))
-    local_max = [5, 33, 17, 9, 60, 2, 31, 47][rank]
+    local_max = [33, 47][ctx.dp_rank]
     agreed = negotiate_step_length(local_max, ctx.mp_group, MULTIPLE, SEQ)
     out["agreement"] = (dist.get_process_group_ranks(ctx.mp_group), local_max, agreed)
+    try:
+        negotiate_step_length([5, 33, 17, 9, 60, 2, 31, 47][rank], ctx.mp_group, MULTIPLE, SEQ)
+        out["disagreement"] = None
+    except ValueError as exc:
+        out["disagreement"] = str(exc)
     destroy_parallel_context()
     # 2. gradients and loss in every mode and data set; 3. collectives of one step
     for name, make in DATASETS.items():
@@ -201,6 +208,9 @@ def test_pipeline_ranks_agree_on_the_rounded_global_max(ranks):
         expected = min(SEQ, -(-max(length for length, _ in pairs) // MULTIPLE) * MULTIPLE)
         assert {a for _, a in pairs} == {expected}, (members, pairs)
         assert expected <= SEQ
+    for r in ranks:  # TP x PP ranks 0, 1, 4, 5 proposed 5, 33, 60, 2: each of them names the range
+        assert "disagree on this step's longest micro-batch" in r["disagreement"]
+    assert "2 to 60 tokens" in ranks[0]["disagreement"] and "9 to 47 tokens" in ranks[2]["disagreement"]
 
 
 def _merged(ranks, key):

@@ -31,7 +31,7 @@ def _problems(**values) -> list[str]:
 def test_a_gpt2_style_model_is_one_error_naming_the_flag():
     problems = _problems(save="/tmp/x", save_hf=True)
     assert len(problems) == 1, problems
-    assert problems[0].startswith("--save-hf exports Llama/Qwen2-style models only")
+    assert problems[0].startswith("--save-hf exports Llama/Qwen2/Qwen3-style models only")
     for need in ("--normalization RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type rope"):
         assert need in problems[0]
     assert _problems(save="/tmp/x", save_hf=True, **LLAMA) == []

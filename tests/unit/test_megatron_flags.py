@@ -116,7 +116,6 @@ def test_without_the_refused_flags_the_script_runs_with_one_warning_per_no_op_fl
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--kv-channels", "64"], "--kv-channels 64: we use --hidden-size / --num-attention-heads = 128 per head"),
         (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
         (["--use-rotary-position-embeddings"], "add --position-embedding-type rope"),
         (["--lr-warmup-init", "1e-5"], "--lr-warmup-init 1e-5: the warm-up starts from learning rate 0"),
@@ -263,7 +262,6 @@ def test_a_flag_stating_what_we_do_is_accepted_silently(argv):
     "argv, needle",
     [
         (["--tp-comm-overlap"], "--tp-comm-overlap: overlapping tensor-parallel communication"),
-        (["--qk-layernorm"], "--qk-layernorm: a norm on the attention queries and keys is not supported"),
         (["--dist-ckpt-strictness", "log_all"], "--dist-ckpt-strictness log_all: loads here are assume_ok_unexpected"),
         (["--dist-ckpt-strictness", "raise_all"], "--dist-ckpt-strictness raise_all: loads here are"),
         (["--timing-log-option", "median"], "--timing-log-option median: Megatron-LM's values are max, minmax and all"),
