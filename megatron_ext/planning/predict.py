@@ -66,7 +66,6 @@ def _with(cfg: JobConfig, **parallel) -> JobConfig:
         account_for_embedding_in_pipeline_split=False,
         account_for_loss_in_pipeline_split=False,
         pipeline_schedule=None,
-        context_parallel_size=1,  # (the parameters do not depend on CP; model/param_count builds without it)
         **parallel,
     )
     return dataclasses.replace(cfg, parallel=p, model=dataclasses.replace(cfg.model, num_layers=layers))
