@@ -230,6 +230,20 @@ def check_flags(cfg: JobConfig, world_size: int, ranks_per_node: int, source: st
     return check.deferred
 
 
+def get_unrehearsed_notes(cfg: JobConfig) -> list[str]:
+    """The rehearsal's own flags on a run that does not rehearse: one warning each, not an error, so
+    that the rehearsed command line launches the job as it is (docs/planning.md: the real job's flags
+    plus --rehearse; a launch has nothing to check them against)."""
+    p = cfg.parallel
+    if p.gpu_memory_gib is None or p.rehearse:
+        return []
+    return [
+        f"--gpu-memory-gib {p.gpu_memory_gib:g} is ignored without --rehearse: a launch does not check its "
+        f"predicted memory; run this command line with --rehearse (and WORLD_SIZE) to check that the layout "
+        f"fits {p.gpu_memory_gib:g} GiB"
+    ]
+
+
 def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehearsal:
     """Check and compute everything of the module docstring; ConfigError listing what fails."""
     start = time.perf_counter()
