@@ -84,7 +84,10 @@ def _train(
 
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    run = build_training_run(cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider)
+    padded_vocab = load_plan.padded_vocab if load_plan else None  # a checkpoint's model: its vocabulary rows
+    run = build_training_run(
+        cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider, padded_vocab=padded_vocab
+    )
     if run.ctx.is_logging_rank:
         run.log(describe_run(run))
         for note in flag_notes:  # Megatron-LM flags accepted without effect, settings adjusted as it does, shapes

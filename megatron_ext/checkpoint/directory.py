@@ -64,6 +64,7 @@ from megatron_ext.checkpoint.listing import (  # noqa: F401  (re-exported: impor
     find_latest_checkpoint,
     get_checkpoint_dir,
     list_complete_checkpoints,
+    list_megatron_lm_entries,
     read_marker,
     read_tracker,
     resolve_load_path,
@@ -200,6 +201,12 @@ def publish_checkpoint(
     if checksums is not None:
         marker["checksums"] = checksums
     _write_file_durably(os.path.join(tmp_dir, COMPLETE_MARKER), json.dumps(marker))
+    if os.path.exists(final_dir) and not os.path.isfile(os.path.join(final_dir, COMPLETE_MARKER)):
+        # Megatron-LM's (a save beside its checkpoints reaching one of its iterations), or damaged
+        raise FileExistsError(
+            f"{final_dir} is not a checkpoint of ours (Megatron-LM's, or one without its {COMPLETE_MARKER}): "
+            f"it is never replaced; move it away or give another --save"
+        )
     if os.path.exists(final_dir):  # the same iteration saved again (e.g. after a resume)
         # not ``.old-``, which retention deletes: killed before the next rename, this is the only
         # copy of the iteration (loads find it; the next retention renames it back)
@@ -218,6 +225,8 @@ def publish_checkpoint(
     else:
         os.rename(tmp_dir, final_dir)
     fsync_path(root)
+    if list_megatron_lm_entries(root):
+        return  # the tracker is Megatron-LM's, which cannot resume ours: left naming its own (we need none)
     tracker_tmp = os.path.join(root, f".{TRACKER_FILE}.tmp-{uuid.uuid4().hex[:8]}")
     _write_file_durably(tracker_tmp, str(iteration))
     maybe_inject_fault("during_pointer_update", rank, iteration)

@@ -39,6 +39,9 @@ class CheckpointMeta:
 
     tokenizer: dict[str, Any]  # tokenizer.identity()
     padded_vocab_size: int
+    # where the padded vocabulary came from when not from this run's flags ("megatron-lm": a
+    # Megatron-LM checkpoint's, padded by --make-vocab-size-divisible-by x its TP); saved with it
+    padded_vocab_from: str | None = None
 
 
 @dataclasses.dataclass
