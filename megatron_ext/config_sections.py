@@ -111,7 +111,7 @@ class ParallelConfig:
     )
     gpu_memory_gib: float | None = _f(
         None,
-        "With --rehearse (ours; tools/plan_layout.py's flag): the GPUs' memory in GiB. A predicted peak above it (the planner's memory model: state, activations at the schedule's peak, temporaries, margin) is an error naming the largest term, the cheapest change that keeps the layout and the planner's best layout for the world. Without it the prediction is printed only. Ignored without --rehearse.",
+        "With --rehearse (ours; tools/plan_layout.py's flag): the GPUs' memory in GiB. A predicted peak above it (the planner's memory model: state, activations at the schedule's peak, temporaries, margin) is an error naming the largest term, the cheapest change that keeps the layout and the planner's best layout for the world. Without it the prediction is printed only. Without --rehearse: a warning, nothing checked.",
     )
     device: str = _f(
         "auto",

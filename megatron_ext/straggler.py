@@ -43,15 +43,12 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.cpu_platform import get_collective_device
-
-if TYPE_CHECKING:
-    from megatron_ext.training.profiling import StepTimers  # (which imports this module)
 
 # ms per step of each rank, in this order: what a rank does itself, then what it waits for
 OWN_PHASES = ("compute", "optimizer", "data")
@@ -372,7 +369,7 @@ class StragglerDetector:
     formats the report; owns this rank's ``PauseMonitor``. ``timers``: the run's step timers (their
     phase places each pause; their per-step counts of waiting for a core, ``queued_means``)."""
 
-    def __init__(self, ctx: Any, threshold: float, minmax_count: int, timers: StepTimers | None = None):
+    def __init__(self, ctx: Any, threshold: float, minmax_count: int, timers: Any = None):  # profiling.StepTimers
         self.ctx, self.threshold, self.minmax_count, self.timers = ctx, threshold, minmax_count, timers
         self.nodes: list[str] | None = None  # hostnames, gathered at the first report
         self.recent: collections.deque[set[int]] = collections.deque(maxlen=SLOW_WINDOW - 1)
