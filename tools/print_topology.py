@@ -61,9 +61,7 @@ def get_rank_topology(ctx: ParallelContext, env: dict[str, str]) -> dict:
 
 
 def write_topology(tp: int, pp: int, output_dir: str, cp: int = 1) -> dict:
-    """Build the TP x CP x PP x DP groups of the torchrun world and write this rank's JSON. (Context
-    parallelism's groups are built although a launch refuses CP until it is wired into training:
-    ``planning/validity.py``.)"""
+    """Build the TP x CP x PP x DP groups of the torchrun world and write this rank's JSON."""
     # The smallest job that passes validation for this layout: the groups do not depend on it.
     cfg = build_job_config(
         {

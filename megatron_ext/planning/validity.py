@@ -1,10 +1,9 @@
 """Whether a layout the planning tools consider is valid: ``validation.validate``'s problems, less
 the refusals of what is planned for but not yet wired into training, which are kept as notes.
 
-Context parallelism (issue 42) is planned before it trains: its flags, length rules and process
-groups are in, and the launch refuses --context-parallel-size > 1 until the CP attention and data
-path are wired. The rehearsal, the layout planner and ``tools/print_topology.py`` check and price a
-CP layout anyway (its groups, its memory, its step time) and say that a launch refuses it today.
+Context parallelism (issue 42) was planned before it trained, its launch refused until the CP
+attention and data path were wired; it is wired now, so nothing is deferred today and these functions
+are ``validate`` itself. The mechanism stays for the next feature planned before it trains.
 
 Invariant: a problem is deferred only when it is one of ``NOT_WIRED_YET``'s refusals; every other
 problem of ``validate`` stays a problem. When the refusal goes (CP wired), nothing is deferred and
@@ -18,8 +17,8 @@ import dataclasses
 from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.validation import validate
 
-# validation.py's words for a feature whose flags and rules are in but whose training is not
-NOT_WIRED_YET = ("context parallelism is not wired into training",)
+# validation.py's words for a feature whose flags and rules are in but whose training is not (none today)
+NOT_WIRED_YET: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

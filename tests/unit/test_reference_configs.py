@@ -75,9 +75,9 @@ def closed_form(cfg, vocab: int) -> tuple[int, int]:
 def test_reference_config_is_valid_at_its_world_size(name):
     world, tp, pp, vpp, dp, _ = REFERENCE[name]
     cfg = load(name)
-    # pure: mock data, nothing built (a CP layout: valid but for the launch's refusal of CP until it is wired)
+    # pure: mock data, nothing built (a CP layout too: CP is wired into training, nothing is deferred)
     deferred = validate_for_planning(cfg, world, cuda=False)
-    assert bool(deferred) == (name in CP), deferred
+    assert deferred == (), deferred
     p = cfg.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, get_data_parallel_size(cfg, world)) == (
         tp,
