@@ -27,6 +27,7 @@ from megatron_ext.checkpoint.megatron_lm import check_padded_vocab
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.parts import CheckpointMeta
 from megatron_ext.config import ConfigError, DataConfig, JobConfig, ParallelConfig, TrainingConfig
+from megatron_ext.context_parallel.attention import describe_context_parallel_attention
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.context_split import build_context_split
@@ -340,15 +341,22 @@ def describe_run(run: TrainingRun) -> str:
         f" | parameters on the logging rank {local:,}\n"
         + describe_schedule(run)
         + "\n"
-        + describe_attention_kernels(
-            ctx.device.type,
-            cfg.model.attention_dropout,
-            use_transformer_engine(cfg.model, ctx.device, ctx.cp_size),
-            resolved.uses_document_boundaries,
-            resolved.params_dtype,
-            get_kv_channels(cfg.model),
-        )
+        + describe_attention(cfg, resolved, ctx)
         + describe_compilation(cfg, resolved)
+    )
+
+
+def describe_attention(cfg: JobConfig, resolved: ResolvedConfig, ctx: ParallelContext) -> str:
+    """The attention line: the CP attention under context parallelism, else the kernels by case."""
+    if ctx.cp_size > 1:
+        return describe_context_parallel_attention(ctx.cp_size, ctx.device.type, cfg.data.packed_sequences)
+    return describe_attention_kernels(
+        ctx.device.type,
+        cfg.model.attention_dropout,
+        use_transformer_engine(cfg.model, ctx.device, ctx.cp_size),
+        resolved.uses_document_boundaries,
+        resolved.params_dtype,
+        get_kv_channels(cfg.model),
     )
 
 

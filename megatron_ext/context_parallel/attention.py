@@ -276,6 +276,19 @@ def context_parallel_attention(
 
 # ----------------------------------------------------------------------------- the core attention's side
 
+
+def describe_context_parallel_attention(cp_size: int, device_type: str, packed: bool) -> str:
+    """The start-up notice of the CP attention (instead of ``model.attention.describe_attention_kernels``)."""
+    kernel = (
+        "one flash varlen call per layer (bf16/fp16)" if device_type == "cuda" else "the CPU flash kernel per piece"
+    )
+    layout = "per-document head-tail (packed documents)" if packed else "row head-tail"
+    return (
+        f"> attention: context parallel over {cp_size} ranks (--cp-comm-type all_gather): local queries against "
+        f"keys and values all-gathered over the CP group -> {kernel} | split: {layout}"
+    )
+
+
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -347,10 +347,10 @@ def test_cp_peers_run_the_same_actions_under_our_runtime(four_ranks):
 def test_collectives_our_features_add_per_step_stay_two_under_cp(four_ranks):
     """CP2 x PP2 x VPP2 packed, 3 logged steps: besides the model's own (the CP attention's gather and
     reduce-scatter, the cross-entropy's) and megatron-core's that our wrappers issue (finalize's token count
-    over DP x CP, the grad norm), our code issues one negotiation all-reduce per step (over TP x CP x PP)
+    over DP x CP, the grad norm's), our code issues one negotiation all-reduce per step (over TP x CP x PP)
     and, on the last stage, one all-reduce of the logged loss rows over DP x CP: at most 2 a step."""
     model = ("megatron_ext.context_parallel.collectives", "megatron_ext.model.cross_entropy")
-    rehomed = ("megatron_ext.training.finalize", "megatron_ext.training.optimizer")
+    rehomed = ("megatron_ext.training.finalize", "megatron_ext.training.optimizer", "megatron_ext.training.grad_norm")
     for r in four_ranks:
         counts = r[COUNTED]["counts"]
         assert counts[(model[0], "all_gather_single")] > 0, counts  # the counter sees the CP attention
