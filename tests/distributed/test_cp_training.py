@@ -47,6 +47,7 @@ from megatron_ext.testing import (
 )
 from megatron_ext.training import loop
 from megatron_ext.training.checkpointing import load_checkpoint
+from megatron_ext.training.step import unwrap_model
 
 pytestmark = pytest.mark.distributed
 
@@ -68,6 +69,8 @@ BASE = dict(
 PACKED = dict(BASE, micro_batch_size=1, packed_sequences=True, document_pad_multiple=G, log_params_norm=True)
 ROWS = dict(BASE, micro_batch_size=2, log_params_norm=False)
 DATA = {"packed": lambda: PackedMarkovDataset(SEQ, pad_multiple=G), "rows": lambda: MarkovDataset(SEQ, mask_every=1)}
+VALID = PackedMarkovDataset(SEQ, seed=9, pad_multiple=G)
+EVAL = dict(eval_interval=ITERS, eval_iters=2)  # one evaluation (forward only) after step 3
 CP2_PP2 = dict(context_parallel_size=2, pipeline_model_parallel_size=2)
 # name: (flags, data)
 FOUR_RANKS = {
@@ -82,7 +85,7 @@ FOUR_RANKS = {
         dict(PACKED, **CP2_PP2, pipeline_schedule="ZBH1", skip_spiky_loss_factor=100.0, skip_spiky_loss_window=5),
         "packed",
     ),
-    "CP2 x PP2 ZBVZeroBubble": (dict(PACKED, **CP2_PP2, pipeline_schedule="ZBVZeroBubble"), "packed"),
+    "CP2 x PP2 ZBVZeroBubble": (dict(PACKED, **CP2_PP2, **EVAL, pipeline_schedule="ZBVZeroBubble"), "packed"),
     "CP2 x PP2 1F1B rows": (dict(ROWS, **CP2_PP2), "rows"),
 }
 BF16_RUN = (dict(PACKED, **CP2_PP2, use_distributed_optimizer=True, bf16=True), "packed")
@@ -96,7 +99,7 @@ EIGHT_RANKS = {
         "packed",
     ),
     "CP2 x DP2 x PP2, distributed optimizer": (dict(PACKED, **CP2_PP2, use_distributed_optimizer=True), "packed"),
-    "CP4 x PP2": (dict(PACKED, context_parallel_size=4, pipeline_model_parallel_size=2), "packed"),
+    "CP4 x PP2": (dict(PACKED, **EVAL, context_parallel_size=4, pipeline_model_parallel_size=2), "packed"),
 }
 # resumed from SAVED's checkpoint, at 4 and at 8 ranks
 RESUME_CP1 = dict(PACKED, pipeline_model_parallel_size=2, use_distributed_optimizer=True, train_iters=RESUMED_ITERS)
@@ -106,7 +109,7 @@ RESUME_CP4 = dict(RESUME_CP1, context_parallel_size=4)
 def _train(values: dict, data: str, load: str | None = None, count: bool = False, inf_at: int | None = None) -> dict:
     """``train`` of the run of ``values`` (loading ``load`` first; an inf loss on CP rank 1 at
     iteration ``inf_at``): what each rank saw and logged."""
-    run = build_tiny_run(tiny_values(**values), DATA[data]())
+    run = build_tiny_run(tiny_values(**values), DATA[data](), VALID if "eval_interval" in values else None)
     if inf_at is not None:
         inject_inf_loss(run, inf_at)
     ctx = run.ctx
@@ -119,12 +122,19 @@ def _train(values: dict, data: str, load: str | None = None, count: bool = False
         totals.append((reduced.tolist(), args[1] if len(args) > 1 else None))
         return log_iteration(run_, loss, result, window, reduced, *args)
 
-    loop._log_iteration = recording  # this forked rank only
+    evaluations: list[list[float]] = []
+    evaluate_and_log = loop.evaluate_and_log
+
+    def evaluating(run_):
+        evaluations.append(evaluate_and_log(run_))
+        return evaluations[-1]
+
+    loop._log_iteration, loop.evaluate_and_log = recording, evaluating  # this forked rank only
     actions = record_actions(run)
     if load is not None:
         load_checkpoint(run, load)
     counts = count_collectives(lambda: loop.train(run)) if count else loop.train(run) and None
-    loop._log_iteration = log_iteration
+    loop._log_iteration, loop.evaluate_and_log = log_iteration, evaluate_and_log
     params = gather_full_params(run) if ctx.dp_rank == 0 else {}  # (collective over TP)
     out = {
         "records": [(r["iteration"], r["loss"], r["grad_norm"]) for r in run.records],
@@ -138,6 +148,7 @@ def _train(values: dict, data: str, load: str | None = None, count: bool = False
         "seeds": get_dropout_seeds(),
         "spike_losses": list(run.spike_guard.losses) if run.spike_guard is not None else None,
         "nan": (run.state.nan_iterations, run.nan_origin),
+        "validation": evaluations if ctx.is_last_stage else [],
     }
     destroy_parallel_context()
     return out
@@ -146,8 +157,6 @@ def _train(values: dict, data: str, load: str | None = None, count: bool = False
 def inject_inf_loss(run, iteration: int) -> None:
     """+inf added to CP rank 1's per-token losses (its share of every micro-batch) at ``iteration``:
     its loss sum is inf, its gradients stay finite (a constant), CP rank 0's loss is finite."""
-    from megatron_ext.training.step import unwrap_model
-
     if not (run.ctx.is_last_stage and run.ctx.cp_rank == 1):
         return
 
@@ -181,7 +190,7 @@ def get_dropout_seeds() -> tuple[int, int]:
 
 def _reference(rank: int, world_size: int) -> dict:
     return {
-        "packed": _train(PACKED, "packed"),
+        "packed": _train(dict(PACKED, **EVAL), "packed"),
         "packed, 5 steps": _train(dict(PACKED, train_iters=RESUMED_ITERS), "packed"),
         "rows": _train(ROWS, "rows"),  # (rows: no --log-params-norm)
         "packed, bf16": _train(dict(PACKED, bf16=True), "packed"),
@@ -267,6 +276,10 @@ def check_against_one_process(ranks: list[dict], name: str, flags: dict, ref: di
         assert window[3] == pytest.approx(ref_window[3], rel=1e-12), f"{name}: FLOPs {window[3]} != {ref_window[3]}"
         assert window[0] == pytest.approx(ref_window[0], rel=tol), name
         assert norm is None or norm == pytest.approx(ref_norm, rel=tol), f"{name}: params norm {norm} != {ref_norm}"
+    if "eval_interval" in flags:  # forward only: our runtime (ZBV) and megatron-core's (CP4), over DP x CP
+        validation = {tuple(r[name]["validation"][0]) for r in ranks if r[name]["validation"]}
+        ((loss,),) = validation
+        assert loss == pytest.approx(ref["validation"][0][0], rel=tol), (name, loss, ref["validation"])
     params, ref_params = _params(ranks, name), ref["params"]
     assert params.keys() == ref_params.keys(), name
     worst = max(ref_params, key=lambda k: _relative(params[k], ref_params[k]))
@@ -385,8 +398,6 @@ def _raising_world(rank: int, world_size: int, report_dir: str) -> dict:
     """CP2: rank 1 raises in the forward of iteration 2 (before its CP all-gather) and stays alive, as
     under NCCL, where its peers' collectives would not fail; rank 0 waits in the all-gather until its
     step watchdog reports. Then rank 1 ends, which ends rank 0's all-gather."""
-    from megatron_ext.training.step import unwrap_model
-
     values = tiny_values(**dict(PACKED, context_parallel_size=2, train_iters=2, step_timeout_minutes=0.05))
     run = build_tiny_run(values, DATA["packed"]())
     run.watchdog.out = open(os.path.join(report_dir, f"stacks{rank}.txt"), "w")
