@@ -26,6 +26,7 @@ from megatron_ext.config import ConfigError, JobConfig  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.error_report import report_error_once  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
+from megatron_ext.launch_env import check_launch_env  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.rehearse import rehearse_job  # noqa: E402
 from megatron_ext.restart import (  # noqa: E402
@@ -44,6 +45,7 @@ from megatron_ext.validation import check_data_tokenizer, validate  # noqa: E402
 def main(argv: list[str] | None = None) -> list[float]:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: die with the agent, even on kill -9
         apply_parent_death_signal()
+    check_launch_env(os.environ)  # WORLD_SIZE, RANK, OMP_NUM_THREADS, ...: read with int() from here on
     cfg, flag_notes = parse_args_with_notes(argv)
     if cfg.parallel.rehearse:  # this world size's checks, groups, model chunks and first step, on this machine
         rehearse_job(cfg, flag_notes, os.environ)
