@@ -36,7 +36,7 @@ from megatron_ext.restart import (  # noqa: E402
     write_no_retry_marker,
 )
 from megatron_ext.run import build_training_run, describe_run, describe_schedule  # noqa: E402
-from megatron_ext.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron_ext.training.checkpointing import load_checkpoint, maybe_redo_hf_export  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 from megatron_ext.training.metrics import check_wandb_ready  # noqa: E402
 from megatron_ext.validation import check_data_tokenizer, validate  # noqa: E402
@@ -101,6 +101,7 @@ def _train(
             weights_only=load_plan.weights_only,
             load_rng=load_plan.load_rng,
         )
+        maybe_redo_hf_export(run)  # the --save-hf export a killed run owed for this checkpoint
         if cfg.checkpoint.use_checkpoint_opt_param_scheduler and run.ctx.is_logging_rank:
             run.log(describe_schedule(run, "schedule taken from the checkpoint (--use-checkpoint-opt-param-scheduler)"))
     run.iteration_record = open_iteration_record()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 
 import pytest
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.data.microbatch import Microbatch
+from megatron_ext.hf.export import is_complete_export
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.checkpointing import load_checkpoint
@@ -223,3 +225,52 @@ def test_next_export_recovers_a_crashed_publish_and_logs_its_seconds(tmp_path):
     assert match, line
     # (a tiny model's export can round to 0.00 s: the unit test checks the value against a clock)
     assert 0.0 <= float(match.group(1)) <= out["seconds"], (line, out["seconds"])
+
+
+def _resume_after_killed_exports(rank: int, world_size: int, save: str) -> dict:
+    """Train to the last save (its export published), then play two kills and resume from --save
+    after each: one during the export (its .tmp_ directory left, the export gone), one between the
+    save and the export (nothing of it on disk); an export of iteration 1 abandoned earlier too."""
+    from megatron_ext.training.checkpointing import maybe_redo_hf_export
+
+    values = _values(save, "llama untied fp32") | dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    run = build_tiny_run(values, MarkovDataset(SEQ))
+    train(run)
+    destroy_parallel_context()
+    hf, out = os.path.join(save, "hf"), {}
+    final = os.path.join(hf, f"iter_{ITERS:07d}")
+    for kill in ("during the export", "before the export"):
+        if kill == "during the export":
+            os.rename(final, os.path.join(hf, f".tmp_iter_{ITERS:07d}"))
+            os.remove(os.path.join(hf, f".tmp_iter_{ITERS:07d}", "config.json"))
+            os.makedirs(os.path.join(hf, ".tmp_iter_0000001"))
+        else:
+            shutil.rmtree(final)
+        run = build_tiny_run(values | dict(load=save), MarkovDataset(SEQ))
+        logs = []
+        run.log = logs.append
+        load_checkpoint(run, save)
+        out[kill] = {"published": maybe_redo_hf_export(run), "logs": logs, "listing": sorted(os.listdir(hf))}
+        destroy_parallel_context()
+    return out
+
+
+def test_an_export_a_killed_run_owed_is_redone_at_the_next_start(tmp_path):
+    """Issue 45: a run killed during (or just before) its --save-hf export left no export of its last
+    checkpoint, and nothing said so: the resumed run started where the checkpoint was and the export
+    was never written. The next start from --save exports the loaded checkpoint, saying why, and
+    names an abandoned export of another iteration with the command that redoes it."""
+    save = str(tmp_path / "ckpt")
+    out = run_ranks(_resume_after_killed_exports, 1, save)[0]
+    final = os.path.join(save, "hf", f"iter_{ITERS:07d}")
+    for kill, why in (
+        ("during the export", "an export of it was started and never published"),
+        ("before the export", "--save-hf was due there and no export was published"),
+    ):
+        got = out[kill]
+        assert got["published"] == final, got
+        assert f"> --save-hf: the export of iteration {ITERS} is missing ({why}" in "\n".join(got["logs"]), got
+        assert f"iter_{ITERS:07d}" in got["listing"] and f".tmp_iter_{ITERS:07d}" not in got["listing"], got
+    assert is_complete_export(final)
+    (warning,) = [line for line in out["during the export"]["logs"] if "iteration 1 was never published" in line]
+    assert f"convert_checkpoint.py megatron-to-hf --load {os.path.join(save, 'iter_0000001')}" in warning
