@@ -427,6 +427,53 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ("torch.ops.aten._flash_attention_forward", "torch.nn.attention.varlen.varlen_attn"),
     ),
     Workaround(
+        "local-attention-cp-assert",
+        "DotProductAttention.__init__ asserts context_parallel_size == 1: our core attention is built on a "
+        "shallow config copy with CP 1 and keeps the shared config (never changed)",
+        "megatron_ext.context_parallel.attention:get_config_without_cp",
+        ("megatron.core.transformer.dot_product_attention.DotProductAttention.__init__",),
+    ),
+    Workaround(
+        "cp-comm-type-per-layer-index",
+        "TransformerLayer.__init__ indexes a per-layer cp_comm_type list with the 1-based layer number (each "
+        "layer reads the next one's, the last raises IndexError): normalised to one string, all_gather",
+        "megatron_ext.model.gpt:get_transformer_cp_comm_type",
+        ("megatron.core.transformer.transformer_layer.TransformerLayer.__init__",),
+    ),
+    Workaround(
+        "cp-local-attention-fallback",
+        "under CP, DotProductAttention.forward (our fallback for masks, windows, other softmaxes, layer "
+        "scaling) would silently attend to the local keys only: the CP attention raises at run time instead",
+        "megatron_ext.context_parallel.attention:check_attention_under_cp",
+        ("megatron.core.transformer.dot_product_attention.DotProductAttention.forward",),
+    ),
+    Workaround(
+        "cp-rotary-positions",
+        "RotaryEmbedding.forward under CP slices positions 0..s-1 head-tail per row (wrong for packed "
+        "documents): our core attention rotates by the sliced position ids; other rotary modules are refused",
+        "megatron_ext.model.gpt:check_rotary_under_cp",
+        ("megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank",),
+    ),
+    Workaround(
+        "cp-collective-names",
+        "torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for all_gather_single / "
+        "reduce_scatter_single, which torch 2.11 lacks: the CP gather takes the _single name where it exists",
+        "megatron_ext.context_parallel.collectives:get_collective",
+        ("torch.distributed.all_gather_into_tensor", "torch.distributed.reduce_scatter_tensor"),
+    ),
+    Workaround(
+        "cp-attention-kernels",
+        "CPU SDPA keeps a float32 copy of a bool mask for backward and aligns is_causal top-left: CP pieces call "
+        "the CPU flash kernel and its backward directly (prefix + square causal block, logsumexp merge); on CUDA "
+        "aten's flash varlen kernel (bottom-right causal), as varlen_causal_attention does",
+        "megatron_ext.context_parallel.attention:PiecewiseCausalAttention",
+        (
+            "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+            "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward",
+            "torch.ops.aten._flash_attention_forward",
+        ),
+    ),
+    Workaround(
         "multi-tensor-fallback-host-syncs",
         "without Apex or Transformer Engine, megatron-core's local_multi_tensor_l2_norm (grad norm) "
         "calls .item() on every parameter's norm: one host sync per parameter per step (149 per "

@@ -109,6 +109,10 @@ class ParallelConfig:
         False,
         "Rehearse the job on this machine instead of running it (ours): for WORLD_SIZE ranks (required, as torchrun sets it; LOCAL_WORLD_SIZE ranks per node, else NPROC_PER_NODE, else 8), with no process group or GPU: every flag and the layout checked as a launch checks them, the process-group map (TP, PP, DP groups, each rank's node; a TP group across nodes is an error), each distinct model chunk built once on the meta device (parameters per rank, the embedding's and output layer's pipeline ranks, uneven splits), weight, gradient and optimizer-state bytes per rank (not activations), the samples each DP rank reads in its first step; prints a summary, exit status 0 when all holds, 2 otherwise (docs/planning.md).",
     )
+    gpu_memory_gib: float | None = _f(
+        None,
+        "With --rehearse (ours; tools/plan_layout.py's flag): the GPUs' memory in GiB. A predicted peak above it (the planner's memory model: state, activations at the schedule's peak, temporaries, margin) is an error naming the largest term, the cheapest change that keeps the layout and the planner's best layout for the world. Without it the prediction is printed only. Ignored without --rehearse.",
+    )
     device: str = _f(
         "auto",
         "Where ranks run (ours, not Megatron-LM's): auto (the local GPU when CUDA is available, else the CPU with gloo), cpu (force the CPU/gloo path even on a GPU machine) or cuda.",
@@ -399,6 +403,10 @@ class TrainingConfig:
     skip_spiky_loss_window: int = _f(
         100,
         "Ours: the applied steps whose largest loss is --skip-spiky-loss-factor's reference; the guard is armed once it holds that many (after a resume too).",
+    )
+    check_weight_hash_across_dp_replicas_interval: int | None = _f(
+        None,
+        "Megatron-LM's: before the first step and every N steps (after the optimizer step, pending parameter all-gathers completed), compare an exact digest of every parameter across the data-parallel (x context-parallel) replicas; a mismatch stops the run with exit code 3, naming the iteration, the parameters, the ranks and the newest checkpoint at or before the last check that passed, which --keep-last keeps and an automatic restart resumes from (docs/failures.md). Off by default.",
     )
     bf16: bool = _f(
         False,

@@ -139,6 +139,7 @@ def _check_positive(cfg: JobConfig) -> list[str]:
         ("lr_decay_samples", t),
         ("lr_wsd_decay_iters", t),
         ("lr_wsd_decay_samples", t),
+        ("check_weight_hash_across_dp_replicas_interval", t),
     ]
     rates = [
         ("lr", t),
@@ -366,8 +367,7 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
 def _check_data(cfg: JobConfig) -> list[str]:
     """Where the tokens come from: the data flags, the tokenizer flags, the files they name (O(1)
     header checks), packing and padding, and the one --split grammar (``data/gpt_datasets.parse_split``)."""
-    d = cfg.data
-    out = []
+    d, out = cfg.data, []
     blends = None
     try:
         blends = get_data_blends(d)

@@ -47,6 +47,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron_ext.context_parallel import attention as cp_attention
+
 PER_DOCUMENT = "per-document SDPA loop"
 VARLEN = "flash varlen (the kernel of torch's varlen_attn)"
 MASKED = "one SDPA with a block-diagonal causal mask (static shapes)"
@@ -54,11 +56,13 @@ MASKED = "one SDPA with a block-diagonal causal mask (static shapes)"
 
 @dataclasses.dataclass
 class PackedMicrobatchParams(PackedSeqParams):
-    """megatron-core's THD parameters plus what our core attention needs, computed once per
-    micro-batch: the boundaries on the host and the per-token rotary frequencies."""
+    """megatron-core's THD parameters plus what our core attention needs, computed once per micro-batch:
+    the boundaries on the host, the per-token rotary frequencies and, under CP, the plan (unpacked rows
+    too: ``qkv_format="sbhd"``, which megatron-core hands to the core attention untouched)."""
 
     cu_seqlens_host: tuple[int, ...] | None = None
-    rotary_freqs: torch.Tensor | None = None  # [t, 1, rot_dim] fp32, gathered by position id
+    rotary_freqs: torch.Tensor | None = None  # [t, 1, rot_dim] fp32 by position id ([s, b, 1, rot_dim]: rows)
+    context_parallel: cp_attention.ContextParallelPlan | None = None
     # (dtype, interleaved) -> rotary_coefficients, made by the first layer that rotates
     rotary_coefficients: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -332,10 +336,18 @@ def build_packed_rotary_freqs(rotary: RotaryEmbedding, position_ids: torch.Tenso
 
 
 class VarlenDotProductAttention(DotProductAttention):
-    """megatron-core's DotProductAttention with SDPA for causal attention and the packed path."""
+    """megatron-core's DotProductAttention with SDPA for causal attention, the packed path and the CP path."""
 
     supports_packed_sequences = True
     rotary_table: RotaryTable | None = None  # set by apply_core_attention_rotary on RoPE models
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, *args, cp_comm_type=None, **kwargs):
+        """Under CP: built on a config copy with CP 1 (upstream asserts CP == 1; compat.py local-attention-cp-assert)."""
+        if cp_comm_type not in (None, "all_gather"):
+            raise ValueError(f"--cp-comm-type {cp_comm_type}: our core attention implements all_gather only")
+        built_on = cp_attention.get_config_without_cp(config)
+        super().__init__(built_on, layer_number, attn_mask_type, attention_type, *args, **kwargs)
+        self.config = config
 
     def _rotates(self) -> bool:
         table = self.rotary_table
@@ -369,6 +381,9 @@ class VarlenDotProductAttention(DotProductAttention):
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
+        if self.config.context_parallel_size > 1:
+            masks = (attention_mask, attn_mask_type, attention_bias)
+            return self._cp_forward(query, key, value, *masks, packed_seq_params)
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, packed_seq_params)
         if self._rotates():
@@ -398,15 +413,7 @@ class VarlenDotProductAttention(DotProductAttention):
         if host is None:  # megatron-core's own PackedSeqParams: one device-to-host copy
             host = tuple(params.cu_seqlens_q.tolist())
         check_boundaries(host, query.shape[0])
-        if self._rotates():
-            if getattr(params, "rotary_freqs", None) is None:
-                raise ValueError(
-                    "packed sequences with RoPE: the THD parameters carry no rotary frequencies; build "
-                    "them with megatron_ext.training.step.get_packed_seq_params(microbatch, model)"
-                )
-            interleaved = self.config.rotary_interleaved
-            cos, sin = packed_coefficients(params, query.dtype, interleaved)
-            query, key = rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)
+        query, key = self._rotate_by_params(query, key, params)
         p = self._dropout_p()
         on_cuda = query.device.type == "cuda"
         available = on_cuda and flash_varlen_supported(query.device.index or 0, query.shape[-1])
@@ -415,6 +422,27 @@ class VarlenDotProductAttention(DotProductAttention):
             max_seqlen = params.max_seqlen_q or max(b - a for a, b in zip(host, host[1:]))
             return varlen_causal_attention(query, key, value, params.cu_seqlens_q, max_seqlen, self.softmax_scale)
         return self._with_rng(lambda: document_causal_attention(query, key, value, host, self.softmax_scale, p))
+
+    def _rotate_by_params(self, query, key, params: PackedSeqParams):
+        """q and k rotated by the micro-batch's per-token frequencies (packed, or any input under CP)."""
+        if not self._rotates():
+            return query, key
+        if getattr(params, "rotary_freqs", None) is None:
+            raise ValueError(
+                f"{params.qkv_format} input with RoPE: the parameters carry no rotary frequencies; build them "
+                f"with megatron_ext.training.step.get_packed_seq_params(microbatch, model)"
+            )
+        interleaved = self.config.rotary_interleaved
+        cos, sin = packed_coefficients(params, query.dtype, interleaved)
+        return rotate(query, cos, sin, interleaved), rotate(key, cos, sin, interleaved)
+
+    def _cp_forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias, params):
+        """Local q/k/v, THD [t/c, heads, hn] or [s/c, b, heads, hn] -> [t/c, np hn] or [s/c, b, np hn]."""
+        masks = (self.attn_mask_type, attention_mask, attn_mask_type, attention_bias)
+        cp_attention.check_attention_under_cp(self.config, *masks, self._dropout_p(), params)
+        query, key = self._rotate_by_params(query, key, params)
+        group = self.pg_collection.cp
+        return cp_attention.context_parallel_core_attention(query, key, value, params, group, self.softmax_scale)
 
     def _static_packed_forward(self, query, key, value, params: StaticPackedParams):
         """The packed path on tensors alone (``prepare_static_packed_params`` checked the boundaries

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
-from megatron_ext.derived import ResolvedConfig
+from megatron_ext.derived import ResolvedConfig, get_cp_comm_types
 
 # attention and wgrad are called through their modules: bench/gpu_ablation.py patches them there
 from megatron_ext.model import attention, wgrad
@@ -40,7 +40,7 @@ def build_transformer_config(cfg: JobConfig, resolved: ResolvedConfig, device: t
     megatron-core's advice against recomputing Transformer Engine's fused core_attn (printed for
     --recompute-activations) is silenced on the local spec, which has no fused attention."""
     with warnings.catch_warnings():
-        if not use_transformer_engine(cfg.model, device):
+        if not use_transformer_engine(cfg.model, device, cfg.parallel.context_parallel_size):
             warnings.filterwarnings("ignore", message=".*the core_attn is from transformer_engine.*")
         return _build_transformer_config(cfg, resolved, device)
 
@@ -71,6 +71,8 @@ def _build_transformer_config(cfg: JobConfig, resolved: ResolvedConfig, device: 
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        cp_comm_type=get_transformer_cp_comm_type(p),
         virtual_pipeline_model_parallel_size=resolved.virtual_pipeline_size,
         microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
         num_layers_in_first_pipeline_stage=p.decoder_first_pipeline_num_layers,
@@ -134,11 +136,26 @@ def apply_checkpoint_without_output_fix() -> None:
     cls._megatron_ext_fp8_fix = True
 
 
-def use_transformer_engine(m: ModelConfig, device: torch.device) -> bool:
+def get_transformer_cp_comm_type(p: ParallelConfig) -> str | None:
+    """TransformerConfig's ``cp_comm_type``: one string, never megatron-core's per-layer list, which
+    0.16.1's TransformerLayer indexes with the 1-based global layer number (each layer reads the next
+    layer's value, the last raises IndexError; compat.py: cp-comm-type-per-layer-index). Every value
+    we accept is all_gather (``context_parallel/rules.py``), so one string says the same. None
+    without CP."""
+    if p.context_parallel_size <= 1:
+        return None
+    ours = set(get_cp_comm_types(p))
+    if ours != {"all_gather"}:
+        raise ValueError(f"--cp-comm-type {' '.join(p.cp_comm_type)}: only all_gather is supported")
+    return "all_gather"
+
+
+def use_transformer_engine(m: ModelConfig, device: torch.device, context_parallel_size: int = 1) -> bool:
     """Transformer Engine's layer spec: --transformer-impl transformer_engine, or auto where TE is
-    importable and CUDA is used."""
+    importable and CUDA is used, without context parallelism (CP runs on our attention of the local
+    spec: auto takes it; transformer_engine is refused under CP at start-up)."""
     impl = m.transformer_impl
-    if impl == "local" or device.type != "cuda":
+    if impl == "local" or device.type != "cuda" or (impl == "auto" and context_parallel_size > 1):
         return False
     try:
         import transformer_engine  # noqa: F401
@@ -149,7 +166,7 @@ def use_transformer_engine(m: ModelConfig, device: torch.device) -> bool:
     return True
 
 
-def build_layer_spec(m: ModelConfig, device: torch.device):
+def build_layer_spec(m: ModelConfig, device: torch.device, context_parallel_size: int = 1):
     """One transformer layer's spec: Transformer Engine's, or megatron-core's local one with our
     core attention and norms."""
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -158,7 +175,7 @@ def build_layer_spec(m: ModelConfig, device: torch.device):
     )
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if use_transformer_engine(m, device):
+    if use_transformer_engine(m, device, context_parallel_size):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm)
     # (our core attention below also applies RoPE: see model/attention.py)
     spec = get_gpt_layer_local_spec(normalization=m.normalization, qk_layernorm=m.qk_layernorm)
@@ -184,6 +201,18 @@ def build_block_spec(layer_spec, tf_config, vp_stage: int | None, pp_rank: int):
         return layer_spec
     layers = transformer_block.get_num_layers_to_build(tf_config, vp_stage, pp_rank)
     return transformer_block.TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=TorchNorm)
+
+
+def check_rotary_under_cp(chunk: torch.nn.Module, context_parallel_size: int) -> None:
+    """Under CP a rotary module other than megatron-core's plain one (which our core attention applies
+    from each token's sliced position) would rotate by upstream's rule for CP (a row head-tail slice
+    of positions 0..s-1), wrong for packed documents: refused."""
+    rotary = getattr(chunk, "rotary_pos_emb", None)
+    if context_parallel_size > 1 and rotary is not None:
+        raise ValueError(
+            f"context parallelism: the rotary embedding {type(rotary).__name__} is not applied by our core "
+            f"attention (megatron-core's plain RotaryEmbedding is: --position-embedding-type rope)"
+        )
 
 
 def check_packed_sequence_support(chunks: list[torch.nn.Module]) -> None:
@@ -228,7 +257,8 @@ def build_model_chunks(
     mark_config_placement(tf_config, placement.placement)
     if tf_config.recompute_granularity == "selective":
         apply_checkpoint_without_output_fix()
-    spec = build_layer_spec(cfg.model, device)
+    cp = cfg.parallel.context_parallel_size
+    spec = build_layer_spec(cfg.model, device, cp)
     m = cfg.model
     num_chunks = placement.vp_size or 1
     chunks = []
@@ -250,8 +280,8 @@ def build_model_chunks(
             rope_scaling_factor=m.rope_scaling_factor,
             vp_stage=vp_stage if placement.vp_size else None,
         )
-        if not use_transformer_engine(m, device):
-            attention.apply_core_attention_rotary(chunk)
+        if not use_transformer_engine(m, device, cp) and not attention.apply_core_attention_rotary(chunk):
+            check_rotary_under_cp(chunk, cp)
         chunks.append(chunk.to(device))
     if resolved.uses_document_boundaries:
         check_packed_sequence_support(chunks)

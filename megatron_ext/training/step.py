@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_ext.context_parallel.attention import build_context_parallel_plan
 from megatron_ext.cpu_platform import get_collective_device
 from megatron_ext.data.microbatch import Microbatch, build_chunk_iterators
 from megatron_ext.guards import StepProgress
@@ -68,17 +69,24 @@ def _loss_func(valid: torch.Tensor, output_tensor: torch.Tensor, check_for_nan: 
     return compute_token_loss(output_tensor, valid).to_megatron(poison=check_for_nan)
 
 
+def get_core_rotary(model: torch.nn.Module | None) -> CoreAttentionRotaryEmbedding | None:
+    """The chunk's rotary module when our core attention applies RoPE (local spec), else None."""
+    rotary = getattr(unwrap_model(model), "rotary_pos_emb", None) if model is not None else None
+    return rotary if isinstance(rotary, CoreAttentionRotaryEmbedding) else None
+
+
 def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) -> PackedSeqParams | None:
     """THD parameters of a packed micro-batch (None unpacked), with the host boundaries and, for
     a RoPE model chunk on the local spec, its tokens' rotary frequencies: computed here once per
     micro-batch and chunk, never inside a layer. With static shapes (--torch-compile, CUDA graphs):
-    ``StaticPackedParams`` instead, tensors of bounded shapes and nothing host-side."""
+    ``StaticPackedParams`` instead, tensors of bounded shapes and nothing host-side. Under context
+    parallelism (``mb.cp_layout``), packed or not: ``get_context_parallel_params``."""
+    if mb.cp_layout is not None:
+        return get_context_parallel_params(mb, model)
     if not mb.is_packed:
         return None
-    rotary = getattr(unwrap_model(model), "rotary_pos_emb", None) if model is not None else None
-    freqs = None
-    if isinstance(rotary, CoreAttentionRotaryEmbedding):
-        freqs = build_packed_rotary_freqs(rotary, mb.position_ids, mb.max_seqlen)
+    rotary = get_core_rotary(model)
+    freqs = None if rotary is None else build_packed_rotary_freqs(rotary, mb.position_ids, mb.max_seqlen)
     cu = mb.cu_seqlens.to(device=mb.tokens.device, dtype=torch.int32)
     params = PackedMicrobatchParams(
         qkv_format="thd",
@@ -93,6 +101,44 @@ def get_packed_seq_params(mb: Microbatch, model: torch.nn.Module | None = None) 
         fixed = fixed_packed_documents(model)  # CUDA graphs: one shape for the run
         return prepare_static_shapes(params, mb.tokens.shape[1], unwrap_model(model).config, fixed)
     return params
+
+
+def get_context_parallel_params(mb: Microbatch, model: torch.nn.Module | None = None) -> PackedMicrobatchParams:
+    """The parameters of a micro-batch holding this CP rank's tokens: its CP plan (``mb.cp_layout``'s
+    pieces, gather order and, on CUDA, the varlen call's boundaries: ``build_context_parallel_plan``)
+    and the rotary frequencies of its sliced positions, host work once per micro-batch and chunk.
+    Packed (THD, [1, t/c]): megatron-core's THD fields with the global boundaries and longest
+    document. Unpacked ([b, s/c], every row one layout): ``qkv_format="sbhd"``, ``max_seqlen`` s (what
+    megatron-core's rotary length reads), frequencies [s/c, b, 1, rot_dim] from each row's positions."""
+    layout = mb.cp_layout
+    if model is not None and uses_static_shapes(model):
+        raise ValueError("context parallelism: --torch-compile and --cuda-graph-impl local are not supported under CP")
+    rotary = get_core_rotary(model)
+    if mb.is_packed:
+        plan = build_context_parallel_plan(layout, mb.tokens.device)
+        cu = mb.cu_seqlens.to(device=mb.tokens.device, dtype=torch.int32)
+        return PackedMicrobatchParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=mb.max_seqlen,
+            max_seqlen_kv=mb.max_seqlen,
+            cu_seqlens_host=mb.cu_seqlens_host,
+            rotary_freqs=None if rotary is None else build_packed_rotary_freqs(rotary, mb.position_ids, mb.max_seqlen),
+            context_parallel=plan,
+        )
+    rows, length = mb.tokens.shape[0], layout.num_tokens
+    freqs = None
+    if rotary is not None:  # [s/c b, 1, rot_dim], position-major like the activations
+        freqs = build_packed_rotary_freqs(rotary, mb.position_ids.t(), length)
+        freqs = freqs.view(layout.num_local_tokens, rows, *freqs.shape[1:])
+    return PackedMicrobatchParams(
+        qkv_format="sbhd",
+        max_seqlen_q=length,
+        max_seqlen_kv=length,
+        rotary_freqs=freqs,
+        context_parallel=build_context_parallel_plan(layout, mb.tokens.device, rows),
+    )
 
 
 def forward_step(data_iterator, model, progress: StepProgress | None = None, check_for_nan: bool = True):

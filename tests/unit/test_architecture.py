@@ -21,7 +21,11 @@ MAX_LINES = 600
 LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {}
 
 # library file (relative to the repository root) -> why it may exceed MAX_LINES.
-LONG_FILES_ALLOWED: dict[str, str] = {}
+LONG_FILES_ALLOWED: dict[str, str] = {
+    "megatron_ext/compat.py": "the one table of workarounds (its point: one place to start an upgrade); the "
+    "context-parallel entries took it past 600 lines. To lift: split the table by concern into a package "
+    "whose __init__ joins the parts",
+}
 
 
 def get_module_name(path: pathlib.Path) -> str:

@@ -45,6 +45,7 @@ PRETRAIN = (
     "--num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --global-batch-size 4 --train-iters 10 "
     "--pipeline-model-parallel-size 2 --device cpu"
 ).split()
+REHEARSAL_ONLY = ("gpu_memory_gib",)
 FP16_ONLY = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 WORLD = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
 
@@ -157,7 +158,8 @@ def _pretrain_number_cases() -> list[Case]:
         flag = "--" + name.replace("_", "-")
         values = ["abc", "-1", "-5"] + (["nan", "inf", "-inf", "1e400"] if kind is float else [HUGE, "1.5"])
         used = ["--fp16"] if name in FP16_ONLY else []  # (ignored with a notice without --fp16, as Megatron-LM)
-        out += [case("pretrain", PRETRAIN + used + [f"{flag}={v}"], re.escape(flag), **WORLD) for v in values]
+        entry = "rehearse" if name in REHEARSAL_ONLY else "pretrain"  # (ignored without --rehearse)
+        out += [case(entry, PRETRAIN + used + [f"{flag}={v}"], re.escape(flag), **WORLD) for v in values]
     return out
 
 
@@ -512,8 +514,9 @@ def test_plan_layout_says_why_nothing_fits(capsys):
     need, largest, fits = float(found.group(2)), float(found.group(4)), int(found.group(5))
     assert 1 < largest <= need <= fits < need + 1, out
     assert main([*config, "--gpus", "64", "--fix", "pp=3"]) == 1  # PP 3 divides neither 32 layers nor 64 GPUs
-    assert "0 fit: no layout has pp=3: the planner tries TP dividing --gpus-per-node 8, PP dividing the 32 layers" in (
-        capsys.readouterr().out
+    assert (
+        "0 fit: no layout has pp=3: the planner tries TP dividing --gpus-per-node 8, the CP sizes the sequence allows, PP dividing the 32 layers"
+        in (capsys.readouterr().out)
     )
 
 

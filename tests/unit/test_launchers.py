@@ -390,7 +390,11 @@ def test_a_clean_stop_before_the_end_exits_the_stopped_code(tmp_path):
     rc, err, attempts = run_restarts(tmp_path / "c", [DONE], "0", STOPPED_EXIT_CODE="75")
     assert rc == 0, (rc, err)
     rc, err, attempts = run_restarts(tmp_path / "d", [DONE], "0", STOPPED_EXIT_CODE="x")
-    assert rc == 2 and attempts == [] and "STOPPED_EXIT_CODE=x is not a whole number from 0 to 255: give an exit code" in err, (rc, err)
+    assert (
+        rc == 2
+        and attempts == []
+        and "STOPPED_EXIT_CODE=x is not a whole number from 0 to 255: give an exit code" in err
+    ), (rc, err)
 
 
 def run_sbatch_ending(tmp_path, srun_rc: int, **extra: str) -> tuple[int, str, list[str], str]:
