@@ -14,6 +14,8 @@ run goes on and its checkpoint is complete and loads.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -24,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_ext.config import build_job_config
 from megatron_ext.data.microbatch import Microbatch
 from megatron_ext.hf.export import is_complete_export
 from megatron_ext.parallel import destroy_parallel_context
@@ -227,32 +230,27 @@ def test_next_export_recovers_a_crashed_publish_and_logs_its_seconds(tmp_path):
     assert 0.0 <= float(match.group(1)) <= out["seconds"], (line, out["seconds"])
 
 
-def _resume_after_killed_exports(rank: int, world_size: int, save: str) -> dict:
-    """Train to the last save (its export published), then play two kills and resume from --save
-    after each: one during the export (its .tmp_ directory left, the export gone), one between the
-    save and the export (nothing of it on disk); an export of iteration 1 abandoned earlier too."""
-    from megatron_ext.training.checkpointing import maybe_redo_hf_export
+def _train_and_export(rank: int, world_size: int, save: str) -> None:
+    values = _values(save, "llama untied fp32") | dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    train(build_tiny_run(values, MarkovDataset(SEQ)))
+    destroy_parallel_context()
+
+
+def _start_from_save(rank: int, world_size: int, save: str) -> str:
+    """pretrain_gpt.py's start after a restart (--load = --save: the checkpoint of the last iteration,
+    nothing left to train); what it logged."""
+    import pretrain_gpt
+    from megatron_ext.checkpoint.exit_policy import build_exit_decider
 
     values = _values(save, "llama untied fp32") | dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    run = build_tiny_run(values, MarkovDataset(SEQ))
-    train(run)
-    destroy_parallel_context()
-    hf, out = os.path.join(save, "hf"), {}
-    final = os.path.join(hf, f"iter_{ITERS:07d}")
-    for kill in ("during the export", "before the export"):
-        if kill == "during the export":
-            os.rename(final, os.path.join(hf, f".tmp_iter_{ITERS:07d}"))
-            os.remove(os.path.join(hf, f".tmp_iter_{ITERS:07d}", "config.json"))
-            os.makedirs(os.path.join(hf, ".tmp_iter_0000001"))
-        else:
-            shutil.rmtree(final)
-        run = build_tiny_run(values | dict(load=save), MarkovDataset(SEQ))
-        logs = []
-        run.log = logs.append
-        load_checkpoint(run, save)
-        out[kill] = {"published": maybe_redo_hf_export(run), "logs": logs, "listing": sorted(os.listdir(hf))}
-        destroy_parallel_context()
-    return out
+    cfg = build_job_config(values | dict(load=save))
+    out, decider = io.StringIO(), build_exit_decider(cfg)
+    try:
+        with contextlib.redirect_stdout(out):
+            pretrain_gpt._train(cfg, [], torch.device("cpu"), decider)
+    finally:
+        decider.close()
+    return out.getvalue()
 
 
 def test_an_export_a_killed_run_owed_is_redone_at_the_next_start(tmp_path):
@@ -261,16 +259,25 @@ def test_an_export_a_killed_run_owed_is_redone_at_the_next_start(tmp_path):
     was never written. The next start from --save exports the loaded checkpoint, saying why, and
     names an abandoned export of another iteration with the command that redoes it."""
     save = str(tmp_path / "ckpt")
-    out = run_ranks(_resume_after_killed_exports, 1, save)[0]
-    final = os.path.join(save, "hf", f"iter_{ITERS:07d}")
+    hf = os.path.join(save, "hf")
+    final, tmp = os.path.join(hf, f"iter_{ITERS:07d}"), os.path.join(hf, f".tmp_iter_{ITERS:07d}")
+    run_ranks(_train_and_export, 1, save)
+    assert is_complete_export(final)
+    logs = {}
     for kill, why in (
         ("during the export", "an export of it was started and never published"),
         ("before the export", "--save-hf was due there and no export was published"),
     ):
-        got = out[kill]
-        assert got["published"] == final, got
-        assert f"> --save-hf: the export of iteration {ITERS} is missing ({why}" in "\n".join(got["logs"]), got
-        assert f"iter_{ITERS:07d}" in got["listing"] and f".tmp_iter_{ITERS:07d}" not in got["listing"], got
-    assert is_complete_export(final)
-    (warning,) = [line for line in out["during the export"]["logs"] if "iteration 1 was never published" in line]
+        if kill == "during the export":  # its shards half written: no config, no index, not renamed
+            os.rename(final, tmp)
+            os.remove(os.path.join(tmp, "config.json"))
+            os.makedirs(os.path.join(hf, ".tmp_iter_0000001"))  # an older one, abandoned
+        else:
+            shutil.rmtree(final)
+        log = logs[kill] = run_ranks(_start_from_save, 1, save)[0]
+        assert is_complete_export(final) and not os.path.exists(tmp), (kill, sorted(os.listdir(hf)), log)
+        assert f"> --save-hf: the export of iteration {ITERS} is missing ({why}" in log, log
+    (warning,) = [line for line in logs["during the export"].splitlines() if "iteration 1 was never published" in line]
     assert f"convert_checkpoint.py megatron-to-hf --load {os.path.join(save, 'iter_0000001')}" in warning
+    # said once: the first start's export deleted the leftover
+    assert "iteration 1 was never published" not in logs["before the export"]
