@@ -44,8 +44,11 @@ document of T tokens (compute exactly 1/c on every rank under head-tail), and ``
 rows of a lognormal mix (median 2000, sigma 1, every document padded to g = 8: the same packs at
 every c; rows spread over the packing) under per-document head-tail at c = 2, 4 and row head-tail at
 c = 4. Prediction: the slowest rank's modelled compute(c) / compute(1) + link(c) / step(1) measured,
-i.e. 1/c + link / step(1) for the one document. Targets (issue 42): measured within 5% of the
-prediction, <= 0.55 (c = 2) and <= 0.30 (c = 4) at the stated bandwidth.
+i.e. 1/c + link / step(1) for the one document. Targets (issue 42), judged on the per-document rows
+at the stated bandwidth (IB): measured within 5% of the prediction, <= 0.55 (c = 2) and <= 0.30
+(c = 4). Beside it, the "gloo floor" prediction takes each collective as the larger of its link time
+and gloo's measured loopback time: at NVLink's 1.1-1.7 ms a direction (x 12) this host's gloo calls
+(0.4-9 ms) are the slower, so the NVLink rows measure this host's floor, not NVLink (printed).
 
 Balance (no timing): per-rank attention work (pairs) and whole-layer work (the costs above)
 max/mean, summed over all packs of ``--balance-tokens`` tokens of each mix, of contiguous slices,
@@ -454,8 +457,10 @@ def predict_step(plans: list[list[RankPlan]], num_layers: int) -> float:
     return sum(num_layers * (3 * max(p.forward for p in ranks) + 2 * ranks[0].link) for ranks in plans)
 
 
-def get_link_total(plans: list[list[RankPlan]], num_layers: int) -> float:
-    return sum(num_layers * 2 * ranks[0].link for ranks in plans)
+def get_link_total(plans: list[list[RankPlan]], num_layers: int, floor: tuple[float, float] = (0.0, 0.0)) -> float:
+    """The link's time in a step: an all-gather and a reduce-scatter per layer and micro-batch, each at
+    least its ``floor`` (seconds: gloo's own time for each)."""
+    return sum(num_layers * (max(ranks[0].link, floor[0]) + max(ranks[0].link, floor[1])) for ranks in plans)
 
 
 # ---- the rank worker ----
@@ -672,10 +677,14 @@ def report_timing(per_rank: list[dict], args: argparse.Namespace, costs: Costs, 
     )
     print(f"{args.rounds} rounds after {args.warmup} warm-up, variants alternated in the order below, medians\n")
     print(
-        "| variant | step ms | modelled ms | step(c)/step(1) | prediction | measured/pred | "
-        "compute part | link / step(1) | target | result |"
+        "prediction = compute part + link / step(1); gloo floor: the same with each collective's time the larger "
+        "of the link's and gloo's measured loopback time (what this host can emulate)"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| variant | step ms | modelled ms | step(c)/step(1) | prediction | measured/pred | compute part | "
+        "link / step(1) | gloo floor pred | measured/floor | target | result |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ok = True
     for case in cases:
         base = next(v for v in variants if v.case == case and v.cp_size == 1)
@@ -686,22 +695,24 @@ def report_timing(per_rank: list[dict], args: argparse.Namespace, costs: Costs, 
             modelled = predict_step(plans[v], args.layers)
             link = get_link_total(plans[v], args.layers)
             if v.cp_size == 1:
-                print(f"| {v.name} | {step * 1e3:.1f} | {modelled * 1e3:.1f} | 1 | | | | | | |")
+                print(f"| {v.name} | {step * 1e3:.1f} | {modelled * 1e3:.1f} | 1 | | | | | | | | |")
                 continue
             compute = (modelled - link) / compute1
             prediction = compute + link / step1
+            floor = compute + get_link_total(plans[v], args.layers, gloo[v.cp_size]) / step1
             ratio = step / step1
             close = abs(ratio / prediction - 1) <= TARGET_PREDICTION
             bound = TARGET_RATIO[v.cp_size]
-            judged = v.layout == "document"
+            judged = v.layout == "document" and v.link == STATED_LINK
             good = close and ratio <= bound
             target = f"+-5%, <= {bound}" if judged else "(printed)"
-            verdict = _verdict(good) if judged else ("ok" if close else "off")
+            verdict = _verdict(good) if judged else ("ok" if good else "off")
             if judged:
                 ok &= good
             print(
                 f"| {v.name} | {step * 1e3:.1f} | {modelled * 1e3:.1f} | {ratio:.4f} | {prediction:.4f} | "
-                f"{ratio / prediction:.4f} | {compute:.4f} | {link / step1:.4f} | {target} | {verdict} |"
+                f"{ratio / prediction:.4f} | {compute:.4f} | {link / step1:.4f} | {floor:.4f} | {ratio / floor:.4f} | "
+                f"{target} | {verdict} |"
             )
     print("\nall steps ms, per variant:")
     for v in variants:
