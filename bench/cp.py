@@ -1,9 +1,9 @@
 """Context parallelism on a simulated device: step(CP c)/step(CP 1) beside its prediction, per-rank
 balance of the layouts on packed lognormal mixes, CP collectives per layer, saved bytes per rank.
 
-    python -m bench.cp [--rounds 9] [--warmup 1] [--layers 2] [--seq-length 16384] [--time-scale 12]
+    python -m bench.cp [--rounds 11] [--warmup 1] [--layers 2] [--seq-length 16384] [--time-scale 12]
 
-About 2 minutes. 4 forked gloo ranks (``megatron_ext.testing.run_ranks``); each step runs on one CP
+About 2.5 minutes. 4 forked gloo ranks (``megatron_ext.testing.run_ranks``); each step runs on one CP
 group, ranks 0 .. c-1 (rank 0 alone at CP 1), the others waiting at the next barrier: fewer processes
 contend for this host's 2 cores, and no step is the slowest of independent replicas.
 
@@ -38,7 +38,10 @@ measured) cost a step only where they exceed the kernel running meanwhile. A col
 that is later: the gloo call's loopback time (0.4-9 ms here, printed) lies inside the link's time
 rather than being added to it (adding it would count the transfer twice), and a peer that arrives
 late holds every rank, as on a real link. Step = the last rank's device end - the first rank's start
-after a barrier (one host clock).
+after a barrier (one host clock). What the device cannot hide is a stall longer than the kernel
+running meanwhile, or one inside a collective: at load 10-30 here 4-rank gloo calls take 3-11 ms at
+p50-p90 but 120-180 ms at p99, and up to half of a CP step's samples can be hit; every step is
+printed, with the count of those over 1.05 x the modelled step, beside the medians.
 
 Cases, their variants alternated A B C ... per round, ``--warmup`` rounds dropped, medians: one
 document of T tokens (compute exactly 1/c on every rank under head-tail), and ``--mix-rows`` packed
@@ -722,9 +725,13 @@ def report_timing(per_rank: list[dict], args: argparse.Namespace, costs: Costs, 
                 f"{ratio / prediction:.4f} | {compute:.4f} | {link / step1:.4f} | {floor:.4f} | {ratio / floor:.4f} | "
                 f"{target} | {verdict} |"
             )
-    print("\nall steps ms, per variant:")
+    print("\nall steps ms, per variant (stalled: steps over 1.05 x the modelled step with the gloo floor)")
     for v in variants:
-        print(f"  {v.name:<22} {' '.join(f'{s * 1e3:.0f}' for s in measured[v][1])}")
+        steps = measured[v][1]
+        floor = predict_step(plans[v], args.layers) - get_link_total(plans[v], args.layers)
+        floor += get_link_total(plans[v], args.layers, gloo[v.cp_size] if v.cp_size > 1 else (0.0, 0.0))
+        stalled = sum(step > 1.05 * floor for step in steps)
+        print(f"  {v.name:<24} {' '.join(f'{s * 1e3:.0f}' for s in steps)}  (stalled {stalled} of {len(steps)})")
     return ok
 
 
@@ -780,7 +787,7 @@ def report_memory(per_rank: list[dict], args: argparse.Namespace) -> bool:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9, help="measured rounds (one step of every variant each)")
+    parser.add_argument("--rounds", type=int, default=11, help="measured rounds (one step of every variant each)")
     parser.add_argument("--warmup", type=int, default=1, help="rounds dropped first")
     parser.add_argument("--layers", type=int, default=2, help="simulated layers")
     parser.add_argument("--seq-length", type=int, default=16384, help="T: tokens of a micro-batch (a multiple of 8)")
