@@ -27,7 +27,7 @@ from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # 
 from megatron_ext.error_report import report_error_once  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
-from megatron_ext.rehearse import rehearse_job  # noqa: E402
+from megatron_ext.rehearse import get_unrehearsed_notes, rehearse_job  # noqa: E402
 from megatron_ext.restart import (  # noqa: E402
     apply_restart,
     check_restart_settings,
@@ -38,6 +38,7 @@ from megatron_ext.run import build_training_run, describe_run, describe_schedule
 from megatron_ext.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 from megatron_ext.training.metrics import check_wandb_ready  # noqa: E402
+from megatron_ext.training.weight_hash import WEIGHT_HASH_EXIT_CODE, WeightHashMismatch  # noqa: E402
 from megatron_ext.validation import check_data_tokenizer, validate  # noqa: E402
 
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     if cfg.parallel.rehearse:  # this world size's checks, groups, model chunks and first step, on this machine
         rehearse_job(cfg, flag_notes, os.environ)
         return []
+    flag_notes += get_unrehearsed_notes(cfg)  # --gpu-memory-gib without --rehearse: said, not silent
     device = select_device(cfg.parallel.device)
     check_restart_settings(cfg, os.environ)
     restart_note = apply_restart(cfg, os.environ)  # launch/torchrun.sh's restart: resume from --save
@@ -82,7 +84,10 @@ def _train(
 
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    run = build_training_run(cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider)
+    padded_vocab = load_plan.padded_vocab if load_plan else None  # a checkpoint's model: its vocabulary rows
+    run = build_training_run(
+        cfg, device=device, tokenizer=tokenizer, exit_decider=exit_decider, padded_vocab=padded_vocab
+    )
     if run.ctx.is_logging_rank:
         run.log(describe_run(run))
         for note in flag_notes:  # Megatron-LM flags accepted without effect, settings adjusted as it does, shapes
@@ -130,13 +135,22 @@ def run_cli(argv: list[str] | None = None) -> int:
     diverged or whose weights a save found non-finite, and a save that failed (1: the message is the
     same on every rank) are one ``error:`` block printed once per launch on a host, not a traceback
     per rank. The first two would fail again: they tell launch/torchrun.sh not to restart the job
-    (a failed save may be a passing file-system fault: it may be retried)."""
+    (a failed save may be a passing file-system fault: it may be retried). A weight-hash mismatch
+    exits 3, and tells the launcher not to restart when no checked checkpoint is left to resume
+    from (else a restart resumes from it: ``restart.py``)."""
     try:
         main(argv)
     except ConfigError as err:
         report_error_once(str(err))
         write_no_retry_marker(2, "a user error (the error: block above)")
         return 2
+    except WeightHashMismatch as err:
+        report_error_once(str(err))
+        if err.checkpoint is None:
+            write_no_retry_marker(
+                WEIGHT_HASH_EXIT_CODE, "a weight-hash mismatch with no checked checkpoint to resume from"
+            )
+        return WEIGHT_HASH_EXIT_CODE
     except TrainingDiverged as err:
         report_error_once(str(err))
         write_no_retry_marker(1, "the run diverged (the error: block above)")

@@ -257,6 +257,13 @@ FLAGS = [
         "(data-parallel rank 0), which is what this selects in Megatron-LM.",
     ),
     MegatronFlag(
+        "--dist-ckpt-optim-fully-reshardable",
+        STORE_TRUE,
+        lambda value, cfg: (None, None),  # states what our saves do: silent
+        "Accepted silently: our saves always store the distributed optimizer's state fully_reshardable "
+        "(loadable at any TP x PP x VPP x DP), which is what this selects in Megatron-LM.",
+    ),
+    MegatronFlag(
         "--ckpt-assume-constant-structure",
         STORE_TRUE,
         _noop(

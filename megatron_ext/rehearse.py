@@ -41,6 +41,7 @@ from megatron_ext.derived import (
     get_batch_schedule,
     get_data_parallel_size,
     get_padded_vocab_size,
+    get_replica_size,
     get_schedule_name,
     get_stage_placement,
     get_virtual_pipeline_size,
@@ -48,9 +49,12 @@ from megatron_ext.derived import (
 )
 from megatron_ext.model.param_count import ParameterCount, count_parameters
 from megatron_ext.model.v_placement import get_v_embedding_ranks
+from megatron_ext.planning.fit import describe_memory_overrun
 from megatron_ext.planning.memory import RankMemory, StateBytes, get_state_bytes
 from megatron_ext.planning.predict import predict_memory
-from megatron_ext.validation import check_data_tokenizer, validate
+from megatron_ext.planning.step_time import Cluster
+from megatron_ext.planning.validity import check_layout
+from megatron_ext.validation import check_data_tokenizer
 
 DEFAULT_RANKS_PER_NODE = 8
 GIB = 1024**3
@@ -63,20 +67,28 @@ GIB = 1024**3
 class GroupMap:
     """Which global ranks share each process group, and each rank's coordinates and node.
 
-    ``tp_rank[r]``, ``pp_rank[r]``, ``dp_rank[r]``: rank r's place in its TP, PP and DP group."""
+    ``tp_rank[r]``, ``pp_rank[r]``, ``dp_rank[r]``, ``cp_rank[r]``: rank r's place in its TP, PP, DP
+    and CP group."""
 
     world_size: int
     ranks_per_node: int
     tp_groups: tuple[tuple[int, ...], ...]
     pp_groups: tuple[tuple[int, ...], ...]
     dp_groups: tuple[tuple[int, ...], ...]
+    cp_groups: tuple[tuple[int, ...], ...]  # the ranks splitting one micro-batch's sequence
+    dp_cp_groups: tuple[tuple[int, ...], ...]  # DP x CP: the gradient reduce and the optimizer's shards
     embedding_groups: tuple[tuple[int, ...], ...]  # megatron-core's word-embedding groups (tie and grad sync)
     tp_rank: tuple[int, ...]
     pp_rank: tuple[int, ...]
     dp_rank: tuple[int, ...]
+    cp_rank: tuple[int, ...]
 
     def get_node(self, rank: int) -> int:
         return rank // self.ranks_per_node
+
+    def get_nodes_per_group(self, groups: tuple[tuple[int, ...], ...]) -> int:
+        """The most nodes one of ``groups`` spans."""
+        return max(len({self.get_node(r) for r in g}) for g in groups)
 
     def get_ranks_of_pp_rank(self, pp_rank: int) -> list[int]:
         return [r for r in range(self.world_size) if self.pp_rank[r] == pp_rank]
@@ -99,13 +111,14 @@ def _index_in_groups(groups: list[list[int]], world_size: int) -> tuple[int, ...
     return tuple(place)
 
 
-def build_group_map(tp: int, pp: int, dp: int, ranks_per_node: int, placement: str = "loop") -> GroupMap:
-    """The groups megatron-core forms for TP x PP x DP (no process group is created)."""
+def build_group_map(tp: int, pp: int, dp: int, ranks_per_node: int, placement: str = "loop", cp: int = 1) -> GroupMap:
+    """The groups megatron-core forms for TP x CP x PP x DP (no process group is created)."""
     from megatron.core.parallel_state import RankGenerator, default_embedding_ranks
 
-    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=get_megatron_order())
-    world = tp * pp * dp
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=get_megatron_order())
+    world = tp * cp * pp * dp
     tp_groups, pp_groups, dp_groups = gen.get_ranks("tp"), gen.get_ranks("pp"), gen.get_ranks("dp")
+    cp_groups = gen.get_ranks("cp")
     embedding_ranks = get_v_embedding_ranks if placement == "v" else default_embedding_ranks  # as parallel.py
     return GroupMap(
         world_size=world,
@@ -113,10 +126,13 @@ def build_group_map(tp: int, pp: int, dp: int, ranks_per_node: int, placement: s
         tp_groups=tuple(map(tuple, tp_groups)),
         pp_groups=tuple(map(tuple, pp_groups)),
         dp_groups=tuple(map(tuple, dp_groups)),
+        cp_groups=tuple(map(tuple, cp_groups)),
+        dp_cp_groups=tuple(map(tuple, gen.get_ranks("dp-cp"))),
         embedding_groups=tuple(tuple(embedding_ranks(g)) for g in pp_groups),
         tp_rank=_index_in_groups(tp_groups, world),
         pp_rank=_index_in_groups(pp_groups, world),
         dp_rank=_index_in_groups(dp_groups, world),
+        cp_rank=_index_in_groups(cp_groups, world),
     )
 
 
@@ -178,6 +194,7 @@ class Rehearsal:
     predicted: tuple[RankMemory, ...]  # per pipeline rank: the planner's memory model (planning/predict.py)
     first_step_samples: tuple[tuple[tuple[int, ...], ...], ...]  # [dp rank][micro-batch] -> global sample indices
     seconds: float
+    deferred: tuple[str, ...] = ()  # what a launch refuses until it is wired into training (planning/validity.py)
 
 
 def get_first_step_samples(cfg: JobConfig, world_size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -198,28 +215,48 @@ def check_samples(samples: tuple[tuple[tuple[int, ...], ...], ...], global_batch
     return []
 
 
+def check_flags(cfg: JobConfig, world_size: int, ranks_per_node: int, source: str) -> tuple[str, ...]:
+    """The start-up checks at ``world_size`` and the nodes; ConfigError listing every problem, else
+    the refusals of what is not wired into training yet (``planning/validity.py``: rehearsed anyway)."""
+    p = cfg.parallel
+    check = check_layout(cfg, world_size, cuda=p.device != "cpu")  # on GPUs unless --device cpu
+    problems = list(check.problems)
+    if world_size % get_replica_size(cfg) == 0:  # else validate said it
+        problems += check_nodes(world_size, ranks_per_node, source, p.tensor_model_parallel_size)
+    if p.gpu_memory_gib is not None and p.gpu_memory_gib <= 0:
+        problems.append(f"--gpu-memory-gib {p.gpu_memory_gib:g}: give the GPUs' memory in GiB (e.g. 80), > 0")
+    if problems:
+        raise ConfigError(problems)
+    return check.deferred
+
+
+def get_unrehearsed_notes(cfg: JobConfig) -> list[str]:
+    """The rehearsal's own flags on a run that does not rehearse: one warning each, not an error, so
+    that the rehearsed command line launches the job as it is (docs/planning.md: the real job's flags
+    plus --rehearse; a launch has nothing to check them against)."""
+    p = cfg.parallel
+    if p.gpu_memory_gib is None or p.rehearse:
+        return []
+    return [
+        f"--gpu-memory-gib {p.gpu_memory_gib:g} is ignored without --rehearse: a launch does not check its "
+        f"predicted memory; run this command line with --rehearse (and WORLD_SIZE) to check that the layout "
+        f"fits {p.gpu_memory_gib:g} GiB"
+    ]
+
+
 def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehearsal:
     """Check and compute everything of the module docstring; ConfigError listing what fails."""
     start = time.perf_counter()
     ranks_per_node, source = get_ranks_per_node(env, world_size)
-    p = cfg.parallel
-    problems = []
-    try:  # a real run on GPUs unless --device cpu (the profiler flags differ)
-        validate(cfg, world_size, cuda=p.device != "cpu")
-    except ConfigError as err:
-        problems += err.problems
-    if world_size % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) == 0:  # else validate said it
-        problems += check_nodes(world_size, ranks_per_node, source, p.tensor_model_parallel_size)
-    if problems:
-        raise ConfigError(problems)
-    d = cfg.data
+    deferred = check_flags(cfg, world_size, ranks_per_node, source)
+    p, d = cfg.parallel, cfg.data
     tokenizer = build_tokenizer(**get_tokenizer_args(d))
     check_data_tokenizer(d, tokenizer.identity())
 
-    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, get_data_parallel_size(cfg, world_size)
-    placement = get_stage_placement(cfg)
-    groups = build_group_map(tp, pp, dp, ranks_per_node, placement)
-    params = count_parameters(cfg, tokenizer.vocab_size)
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = get_data_parallel_size(cfg, world_size)
+    groups = build_group_map(tp, pp, dp, ranks_per_node, get_stage_placement(cfg), cp)
+    params = count_parameters(cfg, tokenizer.vocab_size)  # (the same at every CP size)
     last_stage = len(params.chunks) - 1
     samples = get_first_step_samples(cfg, world_size)
     problems = check_group_map(groups) + check_samples(
@@ -227,6 +264,12 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
     )
     if problems:
         raise ConfigError(problems)
+    predicted = predict_memory(cfg, world_size, tokenizer.vocab_size)
+    if p.gpu_memory_gib is not None:
+        cluster = Cluster(world_size, ranks_per_node, p.gpu_memory_gib)
+        overrun = describe_memory_overrun(cfg, cluster, tokenizer.vocab_size, predicted)
+        if overrun:
+            raise ConfigError([overrun])
     return Rehearsal(
         world_size=world_size,
         ranks_per_node=ranks_per_node,
@@ -237,10 +280,12 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
         params=params,
         embedding_pp_rank=next(c.pp_rank for c in params.chunks if c.stage == 0),
         output_pp_rank=next(c.pp_rank for c in params.chunks if c.stage == last_stage),
-        state_bytes=tuple(get_state_bytes(cfg, n, dp) for n in params.per_pp_rank()),
-        predicted=tuple(predict_memory(cfg, world_size, tokenizer.vocab_size)),
+        # the distributed optimizer shards over DP x CP (CP ranks hold the same parameters)
+        state_bytes=tuple(get_state_bytes(cfg, n, dp * cp) for n in params.per_pp_rank()),
+        predicted=tuple(predicted),
         first_step_samples=samples,
         seconds=time.perf_counter() - start,
+        deferred=deferred,
     )
 
 
@@ -272,23 +317,47 @@ def _describe_groups(kind: str, groups: tuple[tuple[int, ...], ...], gm: GroupMa
     )
 
 
+def describe_cp_nodes(gm: GroupMap) -> str:
+    """Where the CP groups sit: one node each, or how many they span (allowed, and said: the K/V
+    all-gather and reduce-scatter of every layer then cross the network)."""
+    nodes, size = gm.get_nodes_per_group(gm.cp_groups), len(gm.cp_groups[0])
+    if nodes == 1:
+        return "each inside one node"
+    tp = len(gm.tp_groups[0])
+    return (
+        f"each spans {nodes} nodes: its K/V all-gather and reduce-scatter cross the network at every layer "
+        f"(allowed; TP x CP = {tp * size} within the {gm.ranks_per_node} ranks of a node keeps them inside one)"
+    )
+
+
+def describe_group_lines(gm: GroupMap) -> list[str]:
+    """The process-group lines of the summary (CP's only with CP)."""
+    lines = [_describe_groups("TP", gm.tp_groups, gm)]
+    if len(gm.cp_groups[0]) > 1:
+        lines.append(_describe_groups("CP", gm.cp_groups, gm) + "; " + describe_cp_nodes(gm))
+    lines += [_describe_groups("PP", gm.pp_groups, gm), _describe_groups("DP", gm.dp_groups, gm)]
+    if len(gm.cp_groups[0]) > 1:
+        lines.append(_describe_groups("DP x CP", gm.dp_cp_groups, gm) + " (gradient reduce, optimizer shards)")
+    lines.append(f"  embedding groups: {len(gm.embedding_groups)}, e.g. ranks {_span(gm.embedding_groups[0])}")
+    return lines
+
+
 def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
     """The summary ``--rehearse`` prints."""
     gm, p = r.groups, cfg.parallel
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, len(gm.dp_groups[0])
+    cp = p.context_parallel_size
     vpp = get_virtual_pipeline_size(cfg)
     schedule = get_schedule_name(cfg) or ("Interleaved1F1B" if vpp else "1F1B" if pp > 1 else "no pipeline")
-    lines = [
+    lines = [f"note: {d} (a launch refuses it today; rehearsed anyway)" for d in r.deferred] + [
         f"rehearsal: {r.world_size} ranks on {_count(r.world_size // r.ranks_per_node, 'node')} of {r.ranks_per_node} "
-        f"({r.ranks_per_node_source}): TP {tp} x PP {pp}{f' x VPP {vpp}' if vpp else ''} x DP {dp}, {schedule}"
+        f"({r.ranks_per_node_source}): TP {tp}{f' x CP {cp}' if cp > 1 else ''} x PP {pp}"
+        f"{f' x VPP {vpp}' if vpp else ''} x DP {dp}, {schedule}"
         f"{', sequence parallel' if p.sequence_parallel else ''}"
         f"{', distributed optimizer' if p.use_distributed_optimizer else ''}",
         f"process groups (megatron-core's RankGenerator, order {get_megatron_order()}; node = rank // "
         f"{r.ranks_per_node}; every TP group inside one node):",
-        _describe_groups("TP", gm.tp_groups, gm),
-        _describe_groups("PP", gm.pp_groups, gm),
-        _describe_groups("DP", gm.dp_groups, gm),
-        f"  embedding groups: {len(gm.embedding_groups)}, e.g. ranks {_span(gm.embedding_groups[0])}",
+        *describe_group_lines(gm),
     ]
     counts = r.params
     distinct = len({(c.num_layers, c.stage == 0, c.stage == len(counts.chunks) - 1) for c in counts.chunks})
@@ -302,7 +371,8 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
     precision = precision_name(cfg.training.bf16, cfg.training.fp16)
     lines.append(
         f"per rank ({precision} weights, gradient buffers, {cfg.training.optimizer} state"
-        f"{' sharded over DP' if p.use_distributed_optimizer else ''}, exact; then the planner's prediction of "
+        f"{(' sharded over DP x CP' if cp > 1 else ' sharded over DP') if p.use_distributed_optimizer else ''}, "
+        f"exact; then the planner's prediction of "
         f"the whole GPU: activations at the schedule's peak, temporaries, margin):"
     )
     for pp_rank, state in enumerate(r.state_bytes):

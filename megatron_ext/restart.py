@@ -21,6 +21,10 @@ job) with the full state (optimizer, RNG, iteration), whatever ``--load``, ``--f
 --ckpt-step resume rolled back below later checkpoints in ``--save`` and saved since, the newest is
 the one published last (``find_last_published_checkpoint``), loaded as ``--ckpt-step``: not the
 rolled-back-from run's later iteration, whose next save's --keep-last would delete the run's own.
+After a weight-hash mismatch (``training/weight_hash.py``) and no save since, the restart loads the
+checkpoint its record in ``--save`` names, the newest at or before the last iteration whose check
+passed (``checkpoint/replica_check.py``), as ``--ckpt-step``: the ones after it may hold the drift.
+A mismatch with no such checkpoint leaves ``rank<R>.noretry`` (exit 3) instead.
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from megatron_ext.checkpoint.directory import find_last_published_checkpoint, find_latest_checkpoint
+from megatron_ext.checkpoint.directory import (
+    find_last_published_checkpoint,
+    find_latest_checkpoint,
+    list_complete_checkpoints,
+)
+from megatron_ext.checkpoint.replica_check import MISMATCH_FILE, read_pending_mismatch
 from megatron_ext.config import ConfigError, JobConfig
 
 MARKER_DIR_ENV = "MEGATRON_EXT_EXIT_MARKER_DIR"
@@ -81,8 +90,18 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
     ]
     highest = find_latest_checkpoint(c.save)
     step = newest[0] if newest != highest else None  # a rollback's own save, below the run it left
+    mismatch = read_pending_mismatch(c.save)  # a weight-hash mismatch stopped the run, and no save since
+    if mismatch is not None:
+        step = get_checked_resume(c.save, mismatch.checkpoint)
     c.load, c.ckpt_step, c.finetune, c.no_load_optim, c.no_load_rng = c.save, step, False, False, False
     instead = f" (instead of the first start's {', '.join(replaced)})" if replaced else ""
+    if mismatch is not None:
+        return (
+            f"> {what}: resuming from iteration {step} in --save {c.save}, the newest checkpoint at or before "
+            f"iteration {mismatch.last_passed}, the last whose replicas' weights were checked equal: a weight-hash "
+            f"mismatch stopped iteration {mismatch.iteration}, and the checkpoints after iteration "
+            f"{mismatch.last_passed} may hold the drift (loaded as --ckpt-step {step}){instead}"
+        )
     if step is not None:
         return (
             f"> {what}: resuming from the checkpoint published last in --save {c.save} (iteration {step}, as "
@@ -90,6 +109,20 @@ def apply_restart(cfg: JobConfig, env: Mapping[str, str]) -> str | None:
             f"rolled back from){instead}"
         )
     return f"> {what}: resuming from the newest complete checkpoint in --save {c.save} (iteration {newest[0]}){instead}"
+
+
+def get_checked_resume(save: str, iteration: int) -> int:
+    """``iteration``, which a weight-hash mismatch's record names to resume from, when it is still a
+    complete checkpoint in ``save``; else a ConfigError (the newer checkpoints may hold the drift)."""
+    if any(it == iteration for it, _ in list_complete_checkpoints(save)):
+        return iteration
+    raise ConfigError(
+        [
+            f"--save {save}: a weight-hash mismatch stopped the run, and {MISMATCH_FILE} there names iteration "
+            f"{iteration} to resume from, the last checked checkpoint, which is not a complete checkpoint any more: "
+            f"the newer ones may hold the drift; load one you trust by hand (--load {save} --ckpt-step N)"
+        ]
+    )
 
 
 def write_no_retry_marker(code: int, reason: str, env: Mapping[str, str] | None = None) -> None:

@@ -11,6 +11,7 @@ derived value comes from the one ``ResolvedConfig`` (``derived.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -22,9 +23,10 @@ import torch.distributed as dist
 
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.exit_policy import ExitDecider, build_exit_decider
+from megatron_ext.checkpoint.megatron_lm import check_padded_vocab
 from megatron_ext.checkpoint.optimizer_state import apply_optimizer_state_offset_fix
 from megatron_ext.checkpoint.parts import CheckpointMeta
-from megatron_ext.config import DataConfig, JobConfig, ParallelConfig, TrainingConfig
+from megatron_ext.config import ConfigError, DataConfig, JobConfig, ParallelConfig, TrainingConfig
 from megatron_ext.cpu_platform import select_device
 from megatron_ext.data.builder import build_train_valid_datasets
 from megatron_ext.data.context_split import build_context_split
@@ -50,6 +52,7 @@ from megatron_ext.pipeline.names import splits_backward
 from megatron_ext.pipeline.runtime import ScheduleRuntime, attach_schedule_runtime
 from megatron_ext.pipeline.wgrad_queue import WeightGradQueue
 from megatron_ext.straggler import StragglerDetector
+from megatron_ext.training.grad_norm import maybe_apply_unit_grad_norm
 from megatron_ext.training.loop import TrainingRun
 from megatron_ext.training.metrics import MetricWriter
 from megatron_ext.training.optimizer import build_optimizer, build_scheduler, get_schedule_lr_range
@@ -57,6 +60,7 @@ from megatron_ext.training.profiling import CudaProfilerRange, ManualGC, Profile
 from megatron_ext.training.spike import build_spike_guard
 from megatron_ext.training.step import configure_model_hooks
 from megatron_ext.training.timeline import build_pp_timeline
+from megatron_ext.training.weight_hash import build_weight_hash_check
 
 
 def build_training_run(
@@ -69,6 +73,7 @@ def build_training_run(
     log: Callable[[str], None] | None = None,
     metrics: bool = True,
     ctx: ParallelContext | None = None,
+    padded_vocab: tuple[int, str] | None = None,
 ) -> TrainingRun:
     """Build everything a run needs on this rank; collective (the process group must exist).
 
@@ -76,7 +81,8 @@ def build_training_run(
     synthetic ones); ``exit_decider`` is built from the flags unless given (the entry point builds
     it first thing, so a SIGTERM during start-up counts); ``metrics=False`` writes no TensorBoard
     or wandb scalars; ``ctx`` reuses process groups built before (two runs side by side in one
-    process, as a benchmark compares them).
+    process, as a benchmark compares them); ``padded_vocab`` = (rows, origin): the vocabulary of the
+    checkpoint the run loads, when it is not this run's padding (``LoadPlan.padded_vocab``).
     """
     device = device or select_device(cfg.parallel.device)
     log = log or functools.partial(print, flush=True)
@@ -89,6 +95,11 @@ def build_training_run(
         d = cfg.data
         tokenizer = build_tokenizer(**get_tokenizer_args(d))
     resolved = resolve_config(cfg, ctx.world_size, tokenizer.vocab_size)
+    if padded_vocab is not None:  # the model the checkpoint is (Megatron-LM pads by the multiple x its TP)
+        problem = check_padded_vocab(padded_vocab[0], tokenizer.vocab_size, ctx.tp_size)
+        if problem:
+            raise ConfigError([f"--load: {problem}"])
+        resolved = dataclasses.replace(resolved, padded_vocab_size=padded_vocab[0])
     global_batch_size = resolved.global_batch_size
     decrease = describe_batch_decrease(cfg, ctx.world_size)
     if decrease is not None and ctx.is_logging_rank:
@@ -121,7 +132,11 @@ def build_training_run(
         valid_ds=data[1],
         global_batch_size=global_batch_size,
         writer=MetricWriter(cfg, enabled=metrics and ctx.is_logging_rank),
-        checkpoint_meta=CheckpointMeta(tokenizer=tokenizer.identity(), padded_vocab_size=resolved.padded_vocab_size),
+        checkpoint_meta=CheckpointMeta(
+            tokenizer=tokenizer.identity(),
+            padded_vocab_size=resolved.padded_vocab_size,
+            padded_vocab_from=padded_vocab[1] if padded_vocab else None,
+        ),
         exit_decider=exit_decider or build_exit_decider(cfg),
         step_data=step_data,
         log=log,
@@ -130,7 +145,7 @@ def build_training_run(
         else None,
         watchdog=build_step_watchdog(cfg, ctx),
         timers=timers,
-        straggler=StragglerDetector(ctx, lg.straggler_threshold, lg.straggler_minmax_count)
+        straggler=StragglerDetector(ctx, lg.straggler_threshold, lg.straggler_minmax_count, timers)
         if lg.log_straggler
         else None,
         profiler=build_profiler(cfg, ctx),
@@ -138,6 +153,7 @@ def build_training_run(
         async_saver=AsyncCheckpointSaver() if cfg.checkpoint.async_save else None,
         prefetcher=build_prefetcher(cfg.data, ctx, step_data, data[0]),
         spike_guard=build_spike_guard(cfg.training),
+        weight_hash=build_weight_hash_check(cfg.training),
     )
 
 
@@ -156,6 +172,7 @@ def build_model_and_optimizer(
         for chunk in model:
             apply_optimizer_state_offset_fix(chunk)
     optimizer = build_optimizer(cfg, model, device)
+    maybe_apply_unit_grad_norm(optimizer, model, ctx.pp_size, ctx.tp_rank)  # the norm whatever the placement
     configure_model_hooks(model, optimizer)
     return model, optimizer
 
@@ -182,7 +199,7 @@ def build_step_timers(lg: Any, model: list[torch.nn.Module], device: torch.devic
     if not (lg.timing_log_level or lg.log_straggler):
         return None
     timers = StepTimers(max(lg.timing_log_level, int(lg.log_straggler)), device, compute=lg.log_straggler)
-    if timers.enabled("grad-reduce"):
+    if timers.enabled("grad-reduce") or timers.compute:  # --log-straggler: the phase, timed or not
         model[0].config.finalize_model_grads_func = timers.wrap(
             "grad-reduce", model[0].config.finalize_model_grads_func
         )

@@ -137,6 +137,7 @@ def _check_positive(cfg: JobConfig) -> list[str]:
         ("lr_decay_samples", t),
         ("lr_wsd_decay_iters", t),
         ("lr_wsd_decay_samples", t),
+        ("check_weight_hash_across_dp_replicas_interval", t),
     ]
     rates = [
         ("lr", t),

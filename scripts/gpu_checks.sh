@@ -21,6 +21,8 @@ export PYTHONUNBUFFERED=1
 # 1.3B rows with --torch-compile and CUDA graphs against the MFU stretch 0.55.
 # Group 9 is issue 42's (context parallelism): the CP attention's flash varlen path, c ranks emulated on one
 # GPU, against the CPU path, and the layout against Transformer Engine's where TE is importable.
+# Group 10 is issue 44's: the cost of one cross-replica weight check (--check-weight-hash-across-dp-replicas-
+# interval) on the GPU, fp32 and bf16 parameters, beside Megatron-LM's host SHA-1 of the same parameters.
 CHECKS=(
   "tests|450|1|python -m pytest tests/gpu -rs -q --durations=0"
   "gpt2|280|2|python -m bench.gpu_throughput --only gpt2 --accumulate 8 --torch-compile --cuda-graph-impl local"
@@ -36,6 +38,8 @@ CHECKS=(
   "host-overhead|420|7|python -m bench.host_overhead --device cuda --steps 6"
   "1.3b-variants|480|8|python -m bench.gpu_throughput --only 1.3b --accumulate 8 --steps 8 --warmup 2 --torch-compile --cuda-graph-impl local"
   "cp-attention|240|9|python -m pytest tests/gpu/test_gpu_cp_attention.py -rs -q --durations=0"
+  "weight-hash|150|10|python -m bench.weight_hash --device cuda --params-gib 2 --rounds 3"
+  "weight-hash-bf16|150|10|python -m bench.weight_hash --device cuda --params-gib 2 --rounds 3 --dtype bf16"
 )
 export MEGATRON_EXT_REQUIRE_GPU=1  # the gpu tests fail, not skip, if they cannot see the GPU
 

@@ -67,7 +67,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.checkpoint.compatibility import check_same_tokenizer, saved_ffn_hidden_size  # noqa: E402
-from megatron_ext.config import DataConfig  # noqa: E402
+from megatron_ext.config import DataConfig, ModelConfig  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.hf.config import (  # noqa: E402
     LLAMA3_ROPE,
@@ -112,6 +112,7 @@ __all__ = [
     "check_hf_output_dir",
     "check_supported",
     "convert_hf_to_megatron",
+    "convert_megatron_lm_to_megatron",
     "convert_megatron_to_hf",
     "get_padded_vocab",
     "get_rope_scaling_factor",
@@ -130,6 +131,8 @@ __all__ = [
 # megatron-to-hf's flags standing for the checkpoint's recorded tokenizer (DataConfig's names)
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 PLACEHOLDER_SETTINGS = ("seq_length", "seed", "hidden_dropout", "attention_dropout", "packed_sequences")
+# the model settings of a Megatron-LM checkpoint that its conversion records (our ModelConfig's fields)
+MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
 
 # ----------------------------------------------------------------------------- process world
@@ -266,6 +269,63 @@ def convert_hf_to_megatron(
     return out
 
 
+def convert_megatron_lm_to_megatron(load: str, save: str, log: Callable[[str], None] = print) -> str:
+    """Megatron-LM's checkpoint that ``--load load`` names (its tracker's, or one ``iter_XXXXXXX`` /
+    ``release`` directory) -> our ``save/iter_0000000``: its weights (read by megatron-core into our
+    model built in one process), its settings as our flags, its tokenizer identity where its args
+    determine it, and its padded vocabulary (Megatron-LM's: --make-vocab-size-divisible-by x its TP),
+    which a run loading the result keeps. Weights only: a run continuing Megatron-LM's optimizer and
+    position loads its directory with --load instead."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.checkpoint.directory import FORMAT_VERSION, write_checkpoint
+    from megatron_ext.checkpoint.megatron_lm import MEGATRON_LM_PADDING, get_common_safe_globals, select_load
+    from megatron_ext.checkpoint.megatron_lm_args import get_megatron_lm_tokenizer_identity
+    from megatron_ext.checkpoint.reader import NAMED_ERRORS, VerifyingTorchDistLoadStrategy
+    from megatron_ext.checkpoint.state import build_model_sharded_state_dict
+    from megatron_ext.checkpoint.unpickler import allowing
+
+    check_empty_save_dir(save)
+    selection = select_load(load)
+    if selection is None:
+        raise ValueError(f"--load {load}: no Megatron-LM checkpoint (an iter_XXXXXXX or release directory)")
+    mlm_args, values, ckpt = read_megatron_lm_model(selection)
+    padded = int(mlm_args.padded_vocab_size)
+    model = {k: v for k, v in values.items() if k in MODEL_FIELDS}
+    log(f"reading Megatron-LM's {ckpt.path} (iteration {ckpt.iteration}; unverified: it records no checksums)")
+
+    def save_chunk(chunk, cfg) -> str:
+        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        try:
+            with allowing(get_common_safe_globals()):
+                # nested: the load returns common.pt's items beside it (Megatron-LM's args, optimizer)
+                request = {"model": chunk.sharded_state_dict(prefix="", metadata=metadata)}
+                loaded = dist_checkpointing.load(request, ckpt.path, VerifyingTorchDistLoadStrategy())["model"]
+        except NAMED_ERRORS as err:
+            raise ValueError(f"--load {load}: {err}; nothing was written to {save}") from None
+        chunk.load_state_dict(loaded, strict=True)
+
+        class _Wrapped:  # build_model_sharded_state_dict expects DDP-wrapped chunks
+            module = chunk
+
+        state = build_model_sharded_state_dict([_Wrapped])
+        args = {k: v for k, v in cfg.to_flat_dict().items() if k not in PLACEHOLDER_SETTINGS}
+        identity = get_megatron_lm_tokenizer_identity(mlm_args)
+        state.update(args=args, tokenizer=identity, padded_vocab_size=padded, checkpoint_version=FORMAT_VERSION)
+        state.update(padded_vocab_from=MEGATRON_LM_PADDING, converted_from=os.path.abspath(ckpt.path))
+        return write_checkpoint(state, save, 0)
+
+    # the model's rows are the checkpoint's: padded by 1 here, whatever Megatron-LM's multiple was
+    out = _with_single_process_model({**model, "make_vocab_size_divisible_by": 1}, padded, save_chunk)
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
+        for k, v in {**model, **{k: values.get(k) for k in TOKENIZER_FLAGS + ("vocab_size",)}}.items()
+        if v not in (None, False) and k != "make_vocab_size_divisible_by"
+    )
+    log(f"wrote {out} (weights only: a run loading it starts at iteration 0)\nload it with: --load {save} {flags}")
+    return out
+
+
 def check_empty_save_dir(save: str) -> None:
     """The converted checkpoint is iteration 0: written beside a run's checkpoints, ``--load`` would
     still take the run's newest one. Refuse a ``--save`` that holds checkpoints."""
@@ -336,30 +396,18 @@ def convert_megatron_to_hf(
     must give the tokenizer the checkpoint records. Every file and item read is checked against the
     checksums its save recorded (as ``--ckpt-verify`` checks a load). A damaged file, a mismatched
     tokenizer or a refused ``hf_dir`` is a ValueError naming it, and nothing is written."""
-    from megatron_ext.checkpoint.directory import resolve_load_path
-    from megatron_ext.checkpoint.reader import NAMED_ERRORS, open_checkpoint
-    from megatron_ext.checkpoint.state import load_full_tensors
+    from megatron_ext.checkpoint.megatron_lm import select_load
+    from megatron_ext.checkpoint.reader import NAMED_ERRORS
 
     final = os.path.abspath(hf_dir)  # no trailing separator: the siblings are named after it
     recover_replaced_export(final, log, get_replaced_path(final))  # an earlier run killed between its renames
     check_hf_output_dir(hf_dir, overwrite)
-    found, warning = resolve_load_path(load)  # a save directory or one iter_XXXXXXX, as --load takes
-    if warning:
-        log(f"WARNING: {warning}")
-    if found is None:
-        raise ValueError(f"--load {load}: no complete checkpoint")
-    iteration, ckpt_dir = found
-    try:  # every file and item read is checked against the checksums the save recorded
-        common = open_checkpoint(ckpt_dir, warn=lambda message: log(f"WARNING: {message}"))[1]
-        args = common["args"]
-        hf = common.get("hf_config") or build_hf_config(args, common)
-        check_supported(hf)
-        tokenizer = resolve_export_tokenizer(common, tokenizer_flags or {}, hf, log)
-        hf = {**hf, **tokenizer.special_ids}
-        log(f"reading {ckpt_dir} (iteration {iteration})")
-        # the weights only: a run's optimizer state (fp32 main parameters and two Adam moments, 6x the
-        # bytes of a bf16 model) would be read into memory and dropped
-        full = load_full_tensors(ckpt_dir, exclude=("optimizer.",))
+    foreign = select_load(load)  # Megatron-LM's own checkpoint: its tracker's (or one iter_ / release directory)
+    try:  # every file and item read is checked (against the checksums its save recorded, where it has them)
+        if foreign is not None:
+            args, hf, tokenizer, full = _read_megatron_lm_for_hf(foreign, tokenizer_flags or {}, log)
+        else:
+            args, hf, tokenizer, full = _read_ours_for_hf(load, tokenizer_flags or {}, log)
     except NAMED_ERRORS as err:
         raise ValueError(f"--load {load}: {err}; nothing was written to {hf_dir}") from None
     ours = unstack_layers(full, args["num_layers"])
@@ -453,6 +501,93 @@ def _resolve_unrecorded_tokenizer(
         )
     log(f"WARNING: the checkpoint records no tokenizer to check {given} against: its files are exported as given")
     return ExportTokenizer(data, {})
+
+
+def _read_ours_for_hf(load: str, flags: dict[str, str], log: Callable) -> tuple[dict, dict, Any, dict]:
+    """(flat run flags, HF config, tokenizer to export, full weights) of our checkpoint ``--load load``."""
+    from megatron_ext.checkpoint.directory import resolve_load_path
+    from megatron_ext.checkpoint.reader import open_checkpoint
+    from megatron_ext.checkpoint.state import load_full_tensors
+
+    found, warning = resolve_load_path(load)  # a save directory or one iter_XXXXXXX, as --load takes
+    if warning:
+        log(f"WARNING: {warning}")
+    if found is None:
+        raise ValueError(f"--load {load}: no complete checkpoint")
+    iteration, ckpt_dir = found
+    common = open_checkpoint(ckpt_dir, warn=lambda message: log(f"WARNING: {message}"))[1]
+    args = common["args"]
+    hf = common.get("hf_config") or build_hf_config(args, common)
+    check_supported(hf)
+    tokenizer = resolve_export_tokenizer(common, flags, hf, log)
+    log(f"reading {ckpt_dir} (iteration {iteration})")
+    # the weights only: a run's optimizer state (fp32 main parameters and two Adam moments, 6x the
+    # bytes of a bf16 model) would be read into memory and dropped
+    full = load_full_tensors(ckpt_dir, exclude=("optimizer.",))
+    return args, {**hf, **tokenizer.special_ids}, tokenizer, full
+
+
+def read_megatron_lm_model(selection: Any) -> tuple[Any, dict[str, Any], Any]:
+    """(Megatron-LM's args, our flat values of its settings, its checkpoint) of the checkpoint
+    ``selection`` names; ValueError naming what is not read here (its format, a model setting we do
+    not build)."""
+    from megatron_ext.checkpoint.megatron_lm import check_format, read_megatron_lm_common
+    from megatron_ext.checkpoint.megatron_lm_args import map_megatron_lm_args
+
+    ckpt = selection.checkpoint
+    problems = check_format(ckpt.path, None)
+    common = {} if problems else read_megatron_lm_common(ckpt.path)
+    problems = problems or check_format(ckpt.path, common)
+    values, refused = map_megatron_lm_args(common["args"]) if not problems else ({}, [])
+    if problems or refused:
+        raise ValueError(f"{ckpt.path} (Megatron-LM's): {'; '.join(problems + refused)}")
+    return common["args"], values, ckpt
+
+
+def _read_megatron_lm_for_hf(selection: Any, flags: dict[str, str], log: Callable) -> tuple[dict, dict, Any, dict]:
+    """(our flat values of its settings, HF config, tokenizer to export, full weights) of a Megatron-LM
+    checkpoint: the HF vocabulary is its tokenizer's (the padding rows are dropped) where the tokenizer
+    loads here, else all its padded rows (and a note)."""
+    from megatron_ext.checkpoint.megatron_lm import read_megatron_lm_weights
+
+    mlm_args, values, ckpt = read_megatron_lm_model(selection)
+    for note in selection.notes:
+        log(note)
+    tokenizer, vocab = resolve_megatron_lm_export_tokenizer(mlm_args, values, flags, log)
+    hf = build_hf_config_of(values, vocab, mlm_args.ffn_hidden_size)
+    check_supported(hf)
+    log(f"reading Megatron-LM's {ckpt.path} (iteration {ckpt.iteration}; unverified: it records no checksums)")
+    return values, {**hf, **tokenizer.special_ids}, tokenizer, read_megatron_lm_weights(ckpt.path)
+
+
+def resolve_megatron_lm_export_tokenizer(
+    mlm_args: Any, values: dict[str, Any], flags: dict[str, str], log: Callable
+) -> tuple[ExportTokenizer, int]:
+    """(the tokenizer to export, the HF vocabulary) of a Megatron-LM checkpoint, which records its
+    tokenizer's type and paths, not its files: ``flags`` replace the paths; a tokenizer of another type
+    or vocabulary is a ValueError; one that cannot be loaded here gives the note and every padded row."""
+    from megatron_ext.checkpoint.megatron_lm_args import describe_tokenizer_difference
+
+    data = dataclasses.replace(get_recorded_data_config(values), **flags)
+    given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()) or "its recorded paths"
+    padded = int(mlm_args.padded_vocab_size)
+    try:
+        built = build_tokenizer(**get_tokenizer_args(data))
+    except Exception as err:  # noqa: BLE001 - ConfigError, or a tokenizer library's own error
+        if flags:
+            raise ValueError(f"{given}: {' '.join(str(err).split())}") from None
+        log(
+            f"WARNING: Megatron-LM's tokenizer ({data.tokenizer_type} {data.tokenizer_model or data.vocab_file}) "
+            f"cannot be loaded here: writing {TOKENIZER_NOTE} and keeping all {padded} vocabulary rows; pass "
+            f"--tokenizer-model (its files on this machine) to export them"
+        )
+        return ExportTokenizer(data, {}, f"it could not be loaded: {' '.join(str(err).split())[:200]}"), padded
+    problem, note = describe_tokenizer_difference(mlm_args, built.identity())
+    if problem or built.vocab_size > padded:
+        raise ValueError(problem or f"{given} give {built.vocab_size} ids, the model has {padded} rows")
+    if note:
+        log(f"WARNING: {note}")
+    return ExportTokenizer(data, get_tokenizer_special_ids(built)), built.vocab_size
 
 
 def get_replaced_path(final: str) -> str:
@@ -551,6 +686,13 @@ def main(argv: list[str] | None = None) -> int:
         help="replace an earlier export in --hf-dir (kept until the new one is complete; a directory holding "
         "other files is refused)",
     )
+    c = sub.add_parser(
+        "megatron-lm-to-megatron",
+        help="Megatron-LM's own checkpoint (core_v0.13+ torch_dist, --transformer-impl local) -> ours, weights "
+        "only (pretrain_gpt.py --load reads it whole: optimizer, position)",
+    )
+    c.add_argument("--load", required=True, help="Megatron-LM's --save directory, or one iter_XXXXXXX / release")
+    c.add_argument("--save", required=True)
     for name in TOKENIZER_FLAGS:
         b.add_argument(
             "--" + name.replace("_", "-"),
@@ -580,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.make_vocab_size_divisible_by,
                 apply_layernorm_1p=args.apply_layernorm_1p,
             )
+        elif args.direction == "megatron-lm-to-megatron":
+            convert_megatron_lm_to_megatron(args.load, args.save)
         else:
             flags = {name: getattr(args, name) for name in TOKENIZER_FLAGS if getattr(args, name)}
             convert_megatron_to_hf(args.load, args.hf_dir, overwrite=args.overwrite, tokenizer_flags=flags)

@@ -1,4 +1,4 @@
-"""Plan a job's layout: the few best TP / PP / VPP / schedule / micro-batch / recompute choices for
+"""Plan a job's layout: the few best TP / CP / PP / VPP / schedule / micro-batch / recompute choices for
 a model on a cluster, by predicted step time among those that fit in memory, with the memory per
 GPU, the bubble, the communication per step and the pretrain_gpt.py flags (docs/planning.md).
 
@@ -33,7 +33,7 @@ from megatron_ext.config import JobConfig, build_job_config  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.hf.config import hf_config_to_values  # noqa: E402
 from megatron_ext.planning.memory import GIB  # noqa: E402
-from megatron_ext.planning.planner import Candidate, plan  # noqa: E402
+from megatron_ext.planning.planner import Candidate, get_cp_sizes, plan  # noqa: E402
 from megatron_ext.planning.predict import count_parts  # noqa: E402
 from megatron_ext.planning.step_time import (  # noqa: E402
     DEFAULT_ACHIEVABLE,
@@ -48,9 +48,10 @@ def parse_settings(items: list[str]) -> dict[str, str]:
     out = {}
     for item in " ".join(items).split():
         key, _, value = item.partition("=")
-        if key not in ("tp", "pp", "vpp", "schedule", "mbs", "recompute") or not value:
+        if key not in ("tp", "cp", "pp", "vpp", "schedule", "mbs", "recompute") or not value:
             raise SystemExit(
-                f"error: --fix/--show takes KEY=VALUE with KEY one of tp, pp, vpp, schedule, mbs, recompute: {item!r}"
+                f"error: --fix/--show takes KEY=VALUE with KEY one of tp, cp, pp, vpp, schedule, mbs, recompute: "
+                f"{item!r}"
             )
         out[key] = value
     return out
@@ -79,6 +80,7 @@ def describe(
         lines.append("   and remove from the config: " + " ".join(remove))
     if c.problems:
         lines.append("   does not fit: " + "; ".join(c.problems))
+    lines += [f"   refused by a launch today: {note}" for note in c.deferred]
     return "\n".join(lines)
 
 
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.peak_tflops:g} TFLOP/s x {args.achievable:g}): {len(candidates)} layouts, "
         f"{sum(c.memory is not None for c in candidates)} valid, {len(fitting)} fit"
     )
+    for reason in get_cp_sizes(cfg, args.gpus)[1]:
+        print(f"context parallelism not searched: {reason}")
     for i, c in enumerate(fitting[: args.top], 1):
         print(describe(c, i, cfg, args.gpu_memory_gib))
     if show:

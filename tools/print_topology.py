@@ -1,7 +1,8 @@
-"""Write each rank's process groups as JSON: which ranks share its TP, PP and DP groups.
+"""Write each rank's process groups as JSON: which ranks share its TP, CP, PP, DP and DP x CP groups.
 
     torchrun --nproc-per-node 8 tools/print_topology.py \\
-        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --output-dir /tmp/topo
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 [--context-parallel-size 2] \\
+        --output-dir /tmp/topo
 
 Builds the groups exactly as ``pretrain_gpt.py`` does (``init_distributed`` +
 ``build_parallel_context``) but no model, so a multi-node layout can be checked in seconds:
@@ -35,7 +36,7 @@ from megatron_ext.parallel import (  # noqa: E402
     destroy_parallel_context,
     init_distributed,
 )
-from megatron_ext.validation import validate  # noqa: E402
+from megatron_ext.planning.validity import validate_for_planning  # noqa: E402
 
 
 def get_rank_topology(ctx: ParallelContext, env: dict[str, str]) -> dict:
@@ -49,19 +50,26 @@ def get_rank_topology(ctx: ParallelContext, env: dict[str, str]) -> dict:
         "tp_rank": ctx.tp_rank,
         "pp_rank": ctx.pp_rank,
         "dp_rank": ctx.dp_rank,
+        "cp_rank": ctx.cp_rank,
         "tp_ranks": dist.get_process_group_ranks(ctx.tp_group),
         "pp_ranks": dist.get_process_group_ranks(ctx.pp_group),
         "dp_ranks": dist.get_process_group_ranks(ctx.dp_group),
+        # CP: the ranks splitting one micro-batch's sequence; DP x CP: the gradient reduce (without CP: DP)
+        "cp_ranks": dist.get_process_group_ranks(ctx.cp_group) if ctx.cp_group is not None else [ctx.rank],
+        "dp_cp_ranks": dist.get_process_group_ranks(ctx.reduce_group),
     }
 
 
-def write_topology(tp: int, pp: int, output_dir: str) -> dict:
-    """Build the TP x PP x DP groups of the torchrun world and write this rank's JSON."""
+def write_topology(tp: int, pp: int, output_dir: str, cp: int = 1) -> dict:
+    """Build the TP x CP x PP x DP groups of the torchrun world and write this rank's JSON. (Context
+    parallelism's groups are built although a launch refuses CP until it is wired into training:
+    ``planning/validity.py``.)"""
     # The smallest job that passes validation for this layout: the groups do not depend on it.
     cfg = build_job_config(
         {
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp,
+            "context_parallel_size": cp,
             "num_layers": pp,
             "num_attention_heads": tp,
             "hidden_size": 64 * tp,
@@ -71,7 +79,7 @@ def write_topology(tp: int, pp: int, output_dir: str) -> dict:
         }
     )
     device = select_device()
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
+    validate_for_planning(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)
     ctx = build_parallel_context(cfg, device)
     record = get_rank_topology(ctx, dict(os.environ))
@@ -88,10 +96,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
     parser.add_argument("--output-dir", required=True, help="Where rank<N>.json files go.")
     args = parser.parse_args(argv)
     try:
-        write_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.output_dir)
+        write_topology(
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.output_dir,
+            args.context_parallel_size,
+        )
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

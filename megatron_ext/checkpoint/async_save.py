@@ -134,16 +134,23 @@ class AsyncCheckpointSaver:
         return flags | (ASYNC_SAVE_FAILED if self.write.error is not None else 0)
 
     def start(
-        self, state: dict[str, Any], root: str, iteration: int, keep_last: int | None, non_finite: str | None = None
+        self,
+        state: dict[str, Any],
+        root: str,
+        iteration: int,
+        keep_last: int | None,
+        non_finite: str | None = None,
+        record: dict[str, Any] | None = None,
     ) -> float:
         """Plan and snapshot the save (collective), start writing in the background; returns the
         seconds training was held. A save still in flight is finished first. ``non_finite``: this
-        rank's weights are not finite (``finite.py``): it writes nothing and the save is refused."""
+        rank's weights are not finite (``finite.py``): it writes nothing and the save is refused.
+        ``record``: more entries of its marker, as of now (``directory.publish_checkpoint``)."""
         self.finish()
         start = self.started = time.perf_counter()
         self.snapshot.reset()
         self.write = begin_checkpoint_write(
-            state, root, iteration, keep_last, snapshot=self.snapshot, non_finite=non_finite
+            state, root, iteration, keep_last, snapshot=self.snapshot, non_finite=non_finite, record=record
         )
         self.thread = threading.Thread(
             target=write_shards, args=(self.write,), daemon=True, name=f"checkpoint-writer-{iteration}"

@@ -18,13 +18,15 @@ same phases with phase 1's writing in a background thread, ``async_save.py``):
    the directory to ``iter_XXXXXXX`` and fsyncs ``DIR``;
 4. rank 0 replaces ``latest_checkpointed_iteration.txt`` atomically (temp file + ``os.replace``);
 5. rank 0 applies ``--keep-last N`` (older complete checkpoints only, never the one just saved,
-   nor those of later iterations a --ckpt-step resume rolled back from; each renamed aside before
-   it is deleted) and removes leftovers of interrupted saves; all ranks barrier.
+   nor those of later iterations a --ckpt-step resume rolled back from, nor the newest one at or
+   before the last iteration whose weight check passed; each renamed aside before it is deleted)
+   and removes leftovers of interrupted saves; all ranks barrier.
 
 The marker records every stored item's checksum (``checksums``: the algorithm of ``checksum.py``,
 file -> offset -> [length, digest], computed by each rank's writer as it writes, gathered with one
 collective) and those of the files megatron-core's coordinator writes (``files``); a load checks
-what it reads against them.
+what it reads against them. With --check-weight-hash-across-dp-replicas-interval it also records
+the last iteration whose check passed (``replica_check.py``).
 
 A crash in any phase leaves the previous complete checkpoint untouched. Loading takes the newest
 directory that carries ``complete.json`` (a ``.tmp-`` directory never counts), so a crash between
@@ -62,10 +64,12 @@ from megatron_ext.checkpoint.listing import (  # noqa: F401  (re-exported: impor
     find_latest_checkpoint,
     get_checkpoint_dir,
     list_complete_checkpoints,
+    list_megatron_lm_entries,
     read_marker,
     read_tracker,
     resolve_load_path,
 )
+from megatron_ext.checkpoint.replica_check import read_checked_iteration, select_checked
 from megatron_ext.checkpoint.writer import InProcessTorchDistSaveStrategy
 from megatron_ext.config import ConfigError
 from megatron_ext.cpu_platform import get_collective_device
@@ -179,17 +183,30 @@ def build_checksum_record(tmp_dir: str, item_checksums: list[dict]) -> dict[str,
 
 
 def publish_checkpoint(
-    tmp_dir: str, final_dir: str, root: str, iteration: int, rank: int, checksums: dict[str, Any] | None = None
+    tmp_dir: str,
+    final_dir: str,
+    root: str,
+    iteration: int,
+    rank: int,
+    checksums: dict[str, Any] | None = None,
+    record: dict[str, Any] | None = None,
 ) -> None:
     """Rank 0, after every rank wrote its shards: marker, rename, pointer (phases 3-4). Before
     the marker, everything in the directory is durable, so a power loss after the publish cannot
-    leave a marked checkpoint with a missing or torn file."""
+    leave a marked checkpoint with a missing or torn file. ``record``: more marker entries (the
+    weight check's, ``replica_check.py``)."""
     maybe_inject_fault("before_publish", rank, iteration)
     _fsync_coordinator_files(tmp_dir)
-    marker = {"iteration": iteration, "format_version": FORMAT_VERSION, "time": time.time()}
+    marker = {**(record or {}), "iteration": iteration, "format_version": FORMAT_VERSION, "time": time.time()}
     if checksums is not None:
         marker["checksums"] = checksums
     _write_file_durably(os.path.join(tmp_dir, COMPLETE_MARKER), json.dumps(marker))
+    if os.path.exists(final_dir) and not os.path.isfile(os.path.join(final_dir, COMPLETE_MARKER)):
+        # Megatron-LM's (a save beside its checkpoints reaching one of its iterations), or damaged
+        raise FileExistsError(
+            f"{final_dir} is not a checkpoint of ours (Megatron-LM's, or one without its {COMPLETE_MARKER}): "
+            f"it is never replaced; move it away or give another --save"
+        )
     if os.path.exists(final_dir):  # the same iteration saved again (e.g. after a resume)
         # not ``.old-``, which retention deletes: killed before the next rename, this is the only
         # copy of the iteration (loads find it; the next retention renames it back)
@@ -208,6 +225,8 @@ def publish_checkpoint(
     else:
         os.rename(tmp_dir, final_dir)
     fsync_path(root)
+    if list_megatron_lm_entries(root):
+        return  # the tracker is Megatron-LM's, which cannot resume ours: left naming its own (we need none)
     tracker_tmp = os.path.join(root, f".{TRACKER_FILE}.tmp-{uuid.uuid4().hex[:8]}")
     _write_file_durably(tracker_tmp, str(iteration))
     maybe_inject_fault("during_pointer_update", rank, iteration)
@@ -222,14 +241,17 @@ def apply_retention(root: str, keep_last: int | None, keep_dir: str) -> list[str
     (``restore_replaced_checkpoints``); returns the deleted paths. ``keep_dir``, the checkpoint
     just published, stays; checkpoints of later iterations than it (left by the run a --ckpt-step
     resume rolled back from) are neither counted nor deleted: counted, they would push this run's
-    own older checkpoints out, leaving it one to fall back to."""
+    own older checkpoints out, leaving it one to fall back to. Nor is the newest checkpoint at or
+    before the last iteration whose weight check passed, as ``keep_dir``'s marker records it
+    (``replica_check.py``): the one a weight-hash mismatch resumes from."""
     restore_replaced_checkpoints(root)
     complete = list_complete_checkpoints(root)
     newest_own = max((it for it, path in complete if path == keep_dir), default=None)
     own = [(it, path) for it, path in complete if newest_own is None or it <= newest_own]
     doomed = set(select_checkpoints_to_delete([it for it, _ in own], keep_last))
+    checked = select_checked(own, read_checked_iteration(keep_dir))
     for it, path in own:
-        if it in doomed and path != keep_dir:
+        if it in doomed and path != keep_dir and (it, path) != checked:
             _retire_checkpoint(path)
     loadable = {path for _, path in list_complete_checkpoints(root)}  # a .replaced- one not renamed back
     leftover = (".tmp-", ".old-", ".replaced-")
@@ -313,6 +335,7 @@ class CheckpointWrite:
     error: BaseException | None = None
     written: bool = False
     non_finite: str | None = None  # this rank's weights are not finite (what is): it writes no shard
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # more marker entries (publish_checkpoint)
 
 
 def begin_checkpoint_write(
@@ -322,13 +345,15 @@ def begin_checkpoint_write(
     keep_last: int | None = None,
     snapshot: Any = None,
     non_finite: str | None = None,
+    record: dict[str, Any] | None = None,
 ) -> CheckpointWrite:
     """Phase 1's collective part: the temporary directory, megatron-core's ``common.pt`` and save
     plan (replica de-duplication, the global plan). ``snapshot`` (``async_save.HostSnapshot``)
     copies every tensor to be written into host memory owned by the save, so training may change
     the originals while the shards are written; without it the shards must be written before
     anything changes them. ``non_finite``: this rank's weights are not finite (``finite.py``): the
-    plan is made with every rank, this rank writes nothing and the publication refuses the save."""
+    plan is made with every rank, this rank writes nothing and the publication refuses the save.
+    ``record``: more entries of the marker (``publish_checkpoint``)."""
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -343,7 +368,17 @@ def begin_checkpoint_write(
         raise CheckpointWriteFailed(failure)
     strategy = InProcessTorchDistSaveStrategy(snapshot=snapshot)
     request = dist_checkpointing.save(state, tmp_dir, sharded_strategy=strategy, async_sharded_save=True)
-    return CheckpointWrite(root, iteration, keep_last, tmp_dir, final_dir, strategy, request, non_finite=non_finite)
+    return CheckpointWrite(
+        root,
+        iteration,
+        keep_last,
+        tmp_dir,
+        final_dir,
+        strategy,
+        request,
+        non_finite=non_finite,
+        record=dict(record or {}),
+    )
 
 
 def _make_tmp_dir(tmp_dir: str, root: str, iteration: int) -> str | None:
@@ -499,6 +534,7 @@ def _publish_on_rank0(write: CheckpointWrite, gathered: list[dict]) -> str | Non
             write.iteration,
             0,
             build_checksum_record(write.tmp_dir, gathered),
+            write.record,
         )
         maybe_inject_fault("before_retention", 0, write.iteration)
         apply_retention(write.root, write.keep_last, write.final_dir)
@@ -519,12 +555,17 @@ def _publish_on_rank0(write: CheckpointWrite, gathered: list[dict]) -> str | Non
 
 
 def write_checkpoint(
-    state: dict[str, Any], root: str, iteration: int, keep_last: int | None = None, non_finite: str | None = None
+    state: dict[str, Any],
+    root: str,
+    iteration: int,
+    keep_last: int | None = None,
+    non_finite: str | None = None,
+    record: dict[str, Any] | None = None,
 ) -> str:
     """Write a sharded state dict as ``root/iter_<iteration>`` through the phases of the module
     docstring, synchronously; collective over the world. Returns the published directory.
     ``non_finite``: this rank's weights are not finite (``finite.py``): the save is refused
-    everywhere (NonFiniteCheckpoint)."""
-    write = begin_checkpoint_write(state, root, iteration, keep_last, non_finite=non_finite)
+    everywhere (NonFiniteCheckpoint). ``record``: more entries of the marker (``publish_checkpoint``)."""
+    write = begin_checkpoint_write(state, root, iteration, keep_last, non_finite=non_finite, record=record)
     write_shards(write)
     return publish_checkpoint_write(write)

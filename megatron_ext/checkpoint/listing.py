@@ -65,14 +65,14 @@ def describe_megatron_lm_entries(root: str) -> str:
 
 def describe_unmarked_iterations(root: str) -> str:
     """ " (iter_X has no complete.json: ...)" naming the ``iter_XXXXXXX`` directories under ``root``
-    without the marker, or "" (``list_megatron_lm_entries``); they are never loaded."""
+    without the marker, or "" (``list_megatron_lm_entries``): for a tool that reads only ours."""
     names = list_megatron_lm_entries(root)
     if not names:
         return ""
     return (
-        f" ({describe_megatron_lm_entries(root)} {'has' if len(names) == 1 else 'have'} no {COMPLETE_MARKER}: only "
-        f"checkpoints this framework's --save completed load; one written by Megatron-LM does not, convert it "
-        f"through Hugging Face with tools/convert_checkpoint.py hf-to-megatron)"
+        f" ({describe_megatron_lm_entries(root)} {'has' if len(names) == 1 else 'have'} no {COMPLETE_MARKER}: this "
+        f"tool reads checkpoints this framework's --save completed; one written by Megatron-LM loads with "
+        f"pretrain_gpt.py --load, or convert it with tools/convert_checkpoint.py megatron-lm-to-megatron)"
     )
 
 

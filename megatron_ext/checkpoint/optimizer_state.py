@@ -33,8 +33,49 @@ def apply_optimizer_state_offset_fix(ddp_chunk: torch.nn.Module) -> None:
     """
     for buffer in list(ddp_chunk.buffers) + list(ddp_chunk.expert_parallel_buffers):
         for bucket in buffer.buckets:
+            bucket.megatron_numel_unpadded = bucket.numel_unpadded  # megatron_bucket_sizes gives it back
             bucket.numel_unpadded = bucket.grad_data.numel()
+        buffer.megatron_numel_unpadded = buffer.numel_unpadded
         buffer.numel_unpadded = buffer.numel
+
+
+def get_megatron_bucket_sizes(dist_opt) -> list[dict]:
+    """The distributed optimizer's ``per_bucket_numel_unpadded`` as megatron-core computes it (before
+    ``apply_optimizer_state_offset_fix``): what a ``dp_reshardable`` checkpoint records and its load
+    asserts."""
+    return [
+        {
+            (buffer.param_dtype, buffer.grad_dtype): [
+                getattr(b, "megatron_numel_unpadded", b.numel_unpadded) for b in buffer.buckets
+            ]
+        }
+        for buffer in dist_opt.buffers
+    ]
+
+
+@contextlib.contextmanager
+def megatron_bucket_sizes(optimizer):
+    """megatron-core's own bucket sizes while the body runs, the offset fix's after. A
+    ``dp_reshardable`` state (Megatron-LM's default) is stored per bucket, ``numel_unpadded`` long,
+    and its load asserts the recorded sizes: with the fix's padded sizes it would not load, and
+    reading it as padded would shift every parameter after a padded bucket end. The fix matters
+    only to the ``fully_reshardable`` gather, which this load does not use."""
+    changed = []
+    for dist_opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(dist_opt, "per_bucket_numel_unpadded"):
+            continue
+        changed.append((dist_opt, "per_bucket_numel_unpadded", dist_opt.per_bucket_numel_unpadded))
+        dist_opt.per_bucket_numel_unpadded = get_megatron_bucket_sizes(dist_opt)
+        for buffer in dist_opt.buffers:
+            for item in (buffer, *buffer.buckets):
+                if hasattr(item, "megatron_numel_unpadded"):
+                    changed.append((item, "numel_unpadded", item.numel_unpadded))
+                    item.numel_unpadded = item.megatron_numel_unpadded
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(changed):
+            setattr(obj, name, value)
 
 
 @contextlib.contextmanager

@@ -39,6 +39,9 @@ class CheckpointMeta:
 
     tokenizer: dict[str, Any]  # tokenizer.identity()
     padded_vocab_size: int
+    # where the padded vocabulary came from when not from this run's flags ("megatron-lm": a
+    # Megatron-LM checkpoint's, padded by --make-vocab-size-divisible-by x its TP); saved with it
+    padded_vocab_from: str | None = None
 
 
 @dataclasses.dataclass
@@ -55,3 +58,5 @@ class CheckpointParts:
     # after a load under --override-opt-param-scheduler
     optimizer_flags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     global_batch_size: int = 0  # samples per step: shows a checkpoint's schedule in this run's steps
+    # more entries of the save's marker (complete.json): the weight check's (replica_check.py)
+    marker_record: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -43,7 +43,15 @@ from megatron_ext.checkpoint.directory import (
     write_checkpoint,
 )
 from megatron_ext.checkpoint.finite import describe_non_finite_weights
-from megatron_ext.checkpoint.listing import describe_megatron_lm_entries
+from megatron_ext.checkpoint.listing import list_megatron_lm_entries
+from megatron_ext.checkpoint.megatron_lm import (
+    check_format,
+    check_megatron_lm_directories,
+    describe_save_beside,
+    get_padded_vocab,
+    select_load,
+)
+from megatron_ext.checkpoint.megatron_lm_load import load_megatron_lm_parts
 from megatron_ext.checkpoint.optimizer_state import (
     catch_megatron_state_corruption,
     init_empty_optimizer_state,
@@ -136,6 +144,8 @@ def build_sharded_state_dict(
     state["args"] = parts.cfg.to_flat_dict()
     state["tokenizer"] = dict(parts.meta.tokenizer)
     state["padded_vocab_size"] = parts.meta.padded_vocab_size
+    if parts.meta.padded_vocab_from:  # not the flags' padding: a later load builds its model with it
+        state["padded_vocab_from"] = parts.meta.padded_vocab_from
     state["ffn_hidden_size"] = effective_model_shape(state["args"])["ffn_hidden_size"]  # the width built
     state["layout"] = get_layout(ctx)
     state["document_pad_multiple"] = get_document_pad_record(parts.cfg)  # g: it decides the packs
@@ -174,6 +184,7 @@ def start_async_save(
         iteration,
         keep_last,
         non_finite=describe_non_finite_weights(parts.model),
+        record=parts.marker_record,
     )
     if ctx.is_logging_rank:
         copied = saver.snapshot.bytes
@@ -188,7 +199,8 @@ def save_parts(parts: CheckpointParts, ctx: ParallelContext, root: str, keep_las
     start = time.perf_counter()
     iteration = parts.train_state.iteration
     state = build_save_state(parts, ctx, log)
-    final_dir = write_checkpoint(state, root, iteration, keep_last, non_finite=describe_non_finite_weights(parts.model))
+    non_finite = describe_non_finite_weights(parts.model)
+    final_dir = write_checkpoint(state, root, iteration, keep_last, non_finite, parts.marker_record)
     if ctx.is_logging_rank:
         log(f"saved checkpoint at iteration {iteration:8d} to {final_dir} in {time.perf_counter() - start:.2f} s")
     return final_dir
@@ -202,6 +214,7 @@ class LoadPlan:
     step: int | None = None  # --ckpt-step
     weights_only: bool = False  # --finetune / --pretrained-checkpoint: iteration, optimizer, schedule reset
     load_rng: bool = True
+    padded_vocab: tuple[int, str] | None = None  # the checkpoint's, when the model must be built with it
 
 
 def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
@@ -213,11 +226,20 @@ def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
     c = cfg.checkpoint
     if c.ckpt_step is not None and not c.load:
         raise ConfigError(["--ckpt-step needs --load DIR (the directory whose iteration it names)"])
-    check_no_megatron_lm_checkpoints(c.load, c.save)
+    check_megatron_lm_directories(c.load, c.save)
+    beside = describe_save_beside(c.save)
     if c.load:
-        found, _ = resolve_load_path(c.load, c.ckpt_step)
+        foreign = select_load(c.load, c.ckpt_step)  # Megatron-LM's, when it is the one --load names
+        found = (
+            (foreign.checkpoint.iteration, foreign.checkpoint.path)
+            if foreign
+            else resolve_load_path(c.load, c.ckpt_step)[0]
+        )
         if found is not None:
-            return LoadPlan(c.load, c.ckpt_step, c.finetune, not (c.no_load_rng or c.finetune)), None
+            if foreign is not None and check_format(found[1], None):  # a format not read here: before any work
+                raise ConfigError([f"--load {c.load}: {check_format(found[1], None)[0]}"])
+            padded = get_padded_vocab(found[1], megatron_lm=foreign is not None)
+            return LoadPlan(c.load, c.ckpt_step, c.finetune, not (c.no_load_rng or c.finetune), padded), beside
         if c.ckpt_step is not None:
             have = [it for it, _ in list_complete_checkpoints(c.load)]
             raise ConfigError(
@@ -227,11 +249,14 @@ def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
                 ]
             )
     if c.pretrained_checkpoint:
-        if resolve_load_path(c.pretrained_checkpoint)[0] is None:
+        foreign = select_load(c.pretrained_checkpoint)
+        found = foreign.checkpoint.path if foreign else (resolve_load_path(c.pretrained_checkpoint)[0] or (0, None))[1]
+        if found is None:
             raise ConfigError([f"--pretrained-checkpoint {c.pretrained_checkpoint} holds no complete checkpoint"])
         where = f"--load {c.load} holds no checkpoint yet: " if c.load else ""
+        padded = get_padded_vocab(found, megatron_lm=foreign is not None)
         return (
-            LoadPlan(c.pretrained_checkpoint, weights_only=True, load_rng=False),
+            LoadPlan(c.pretrained_checkpoint, weights_only=True, load_rng=False, padded_vocab=padded),
             f"> {where}fine-tuning from --pretrained-checkpoint {c.pretrained_checkpoint} (weights only)",
         )
     if not c.load:
@@ -254,30 +279,6 @@ def plan_load(cfg: JobConfig) -> tuple[LoadPlan | None, str | None]:
             f"iter_XXXXXXX directories), or drop --load to start from scratch"
         ]
     )
-
-
-def check_no_megatron_lm_checkpoints(load: str | None, save: str | None) -> None:
-    """Megatron-LM's checkpoints are never trained over: a --load holding them and none of ours would
-    start from scratch, and any save into a directory holding them would replace their
-    latest_checkpointed_iteration.txt with an iteration of ours, which Megatron-LM cannot resume.
-    ConfigError naming the directories, before any work."""
-    problems = []
-    held = describe_megatron_lm_entries(load) if load else ""
-    if held and not list_complete_checkpoints(load):
-        problems.append(
-            f"--load {load} holds Megatron-LM checkpoints ({held}), which this framework does not load: "
-            f"convert one through Hugging Face with tools/convert_checkpoint.py hf-to-megatron, or drop --load "
-            f"and give another --save to start from scratch"
-        )
-    held = describe_megatron_lm_entries(save) if save else ""
-    if held and not (problems and os.path.abspath(save) == os.path.abspath(load)):
-        problems.append(
-            f"--save {save} holds Megatron-LM checkpoints ({held}): saving there would point their "
-            f"latest_checkpointed_iteration.txt at a checkpoint of ours, which Megatron-LM cannot resume: "
-            f"give another --save"
-        )
-    if problems:
-        raise ConfigError(problems)
 
 
 def check_load_flags(cfg: JobConfig) -> str | None:
@@ -339,10 +340,13 @@ def load_parts(
     the model and nothing else (iteration 0, fresh optimizer and schedule); ``load_rng=False`` keeps
     the run's own random-number states.
     """
+    foreign = select_load(root, step)
+    if foreign is not None:  # Megatron-LM's own checkpoint (megatron_lm_load.py)
+        return load_megatron_lm_parts(parts, ctx, root, foreign, log, load_optimizer, weights_only, load_rng)
     found, warning = resolve_load_path(root, step)
     if found is None:
         return None
-    if warning and ctx.is_logging_rank:
+    if warning and ctx.is_logging_rank and not list_megatron_lm_entries(root):  # a tracker that is Megatron-LM's
         log(f"WARNING: {warning}")
     fallback = parts.cfg.checkpoint.ckpt_fallback_on_corruption
     candidates = [found]

@@ -30,6 +30,7 @@ signature, its directory or a member's CRC). The named errors these lead to are 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
 import pickle
 import threading
@@ -98,17 +99,31 @@ def load_metadata_pickle(stream) -> object:
 
 
 _ALLOWLIST_LOCK = threading.RLock()
+# classes that reads in this context may rebuild besides torch's own: set by ``allowing`` for a
+# checkpoint another program wrote (Megatron-LM's args Namespace, its enums), empty for ours
+_ALSO_ALLOWED: contextvars.ContextVar[tuple] = contextvars.ContextVar("also_allowed", default=())
+
+
+@contextlib.contextmanager
+def allowing(classes):
+    """Within (this thread's context): ``torch_allowlist_only`` also allows ``classes``."""
+    token = _ALSO_ALLOWED.set(_ALSO_ALLOWED.get() + tuple(classes))
+    try:
+        yield
+    finally:
+        _ALSO_ALLOWED.reset(token)
 
 
 @contextlib.contextmanager
 def torch_allowlist_only():
     """Within: torch's weights-only unpickler allows torch's own globals and nothing registered with
-    ``torch.serialization.add_safe_globals`` (megatron-core's 16 included); after: the registrations
-    are back. Process-wide while it lasts (torch keeps one set), so a load in another thread is
+    ``torch.serialization.add_safe_globals`` (megatron-core's 16 included) but what ``allowing`` names
+    in this context; after: the registrations are back. Process-wide while it lasts (torch keeps one set), so a load in another thread is
     narrowed too, never widened; nested uses are fine."""
     with _ALLOWLIST_LOCK:
         registered = torch.serialization.get_safe_globals()
         torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(list(_ALSO_ALLOWED.get()))  # ``allowing``'s, if any
         try:
             yield
         finally:

@@ -22,15 +22,24 @@ Per rank of pipeline rank r:
   each checkpointed group's input per micro-batch in flight; the group rebuilt in a backward (its
   layers without recompute, its input counted once) exists during that backward only, after the
   backward has freed the head's saves on the last stage.
+- **--qk-layernorm** (Qwen3's per-head q/k norms, not in the calibration): a layer adds what the norms
+  keep (``get_qk_norm_per_token``; measured exactly, tests/distributed/test_qk_norm_memory.py).
+- **Context parallelism** (c ranks splitting each micro-batch): every per-token figure counts a
+  rank's T / c tokens; a layer without recompute keeps the gathered keys and values instead of the
+  local attention's (``get_cp_layer_delta_per_token``) and a stage one gather index
+  (``get_cp_index_per_token``); recomputed layers keep 1/c of CP 1's; the distributed optimizer
+  shards over DP x CP. Measured exactly at c = 1, 2, 4 (tests/distributed/test_cp_memory.py).
 - **Temporaries outside autograd** (stated, not measured): the fp32 logits and the cross-entropy's
   fp32 temporaries on the last stage (2 x 4 bytes x vocabulary / TP per token), the sequence-parallel
-  all-gather buffer (2 x hidden x dtype per token: the forward's gather and the backward's re-gather),
+  buffers (2 x hidden x dtype per token: the gather buffer all SP linears share, and one full-sequence
+  tensor beside it, e.g. a column-parallel backward's input gradient before its reduce-scatter),
   and the received P2P buffers of one micro-batch (hidden / SP x dtype per token, twice).
 - **Margin** (stated): ``MARGIN_FIXED_GIB`` for the CUDA context, NCCL's buffers and the DDP
   communication buckets, plus ``MARGIN_FRACTION`` of the rest for allocator fragmentation.
 
 What the calibration validates (tests/distributed/test_memory_model.py): the saved-for-backward
-bytes and the state bytes per rank on CPU runs, within 5%; not the temporaries, nor the margin.
+bytes and the state bytes per rank on CPU runs, within 5%; not the temporaries (but the SP buffers:
+test_memory_terms.py, which also runs stage 0's W after a later forward), nor the margin.
 """
 
 from __future__ import annotations
@@ -100,10 +109,18 @@ class Shape:
     sequence_parallel: bool
     swiglu: bool
     head_dim: int = 0  # --kv-channels; 0: hidden / heads
+    cp: int = 1  # context parallelism: a rank holds 1/cp of each micro-batch's tokens
 
     @property
     def tokens(self) -> int:
-        return self.seq_length * self.micro_batch
+        """Tokens of one micro-batch on one rank (of a CP group: 1/cp of them)."""
+        return self.seq_length * self.micro_batch // self.cp
+
+    @property
+    def kv_width(self) -> int:
+        """K and V elements per token on one TP rank: 2 x query groups / TP x head dim (fewer groups
+        than TP ranks: one, replicated)."""
+        return 2 * max(self.query_groups // self.tp, 1) * (self.head_dim or self.hidden // self.heads)
 
     @property
     def query_width(self) -> int:
@@ -193,6 +210,7 @@ def get_shape(cfg: JobConfig, padded_vocab: int) -> Shape:
         sequence_parallel=p.sequence_parallel,
         swiglu=m.swiglu,
         head_dim=get_kv_channels(m),
+        cp=p.context_parallel_size,
     )
 
 
@@ -237,18 +255,19 @@ class StateBytes:
         return self.parameters + self.gradients + self.optimizer
 
 
-def get_state_bytes(cfg: JobConfig, num_params: int, dp: int) -> StateBytes:
+def get_state_bytes(cfg: JobConfig, num_params: int, shards: int) -> StateBytes:
     """Bytes of ``num_params`` parameters held by one rank, as megatron-core keeps them: weights in
     the training dtype; gradients in fp32 buffers (bf16 with --grad-reduce-in-bf16); Adam's two
-    moments (SGD's momentum) in fp32, plus fp32 main parameters under bf16/fp16, sharded over DP with
-    --use-distributed-optimizer. bf16 Adam: 18 bytes a parameter, 6 + 12/DP distributed
-    (Megatron-LM's ``theoretical_memory_usage`` figures)."""
+    moments (SGD's momentum) in fp32, plus fp32 main parameters under bf16/fp16, sharded with
+    --use-distributed-optimizer over ``shards`` ranks: DP x CP (megatron-core's distributed optimizer
+    shards over the DP x CP group, whose ranks hold the same parameters). bf16 Adam: 18 bytes a
+    parameter, 6 + 12/(DP x CP) distributed (Megatron-LM's ``theoretical_memory_usage`` figures)."""
     t, p = cfg.training, cfg.parallel
     mixed = t.bf16 or t.fp16
     weight = 2 if mixed else 4
     grad = 2 if p.grad_reduce_in_bf16 else 4
     optimizer = (8 if t.optimizer == "adam" else 4) + (4 if mixed else 0)
-    shard = -(-num_params // dp) if p.use_distributed_optimizer else num_params
+    shard = -(-num_params // shards) if p.use_distributed_optimizer else num_params
     return StateBytes(num_params * weight, num_params * grad, shard * optimizer)
 
 
@@ -275,16 +294,22 @@ class RecomputePlan:
 
 
 def get_stage_bytes(
-    layers_per_stage: list[int], tokens: int, saved: PerToken, full_input: float, plan: RecomputePlan
+    layers_per_stage: list[int],
+    tokens: int,
+    saved: PerToken,
+    full_input: float,
+    plan: RecomputePlan,
+    shared: float = 0.0,
 ) -> list[float]:
     """Bytes one micro-batch leaves on each stage until its backward. ``saved`` is the per-token
     figure of the job's recompute kind; under full recompute ``full_input`` (the per-token bytes
-    of a checkpointed layer: its input) and ``saved.layer`` the bytes of a plain layer."""
+    of a checkpointed layer: its input) and ``saved.layer`` the bytes of a plain layer; ``shared``
+    per-token bytes a stage keeps once if it has a plain layer (CP's gather index)."""
     last = len(layers_per_stage) - 1
     out = []
     for s, n in enumerate(layers_per_stage):
         kept, plain, _ = plan.split(n)
-        per_token = kept * full_input + plain * saved.layer
+        per_token = kept * full_input + plain * saved.layer + (shared if plain else 0.0)
         per_token += (saved.embedding if s == 0 else 0) + (saved.head if s == last else 0)
         out.append(per_token * tokens)
     return out
@@ -305,6 +330,100 @@ def get_wgrad_held_per_token(shape: Shape, dtype_bytes: int) -> PerToken:
     grads = (q + kv) / tp + 2 * h + (2 if shape.swiglu else 1) * shape.ffn / tp
     head = h / sp + shape.padded_vocab / tp
     return PerToken(layer=(inputs + grads) * dtype_bytes, embedding=0.0, head=head * dtype_bytes)
+
+
+def get_gathered_kv_per_token(shape: Shape, dtype_bytes: int, repacked: bool = True) -> float:
+    """Bytes per local token of one layer's gathered keys and values under context parallelism
+    (``context_parallel/attention.py``: K and V all-gathered over the CP group, each local query piece
+    attending to its document's keys up to its end). On CUDA (``repacked``, what the planner prices)
+    the flash varlen call keeps each piece's keys, repacked: a rank's two chunks of every span of n
+    tokens attend to (r + 1) and (2c - r) of its 2c chunks, (2c + 1) / (2c) x n keys whatever r, so
+    (2c + 1) / (2c) x T x 2 ng / TP x hn x bytes for a micro-batch of T tokens; per local token (T / c
+    of them) (2c + 1) / 2 x 2 ng / TP x hn x bytes. The CPU kernel keeps the gathered buffer in
+    global order: T x 2 ng / TP x hn x bytes, c x ... per local token. Saved for the backward when
+    core attention is not recomputed; one layer's at a time (in its forward, and again in its
+    recompute) when it is. 0 without CP."""
+    c = shape.cp
+    if c <= 1:
+        return 0.0
+    keys = (2 * c + 1) / (2 * c) if repacked else 1.0
+    return keys * c * shape.kv_width * dtype_bytes
+
+
+def get_cp_layer_delta_per_token(shape: Shape, dtype_bytes: int, rotary: bool, repacked: bool = True) -> float:
+    """What a layer without recompute saves per local token under CP beyond the calibrated CP 1 figure
+    (measured exactly at c = 2 and 4, tests/distributed/test_cp_memory.py): plus the gathered K/V
+    (``get_gathered_kv_per_token``); less the local attention's own keys and values, which the CP
+    attention (saving q, the gathered [K; V], its output and the logsumexp) does not keep. With RoPE
+    the local attention keeps its rotated q and, with GQA, k and v repeated to the query width (2 x
+    query width / TP), or without GQA the rotated k (query width / TP) and the whole QKV output (a
+    view of it, v, is saved: query width + K and V width, ``unrepeated_kv``); under CP only q stays,
+    a fresh tensor. Without RoPE q is a view of the QKV output, which the CP attention then keeps as
+    the local attention did: nothing less. 0 without CP."""
+    if shape.cp <= 1:
+        return 0.0
+    local = 0.0
+    if rotary:
+        groups_local = max(shape.query_groups // shape.tp, 1)
+        unrepeated = shape.kv_width if groups_local == shape.heads // shape.tp else 0
+        local = (2 * shape.query_width / shape.tp + unrepeated) * dtype_bytes
+    return get_gathered_kv_per_token(shape, dtype_bytes, repacked) - local
+
+
+def get_qk_norm_per_token(
+    shape: Shape, family: str, dtype_bytes: int, recompute: str, rms: bool = True, rotary: bool = True
+) -> float:
+    """What ``--qk-layernorm``'s norms (``model/norm.HeadNorm``: over each head's [hn] of the queries
+    and keys on this TP rank, the whole sequence even under SP) add to a layer's saved bytes per token
+    beyond the calibrated figure, which is of layers without them (measured exactly:
+    tests/distributed/test_qk_norm_memory.py). Per token on one TP rank, with q the query width / TP,
+    k the key width / TP (groups x hn), n = q + k normed elements and r = (heads + groups) / TP rows:
+
+    - the norms' own saves: torch's CPU RMSNorm (its composite kernel) an fp32 rstd per row and the
+      fp32 normalized x x rstd, under bf16 also the fp32 upcast of its input (8 bytes an element), in
+      fp32 its input itself; LayerNorm its input and a mean and rstd per row in the input's dtype;
+    - their inputs, where the norm keeps them: megatron-core's query copy (``query_copy``, else q is a
+      view) and the QKV output (k is a view of it), kept whole [q + K + V] unless V, a view of it,
+      already keeps it (no GQA repeat; always under selective recompute; and not SDPA's CPU math path
+      with attention dropout, which upcasts v, in bf16);
+    - the normed q and k where something keeps them instead of the inputs: selective recompute's
+      checkpoint (whose query copy the norm then keeps or, in a bf16 RMSNorm, nothing does), or SDPA
+      without RoPE (with RoPE the rotation makes fresh tensors from them, as before without the norms);
+      not SDPA's math path (attention dropout), which scales them first.
+
+    Full recompute: 0 (a checkpointed layer keeps its input; the rebuilt layer is priced as ``none``).
+    CUDA's fused RMSNorm keeps only its input and the rstd: this CPU figure is an upper bound of it
+    (as the calibrated layer norms are: the calibration is the CPU's)."""
+    if recompute == "full":
+        return 0.0
+    heads, groups = shape.heads // shape.tp, max(shape.query_groups // shape.tp, 1)
+    head_dim = shape.query_width // shape.heads
+    q, k = heads * head_dim, groups * head_dim
+    n, rows = q + k, heads + groups
+    fp32 = dtype_bytes == 4
+    math_path = family == "gpt"  # SDPA with attention dropout: torch's CPU math path
+    selective = recompute == "selective"
+    if rms:
+        keeps_input, own = fp32, 4 * rows + (4 if fp32 else 8) * n
+    else:
+        keeps_input, own = True, 2 * dtype_bytes * rows
+    qkv_kept = selective or (groups == heads and not (math_path and not fp32))
+    normed_kept = selective or not (rotary or math_path)
+    copy = q if 1 < groups < heads else 0  # megatron-core's query reshape copies
+    out = own + (n if normed_kept else 0) * dtype_bytes
+    out += (q + 2 * k) * dtype_bytes if keeps_input and not qkv_kept else 0
+    # without the norms the copy is kept by what now keeps the normed q (the checkpoint, SDPA)
+    return out + copy * dtype_bytes * (int(keeps_input) - int(normed_kept))
+
+
+def get_cp_index_per_token(shape: Shape, repacked: bool = True) -> float:
+    """Bytes per local token of the int64 index that puts the gathered K/V in order, saved once per
+    micro-batch by a stage's layers without recompute (they share it): the repacking index of
+    (2c + 1) / (2c) x T keys on CUDA, the [T] order on the CPU. 0 without CP."""
+    c = shape.cp
+    if c <= 1:
+        return 0.0
+    return 8 * c * ((2 * c + 1) / (2 * c) if repacked else 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,8 +481,12 @@ class RankMemory:
         return self.state.total + self.activations + self.temporaries + self.margin
 
 
-def get_temporaries(shape: Shape, dtype_bytes: int, last_stage: bool, pipelined: bool) -> float:
-    """Stated bytes outside autograd (module docstring) for one micro-batch."""
+def get_temporaries(
+    shape: Shape, dtype_bytes: int, last_stage: bool, pipelined: bool, kv_transient: bool = False
+) -> float:
+    """Stated bytes outside autograd (module docstring) for one micro-batch on one rank;
+    ``kv_transient``: core attention recomputed under CP, so one layer's gathered K and V
+    (``get_gathered_kv_per_token``) exist at a time, outside what the backward keeps."""
     t = shape.tokens
     sp = shape.tp if shape.sequence_parallel else 1
     out = 2 * 4 * shape.padded_vocab / shape.tp * t if last_stage else 0.0
@@ -371,4 +494,6 @@ def get_temporaries(shape: Shape, dtype_bytes: int, last_stage: bool, pipelined:
         out += 2 * shape.hidden * dtype_bytes * t
     if pipelined:
         out += 2 * shape.hidden / sp * dtype_bytes * t
+    if kv_transient:
+        out += get_gathered_kv_per_token(shape, dtype_bytes) * t
     return out

@@ -2,17 +2,27 @@
 validation, priced by the memory model (``predict.py``) and the time model (``step_time.py``),
 ranked by predicted step time among those that fit.
 
-Enumerated: TP dividing the GPUs of a node (TP never spans nodes), PP dividing the layers and the
-GPUs, schedule (1F1B, ZBH1; Interleaved1F1B and InterleavedZeroBubble for every VPP that divides a
-rank's layers, up to ``MAX_VPP``; ZBVZeroBubble), micro-batch size 1, 2, 4, recompute none /
-selective / full (uniform, 1 layer), the distributed optimizer on when DP > 1; sequence parallelism
-on with TP > 1; beside each even pipeline split (schedules other than the V placement's, which refuse
-it), the uneven one (--decoder-first/last-pipeline-num-layers) that best balances the ranks' compute
-with the output layer on the last (``get_balanced_split``), where one is better; and splits whose first
-rank holds fewer layers than the even share (``get_lighter_first_splits``), kept where they lower the
-fullest GPU's memory below the even split's (under 1F1B-family schedules rank 0 holds the most
-micro-batches in flight: p of them, the last rank 1). Constraints (``--fix tp=8``) pin any of tp, pp,
-vpp, schedule, mbs, recompute.
+Enumerated: TP dividing the GPUs of a node (TP never spans nodes), CP (context parallelism: 1, 2,
+4, ... up to ``MAX_CP``, dividing the GPUs and splitting a row into 2c chunks; a CP group may span
+nodes, its K/V traffic then priced at the inter-node bandwidth), PP dividing the layers and the GPUs,
+schedule (1F1B, ZBH1; Interleaved1F1B and InterleavedZeroBubble for every VPP that divides a rank's
+layers, up to ``MAX_VPP``; ZBVZeroBubble), micro-batch size 1, 2, 4, recompute none / selective /
+full (uniform, 1 layer), the distributed optimizer on when DP x CP > 1 (it shards over DP x CP);
+sequence parallelism on with TP > 1; beside each even pipeline split (schedules other than the V
+placement's, which refuse it), the uneven one (--decoder-first/last-pipeline-num-layers) that best
+balances the ranks' compute with the output layer on the last (``get_balanced_split``), where one is
+better; and splits whose first rank holds fewer layers than the even share
+(``get_lighter_first_splits``), kept where they lower the fullest GPU's memory below the even split's
+(under 1F1B-family schedules rank 0 holds the most micro-batches in flight: p of them, the last rank
+1). Constraints (``--fix tp=8``) pin any of tp, cp, pp, vpp, schedule, mbs, recompute.
+
+When CP beats more TP or PP: each of the three divides a rank's activations by its size. TP also
+divides the weights, but all-reduces [s, b, h] four times a layer and stops at a node; PP divides the
+weights, but adds the bubble and keeps p micro-batches in flight on its first rank; CP keeps the whole
+weights (the distributed optimizer shards their state over DP x CP) and moves only K and V, 2 ng / TP x
+hn per token against TP's h (a half for Llama 3 8B and 70B's 8 groups of 128 at TP 1), in two
+collectives a layer (three with recompute) against TP's four. So CP wins where activations, not weights, fill the GPU: long
+sequences (docs/planning.md has the planner's figures).
 """
 
 from __future__ import annotations
@@ -21,15 +31,26 @@ import dataclasses
 import functools
 import itertools
 
-from megatron_ext.config import ConfigError, JobConfig
-from megatron_ext.derived import get_num_microbatches, get_padded_vocab_size
-from megatron_ext.planning.memory import GIB, RankMemory
-from megatron_ext.planning.predict import count_parts, get_stage_layers, predict_memory
-from megatron_ext.planning.step_time import Cluster, StepTime, get_stage_costs, predict_step_time
+from megatron_ext.config import JobConfig
+from megatron_ext.context_parallel.rules import check_cp_comm_type, check_not_under_cp
+from megatron_ext.derived import (
+    get_data_parallel_size,
+    get_num_microbatches,
+    get_padded_vocab_size,
+    get_virtual_pipeline_size,
+)
+from megatron_ext.planning.memory import GIB, RankMemory, get_recompute_kind, get_shape
+from megatron_ext.planning.predict import count_parts, get_schedule, get_stage_layers, predict_memory
+from megatron_ext.planning.step_time import Cluster, CPTraffic, StepTime, get_stage_costs, predict_step_time
+from megatron_ext.planning.validity import check_layout
 from megatron_ext.training.metrics import num_floating_point_operations
-from megatron_ext.validation import validate
 
 MAX_VPP = 8
+MAX_CP = 16
+# The least of a row a CP rank is left with, searched by default: the NeMo / Megatron-LM tables' CP
+# layouts leave 4,096 (Llama 3 8B and 405B at 8,192 with CP 2), Llama 3's 128K phase 8,192 (CP 16);
+# below it the K/V traffic and the per-chunk kernel launches outgrow what CP saves.
+MIN_CP_TOKENS = 4096
 MICRO_BATCHES = (1, 2, 4)
 RECOMPUTE = {
     "none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
@@ -49,6 +70,7 @@ class Layout:
     distributed_optimizer: bool
     first_layers: int | None = None  # --decoder-first-pipeline-num-layers (None: even)
     last_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    cp: int = 1  # --context-parallel-size
     # offered for memory (``get_lighter_first_splits``), not time: ``plan`` keeps it only where it lowers
     # the fullest GPU below the even split's (not part of the layout's identity)
     lighter_first: bool = dataclasses.field(default=False, compare=False)
@@ -56,6 +78,7 @@ class Layout:
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags that select this layout."""
         out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        out += ["--context-parallel-size", str(self.cp)]
         out += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp) if self.vpp > 1 else "0"]
         if self.schedule:
             out += ["--pipeline-schedule", self.schedule]
@@ -112,7 +135,8 @@ class Layout:
             + (f", last stage {self.last_layers} layers" if self.last_layers is not None else "")
         )
         return (
-            f"TP {self.tp} x {pipe}, micro-batch {self.micro_batch}, recompute {self.recompute}"
+            f"TP {self.tp}{f' x CP {self.cp}' if self.cp > 1 else ''} x {pipe}, micro-batch {self.micro_batch}, "
+            f"recompute {self.recompute}"
             f"{', distributed optimizer' if self.distributed_optimizer else ''}"
         )
 
@@ -126,6 +150,7 @@ class Candidate:
     time: StepTime | None
     problems: tuple[str, ...]  # why it does not fit or is not valid (empty: it fits)
     even_memory: float | None = None  # a lighter first stage's: the fullest GPU's bytes with the even split
+    deferred: tuple[str, ...] = ()  # what a launch refuses until it is wired into training (planning/validity.py)
 
 
 def apply_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
@@ -134,6 +159,7 @@ def apply_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
         cfg.parallel,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=None,
         pipeline_schedule=layout.schedule,
@@ -243,33 +269,60 @@ def get_lighter_first_pipes(pipes: list[tuple], layers: int, pp: int) -> list[tu
     return out
 
 
+def get_cp_sizes(cfg: JobConfig, gpus: int, fixed: str | None = None) -> tuple[list[int], list[str]]:
+    """(the CP sizes to search, why CP is not searched): powers of two up to ``MAX_CP`` that divide the
+    GPUs, split a --seq-length row into 2c chunks and leave each rank at least ``MIN_CP_TOKENS`` of it
+    (``fixed``, a --fix cp=N, lifts that floor); only 1 when the config sets something context
+    parallelism refuses whatever the layout (``context_parallel.rules``: attention dropout,
+    --no-calculate-per-token-loss, ...), which would make every CP layout invalid."""
+    seq = cfg.model.seq_length
+    sizes = [c for c in (2**k for k in range(MAX_CP.bit_length())) if gpus % c == 0 and seq % (2 * c) == 0]
+    if fixed is not None:
+        sizes = [c for c in sizes if str(c) == fixed]
+    else:
+        sizes = [c for c in sizes if c == 1 or seq // c >= MIN_CP_TOKENS]
+    at_two = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_parallel_size=2))
+    refused = check_not_under_cp(at_two) + check_cp_comm_type(at_two)
+    if refused:
+        return [1], [p.replace("--context-parallel-size 2", "context parallelism") for p in refused]
+    return sizes, []
+
+
+def get_pipes(layers: int, pp: int, head_layers: float) -> list[tuple]:
+    """(vpp, schedule, (first, last) or None) of every pipeline choice at ``pp`` (module docstring),
+    the lighter first stages excluded (``get_lighter_first_pipes``)."""
+    if pp == 1:
+        return [(1, None, None)]
+    split = get_balanced_split(layers, pp, 1, head_layers)
+    pipes = [(1, "1F1B", None), (1, "ZBH1", None), (2, "ZBVZeroBubble", None)]
+    pipes += [(1, s, split) for s in ("1F1B", "ZBH1") if split]
+    for v in _divisors(layers // pp)[1:]:
+        if v <= MAX_VPP:
+            split = get_balanced_split(layers, pp, v, head_layers)
+            for s in ("Interleaved1F1B", "InterleavedZeroBubble"):
+                pipes += [(v, s, None)] + ([(v, s, split)] if split else [])
+    return pipes
+
+
 def enumerate_layouts(cfg: JobConfig, cluster: Cluster, fixed: dict[str, str], vocab_size: int) -> list[Layout]:
     layers = cfg.model.num_layers
     out = []
-    for tp in _divisors(cluster.gpus_per_node):
+    cp_sizes = get_cp_sizes(cfg, cluster.gpus, fixed.get("cp"))[0]
+    for tp, cp in itertools.product(_divisors(cluster.gpus_per_node), cp_sizes):
         head_layers = get_head_layers(cfg, vocab_size, tp)
         for pp in _divisors(layers):
-            if cluster.gpus % (tp * pp):
+            if cluster.gpus % (tp * cp * pp):
                 continue
-            dp = cluster.gpus // (tp * pp)
-            pipes = [(1, None, None)]
-            if pp > 1:
-                per_rank = layers // pp
-                split = get_balanced_split(layers, pp, 1, head_layers)
-                pipes = [(1, "1F1B", None), (1, "ZBH1", None), (2, "ZBVZeroBubble", None)]
-                pipes += [(1, s, split) for s in ("1F1B", "ZBH1") if split]
-                for v in _divisors(per_rank)[1:]:
-                    if v <= MAX_VPP:
-                        split = get_balanced_split(layers, pp, v, head_layers)
-                        for s in ("Interleaved1F1B", "InterleavedZeroBubble"):
-                            pipes += [(v, s, None)] + ([(v, s, split)] if split else [])
+            dp = cluster.gpus // (tp * cp * pp)
+            pipes = get_pipes(layers, pp, head_layers)
             offered = [(pipe, False) for pipe in pipes] + [
                 (pipe, True) for pipe in get_lighter_first_pipes(pipes, layers, pp)
             ]
             for ((vpp, schedule, split), lighter), mbs, recompute in itertools.product(
                 offered, MICRO_BATCHES, RECOMPUTE
             ):
-                layout = Layout(tp, pp, vpp, schedule, mbs, recompute, dp > 1, *(split or (None, None)), lighter)
+                first, last = split or (None, None)
+                layout = Layout(tp, pp, vpp, schedule, mbs, recompute, dp * cp > 1, first, last, cp, lighter)
                 if all(
                     str(getattr(layout, k if k != "mbs" else "micro_batch")).lower() == v.lower()
                     for k, v in fixed.items()
@@ -279,11 +332,57 @@ def enumerate_layouts(cfg: JobConfig, cluster: Cluster, fixed: dict[str, str], v
 
 
 def get_problems(job: JobConfig, world_size: int) -> tuple[str, ...]:
-    """``validation.validate``'s problems (empty when valid)."""
-    try:
-        validate(job, world_size, cuda=True)
-    except ConfigError as err:
-        return tuple(err.problems)
+    """``validation.validate``'s problems (empty when valid), less what is not wired yet
+    (``planning/validity.py``)."""
+    return check_layout(job, world_size).problems
+
+
+def price_job(
+    job: JobConfig, cluster: Cluster, vocab_size: int, head_layers: float
+) -> tuple[int, list[RankMemory], StepTime]:
+    """(micro-batches per DP rank and step, each pipeline rank's predicted memory, the predicted step
+    time) of a valid ``job`` on ``cluster``; ``head_layers``: ``get_head_layers`` at the job's TP."""
+    p, mc, t = job.parallel, job.model, job.training
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp, m = get_data_parallel_size(job, cluster.gpus), get_num_microbatches(job, cluster.gpus)
+    ranks = predict_memory(job, cluster.gpus, vocab_size, count_parts(job, vocab_size, tp))
+    micro_batch = t.micro_batch_size * mc.seq_length
+    tokens = m * dp * micro_batch
+    flops = num_floating_point_operations(mc, get_padded_vocab_size(vocab_size, job), tokens, tokens * mc.seq_length)
+    recompute = get_recompute_kind(job)
+    if recompute == "full":
+        flops *= 4 / 3
+    dtype_bytes = 2 if (t.bf16 or t.fp16) else 4
+    traffic = None
+    if cp > 1:
+        kv = get_shape(job, get_padded_vocab_size(vocab_size, job)).kv_width * dtype_bytes
+        traffic = CPTraffic(cp, kv, recompute != "none", cluster.gpus_per_node % (tp * cp) != 0)
+    time = predict_step_time(
+        cluster,
+        flops,
+        micro_batch,
+        mc.hidden_size,
+        mc.num_layers,
+        tp,
+        pp,
+        get_virtual_pipeline_size(job) or 1,
+        dp,
+        m,
+        get_schedule(job) if pp > 1 else None,
+        p.sequence_parallel,
+        dtype_bytes,
+        max(r.state.gradients for r in ranks),
+        p.overlap_grad_reduce,
+        get_stage_costs(get_stage_layers(job), head_layers) if pp > 1 else None,
+        traffic,
+    )
+    return m, ranks, time
+
+
+def get_memory_problems(ranks: list[RankMemory], cluster: Cluster) -> tuple[str, ...]:
+    worst = max(r.total for r in ranks)
+    if worst > cluster.gpu_memory_gib * GIB:
+        return (f"needs {worst / GIB:.1f} GiB on its fullest GPU, {cluster.gpu_memory_gib:g} GiB available",)
     return ()
 
 
@@ -292,45 +391,19 @@ def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, 
     settings are valid for every layout: full recompute of 1 layer in uniform groups), and the output
     layer's FLOPs in layers by TP."""
     job = apply_layout(cfg, layout)
-    dp = cluster.gpus // (layout.tp * layout.pp)
+    dp = cluster.gpus // (layout.tp * layout.cp * layout.pp)
     key = dataclasses.replace(layout, recompute="none")
     cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = get_problems(job, cluster.gpus)
-    if cache[key]:
-        return Candidate(layout, dp, None, None, None, cache[key])
+        cache[key] = check_layout(job, cluster.gpus)
+    check = cache[key]
+    if check.problems:
+        return Candidate(layout, dp, None, None, None, check.problems)
     if ("head", layout.tp) not in cache:
         cache[("head", layout.tp)] = get_head_layers(cfg, vocab_size, layout.tp)
-    m = get_num_microbatches(job, cluster.gpus)
-    ranks = predict_memory(job, cluster.gpus, vocab_size, count_parts(job, vocab_size, layout.tp))
+    m, ranks, time = price_job(job, cluster, vocab_size, cache[("head", layout.tp)])
     worst = max(ranks, key=lambda r: r.total)
-    problems = ()
-    if worst.total > cluster.gpu_memory_gib * GIB:
-        problems = (f"needs {worst.total / GIB:.1f} GiB on its fullest GPU, {cluster.gpu_memory_gib:g} GiB available",)
-    mc, t = job.model, job.training
-    tokens = m * dp * layout.micro_batch * mc.seq_length
-    flops = num_floating_point_operations(mc, get_padded_vocab_size(vocab_size, job), tokens, tokens * mc.seq_length)
-    if layout.recompute == "full":
-        flops *= 4 / 3
-    time = predict_step_time(
-        cluster,
-        flops,
-        layout.micro_batch * mc.seq_length,
-        mc.hidden_size,
-        mc.num_layers,
-        layout.tp,
-        layout.pp,
-        layout.vpp,
-        dp,
-        m,
-        layout.schedule,
-        layout.tp > 1,
-        2 if (t.bf16 or t.fp16) else 4,
-        max(r.state.gradients for r in ranks),
-        job.parallel.overlap_grad_reduce,
-        get_stage_costs(get_stage_layers(job), cache[("head", layout.tp)]) if layout.pp > 1 else None,
-    )
-    return Candidate(layout, dp, m, worst, time, problems)
+    return Candidate(layout, dp, m, worst, time, get_memory_problems(ranks, cluster), deferred=check.deferred)
 
 
 def plan(cfg: JobConfig, cluster: Cluster, vocab_size: int, fixed: dict[str, str]) -> list[Candidate]:

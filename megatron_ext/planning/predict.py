@@ -31,7 +31,10 @@ from megatron_ext.planning.memory import (
     Shape,
     StageBytes,
     get_activation_peak,
+    get_cp_index_per_token,
+    get_cp_layer_delta_per_token,
     get_family,
+    get_qk_norm_per_token,
     get_recompute_kind,
     get_saved_per_token,
     get_shape,
@@ -138,56 +141,98 @@ def get_pipeline_order(cfg: JobConfig, world_size: int) -> PipelineOrder | None:
 
 
 def get_stage_memory(
-    stage_layers: list[int], shape: Shape, saved: PerToken, plain: PerToken, plan: RecomputePlan, dtype_bytes: int
+    stage_layers: list[int],
+    shape: Shape,
+    saved: PerToken,
+    plain: PerToken,
+    plan: RecomputePlan,
+    dtype_bytes: int,
+    shared: float = 0.0,
 ) -> StageBytes:
     """A micro-batch's bytes per stage (``memory.StageBytes``): ``saved`` the calibrated figure of the
     job's recompute kind, ``plain`` that without recompute. Under full recompute a checkpointed group
     keeps its input (``saved.layer`` per layer), and its backward rebuilds ``k`` plain layers whose
-    first input is that kept input (counted once), after freeing the head's saves on the last stage."""
+    first input is that kept input (counted once), after freeing the head's saves on the last stage.
+    ``shared``: per-token bytes the plain layers of a stage keep once (CP's gather index)."""
     per_token = dataclasses.replace(saved, layer=plain.layer)
     tokens, last = shape.tokens, len(stage_layers) - 1
     held = get_wgrad_held_per_token(shape, dtype_bytes)
     extra = []
     for s, n in enumerate(stage_layers):
         rebuilt = plan.split(n)[2]
-        e = (rebuilt * plain.layer - saved.layer) * tokens if rebuilt else 0.0
+        e = (rebuilt * plain.layer + shared - saved.layer) * tokens if rebuilt else 0.0
         extra.append(e - (saved.head * tokens if rebuilt and s == last else 0.0))
     return StageBytes(
-        saved=get_stage_bytes(stage_layers, tokens, per_token, saved.layer, plan),
+        saved=get_stage_bytes(stage_layers, tokens, per_token, saved.layer, plan, shared),
         held_for_w=[(n * held.layer + (held.head if s == last else 0.0)) * tokens for s, n in enumerate(stage_layers)],
         backward_extra=extra,
     )
+
+
+def get_layer_per_token(cfg: JobConfig, recompute: str, shape: Shape) -> PerToken:
+    """The calibrated bytes per token of ``cfg``'s family and precision under ``recompute``, plus what
+    --qk-layernorm's norms keep (``memory.get_qk_norm_per_token``: the calibration has no q/k norms)."""
+    m, t = cfg.model, cfg.training
+    precision = "bf16" if (t.bf16 or t.fp16) else "fp32"
+    family = get_family(cfg)
+    per_token = get_saved_per_token(family, precision, recompute, shape)
+    if not m.qk_layernorm:
+        return per_token
+    rms, rotary = m.normalization == "RMSNorm", m.position_embedding_type == "rope"
+    norms = get_qk_norm_per_token(shape, family, 2 if precision == "bf16" else 4, recompute, rms, rotary)
+    return dataclasses.replace(per_token, layer=per_token.layer + norms)
+
+
+def predict_stage_bytes(cfg: JobConfig, vocab_size: int, cuda: bool = True) -> StageBytes:
+    """What one micro-batch costs each stage of ``cfg`` (``memory.StageBytes``): ``saved`` is what a
+    ``SavedBytesMeter`` reads once its forward and loss ran. ``cuda``: the kernel the CP attention runs
+    (CUDA's repacked keys, what the planner prices; else the CPU kernel's gathered buffer)."""
+    m, t = cfg.model, cfg.training
+    shape = get_shape(cfg, get_padded_vocab_size(vocab_size, cfg))
+    kind = get_recompute_kind(cfg)
+    dtype_bytes = 2 if (t.bf16 or t.fp16) else 4
+    rotary = m.position_embedding_type == "rope"
+    # under CP a layer whose core attention is not recomputed keeps the gathered K and V instead of
+    # the local ones; a checkpointed one gathers them again in its recompute (full: the rebuilt
+    # layers keep them)
+    delta = get_cp_layer_delta_per_token(shape, dtype_bytes, rotary, cuda)
+    none = get_layer_per_token(cfg, "none", shape)
+    none = dataclasses.replace(none, layer=none.layer + delta)
+    saved = none if kind == "none" else get_layer_per_token(cfg, kind, shape)
+    plain = none if kind == "full" else saved
+    plan = RecomputePlan(kind, m.recompute_method, m.recompute_num_layers or 1)
+    # (selective recompute checkpoints the gather's reordering with the core attention)
+    shared = get_cp_index_per_token(shape, cuda) if kind != "selective" else 0.0
+    return get_stage_memory(get_stage_layers(cfg), shape, saved, plain, plan, dtype_bytes, shared)
 
 
 def predict_memory(
     cfg: JobConfig, world_size: int, vocab_size: int, parts: PartCounts | None = None
 ) -> list[RankMemory]:
     """Each pipeline rank's predicted memory per GPU (``memory.py``); ``cfg`` must be valid."""
-    p, m, t = cfg.parallel, cfg.model, cfg.training
-    padded = get_padded_vocab_size(vocab_size, cfg)
-    shape = get_shape(cfg, padded)
-    precision = "bf16" if (t.bf16 or t.fp16) else "fp32"
-    family, kind = get_family(cfg), get_recompute_kind(cfg)
-    saved = get_saved_per_token(family, precision, kind, shape)
-    plain = get_saved_per_token(family, precision, "none", shape) if kind == "full" else saved
-    plan = RecomputePlan(kind, m.recompute_method, m.recompute_num_layers or 1)
+    p, t = cfg.parallel, cfg.training
+    shape = get_shape(cfg, get_padded_vocab_size(vocab_size, cfg))
+    dtype_bytes = 2 if (t.bf16 or t.fp16) else 4
+    stages = predict_stage_bytes(cfg, vocab_size)
     stage_layers = get_stage_layers(cfg)
-    stages = get_stage_memory(stage_layers, shape, saved, plain, plan, 2 if precision == "bf16" else 4)
     order = get_pipeline_order(cfg, world_size)
     params = get_rank_parameters(
         parts or count_parts(cfg, vocab_size, p.tensor_model_parallel_size), stage_layers, order
     )
-    dp = get_data_parallel_size(cfg, world_size)
+    shards = get_data_parallel_size(cfg, world_size) * p.context_parallel_size  # the distributed optimizer's
     transient = max([0.0, *stages.backward_extra])
     last_rank = order.rank_of(len(stage_layers) - 1) if order is not None else 0
+    selective = get_recompute_kind(cfg) == "selective"
     out = []
     for r, n in enumerate(params):
         out.append(
             RankMemory(
-                state=get_state_bytes(cfg, n, dp),
+                state=get_state_bytes(cfg, n, shards),
                 activations=get_activation_peak(order, r, stages),
                 recompute_transient=transient,
-                temporaries=get_temporaries(shape, 2 if precision == "bf16" else 4, r == last_rank, order is not None),
+                temporaries=get_temporaries(
+                    shape, dtype_bytes, r == last_rank, order is not None, kv_transient=selective
+                ),
             )
         )
     return out

@@ -17,6 +17,13 @@ the simulated device and communication volumes. Stated, not validated, except th
 - DP: the gradient reduce (reduce-scatter + all-gather with the distributed optimizer: the same
   volume) 2 (d-1)/d x gradient bytes at the inter-node bandwidth; hidden behind the backward with
   --overlap-grad-reduce up to the backward's length, else exposed.
+- CP (context parallelism, c ranks splitting each micro-batch of T tokens): compute, TP and PP
+  traffic per rank are those of T / c tokens (the per-document head-tail layout balances attention
+  work exactly); per layer and micro-batch, one all-gather of the local [K; V] forward and one
+  reduce-scatter of their gradients backward, each (c-1)/c x T x 2 ng/TP x hn x bytes per rank, and
+  one more all-gather per layer whose core attention is recomputed (selective or full recompute);
+  intra-node while TP x CP fits a node (the CP ranks are TP apart), else inter-node; not overlapped.
+  The DP gradient reduce runs over DP x CP (CP ranks hold the same parameters).
 - PP: one [s/SP, b, h] message per micro-batch and stage boundary each way, inter-node.
 Bandwidths are per GPU, stated defaults (H100 HGX: NVLink ~360 GB/s achieved of 450; 400 Gb/s
 InfiniBand per GPU ~40 GB/s achieved).
@@ -59,12 +66,29 @@ class Cluster:
 
 
 @dataclasses.dataclass(frozen=True)
+class CPTraffic:
+    """What context parallelism moves per layer and micro-batch (module docstring)."""
+
+    size: int  # c
+    kv_bytes_per_token: float  # 2 x query groups / TP x head dim x dtype bytes: one token's K and V
+    recomputed: bool  # core attention recomputed (selective or full): one more all-gather per layer
+    inter_node: bool  # the CP group spans nodes
+
+    def get_bytes(self, tokens: int) -> float:
+        """Bytes each rank moves per layer for a micro-batch of ``tokens`` (all CP ranks'): the
+        forward all-gather, the backward reduce-scatter and the recompute's all-gather, each
+        (c-1)/c x T x K/V bytes."""
+        collectives = 3 if self.recomputed else 2
+        return collectives * (self.size - 1) / self.size * tokens * self.kv_bytes_per_token
+
+
+@dataclasses.dataclass(frozen=True)
 class StepTime:
     compute: float  # bubble-free compute per GPU (TP communication included)
     pipeline: float  # compute with the bubble: the schedule's makespan
     dp_exposed: float
     bubble: float  # pipeline / compute - 1
-    comm_bytes: dict[str, float]  # per GPU per step: tp, dp, pp
+    comm_bytes: dict[str, float]  # per GPU per step: tp, cp (with CP), dp, pp
 
     @property
     def total(self) -> float:
@@ -124,15 +148,22 @@ def predict_step_time(
     grad_bytes_per_gpu: float,
     overlap_grad_reduce: bool,
     stage_costs: tuple[float, ...] | None = None,
+    cp: CPTraffic | None = None,
 ) -> StepTime:
     """Seconds per step (module docstring); ``flops_per_step`` of the whole global batch;
-    ``stage_costs`` relative per stage (``get_stage_costs``; None: uniform)."""
-    gpus = tp * pp * dp
+    ``tokens_per_microbatch`` all of a micro-batch's (T, over its CP ranks); ``stage_costs``
+    relative per stage (``get_stage_costs``; None: uniform); ``cp`` None without CP."""
+    c = cp.size if cp is not None else 1
+    gpus = tp * pp * dp * c
     flops_time = flops_per_step / gpus / (cluster.peak_tflops * 1e12 * cluster.achievable)
-    act = tokens_per_microbatch * hidden * dtype_bytes  # [s, b, h]
+    act = tokens_per_microbatch // c * hidden * dtype_bytes  # [s / c, b, h]
     tp_bytes = 4 * num_layers / pp * m * 2 * (tp - 1) / tp * act if tp > 1 else 0.0
     tp_time = tp_bytes / (cluster.intra_node_gbps * 1e9)
-    compute = flops_time + tp_time
+    cp_bytes = cp.get_bytes(tokens_per_microbatch) * num_layers / pp * m if cp is not None else 0.0
+    cp_time = cp_bytes / (
+        (cluster.inter_node_gbps if cp is not None and cp.inter_node else cluster.intra_node_gbps) * 1e9
+    )
+    compute = flops_time + tp_time + cp_time
     p2p_bytes = act / (tp if sequence_parallel else 1)
     if pp > 1:
         chunk_forward = compute / (m * vp * 3)  # one chunk-micro-batch's forward (backward twice that)
@@ -142,10 +173,10 @@ def predict_step_time(
         pipeline = compute * makespan / ideal
     else:
         pipeline = compute
-    dp_bytes = 2 * (dp - 1) / dp * grad_bytes_per_gpu if dp > 1 else 0.0
+    reducers = dp * c  # the gradient reduce runs over DP x CP
+    dp_bytes = 2 * (reducers - 1) / reducers * grad_bytes_per_gpu if reducers > 1 else 0.0
     dp_time = dp_bytes / (cluster.inter_node_gbps * 1e9)
     dp_exposed = max(0.0, dp_time - compute * 2 / 3) if overlap_grad_reduce else dp_time
     pp_bytes = 2 * m * vp * p2p_bytes if pp > 1 else 0.0
-    return StepTime(
-        compute, pipeline, dp_exposed, pipeline / compute - 1, {"tp": tp_bytes, "dp": dp_bytes, "pp": pp_bytes}
-    )
+    comm = {"tp": tp_bytes} | ({"cp": cp_bytes} if cp is not None else {}) | {"dp": dp_bytes, "pp": pp_bytes}
+    return StepTime(compute, pipeline, dp_exposed, pipeline / compute - 1, comm)

@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from megatron_ext.checkpoint.directory import select_checkpoints_to_delete
+from megatron_ext.checkpoint.directory import NonFiniteCheckpoint, select_checkpoints_to_delete
 from megatron_ext.checkpoint.parts import CheckpointMeta, CheckpointParts
 from megatron_ext.checkpoint.state import load_parts, save_parts, start_async_save
 from megatron_ext.hf.export import export_hf_model, recover_interrupted_publish, should_export_hf
@@ -32,6 +32,7 @@ def get_checkpoint_parts(run: Any, meta: CheckpointMeta | None = None) -> Checkp
         meta=meta or run.checkpoint_meta,
         optimizer_flags=run.optimizer_flags,
         global_batch_size=run.global_batch_size,
+        marker_record=run.weight_hash.get_marker_record() if run.weight_hash is not None else {},
     )
 
 
@@ -82,6 +83,35 @@ def prune_hf_exports(
     if deleted:
         log(f"--keep-last {keep_last}: deleted {len(deleted)} older Hugging Face export(s) in {hf_root}")
     return deleted
+
+
+def describe_non_finite_save(run: Any, err: NonFiniteCheckpoint) -> str:
+    """Which updates made the weights non-finite, the refused save, and the last good checkpoint.
+    Weights are checked at saves only, so the update is named as a range: after the last save this
+    process published (every rank found its weights finite) or, before any, after this run's start,
+    up to the refused save's iteration; with a save at every step, exactly."""
+    started = run.state.iteration - run.steps_this_run
+    first = (run.weights_finite_at if run.weights_finite_at is not None else started) + 1
+    checked = (
+        f"finite at the save of iteration {run.weights_finite_at}"
+        if run.weights_finite_at is not None
+        else f"not checked since this run started at iteration {started}"
+    )
+    updates = (
+        f"the update of iteration {err.iteration}"
+        if first == err.iteration
+        else f"one of the updates of iterations {first} to {err.iteration}"
+    )
+    fix = "with a lower --lr, or check --init-method-std and the data"
+    then = (
+        f"Resume from that last good checkpoint (--load {err.root} loads it) {fix}"
+        if err.newest
+        else f"No checkpoint holds this run's weights: start again {fix}"
+    )
+    return (
+        f"training diverged: {updates} made the weights non-finite (they were {checked}; weights are "
+        f"checked at saves only). {err}. {then}"
+    )
 
 
 def start_async_checkpoint(run: Any, root: str, keep_last: int | None = None) -> None:

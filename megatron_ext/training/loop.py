@@ -2,7 +2,8 @@
 
 After every step, in this order and nowhere else: count a non-finite step (its update was skipped
 on every rank; stop after ``--max-nan-iterations`` in a row) -> count a spiky one (``spike.py``,
-``--skip-spiky-loss-factor``) -> log (every ``--log-interval``
+``--skip-spiky-loss-factor``) -> check the replicas' weights (``weight_hash.py``, every
+``--check-weight-hash-across-dp-replicas-interval`` steps, and before the first) -> log (every ``--log-interval``
 steps) -> evaluate (every ``--eval-interval``) -> agree on an exit (signal, time limit,
 ``--exit-interval``; every rank gets the same answer; with ``--async-save`` the same agreement
 says whether every rank finished writing the save in flight, which is then published) -> save (on
@@ -42,7 +43,12 @@ from megatron_ext.layout_rules import check_steps_left
 from megatron_ext.parallel import ParallelContext
 from megatron_ext.restart import IterationRecord
 from megatron_ext.straggler import StragglerDetector
-from megatron_ext.training.checkpointing import maybe_export_hf, save_checkpoint, start_async_checkpoint
+from megatron_ext.training.checkpointing import (
+    describe_non_finite_save,
+    maybe_export_hf,
+    save_checkpoint,
+    start_async_checkpoint,
+)
 from megatron_ext.training.evaluation import evaluate_and_log, reduce_loss_over_dp, watched
 from megatron_ext.training.loss import get_interval_loss, get_mean_loss
 from megatron_ext.training.metrics import (
@@ -67,6 +73,7 @@ from megatron_ext.training.step import (
     train_step,
 )
 from megatron_ext.training.timeline import PipelineTimeline
+from megatron_ext.training.weight_hash import WeightHashCheck, maybe_check_weight_hash
 
 
 class TrainingDiverged(RuntimeError):
@@ -130,6 +137,8 @@ class TrainingRun:
     straggler: StragglerDetector | None = None
     # --skip-spiky-loss-factor (ours): the reference of the loss-spike guard (None when off)
     spike_guard: SpikeGuard | None = None
+    # --check-weight-hash-across-dp-replicas-interval: the replicas' weight check (None when off)
+    weight_hash: WeightHashCheck | None = None
 
 
 @dataclasses.dataclass
@@ -371,35 +380,6 @@ def train(run: TrainingRun) -> list[float]:
         raise WeightsNotFinite(describe_non_finite_save(run, err)) from None
 
 
-def describe_non_finite_save(run: TrainingRun, err: NonFiniteCheckpoint) -> str:
-    """Which updates made the weights non-finite, the refused save, and the last good checkpoint.
-    Weights are checked at saves only, so the update is named as a range: after the last save this
-    process published (every rank found its weights finite) or, before any, after this run's start,
-    up to the refused save's iteration; with a save at every step, exactly."""
-    started = run.state.iteration - run.steps_this_run
-    first = (run.weights_finite_at if run.weights_finite_at is not None else started) + 1
-    checked = (
-        f"finite at the save of iteration {run.weights_finite_at}"
-        if run.weights_finite_at is not None
-        else f"not checked since this run started at iteration {started}"
-    )
-    updates = (
-        f"the update of iteration {err.iteration}"
-        if first == err.iteration
-        else f"one of the updates of iterations {first} to {err.iteration}"
-    )
-    fix = "with a lower --lr, or check --init-method-std and the data"
-    then = (
-        f"Resume from that last good checkpoint (--load {err.root} loads it) {fix}"
-        if err.newest
-        else f"No checkpoint holds this run's weights: start again {fix}"
-    )
-    return (
-        f"training diverged: {updates} made the weights non-finite (they were {checked}; weights are "
-        f"checked at saves only). {err}. {then}"
-    )
-
-
 def _train_to_the_end(run: TrainingRun) -> list[float]:
     """``train`` without the translation of a refused save."""
     cfg, state = run.cfg, run.state
@@ -419,6 +399,7 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
             run.log(warning)
     try:
         refuse_bad_steps_left(run)  # before any step, so before any save
+        maybe_check_weight_hash(run, before_first_step=True)
         finished = True
         while state.iteration < t.train_iters:
             if not train_one(run, window, history):
@@ -458,7 +439,7 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
             )
         raise
     finally:
-        for tool in (run.profiler, run.manual_gc):
+        for tool in (run.profiler, run.manual_gc, run.straggler):
             if tool is not None:
                 tool.close()
     return history
@@ -520,6 +501,7 @@ def train_one(run: TrainingRun, window: LogWindow, history: list[float]) -> bool
             tool.after_step(state.iteration)
     count_non_finite(run, result)
     check_spike(run, result)
+    maybe_check_weight_hash(run)  # after the optimizer step, before the log, evaluation and save
     if state.iteration % cfg.logging.log_interval == 0 or state.iteration == t.train_iters:
         loss = log_progress(run, window, result, length)
         if run.ctx.is_last_stage:

@@ -22,6 +22,7 @@ import torch
 from megatron_ext.config import JobConfig, TrainingConfig
 from megatron_ext.derived import get_params_dtype, get_schedule_steps
 from megatron_ext.optim import use_fused_adam
+from megatron_ext.training.grad_norm import has_unit_grad_norm, unit_grad_norm_squared
 
 
 def build_optimizer(cfg: JobConfig, model: list[torch.nn.Module], device: torch.device):
@@ -355,6 +356,8 @@ def grad_norm_squared(children: list) -> torch.Tensor:
     else one per child, summed), without their ``.item()``: the norm is ``value ** 0.5`` on the host."""
     from megatron.core.optimizer.clip_grads import l2_norm_impl, multi_tensor_applier
 
+    if has_unit_grad_norm(children):  # pipeline parallel: summed per parameter, whatever the placement
+        return unit_grad_norm_squared(children)
     groups = [c.get_grad_stats_parallel_group() for c in children]
     shared = all(g == groups[0] for g in groups)
     parts = [(children, groups[0])] if shared else [([c], g) for c, g in zip(children, groups)]

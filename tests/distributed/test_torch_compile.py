@@ -333,6 +333,51 @@ def test_tp2_with_sequence_parallelism_compiles_whole_and_trains_as_eager():
         assert torch.allclose(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0), (compiled, eager)
 
 
+def _tp2_without_sp(rank, world_size):
+    """One step's losses and full gradients at TP 2 without SP, eager (megatron-core's own linears) and
+    compiled (``aot_eager``; the decoder compiles whole)."""
+    import megatron_ext.model.compile as compile_module
+    from megatron_ext.parallel import destroy_parallel_context
+    from megatron_ext.testing import fetch_step_microbatches, gather_full_grads
+    from megatron_ext.training.step import run_forward_backward, unwrap_model
+
+    compile_module.BACKEND = "aot_eager"
+    dataset = _dataset(False)
+    out = {}
+    for compiled in (False, True):
+        values = _values("llama", False, global_batch_size=4, tensor_model_parallel_size=2, torch_compile=compiled)
+        run = build_tiny_run(values, dataset)
+        ours = sum(getattr(m, "traceable_linear", False) for m in run.model[0].modules())
+        block = unwrap_model(run.model[0]).decoder
+        reports = run_forward_backward(run.model, fetch_step_microbatches(dataset, [[0, 1], [2, 3]]), SEQ)
+        out[compiled] = {
+            "losses": [float(r["lm loss"][0]) for r in reports],
+            "grads": gather_full_grads(run),
+            "ours": ours,
+            "compiled_whole": getattr(block, "_compiled_call_impl", None) is not None,
+        }
+        destroy_parallel_context()
+    return out
+
+
+def test_tp2_without_sequence_parallelism_compiled_step_gives_eagers_losses_and_gradients():
+    """At TP 2 without SP our compiled linears all-reduce the column-parallel input gradients themselves
+    (``_linear_backward``; under SP it is a reduce-scatter, which the test above covers): one step's
+    losses and every parameter's full gradient equal eager's (megatron-core's linears, no compiler)
+    within 1e-5, on both TP ranks. A missing all-reduce leaves each rank half of the layers' input
+    gradients: the embedding's and the first layers' gradients are off by O(1)."""
+    for out in run_ranks(_tp2_without_sp, 2):
+        eager, compiled = out[False], out[True]
+        assert eager["ours"] == 0 and compiled["ours"] == 8 and compiled["compiled_whole"]  # 4 linears x 2 layers
+        assert len(eager["losses"]) == 2 and compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+        assert compiled["grads"].keys() == eager["grads"].keys()
+        for name, g in eager["grads"].items():
+            assert g.abs().sum() > 0, name
+            torch.testing.assert_close(
+                compiled["grads"][name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
 # ----------------------------------------------------------------------------- PP 2
 
 

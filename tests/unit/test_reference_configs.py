@@ -10,6 +10,7 @@ totals: Llama 3 8B 8,030,261,248 and 70B 70,553,706,496 as Hugging Face counts t
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -17,16 +18,18 @@ from megatron_ext.arguments import parse_args
 from megatron_ext.config import ConfigError
 from megatron_ext.derived import get_chunk_layer_counts, get_data_parallel_size, get_num_microbatches
 from megatron_ext.model.param_count import count_parameters
-from megatron_ext.validation import validate
+from megatron_ext.planning.validity import validate_for_planning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # config -> (world size of its layout, TP, PP, VPP, DP, the model's parameters at the real tokenizer's vocabulary)
 REFERENCE = {
     "llama3-8b.yaml": (8, 1, 1, None, 8, 8_030_261_248),
+    "llama3-8b-cp2.yaml": (8, 1, 1, None, 4, 8_030_261_248),  # CP 2 (the README table's 8B row)
     "llama3-70b.yaml": (64, 4, 8, 5, 2, 70_553_706_496),
     "gpt3-175b.yaml": (128, 8, 16, None, 1, 174_604_836_864),
 }
+CP = {"llama3-8b-cp2.yaml": 2}
 
 
 def load(name: str):
@@ -72,19 +75,22 @@ def closed_form(cfg, vocab: int) -> tuple[int, int]:
 def test_reference_config_is_valid_at_its_world_size(name):
     world, tp, pp, vpp, dp, _ = REFERENCE[name]
     cfg = load(name)
-    validate(cfg, world)  # pure: mock data, nothing built
+    # pure: mock data, nothing built (a CP layout: valid but for the launch's refusal of CP until it is wired)
+    deferred = validate_for_planning(cfg, world, cuda=False)
+    assert bool(deferred) == (name in CP), deferred
     p = cfg.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, get_data_parallel_size(cfg, world)) == (
         tp,
         pp,
         dp,
     )
+    assert p.context_parallel_size == CP.get(name, 1)
     counts = get_chunk_layer_counts(cfg)
     assert len(counts) == pp * (vpp or 1) and sum(counts) == cfg.model.num_layers
     assert get_num_microbatches(cfg, world) == cfg.training.global_batch_size // dp
     # one rank more does not fit the layout or the batch: refused (the validation is not vacuous)
     with pytest.raises(ConfigError):
-        validate(cfg, world + 1)
+        validate_for_planning(cfg, world + 1, cuda=False)
     # a real corpus instead of the config's synthetic data, from the command line
     real = parse_args(["--config", os.path.join(ROOT, "configs", name), "--no-mock-data", "--data-path", "corpus"])
     assert real.data.mock_data is False and real.data.data_path == ["corpus"]
@@ -93,7 +99,7 @@ def test_reference_config_is_valid_at_its_world_size(name):
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_reference_config_builds_the_published_parameter_count(name):
     world, tp, pp, vpp, _, published = REFERENCE[name]
-    cfg = load(name)
+    cfg = load(name)  # (CP ranks hold the same parameters: llama3-8b-cp2's count is the 8B's)
     vocab = cfg.data.vocab_size  # the real tokenizer's ids (Llama 3's 128,256; GPT-2's 50,257 -> 50,304 padded)
     padded = -(-vocab // cfg.model.make_vocab_size_divisible_by) * cfg.model.make_vocab_size_divisible_by
     reference, layer = closed_form(cfg, padded)
@@ -129,3 +135,91 @@ def test_tied_output_copy_is_held_but_not_counted():
     assert first.parameters - count.chunks[1].parameters == embedding + 2048 * 12288
     assert last.parameters - count.chunks[1].parameters == 2 * 12288
     assert count.per_pp_rank() == [c.per_tp_rank for c in count.chunks]
+
+
+# ----------------------------------------------------------------------------- issue 43: what each config says
+
+
+def read_memory_claims(name: str) -> tuple[float, int, list[str], float]:
+    """(predicted peak GiB, at GPUs, the flags that fit 80 GiB, their peak GiB) from the config's comments."""
+    text = open(os.path.join(ROOT, "configs", name)).read()
+    peak = re.search(r"^# Predicted peak: ([\d.]+) GiB per GPU at (\d+) GPUs$", text, re.M)
+    fits = re.search(r"^# Fits 80 GiB with: (.+) \(([\d.]+) GiB\)$", text, re.M)
+    assert peak and fits, f"configs/{name} does not state its predicted peak and the flags that fit 80 GiB"
+    return float(peak.group(1)), int(peak.group(2)), fits.group(1).split(), float(fits.group(2))
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_each_config_states_its_predicted_peak_and_the_cheapest_flags_that_fit_80_gib(name):
+    """The figures in the config's comments are the memory model's (``predict_memory`` at the layout's
+    own world size, the fullest GPU), the flags are what ``--rehearse --gpu-memory-gib 80`` names as the
+    cheapest change keeping the layout, and with them the job validates and fits."""
+    from megatron_ext.planning.fit import find_cheapest_change
+    from megatron_ext.planning.memory import GIB
+    from megatron_ext.planning.predict import predict_memory
+    from megatron_ext.planning.step_time import Cluster
+
+    world = REFERENCE[name][0]
+    peak, at, flags, fitted = read_memory_claims(name)
+    cfg = load(name)
+    assert at == world
+    assert round(max(r.total for r in predict_memory(cfg, world, cfg.data.vocab_size)) / GIB, 1) == peak > 80
+    change = find_cheapest_change(cfg, Cluster(world, 8, 80.0), cfg.data.vocab_size)
+    assert list(change.flags) == flags and not change.remove, change
+    job = parse_args(["--config", os.path.join(ROOT, "configs", name), *flags])
+    validate_for_planning(job, world, cuda=False)
+    assert round(max(r.total for r in predict_memory(job, world, job.data.vocab_size)) / GIB, 1) == fitted <= 80
+
+
+def test_the_llama_configs_carry_what_the_script_sets():
+    """configs/llama3-8b.yaml against Megatron-LM's train_llama3_8b_h100_fp8.sh (its argv in
+    tests/unit/test_megatron_flags.py, the fp8 flags left out): the same model but the stated
+    difference (--normalization RMSNorm), --apply-layernorm-1p included, and the same training
+    settings; the 70B and CP 2 configs take the 8B script's training flags and its
+    --apply-layernorm-1p. GPT-3's script does not set it."""
+    import dataclasses
+
+    from megatron_ext.arguments import parse_args_with_notes
+    from megatron_ext.derived import get_kv_channels
+    from tests.unit.test_megatron_flags import REFUSED, _without, script_argv
+
+    script, _ = parse_args_with_notes(_without(script_argv(), REFUSED))
+    ours = load("llama3-8b.yaml")
+    differ = {
+        f.name: (getattr(script.model, f.name), getattr(ours.model, f.name))
+        for f in dataclasses.fields(script.model)
+        if getattr(script.model, f.name) != getattr(ours.model, f.name)
+    }
+    if get_kv_channels(script.model) == get_kv_channels(ours.model):  # the script's --kv-channels 128 = 4096 / 32
+        differ.pop("kv_channels", None)
+    assert differ == {"normalization": ("LayerNorm", "RMSNorm")}, differ
+    for name in ("llama3-8b.yaml", "llama3-8b-cp2.yaml", "llama3-70b.yaml"):
+        cfg = load(name)
+        assert cfg.model.apply_layernorm_1p, name
+        t = cfg.training
+        assert (t.lr, t.min_lr, t.decoupled_lr, t.weight_decay, t.train_samples, t.calculate_per_token_loss) == (
+            script.training.lr,
+            script.training.min_lr,
+            script.training.decoupled_lr,
+            script.training.weight_decay,
+            script.training.train_samples,
+            script.training.calculate_per_token_loss,
+        ), name
+    assert not load("gpt3-175b.yaml").model.apply_layernorm_1p
+
+
+def test_the_cp2_config_is_the_8b_config_at_cp_2():
+    """configs/llama3-8b-cp2.yaml differs from llama3-8b.yaml in the layout only (and its output
+    directories): CP 2 with --cp-comm-type all_gather spelled out."""
+    import dataclasses
+
+    base, cp2 = load("llama3-8b.yaml"), load("llama3-8b-cp2.yaml")
+    assert cp2.parallel.cp_comm_type == ["all_gather"]
+    assert "cp-comm-type: all_gather" in open(os.path.join(ROOT, "configs", "llama3-8b-cp2.yaml")).read()
+    same = dataclasses.replace(
+        cp2,
+        parallel=dataclasses.replace(cp2.parallel, context_parallel_size=1),
+        checkpoint=dataclasses.replace(cp2.checkpoint, save=base.checkpoint.save),
+        logging=dataclasses.replace(cp2.logging, tensorboard_dir=base.logging.tensorboard_dir),
+    )
+    assert same == base

@@ -241,3 +241,146 @@ def test_real_data_path_is_checked_as_at_start_up(capsys, monkeypatch):
     assert "DP rank 1: samples 1..7 step 2" in out and "MiB = weights" in out
     assert pretrain_gpt.run_cli(args[:-3] + [corpus + "-missing", "--tokenizer-model", model]) == 2
     assert "-missing.bin" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+LLAMA_8B = os.path.join(ROOT, "configs", "llama3-8b.yaml")
+LLAMA_8B_CP2 = os.path.join(ROOT, "configs", "llama3-8b-cp2.yaml")
+
+
+def _env(monkeypatch, **env):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_cp_group_map_follows_megatron_lms_rank_arithmetic():
+    """Order tp-cp-ep-dp-pp: rank = tp + TP x (cp + CP x (dp + DP x pp)). The CP group varies cp, DP x CP
+    varies both, and TP / PP / DP keep their meaning."""
+    tp, cp, dp, pp = 2, 2, 2, 2
+    gm = build_group_map(tp, pp, dp, 4, cp=cp)
+
+    def rank(t, c, d, p):
+        return t + tp * (c + cp * (d + dp * p))
+
+    coords = [(t, c, d, p) for t in range(tp) for c in range(cp) for d in range(dp) for p in range(pp)]
+    assert sorted(rank(*x) for x in coords) == list(range(16))
+    for t, c, d, p in coords:
+        r = rank(t, c, d, p)
+        mine = lambda groups: next(set(g) for g in groups if r in g)  # noqa: E731
+        assert mine(gm.tp_groups) == {rank(x, c, d, p) for x in range(tp)}
+        assert mine(gm.cp_groups) == {rank(t, x, d, p) for x in range(cp)}
+        assert mine(gm.dp_groups) == {rank(t, c, x, p) for x in range(dp)}
+        assert mine(gm.dp_cp_groups) == {rank(t, x, y, p) for x in range(cp) for y in range(dp)}
+        assert mine(gm.pp_groups) == {rank(t, c, d, x) for x in range(pp)}
+        assert (gm.tp_rank[r], gm.cp_rank[r], gm.dp_rank[r], gm.pp_rank[r]) == (t, c, d, p)
+    assert gm.get_nodes_per_group(gm.cp_groups) == 1  # TP x CP = 4 ranks: one node of 4
+    assert build_group_map(tp, pp, dp, 2, cp=cp).get_nodes_per_group(gm.cp_groups) == 2  # nodes of 2: across two
+
+
+def test_llama3_8b_cp2_rehearses_at_8_ranks(capsys, monkeypatch):
+    """configs/llama3-8b-cp2.yaml at WORLD_SIZE=8: TP 1 x CP 2 x PP 1 x DP 4, CP groups of consecutive
+    ranks on one node, the optimizer state sharded over DP x CP = 8 (the CP 1 config's bytes), the
+    activations half of CP 1's with the gathered K/V for the local ones, and the launch's refusal of CP
+    said."""
+    _env(monkeypatch, WORLD_SIZE="8")
+    assert pretrain_gpt.run_cli(["--config", LLAMA_8B_CP2, "--rehearse"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("note: --context-parallel-size 2: context parallelism is not wired into training"), out
+    assert "8 ranks on 1 node of 8 (LOCAL_WORLD_SIZE unset: 8 per node assumed): TP 1 x CP 2 x PP 1 x DP 4" in out
+    assert "  CP: 4 groups of 2, e.g. ranks 0, 1 (node 0) ... 6, 7; each inside one node" in out
+    assert "  DP: 2 groups of 4, e.g. ranks 0..6 step 2 (node 0) ... 1..7 step 2" in out
+    assert "  DP x CP: 1 group of 8, e.g. ranks 0..7 (node 0)" in out
+    assert "adam state sharded over DP x CP" in out and "DP rank 3: samples 3..127 step 4" in out
+    cp2 = rehearse(parse_args(["--config", LLAMA_8B_CP2, "--rehearse"]), 8, {})
+    cp1 = rehearse(parse_args(["--config", LLAMA_8B, "--rehearse"]), 8, {})
+    n = cp2.params.per_pp_rank()[0]
+    assert cp2.state_bytes == cp1.state_bytes and cp2.state_bytes[0].optimizer == 12 * -(-n // 8)
+    # half of CP 1's, plus each layer's gathered K/V for its local repeated k and v, plus the index
+    layer = 5 / 4 * 8192 * 2 * 8 * 128 * 2 - 2 * 4096 * 2 * 4096
+    assert cp2.predicted[0].activations == cp1.predicted[0].activations / 2 + 32 * layer + 8 * 5 / 4 * 8192
+    assert cp2.deferred and not cp1.deferred
+
+
+def test_a_cp_group_across_nodes_is_allowed_and_said(capsys, monkeypatch):
+    _env(monkeypatch, WORLD_SIZE="8", LOCAL_WORLD_SIZE="1")
+    assert pretrain_gpt.run_cli(["--config", LLAMA_8B_CP2, "--rehearse"]) == 0
+    out = capsys.readouterr().out
+    assert "8 ranks on 8 nodes of 1" in out
+    assert "CP: 4 groups of 2, e.g. ranks 0, 1 (nodes 0, 1) ... 6, 7; each spans 2 nodes: its K/V all-gather" in out
+
+
+def test_a_world_that_tp_x_cp_x_pp_does_not_divide_names_cp(capsys, monkeypatch):
+    _env(monkeypatch, WORLD_SIZE="7")
+    assert pretrain_gpt.run_cli(["--config", LLAMA_8B_CP2, "--rehearse"]) == 2
+    err = capsys.readouterr().err
+    assert "--context-parallel-size 2" in err and "not divisible" in err and "per node" not in err, err
+
+
+# ----------------------------------------------------------------------------- --gpu-memory-gib (issue 43)
+
+
+def test_without_gpu_memory_gib_nothing_changes_and_a_roomy_one_passes(capsys, monkeypatch):
+    """configs/llama3-8b.yaml is predicted at 128.9 GiB: printed, not an error, without the flag; the
+    same summary (but its timing) with a budget above it."""
+    _env(monkeypatch, WORLD_SIZE="8")
+    assert pretrain_gpt.run_cli(["--config", LLAMA_8B, "--rehearse"]) == 0
+    plain = capsys.readouterr().out
+    assert "predicted 128.9 GiB" in plain
+    assert pretrain_gpt.run_cli(["--config", LLAMA_8B, "--rehearse", "--gpu-memory-gib", "141"]) == 0
+    roomy = capsys.readouterr().out
+    assert plain.rsplit("rehearsal passed", 1)[0] == roomy.rsplit("rehearsal passed", 1)[0]
+
+
+def test_a_predicted_peak_above_gpu_memory_gib_names_the_largest_term_the_cheapest_change_and_a_layout(
+    capsys, monkeypatch
+):
+    """At 80 GiB: an error (rc 2) naming the fullest GPU's largest term (activations 67.3 GiB), the
+    cheapest change that keeps TP 1 x PP 1 x DP 8 and the planner's best layout for 8 GPUs. The change
+    fits by the model and is needed whole (selective recompute alone does not fit); the layout's
+    flags validate and fit."""
+    from megatron_ext.planning.memory import GIB
+    from megatron_ext.planning.predict import predict_memory
+    from megatron_ext.planning.validity import validate_for_planning
+
+    _env(monkeypatch, WORLD_SIZE="8")
+    assert pretrain_gpt.run_cli(["--config", LLAMA_8B, "--rehearse", "--gpu-memory-gib", "80"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "rehearsal passed" not in err
+    assert "--gpu-memory-gib 80: pipeline rank 0 is predicted to need 128.9 GiB" in err, err
+    assert "the largest term is activations (67.3 GiB)" in err, err
+    change = err.split("the cheapest change keeping this layout: add ", 1)[1].split(" (predicted")[0].split()
+    assert change == ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    layout = err.split("the planner's best layout for 8 GPUs of 80 GiB: ", 1)[1].split("): ", 1)[1].split(" (tools")[0]
+
+    def peak(*flags):
+        cfg = parse_args(["--config", LLAMA_8B, *flags])
+        validate_for_planning(cfg, 8)
+        return max(r.total for r in predict_memory(cfg, 8, cfg.data.vocab_size)) / GIB
+
+    assert peak(*change) <= 80 < peak("--recompute-granularity", "selective")
+    assert peak(*layout.split()) <= 80
+
+
+def test_gpu_memory_gib_must_be_positive(capsys, monkeypatch):
+    _env(monkeypatch, WORLD_SIZE="8")
+    assert pretrain_gpt.run_cli(["--config", LLAMA_8B, "--rehearse", "--gpu-memory-gib", "0"]) == 2
+    assert "--gpu-memory-gib 0: give the GPUs' memory in GiB" in capsys.readouterr().err
+
+
+def test_gpu_memory_gib_without_rehearse_is_a_warning_naming_rehearse(monkeypatch):
+    """A launch with the rehearsal's --gpu-memory-gib runs (the rehearsed command line is the job's),
+    and says once, with the other flag notices, that nothing checked it."""
+    from megatron_ext.rehearse import get_unrehearsed_notes
+
+    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--device", "cpu"]
+    assert get_unrehearsed_notes(parse_args(argv)) == []
+    assert get_unrehearsed_notes(parse_args([*argv, "--gpu-memory-gib", "80", "--rehearse"])) == []
+    seen = []
+    monkeypatch.setattr(pretrain_gpt, "validate", lambda *a, **k: None)
+    monkeypatch.setattr(pretrain_gpt, "_train", lambda cfg, notes, *a: seen.extend(notes) or [])
+    assert pretrain_gpt.main([*argv, "--gpu-memory-gib", "80"]) == []
+    (note,) = [n for n in seen if "--gpu-memory-gib" in n]
+    assert note.startswith("--gpu-memory-gib 80 is ignored without --rehearse:") and "\n" not in note, note

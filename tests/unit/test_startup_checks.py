@@ -14,7 +14,7 @@ import pytest
 
 from megatron_ext.checkpoint.compatibility import check_scheduler_flags
 from megatron_ext.checkpoint.directory import COMPLETE_MARKER, TRACKER_FILE, probe_save_dir, resolve_load_path
-from megatron_ext.checkpoint.state import check_load_flags
+from megatron_ext.checkpoint.state import check_load_flags, plan_load
 from megatron_ext.config import ConfigError, build_job_config
 from megatron_ext.data.indexed_check import check_indexed_dataset
 
@@ -51,7 +51,7 @@ def _megatron_lm_save(root) -> None:
     (root / "latest_checkpointed_iteration.txt").write_text("100")
 
 
-def test_a_load_holding_megatron_lm_checkpoints_is_refused_whatever_save_is(tmp_path):
+def test_a_legacy_megatron_lm_checkpoint_is_refused_whatever_save_is(tmp_path):
     # issue 43: with --load = --save (Megatron-LM's example scripts) the run warned once, trained from
     # scratch beside the user's checkpoints and pointed their tracker at its own iteration
     root = tmp_path / "mlm"
@@ -60,20 +60,31 @@ def test_a_load_holding_megatron_lm_checkpoints_is_refused_whatever_save_is(tmp_
         with pytest.raises(ConfigError) as err:
             check_load_flags(_cfg(load=str(root), **({"save": save} if save else {})))
         (problem,) = err.value.problems
-        assert problem.startswith(f"--load {root} holds Megatron-LM checkpoints (iter_0000100)"), problem
+        assert problem.startswith(f"--load {root}: iter_0000100 is a legacy --ckpt-format torch checkpoint"), problem
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "100"
 
 
-def test_a_save_holding_megatron_lm_checkpoints_is_refused(tmp_path):
-    # a run that only saves there would replace their tracker too
+def test_a_save_holding_megatron_lm_checkpoints_is_refused_unless_the_run_continues_from_them(tmp_path):
+    # a run that only saves there would train over them
     root = tmp_path / "mlm"
     _megatron_lm_save(root)
     (root / "release").mkdir()
-    with pytest.raises(ConfigError) as err:
-        check_load_flags(_cfg(save=str(root)))
-    (problem,) = err.value.problems
-    assert problem.startswith(f"--save {root} holds Megatron-LM checkpoints (iter_0000100, release): "), problem
-    assert "give another --save" in problem
+    for load in (None, str(tmp_path / "other")):
+        with pytest.raises(ConfigError) as err:
+            check_load_flags(_cfg(save=str(root), **({"load": load} if load else {})))
+        (problem,) = err.value.problems
+        assert problem.startswith(f"--save {root} holds Megatron-LM checkpoints (iter_0000100, release)"), problem
+        assert f"add --load {root} to continue from them" in problem
+
+
+def test_a_megatron_lm_checkpoint_is_planned_with_its_padded_vocabulary(tmp_path):
+    # Megatron-LM padded 300 ids to 512 rows at TP2; this run's own padding would give 384
+    root = tmp_path / "mlm"
+    shutil.copytree(os.path.join(REPO, "tests", "data", "megatron_lm", "tp2pp2_dp_reshardable"), root)
+    plan, line = plan_load(_cfg(load=str(root), save=str(root)))
+    assert plan.padded_vocab == (512, "megatron-lm") and plan.path == str(root) and not plan.weights_only
+    assert line.startswith(f"> --save {root} holds Megatron-LM checkpoints: ours are saved beside them"), line
+    assert "latest_checkpointed_iteration.txt is left as it is (naming '1')" in line
 
 
 def test_load_equal_to_save_starts_from_scratch_with_one_line_unless_told_otherwise(tmp_path):
