@@ -28,7 +28,7 @@ from megatron_ext.error_report import report_error_once  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
 from megatron_ext.launch_env import check_launch_env  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
-from megatron_ext.rehearse import rehearse_job  # noqa: E402
+from megatron_ext.rehearse import get_unrehearsed_notes, rehearse_job  # noqa: E402
 from megatron_ext.restart import (  # noqa: E402
     apply_restart,
     check_restart_settings,
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     if cfg.parallel.rehearse:  # this world size's checks, groups, model chunks and first step, on this machine
         rehearse_job(cfg, flag_notes, os.environ)
         return []
+    flag_notes += get_unrehearsed_notes(cfg)  # --gpu-memory-gib without --rehearse: said, not silent
     device = select_device(cfg.parallel.device)
     check_restart_settings(cfg, os.environ)
     restart_note = apply_restart(cfg, os.environ)  # launch/torchrun.sh's restart: resume from --save

@@ -111,7 +111,7 @@ class ParallelConfig:
     )
     gpu_memory_gib: float | None = _f(
         None,
-        "With --rehearse (ours; tools/plan_layout.py's flag): the GPUs' memory in GiB. A predicted peak above it (the planner's memory model: state, activations at the schedule's peak, temporaries, margin) is an error naming the largest term, the cheapest change that keeps the layout and the planner's best layout for the world. Without it the prediction is printed only. Ignored without --rehearse.",
+        "With --rehearse (ours; tools/plan_layout.py's flag): the GPUs' memory in GiB. A predicted peak above it (the planner's memory model: state, activations at the schedule's peak, temporaries, margin) is an error naming the largest term, the cheapest change that keeps the layout and the planner's best layout for the world. Without it the prediction is printed only. Without --rehearse: a warning, nothing checked.",
     )
     device: str = _f(
         "auto",
@@ -480,14 +480,14 @@ class LoggingConfig:
     log_timers_to_tensorboard: bool = _f(False, "Write the step timers to TensorBoard too.")
     log_straggler: bool = _f(
         False,
-        "Report the slowest and fastest ranks at each log line (Megatron-LM's flag; its detector needs CUDA, ours times each rank's own work on CPUs too: compute in the forward/backward steps, optimizer, data wait, from the step timers, CUDA events on GPUs) and name, with node, pipeline stage and DP rank, every rank slower than --straggler-threshold over its stage's median: one all-gather of 8 numbers per rank at log steps only (docs/failures.md).",
+        "Report the slowest and fastest ranks at each log line (Megatron-LM's flag; its detector needs CUDA, ours times each rank's own work on CPUs too: compute in the forward/backward steps, optimizer, data wait, from the step timers, CUDA events on GPUs) and name, with node, pipeline stage and DP rank, every rank that held the others up by more than --straggler-threshold of a step: slow (own work over its stage's median) or stopped (its process did not run, whatever it was doing: a thread of each rank sees its wake-ups come late): one all-gather of 12 numbers per rank at log steps only (docs/failures.md).",
     )
     straggler_minmax_count: int = _f(
         1, "With --log-straggler: how many slowest and fastest ranks each report lists (Megatron-LM's flag)."
     )
     straggler_threshold: float = _f(
         0.2,
-        "With --log-straggler (ours): a rank whose own work per step (compute + optimizer + data) exceeds the median of its pipeline stage's other ranks (all other ranks when it is alone in its stage) by more than this fraction is named (0.2: 20% slower).",
+        "With --log-straggler (ours): a rank whose own work per step (compute + optimizer + data) exceeds the median of its pipeline stage's other ranks (all other ranks when it is alone in its stage) by more than this fraction of the median step, in this log interval and one of the two before, or that did not run for more than this fraction of the median step (at once or per step), is named (0.2: a fifth of a step).",
     )
     log_memory_to_tensorboard: bool = _f(
         False, "Write memory (CUDA allocated/reserved, or the CPU's max RSS) to TensorBoard at each log line."

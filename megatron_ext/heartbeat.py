@@ -65,8 +65,9 @@ PHASES = {
 }
 # Files whose functions block on other ranks (their callers' frames are what we see otherwise).
 COMMUNICATION_FILES = ("torch/distributed/distributed_c10d.py", "megatron/core/pipeline_parallel/p2p_communication.py")
-# Code whose ``handle.wait()`` waits on a communication (overlapped schedules, DDP bucket reductions).
-HANDLE_WAIT_ROOTS = ("/torch/", "/megatron/")
+# Code whose ``handle.wait()`` waits on a communication (overlapped schedules, DDP bucket reductions,
+# our pipeline runtime's P2P receives and sends).
+HANDLE_WAIT_ROOTS = ("/torch/", "/megatron/", "/megatron_ext/pipeline/p2p.py")
 # A thread blocked here waits on another thread of its own process (queue, lock, join).
 LOCAL_WAIT_FILES = ("/threading.py", "/queue.py")
 

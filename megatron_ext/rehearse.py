@@ -215,13 +215,6 @@ def check_samples(samples: tuple[tuple[tuple[int, ...], ...], ...], global_batch
     return []
 
 
-def without_cp(cfg: JobConfig) -> JobConfig:
-    """``cfg`` at CP 1, for ``count_parameters``: CP ranks hold the same parameters, and the count's
-    meta build takes the world to be TP x PP (so DP 0 at CP > 1) and megatron-core's local attention
-    asserts CP 1."""
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_parallel_size=1))
-
-
 def check_flags(cfg: JobConfig, world_size: int, ranks_per_node: int, source: str) -> tuple[str, ...]:
     """The start-up checks at ``world_size`` and the nodes; ConfigError listing every problem, else
     the refusals of what is not wired into training yet (``planning/validity.py``: rehearsed anyway)."""
@@ -237,6 +230,20 @@ def check_flags(cfg: JobConfig, world_size: int, ranks_per_node: int, source: st
     return check.deferred
 
 
+def get_unrehearsed_notes(cfg: JobConfig) -> list[str]:
+    """The rehearsal's own flags on a run that does not rehearse: one warning each, not an error, so
+    that the rehearsed command line launches the job as it is (docs/planning.md: the real job's flags
+    plus --rehearse; a launch has nothing to check them against)."""
+    p = cfg.parallel
+    if p.gpu_memory_gib is None or p.rehearse:
+        return []
+    return [
+        f"--gpu-memory-gib {p.gpu_memory_gib:g} is ignored without --rehearse: a launch does not check its "
+        f"predicted memory; run this command line with --rehearse (and WORLD_SIZE) to check that the layout "
+        f"fits {p.gpu_memory_gib:g} GiB"
+    ]
+
+
 def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehearsal:
     """Check and compute everything of the module docstring; ConfigError listing what fails."""
     start = time.perf_counter()
@@ -249,7 +256,7 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     dp = get_data_parallel_size(cfg, world_size)
     groups = build_group_map(tp, pp, dp, ranks_per_node, get_stage_placement(cfg), cp)
-    params = count_parameters(without_cp(cfg), tokenizer.vocab_size)
+    params = count_parameters(cfg, tokenizer.vocab_size)  # (the same at every CP size)
     last_stage = len(params.chunks) - 1
     samples = get_first_step_samples(cfg, world_size)
     problems = check_group_map(groups) + check_samples(

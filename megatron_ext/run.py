@@ -145,7 +145,7 @@ def build_training_run(
         else None,
         watchdog=build_step_watchdog(cfg, ctx),
         timers=timers,
-        straggler=StragglerDetector(ctx, lg.straggler_threshold, lg.straggler_minmax_count)
+        straggler=StragglerDetector(ctx, lg.straggler_threshold, lg.straggler_minmax_count, timers)
         if lg.log_straggler
         else None,
         profiler=build_profiler(cfg, ctx),
@@ -199,7 +199,7 @@ def build_step_timers(lg: Any, model: list[torch.nn.Module], device: torch.devic
     if not (lg.timing_log_level or lg.log_straggler):
         return None
     timers = StepTimers(max(lg.timing_log_level, int(lg.log_straggler)), device, compute=lg.log_straggler)
-    if timers.enabled("grad-reduce"):
+    if timers.enabled("grad-reduce") or timers.compute:  # --log-straggler: the phase, timed or not
         model[0].config.finalize_model_grads_func = timers.wrap(
             "grad-reduce", model[0].config.finalize_model_grads_func
         )

@@ -10,7 +10,11 @@ build of it asks for about 700 GB; under our CPU platform megatron-core's ``use_
 
 Each chunk is built at tensor-parallel size 1 (whole matrices; with our padding the model does not
 depend on TP) and what one TP rank holds is derived from megatron-core's own marks
-(``tensor_model_parallel``: split over TP, else replicated). The tied output layer of the last
+(``tensor_model_parallel``: split over TP, else replicated). Context parallelism changes no
+parameter (CP ranks hold the same ones): the count resolves the layout for one replica (TP x CP x PP
+ranks, DP 1) and builds at the job's CP size, through our core attention
+(``model/attention.VarlenDotProductAttention``, which builds megatron-core's ``DotProductAttention``
+on a CP 1 copy of the config: upstream's asserts CP 1), so any CP size counts as CP 1 does. The tied output layer of the last
 stage (``--untie-embeddings-and-output-weights`` off and the first and last stages apart) is a copy
 of the word embeddings: in the chunk's memory, not in the model's count.
 
@@ -28,7 +32,7 @@ import logging
 import torch
 
 from megatron_ext.config import JobConfig
-from megatron_ext.derived import get_stage_placement, get_virtual_pipeline_size, resolve_config
+from megatron_ext.derived import get_replica_size, get_stage_placement, get_virtual_pipeline_size, resolve_config
 from megatron_ext.model.gpt import build_layer_spec, build_transformer_config, gpt_model_class
 from megatron_ext.model.norm import TorchNorm
 from megatron_ext.pipeline.placement import get_stage_index
@@ -109,7 +113,7 @@ def count_parameters(cfg: JobConfig, vocab_size: int) -> ParameterCount:
     p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     vpp = get_virtual_pipeline_size(cfg)
-    resolved = resolve_config(cfg, tp * pp, vocab_size)
+    resolved = resolve_config(cfg, get_replica_size(cfg), vocab_size)  # one replica: TP x CP x PP, DP 1
     tf_config = dataclasses.replace(
         build_transformer_config(cfg, resolved, torch.device("cpu")),
         tensor_model_parallel_size=1,

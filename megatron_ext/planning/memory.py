@@ -22,6 +22,8 @@ Per rank of pipeline rank r:
   each checkpointed group's input per micro-batch in flight; the group rebuilt in a backward (its
   layers without recompute, its input counted once) exists during that backward only, after the
   backward has freed the head's saves on the last stage.
+- **--qk-layernorm** (Qwen3's per-head q/k norms, not in the calibration): a layer adds what the norms
+  keep (``get_qk_norm_per_token``; measured exactly, tests/distributed/test_qk_norm_memory.py).
 - **Context parallelism** (c ranks splitting each micro-batch): every per-token figure counts a
   rank's T / c tokens; a layer without recompute keeps the gathered keys and values instead of the
   local attention's (``get_cp_layer_delta_per_token``) and a stage one gather index
@@ -366,6 +368,52 @@ def get_cp_layer_delta_per_token(shape: Shape, dtype_bytes: int, rotary: bool, r
         unrepeated = shape.kv_width if groups_local == shape.heads // shape.tp else 0
         local = (2 * shape.query_width / shape.tp + unrepeated) * dtype_bytes
     return get_gathered_kv_per_token(shape, dtype_bytes, repacked) - local
+
+
+def get_qk_norm_per_token(
+    shape: Shape, family: str, dtype_bytes: int, recompute: str, rms: bool = True, rotary: bool = True
+) -> float:
+    """What ``--qk-layernorm``'s norms (``model/norm.HeadNorm``: over each head's [hn] of the queries
+    and keys on this TP rank, the whole sequence even under SP) add to a layer's saved bytes per token
+    beyond the calibrated figure, which is of layers without them (measured exactly:
+    tests/distributed/test_qk_norm_memory.py). Per token on one TP rank, with q the query width / TP,
+    k the key width / TP (groups x hn), n = q + k normed elements and r = (heads + groups) / TP rows:
+
+    - the norms' own saves: torch's CPU RMSNorm (its composite kernel) an fp32 rstd per row and the
+      fp32 normalized x x rstd, under bf16 also the fp32 upcast of its input (8 bytes an element), in
+      fp32 its input itself; LayerNorm its input and a mean and rstd per row in the input's dtype;
+    - their inputs, where the norm keeps them: megatron-core's query copy (``query_copy``, else q is a
+      view) and the QKV output (k is a view of it), kept whole [q + K + V] unless V, a view of it,
+      already keeps it (no GQA repeat; always under selective recompute; and not SDPA's CPU math path
+      with attention dropout, which upcasts v, in bf16);
+    - the normed q and k where something keeps them instead of the inputs: selective recompute's
+      checkpoint (whose query copy the norm then keeps or, in a bf16 RMSNorm, nothing does), or SDPA
+      without RoPE (with RoPE the rotation makes fresh tensors from them, as before without the norms);
+      not SDPA's math path (attention dropout), which scales them first.
+
+    Full recompute: 0 (a checkpointed layer keeps its input; the rebuilt layer is priced as ``none``).
+    CUDA's fused RMSNorm keeps only its input and the rstd: this CPU figure is an upper bound of it
+    (as the calibrated layer norms are: the calibration is the CPU's)."""
+    if recompute == "full":
+        return 0.0
+    heads, groups = shape.heads // shape.tp, max(shape.query_groups // shape.tp, 1)
+    head_dim = shape.query_width // shape.heads
+    q, k = heads * head_dim, groups * head_dim
+    n, rows = q + k, heads + groups
+    fp32 = dtype_bytes == 4
+    math_path = family == "gpt"  # SDPA with attention dropout: torch's CPU math path
+    selective = recompute == "selective"
+    if rms:
+        keeps_input, own = fp32, 4 * rows + (4 if fp32 else 8) * n
+    else:
+        keeps_input, own = True, 2 * dtype_bytes * rows
+    qkv_kept = selective or (groups == heads and not (math_path and not fp32))
+    normed_kept = selective or not (rotary or math_path)
+    copy = q if 1 < groups < heads else 0  # megatron-core's query reshape copies
+    out = own + (n if normed_kept else 0) * dtype_bytes
+    out += (q + 2 * k) * dtype_bytes if keeps_input and not qkv_kept else 0
+    # without the norms the copy is kept by what now keeps the normed q (the checkpoint, SDPA)
+    return out + copy * dtype_bytes * (int(keeps_input) - int(normed_kept))
 
 
 def get_cp_index_per_token(shape: Shape, repacked: bool = True) -> float:

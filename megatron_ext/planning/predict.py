@@ -34,6 +34,7 @@ from megatron_ext.planning.memory import (
     get_cp_index_per_token,
     get_cp_layer_delta_per_token,
     get_family,
+    get_qk_norm_per_token,
     get_recompute_kind,
     get_saved_per_token,
     get_shape,
@@ -66,7 +67,6 @@ def _with(cfg: JobConfig, **parallel) -> JobConfig:
         account_for_embedding_in_pipeline_split=False,
         account_for_loss_in_pipeline_split=False,
         pipeline_schedule=None,
-        context_parallel_size=1,  # (the parameters do not depend on CP; model/param_count builds without it)
         **parallel,
     )
     return dataclasses.replace(cfg, parallel=p, model=dataclasses.replace(cfg.model, num_layers=layers))
@@ -169,22 +169,36 @@ def get_stage_memory(
     )
 
 
+def get_layer_per_token(cfg: JobConfig, recompute: str, shape: Shape) -> PerToken:
+    """The calibrated bytes per token of ``cfg``'s family and precision under ``recompute``, plus what
+    --qk-layernorm's norms keep (``memory.get_qk_norm_per_token``: the calibration has no q/k norms)."""
+    m, t = cfg.model, cfg.training
+    precision = "bf16" if (t.bf16 or t.fp16) else "fp32"
+    family = get_family(cfg)
+    per_token = get_saved_per_token(family, precision, recompute, shape)
+    if not m.qk_layernorm:
+        return per_token
+    rms, rotary = m.normalization == "RMSNorm", m.position_embedding_type == "rope"
+    norms = get_qk_norm_per_token(shape, family, 2 if precision == "bf16" else 4, recompute, rms, rotary)
+    return dataclasses.replace(per_token, layer=per_token.layer + norms)
+
+
 def predict_stage_bytes(cfg: JobConfig, vocab_size: int, cuda: bool = True) -> StageBytes:
     """What one micro-batch costs each stage of ``cfg`` (``memory.StageBytes``): ``saved`` is what a
     ``SavedBytesMeter`` reads once its forward and loss ran. ``cuda``: the kernel the CP attention runs
     (CUDA's repacked keys, what the planner prices; else the CPU kernel's gathered buffer)."""
     m, t = cfg.model, cfg.training
     shape = get_shape(cfg, get_padded_vocab_size(vocab_size, cfg))
-    precision = "bf16" if (t.bf16 or t.fp16) else "fp32"
-    family, kind = get_family(cfg), get_recompute_kind(cfg)
-    dtype_bytes = 2 if precision == "bf16" else 4
+    kind = get_recompute_kind(cfg)
+    dtype_bytes = 2 if (t.bf16 or t.fp16) else 4
+    rotary = m.position_embedding_type == "rope"
     # under CP a layer whose core attention is not recomputed keeps the gathered K and V instead of
     # the local ones; a checkpointed one gathers them again in its recompute (full: the rebuilt
     # layers keep them)
-    delta = get_cp_layer_delta_per_token(shape, dtype_bytes, m.position_embedding_type == "rope", cuda)
-    none = get_saved_per_token(family, precision, "none", shape)
+    delta = get_cp_layer_delta_per_token(shape, dtype_bytes, rotary, cuda)
+    none = get_layer_per_token(cfg, "none", shape)
     none = dataclasses.replace(none, layer=none.layer + delta)
-    saved = none if kind == "none" else get_saved_per_token(family, precision, kind, shape)
+    saved = none if kind == "none" else get_layer_per_token(cfg, kind, shape)
     plain = none if kind == "full" else saved
     plan = RecomputePlan(kind, m.recompute_method, m.recompute_num_layers or 1)
     # (selective recompute checkpoints the gather's reordering with the core attention)

@@ -40,8 +40,14 @@ def reduce_loss_over_dp(local: torch.Tensor, ctx: ParallelContext) -> torch.Tens
 
 
 def watched(run: Any, phase: str, batch: int | None = None) -> Any:
-    """The stall watchdog times ``phase`` (eval, save) after the current iteration, if there is one."""
-    return run.watchdog.watch(phase, run.state.iteration, batch) if run.watchdog else contextlib.nullcontext()
+    """The stall watchdog times ``phase`` (eval, save) after the current iteration, if there is one;
+    --log-straggler's pause monitor does not count a save (its pickling holds the GIL for seconds)."""
+    within = contextlib.ExitStack()
+    if run.watchdog:
+        within.enter_context(run.watchdog.watch(phase, run.state.iteration, batch))
+    if phase == "save" and run.straggler is not None:
+        within.enter_context(run.straggler.monitor.not_counted())
+    return within
 
 
 def get_forward_step(run: Any) -> Callable:

@@ -439,7 +439,7 @@ def _train_to_the_end(run: TrainingRun) -> list[float]:
             )
         raise
     finally:
-        for tool in (run.profiler, run.manual_gc):
+        for tool in (run.profiler, run.manual_gc, run.straggler):
             if tool is not None:
                 tool.close()
     return history

@@ -7,7 +7,9 @@
   synchronises the device at its ends (as Megatron-LM's timers do), so leave it at 0 for throughput
   runs. With ``--log-straggler`` they also time ``compute`` (megatron-core's forward and backward
   steps, our runtime's weight steps: ``trace_compute``) for ``straggler.py``, and on CUDA they record
-  events instead, read at the log step (one wait for the device there, none per step).
+  events instead, read at the log step (one wait for the device there, none per step); on CPUs they
+  also count the time the training thread waited for a core inside each timer (``queued``), and
+  ``phase`` says which timer is open, for ``straggler.PauseMonitor``.
 - ``ProfilerWindow`` (``--profile --use-pytorch-profiler``): ``torch.profiler`` records iterations
   ``--profile-step-start`` to ``--profile-step-end`` on the ``--profile-ranks`` and writes one
   trace per rank into ``--tensorboard-dir`` (TensorBoard's profiler plugin reads it), as
@@ -19,6 +21,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import time
@@ -26,6 +29,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from megatron_ext.straggler import BETWEEN_STEPS, IN_STEP, STARTING, ThreadClock
 
 TIMER_NAMES = ("data", "forward-backward", "compute", "grad-reduce", "optimizer")
 SCHEDULE_MODULE = "megatron.core.pipeline_parallel.schedules"
@@ -43,6 +48,34 @@ class StepTimers:
         self.totals: dict[str, float] = {}
         self._pending: list[tuple[str, Any, Any]] = []  # (name, start event, end event), CUDA events only
         self.steps = 0
+        # --log-straggler on CPUs: this (the training) thread's wait for a core, counted per timer
+        self.clock = ThreadClock.open() if compute and device.type == "cpu" else None
+        self.queued: dict[str, float] = {}
+        self.queued_means: dict[str, float] = {}  # ms per step of ``queued``, set by ``report``
+        self.reported_steps = 0  # the steps of the last report
+        self.open: list[str] = []  # the timers open now, innermost last (--log-straggler)
+        self.in_step = False  # from the opening of "data" to the closing of "optimizer"
+        # (monotonic s, phase) at each change of ``phase`` (--log-straggler: the pause monitor reads it)
+        self.transitions: collections.deque[tuple[float, str]] = collections.deque(maxlen=64)
+
+    @property
+    def phase(self) -> str:
+        """The innermost open timer; ``IN_STEP`` between two timers of a step, ``BETWEEN_STEPS``
+        between steps, ``STARTING`` before the first."""
+        open_now = self.open[-1:]
+        if open_now:
+            return open_now[0]
+        return IN_STEP if self.in_step else BETWEEN_STEPS if self.transitions else STARTING
+
+    def get_phase_at(self, when: float) -> str:
+        """The phase at monotonic time ``when``, from the last transitions ('' when they no longer
+        reach back so far). Called from the pause monitor's thread: the deque is copied in one C
+        call, under the GIL."""
+        transitions = list(self.transitions)
+        for at, phase in reversed(transitions):
+            if at <= when:
+                return phase
+        return "" if len(transitions) == self.transitions.maxlen else STARTING
 
     def enabled(self, name: str) -> bool:
         if name == "compute":
@@ -55,9 +88,24 @@ class StepTimers:
 
     @contextlib.contextmanager
     def time(self, name: str) -> Iterator[None]:
-        if not self.enabled(name):
-            yield
+        """Time ``name`` when enabled; with ``compute`` (--log-straggler) also record the phase, timed or not."""
+        if not self.compute:
+            with self._time(name) if self.enabled(name) else contextlib.nullcontext():
+                yield
             return
+        self.in_step = self.in_step or name == "data"
+        self.open.append(name)
+        self.transitions.append((time.monotonic(), name))
+        try:
+            with self._time(name) if self.enabled(name) else contextlib.nullcontext():
+                yield
+        finally:
+            self.open.pop()
+            self.in_step = self.in_step and name != "optimizer"
+            self.transitions.append((time.monotonic(), self.phase))
+
+    @contextlib.contextmanager
+    def _time(self, name: str) -> Iterator[None]:
         if self.events:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -69,12 +117,15 @@ class StepTimers:
                 self._pending.append((name, start, end))
             return
         self._sync()
+        queued = self.clock.read()[1] if self.clock is not None else 0.0
         start = time.perf_counter()
         try:
             yield
         finally:
             self._sync()
             self.totals[name] = self.totals.get(name, 0.0) + 1000.0 * (time.perf_counter() - start)
+            if self.clock is not None:
+                self.queued[name] = self.queued.get(name, 0.0) + 1000.0 * (self.clock.read()[1] - queued)
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         """``fn`` timed under ``name`` (for megatron-core's hooks, e.g. finalize_model_grads)."""
@@ -106,14 +157,17 @@ class StepTimers:
             schedules.forward_step, schedules.backward_step, runtime.weight_step = originals
 
     def report(self) -> dict[str, float]:
-        """Mean milliseconds per step of each timer since the last report; resets."""
+        """Mean milliseconds per step of each timer since the last report (and of the time waited
+        for a core in each: ``queued_means``); resets."""
         if self._pending:
             self._pending[-1][2].synchronize()  # the log step's one wait for the device
             for name, start, end in self._pending:
                 self.totals[name] = self.totals.get(name, 0.0) + start.elapsed_time(end)
             self._pending.clear()
         out = {k: v / max(self.steps, 1) for k, v in self.totals.items()}
-        self.totals, self.steps = {}, 0
+        self.queued_means = {k: v / max(self.steps, 1) for k, v in self.queued.items()}
+        self.reported_steps = self.steps
+        self.totals, self.queued, self.steps = {}, {}, 0
         return out
 
 

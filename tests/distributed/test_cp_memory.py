@@ -10,7 +10,8 @@ tokens, plus the gathered K/V less the local attention's own keys and values
 1/c of CP 1's with selective (core attention) and full recompute. Cases: Llama style with GQA
 (query width 64, K/V width 32: the two separate) in fp32 and bf16, none / selective / full; without
 GQA (a group per head: the local attention kept the whole QKV output); GPT style (no RoPE: q is a
-view of the QKV output, which the CP attention keeps too); TP 2 with sequence parallelism x CP 2.
+view of the QKV output, which the CP attention keeps too); TP 2 with sequence parallelism x CP 2;
+Llama bf16 with ``--qk-layernorm`` (the q/k norms' term, per local token), none and selective.
 Measured: within 0.07% at every c (the calibration's fitted head coefficients' rounding), against the
 model's 5% tolerance elsewhere (tests/distributed/test_memory_model.py); the test allows 0.1%, which
 CUDA's (2c+1)/(2c) x T keys in place of the CPU's T already break (+0.45% at c = 2).
@@ -38,6 +39,9 @@ CASES = {
     "llama fp32 full": dict(GQA, **FULL),
     "llama without GQA fp32 none": dict(GQA, num_attention_heads=4, num_query_groups=4),
     "gpt fp32 none": dict(BASE, num_attention_heads=4),
+    # Qwen3's q/k norms (memory.get_qk_norm_per_token): per local token as at CP 1
+    "llama qk-layernorm bf16 none": dict(GQA, bf16=True, qk_layernorm=True),
+    "llama qk-layernorm bf16 selective": dict(GQA, bf16=True, qk_layernorm=True, recompute_granularity="selective"),
 }
 TP2_CASES = {"TP2 + SP, llama fp32 none": dict(GQA, num_query_groups=4, sequence_parallel=True)}
 

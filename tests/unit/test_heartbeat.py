@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
 import threading
 import time
 import types
@@ -27,6 +28,7 @@ from megatron_ext.heartbeat import (
     read_heartbeats,
     sample_thread,
 )
+from megatron_ext.pipeline.p2p import P2PChannels
 from megatron_ext.testing import get_free_port
 from megatron_ext.validation import validate
 
@@ -134,6 +136,21 @@ def test_a_wait_is_a_communication_function_or_a_handle_wait_in_torch_or_megatro
         f_lineno=3,
     )
     assert get_wait(c10d) == "distributed_c10d.py:3 in all_reduce"
+
+
+def test_a_receive_of_our_pipeline_runtime_is_a_wait():
+    """Our runtime's P2P waits are ``handle.wait()`` in megatron_ext/pipeline/p2p.py: a rank waiting
+    there for its neighbour waits; it was listed as STOPPED."""
+    seen = []
+
+    class Handle:
+        def wait(self):
+            seen.append(get_wait(sys._getframe(1)))
+
+    channels = P2PChannels.__new__(P2PChannels)  # (only its receive: a posted message and its handle)
+    channels.posted = {"message": (None, Handle())}
+    channels.receive("message")
+    assert seen[0].startswith("p2p.py:") and seen[0].endswith(" in receive"), seen
 
 
 def test_a_thread_waiting_on_a_local_thread_is_computing_unless_that_thread_communicates():

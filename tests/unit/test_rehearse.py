@@ -368,3 +368,19 @@ def test_gpu_memory_gib_must_be_positive(capsys, monkeypatch):
     _env(monkeypatch, WORLD_SIZE="8")
     assert pretrain_gpt.run_cli(["--config", LLAMA_8B, "--rehearse", "--gpu-memory-gib", "0"]) == 2
     assert "--gpu-memory-gib 0: give the GPUs' memory in GiB" in capsys.readouterr().err
+
+
+def test_gpu_memory_gib_without_rehearse_is_a_warning_naming_rehearse(monkeypatch):
+    """A launch with the rehearsal's --gpu-memory-gib runs (the rehearsed command line is the job's),
+    and says once, with the other flag notices, that nothing checked it."""
+    from megatron_ext.rehearse import get_unrehearsed_notes
+
+    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--device", "cpu"]
+    assert get_unrehearsed_notes(parse_args(argv)) == []
+    assert get_unrehearsed_notes(parse_args([*argv, "--gpu-memory-gib", "80", "--rehearse"])) == []
+    seen = []
+    monkeypatch.setattr(pretrain_gpt, "validate", lambda *a, **k: None)
+    monkeypatch.setattr(pretrain_gpt, "_train", lambda cfg, notes, *a: seen.extend(notes) or [])
+    assert pretrain_gpt.main([*argv, "--gpu-memory-gib", "80"]) == []
+    (note,) = [n for n in seen if "--gpu-memory-gib" in n]
+    assert note.startswith("--gpu-memory-gib 80 is ignored without --rehearse:") and "\n" not in note, note
