@@ -26,6 +26,7 @@ from megatron_ext.config import ConfigError, JobConfig  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.error_report import report_error_once  # noqa: E402
 from megatron_ext.guards import apply_parent_death_signal, lock_save_dir  # noqa: E402
+from megatron_ext.launch_env import check_launch_env  # noqa: E402
 from megatron_ext.parallel import init_distributed  # noqa: E402
 from megatron_ext.rehearse import get_unrehearsed_notes, rehearse_job  # noqa: E402
 from megatron_ext.restart import (  # noqa: E402
@@ -35,7 +36,7 @@ from megatron_ext.restart import (  # noqa: E402
     write_no_retry_marker,
 )
 from megatron_ext.run import build_training_run, describe_run, describe_schedule  # noqa: E402
-from megatron_ext.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron_ext.training.checkpointing import load_checkpoint, maybe_redo_hf_export  # noqa: E402
 from megatron_ext.training.loop import TrainingDiverged, train  # noqa: E402
 from megatron_ext.training.metrics import check_wandb_ready  # noqa: E402
 from megatron_ext.training.weight_hash import WEIGHT_HASH_EXIT_CODE, WeightHashMismatch  # noqa: E402
@@ -45,6 +46,7 @@ from megatron_ext.validation import check_data_tokenizer, validate  # noqa: E402
 def main(argv: list[str] | None = None) -> list[float]:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: die with the agent, even on kill -9
         apply_parent_death_signal()
+    check_launch_env(os.environ)  # WORLD_SIZE, RANK, OMP_NUM_THREADS, ...: read with int() from here on
     cfg, flag_notes = parse_args_with_notes(argv)
     if cfg.parallel.rehearse:  # this world size's checks, groups, model chunks and first step, on this machine
         rehearse_job(cfg, flag_notes, os.environ)
@@ -104,6 +106,7 @@ def _train(
             weights_only=load_plan.weights_only,
             load_rng=load_plan.load_rng,
         )
+        maybe_redo_hf_export(run)  # the --save-hf export a killed run owed for this checkpoint
         if cfg.checkpoint.use_checkpoint_opt_param_scheduler and run.ctx.is_logging_rank:
             run.log(describe_schedule(run, "schedule taken from the checkpoint (--use-checkpoint-opt-param-scheduler)"))
     run.iteration_record = open_iteration_record()

@@ -50,7 +50,10 @@ def build_rows(lengths: np.ndarray, seq: int, g: int, max_rows: int | None, stra
     """Each row's document spans (padded to g), the last grown to ``seq``: the packs the run builds."""
     index = build_packing_index(np.arange(len(lengths)), lengths, seq, strategy, pad_multiple=g)
     rows = []
-    for b in range(index.num_bins if max_rows is None else min(max_rows, index.num_bins)):
+    # every bin, or max_rows spread evenly over them: best-fit fills its first bins with the longest
+    # pieces, so the first bins alone would be a biased sample
+    count = index.num_bins if max_rows is None else min(max_rows, index.num_bins)
+    for b in np.unique(np.linspace(0, index.num_bins - 1, count).round().astype(int)).tolist():
         spans = round_up_lengths(index.piece_len[index.bin_offsets[b] : index.bin_offsets[b + 1]], g)
         spans[-1] += seq - spans.sum()
         rows.append(spans)

@@ -43,18 +43,29 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 SAME_FAILURE_LIMIT=2
 RETRYABLE_EXIT_CODE=75
 STOPPED_EXIT_CODE=${STOPPED_EXIT_CODE:-0}
-if ! [[ "$STOPPED_EXIT_CODE" =~ ^[0-9]+$ ]] || (( 10#$STOPPED_EXIT_CODE > 255 )); then
-    echo "error: STOPPED_EXIT_CODE=$STOPPED_EXIT_CODE is not an exit code: give 0-255 (0, the default: a run" \
-         "stopped cleanly before its end exits 0)" >&2
-    exit 2
-fi
-if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
-    echo "error: MAX_RESTARTS=$MAX_RESTARTS is not a number: give how many times to restart after a failure," \
-         "e.g. MAX_RESTARTS=3 (0, the default: never)" >&2
-    exit 2
-fi
-MAX_RESTARTS=$((10#$MAX_RESTARTS))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# require_count NAME MIN MAX WHAT: NAME's value is a whole decimal number from MIN to MAX (leading
+# zeros dropped), else one error line naming it and exit 2. Digits are counted before any arithmetic:
+# bash's wraps at 2^63 (MAX_RESTARTS=18446744073709551616 was 0).
+require_count() {
+    local name=$1 min=$2 max=$3 what=$4 value=${!1}
+    if [[ "$value" =~ ^0*([0-9]{1,18})$ ]] && (( 10#${BASH_REMATCH[1]} >= min && 10#${BASH_REMATCH[1]} <= max )); then
+        printf -v "$name" '%d' "$((10#${BASH_REMATCH[1]}))"
+        return
+    fi
+    echo "error: $name=$value is not a whole number from $min to $max: give $what" >&2
+    exit 2
+}
+require_count STOPPED_EXIT_CODE 0 255 "an exit code (0, the default: a run stopped cleanly before its end exits 0)"
+require_count MAX_RESTARTS 0 1000000000 "how many times to restart after a failure, e.g. MAX_RESTARTS=3 (0, the default: never)"
+require_count NNODES 1 1048576 "the number of nodes, e.g. NNODES=2 (1, the default)"
+require_count NODE_RANK 0 $((NNODES - 1)) "this node's index, 0 to NNODES - 1 (0, the default)"
+if ! [[ "$NPROC_PER_NODE" =~ ^(auto|cpu|gpu|xpu)$ ]]; then
+    require_count NPROC_PER_NODE 1 1048576 "the processes per node, one per GPU, e.g. NPROC_PER_NODE=8 (the default)"
+fi
+[[ -n "${MASTER_PORT:-}" ]] && require_count MASTER_PORT 1 65535 "a free TCP port on MASTER_ADDR (29500, the default)"
+require_count OMP_NUM_THREADS 1 1048576 "CPU threads per process (1, the default)"
 # Megatron-LM's setting: one hardware queue per GPU, so the TP/sequence-parallel communication
 # kernels megatron-core issues before a GEMM start before it (its TP linear layers warn otherwise)
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
@@ -62,6 +73,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # the checkpoint saved before exiting (--exit-signal-handler). torchrun's default, 30 s, killed
 # saves of large models; 110 s fits inside the 120 s launch/slurm.sbatch signals before its limit.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
+require_count TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0 1000000000 "the seconds torchrun lets workers finish after a SIGTERM (110, the default)"
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-"$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/pretrain_gpt.py"}
 
 args=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --node-rank "$NODE_RANK")
@@ -121,7 +133,7 @@ while true; do
     markers=("$dir"/rank*.ok)
     if [[ "$NPROC_PER_NODE" =~ ^[0-9]+$ ]] && (( ${#markers[@]} == NPROC_PER_NODE )); then
         stopped=$(grep -l '^stopped' "${markers[@]}" 2>/dev/null | head -n 1)
-        [[ -n "$stopped" ]] && exit $((10#$STOPPED_EXIT_CODE))
+        [[ -n "$stopped" ]] && exit "$STOPPED_EXIT_CODE"
         exit 0
     fi
     no_retry=("$dir"/rank*.noretry)

@@ -69,6 +69,12 @@ class _Parser(argparse.ArgumentParser):
                 return f"{flag} (did you mean {close[0]}?)" if close else flag
 
             message = "unrecognized arguments: " + " ".join(hinted(f) for f in message.split(":", 1)[1].split())
+        kind = re.search(r"invalid (int|float) value: (.*)$", message)
+        if kind:  # argparse names the type, not the fix
+            number = "a whole number" if kind.group(1) == "int" else "a number"
+            message = f"{message[: kind.start()]}{kind.group(2)} is not {number}: give {number}"
+        if "invalid choice:" in message:
+            message += ": give one of those"
         raise ConfigError([f"{message} (python pretrain_gpt.py --help lists the flags)"])
 
 
@@ -241,7 +247,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     """Flat ``{field_name: value}`` from a YAML or TOML file (dashes or underscores in keys), every
     value checked against its field's type; all problems reported at once, naming file and key."""
     if not os.path.isfile(path):
-        raise ConfigError([f"--config {path}: no such file"])
+        what = "is a directory" if os.path.isdir(path) else "no such file"
+        raise ConfigError([f"--config {path}: {what}: give a YAML or TOML config file (configs/ holds examples)"])
     data = _read_config_file(path)
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: expected a mapping of flag names to values"])

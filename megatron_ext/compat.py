@@ -35,6 +35,13 @@ class Workaround:
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
+        "pickle-free-index-caches",
+        "GPTDataset and BlendedDataset load their index caches with numpy.load(allow_pickle=True): a file "
+        "there that is a pickle, not a .npy array, runs its code",
+        "megatron_ext.data.gpt_datasets:apply_pickle_free_index_loads",
+        ("megatron.core.datasets.gpt_dataset.numpy", "megatron.core.datasets.blended_dataset.numpy"),
+    ),
+    Workaround(
         "cuda-devices-on-cpu",
         "megatron-core hard-codes device='cuda' / torch.cuda.current_device() in its schedules "
         "(total_num_tokens), P2P buffers, optimizer buffers, grad-norm buffers and DDP buffers, and "

@@ -25,7 +25,7 @@ def get_launch_id() -> str | None:
     process launched alone: the launcher process (torchrun's agent, Slurm's step daemon, ...) by
     pid and start time (a pid alone is reused), and Slurm's job and step where present. Not
     TORCHELASTIC_RUN_ID or MASTER_ADDR/PORT: every plain torchrun launch has run id "none"."""
-    if int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")) or 1) <= 1:
+    if read_process_count() <= 1:
         return None
     parent = os.getppid()
     try:
@@ -35,6 +35,15 @@ def get_launch_id() -> str | None:
         started = "?"
     slurm = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
     return f"{parent}-{started}-{slurm}"
+
+
+def read_process_count() -> int:
+    """The processes of this launch on this host (LOCAL_WORLD_SIZE, else WORLD_SIZE), 1 when unset or
+    not a number: the reporter must print whatever the environment holds (WORLD_SIZE=abc is the error
+    it may be reporting)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
+    value = value.strip()
+    return int(value) if value.isascii() and value.isdecimal() and len(value) < 10 else 1
 
 
 def report_error_once(message: str) -> bool:

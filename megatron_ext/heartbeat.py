@@ -19,8 +19,9 @@ chunk), and
 
 Invariants:
 - The training thread only stores a few attributes of ``StepProgress`` (no lock, no store call, no
-  collective, no device sync). A daemon thread publishes at most once per ``interval_s`` on its own
-  store connection (``store.clone()``), with a short timeout: the step never waits on the store,
+  collective, no device sync). A daemon thread publishes at most once per ``interval_s`` (and once
+  more as the training thread leaves start-up, so that no heartbeat of a training rank says
+  "start-up") on its own store connection (``store.clone()``), with a short timeout: the step never waits on the store,
   and store calls of other threads never queue behind it. It never raises and never delays exit.
 - Verdicts compare each rank only with itself, across two reads ``1.5 x interval_s`` apart: no wall
   clock is compared across hosts, so clock skew between nodes does not matter (``classify``).
@@ -261,6 +262,8 @@ class HeartbeatPublisher:
     dp_rank (cp_rank, cp_size under context parallelism). The thread that builds it is the training thread it samples. ``publishes`` and
     ``publish_s`` (their total cost in this thread) are kept for measurement."""
 
+    START_POLL_S = 0.05  # how soon the end of start-up is published (an attribute read per poll)
+
     def __init__(self, store: Any, progress: StepProgress, identity: dict[str, Any], interval_s: float):
         self.store, self.progress, self.interval_s = store, progress, interval_s
         self.identity = identity
@@ -310,10 +313,25 @@ class HeartbeatPublisher:
         return True
 
     def _run(self) -> None:
+        self._wait_out_start_up()
         delay = self.interval_s
         while not self._stop.wait(delay):
             delay = self.interval_s if self.publish() else min(8 * delay, 8 * self.interval_s)
         self.publish()  # phase "closed": this rank stopped publishing on purpose, it did not die
+
+    def _wait_out_start_up(self) -> None:
+        """Publish on the interval while the training thread is in start-up, and once more as soon as
+        it leaves it (polled every ``START_POLL_S``): a rank that froze or died in its first seconds of
+        training is reported where it was, not "last seen in start-up" by a heartbeat published
+        before training began (up to ``interval_s``, 10 s at long limits, before the first step)."""
+        next_at = time.monotonic() + self.interval_s
+        while self.progress.phase == "starting":
+            if self._stop.wait(min(self.START_POLL_S, max(0.0, next_at - time.monotonic()))):
+                return
+            if time.monotonic() >= next_at:
+                self.publish()
+                next_at = time.monotonic() + self.interval_s
+        self.publish()
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop publishing (the thread's last publication says so); waits at most ``timeout_s`` (a

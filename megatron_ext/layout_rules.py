@@ -70,7 +70,8 @@ def check_layout(cfg: JobConfig, world_size: int) -> list[str]:
     elif vps is not None and (vps <= 0 or m.num_layers % (pp * vps)):
         out.append(
             f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-            f"--num-virtual-stages-per-pipeline-rank {vps} = {pp * vps}"
+            f"--num-virtual-stages-per-pipeline-rank {vps} = {pp * vps}: choose a number of virtual stages "
+            f"that divides {m.num_layers // pp if m.num_layers % pp == 0 else m.num_layers}"
         )
     elif m.num_layers % pp:
         out.append(

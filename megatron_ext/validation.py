@@ -37,6 +37,7 @@ from megatron_ext.layout_rules import (
     check_v_split,
 )
 from megatron_ext.model.compile_checks import check_compile_and_graphs
+from megatron_ext.setting_values import check_setting_values
 
 
 def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
@@ -62,6 +63,7 @@ def validate(cfg: JobConfig, world_size: int, cuda: bool = False) -> None:
         + check_compile_and_graphs(cfg, cuda)
         + check_context_parallel(cfg, cuda)
     )
+    problems += check_setting_values(cfg, reported=problems)  # nan, inf, beyond int64: the flags not named yet
     if problems:
         raise ConfigError(problems)
 
@@ -209,8 +211,7 @@ def _check_hf_export(cfg: JobConfig) -> list[str]:
     """--save-hf / --save-hf-interval: a --save to write beside, a model Hugging Face's Llama/Qwen2/Qwen3
     can express (a GPT-2-style model has learned positions and LayerNorm: refused, not exported wrong),
     and safetensors to write it with."""
-    c = cfg.checkpoint
-    out = []
+    c, out = cfg.checkpoint, []
     if c.save_hf_interval is not None and (not c.save_hf or c.save_hf_interval <= 0):
         out.append(f"--save-hf-interval {c.save_hf_interval} needs --save-hf and a positive interval")
     if not c.save_hf:
@@ -274,7 +275,9 @@ def _check_loss_scaling(cfg: JobConfig) -> list[str]:
         if not getattr(t, name) > 0
     ]
     if not out and t.min_loss_scale > t.initial_loss_scale:
-        out.append(f"--min-loss-scale {t.min_loss_scale} is larger than --initial-loss-scale {t.initial_loss_scale}")
+        out.append(
+            f"--min-loss-scale {t.min_loss_scale} is larger than --initial-loss-scale {t.initial_loss_scale}: lower it"
+        )
     out += [
         f"{_flag(name)} must be a positive integer, got {getattr(t, name)}"
         for name in ("loss_scale_window", "hysteresis")
@@ -338,10 +341,9 @@ def _check_run_length(t: TrainingConfig) -> list[str]:
 
 
 def _check_schedule(cfg: JobConfig) -> list[str]:
-    t = cfg.training
-    out = []
+    t, out = cfg.training, []
     if t.min_lr > t.lr:
-        out.append(f"--min-lr {t.min_lr} is larger than --lr {t.lr}")
+        out.append(f"--min-lr {t.min_lr} is larger than --lr {t.lr}: give --min-lr <= --lr")
     out += _check_run_length(t)
     if t.eval_interval < 0 or t.eval_iters < 0:
         out.append("--eval-interval and --eval-iters must be >= 0")
@@ -365,8 +367,7 @@ def _check_schedule(cfg: JobConfig) -> list[str]:
 def _check_data(cfg: JobConfig) -> list[str]:
     """Where the tokens come from: the data flags, the tokenizer flags, the files they name (O(1)
     header checks), packing and padding, and the one --split grammar (``data/gpt_datasets.parse_split``)."""
-    d = cfg.data
-    out = []
+    d, out = cfg.data, []
     blends = None
     try:
         blends = get_data_blends(d)
@@ -462,7 +463,7 @@ def _check_data_files(blends: DataBlends | None) -> list[str]:
     for prefix in dict.fromkeys(blends.prefixes if blends else []):
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
-            hint = ""
+            hint = " (give the prefix of a .bin/.idx pair tools/preprocess_data.py wrote)"
             written = sorted(glob.glob(glob.escape(prefix) + "_*_document.bin"))
             if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix[:-4] + ".bin"):
                 hint = f" (give the prefix without the extension: {prefix[:-4]})"
@@ -523,8 +524,7 @@ def _check_packing(cfg: JobConfig) -> list[str]:
 
 
 def _check_overlap(cfg: JobConfig) -> list[str]:
-    p = cfg.parallel
-    out = []
+    p, out = cfg.parallel, []
     if p.use_distributed_optimizer and cfg.training.optimizer != "adam":
         # megatron-core asserts it in DistributedOptimizer.__init__, after the model is built
         out.append(

@@ -14,7 +14,6 @@ little text and repeat); exact duplicates keep their first occurrence. Writing s
 document that would cross ``--max-bytes`` of UTF-8 text.
 """
 
-import argparse
 import contextlib
 import hashlib
 import importlib
@@ -27,6 +26,10 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron_ext.cli_args import ToolParser, integer, output_file  # noqa: E402
 
 # Modules with side effects on import, GUI needs, or nothing but tests / private machinery.
 SKIP_MODULES = frozenset(
@@ -185,12 +188,20 @@ def build_default_corpus(
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output", required=True, help="JSONL file to write")
+    parser = ToolParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", type=output_file, required=True, help="JSONL file to write")
     parser.add_argument(
-        "--max-bytes", type=int, default=4_000_000, help="stop before exceeding this many bytes of UTF-8 text"
+        "--max-bytes",
+        type=integer(1, what="bytes of text"),
+        default=4_000_000,
+        help="stop before exceeding this many bytes of UTF-8 text",
     )
-    parser.add_argument("--min-chars", type=int, default=200, help="drop documents shorter than this many characters")
+    parser.add_argument(
+        "--min-chars",
+        type=integer(0, what="characters"),
+        default=200,
+        help="drop documents shorter than this many characters",
+    )
     parser.add_argument(
         "--packages",
         default=",".join(DEFAULT_PACKAGES),

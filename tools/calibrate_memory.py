@@ -20,7 +20,6 @@ relative residual of the fit beside them. Takes about a minute on 2 cores.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ quiet_known_warnings()
 
 import numpy as np  # noqa: E402
 
+from megatron_ext.cli_args import ToolParser, fail, input_file, output_file  # noqa: E402
 from megatron_ext.parallel import destroy_parallel_context  # noqa: E402
 from megatron_ext.planning.memory import (  # noqa: E402
     CALIBRATION_PATH,
@@ -198,19 +198,31 @@ def fit(rows: list[dict]) -> dict:
     return table
 
 
+def fit_saved_rows(path: str) -> tuple[list[dict], dict]:
+    """(the measurements ``--rows`` wrote to ``path``, their fit); a file that is not such
+    measurements (damaged, another file) is one error line, exit 2."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = [{**r, "shape": tuple(r["shape"])} for r in json.load(f)]
+        return rows, fit(rows)
+    except (ValueError, KeyError, TypeError, IndexError) as err:
+        fail(f"--from-rows {path} is not what --rows writes ({type(err).__name__}: {err}): measure again with --rows")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=CALIBRATION_PATH, help="where to write the table (JSON)")
-    p.add_argument("--rows", default=None, help="also write the raw measurements here (JSON)")
-    p.add_argument("--from-rows", default=None, help="fit measurements written by --rows instead of measuring")
+    p = ToolParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=output_file, default=CALIBRATION_PATH, help="where to write the table (JSON)")
+    p.add_argument("--rows", type=output_file, default=None, help="also write the raw measurements here (JSON)")
+    p.add_argument(
+        "--from-rows", type=input_file, default=None, help="fit measurements written by --rows instead of measuring"
+    )
     args = p.parse_args(argv)
     start = time.perf_counter()
     if args.from_rows:
-        with open(args.from_rows) as f:
-            rows = [{**r, "shape": tuple(r["shape"])} for r in json.load(f)]
+        rows, table = fit_saved_rows(args.from_rows)
     else:
         rows = collect()
-    table = fit(rows)
+        table = fit(rows)
     doc = {
         "command": "python -m tools.calibrate_memory",
         "what": "bytes per token saved for backward, per layer / embedding / head, on one TP rank",

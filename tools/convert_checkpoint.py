@@ -48,7 +48,6 @@ Tensor layouts (megatron-core, checked against 0.16.1):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import glob
@@ -66,7 +65,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
+
+quiet_known_warnings()  # before megatron-core's imports (below, through ours), which warn about TE/Apex
+
 from megatron_ext.checkpoint.compatibility import check_same_tokenizer, saved_ffn_hidden_size  # noqa: E402
+from megatron_ext.cli_args import ToolParser, input_dir, integer, output_dir  # noqa: E402
 from megatron_ext.config import DataConfig, ModelConfig  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer, get_tokenizer_args  # noqa: E402
 from megatron_ext.hf.config import (  # noqa: E402
@@ -93,6 +97,7 @@ from megatron_ext.hf.export import TOKENIZER_FILES as EXPORT_TOKENIZER_FILES  # 
 from megatron_ext.hf.mapping import (  # noqa: E402
     HF_NORMS,
     OUR_NORMS,
+    check_hf_tensors,
     hf_to_megatron_tensors,
     megatron_to_hf_tensors,
     shift_norm_weights,
@@ -183,7 +188,9 @@ def _with_single_process_model(values: dict[str, Any], padded_vocab: int, fn: Ca
 def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"--hf-dir {hf_dir}: no config.json")
+        raise ValueError(
+            f"--hf-dir {hf_dir}: no config.json: give a Hugging Face model directory (config.json, *.safetensors)"
+        )
     try:
         with open(config_path) as f:
             hf = json.load(f)
@@ -198,6 +205,7 @@ def _read_hf(hf_dir: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     state = {}
     for name in files:
         state.update(_read_safetensors(os.path.join(hf_dir, name)))
+    check_hf_tensors(state, hf, f"--hf-dir {hf_dir}")  # a tensor missing or cut: named now, not a KeyError later
     return hf, {k: v.float() for k, v in state.items()}
 
 
@@ -513,7 +521,9 @@ def _read_ours_for_hf(load: str, flags: dict[str, str], log: Callable) -> tuple[
     if warning:
         log(f"WARNING: {warning}")
     if found is None:
-        raise ValueError(f"--load {load}: no complete checkpoint")
+        raise ValueError(
+            f"--load {load}: no complete checkpoint: give a directory pretrain_gpt.py --save wrote, or its iter_XXXXXXX"
+        )
     iteration, ckpt_dir = found
     common = open_checkpoint(ckpt_dir, warn=lambda message: log(f"WARNING: {message}"))[1]
     args = common["args"]
@@ -656,18 +666,18 @@ def build_hf_config(args: dict[str, Any], common: dict[str, Any]) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-megatron", help="HF Llama / Qwen2 / Qwen3 (safetensors + config.json) -> our checkpoint")
-    a.add_argument("--hf-dir", required=True)
-    a.add_argument("--save", required=True)
+    a.add_argument("--hf-dir", type=input_dir, required=True)
+    a.add_argument("--save", type=output_dir, required=True)
     a.add_argument(
         "--tensor-model-parallel-size",
-        type=int,
+        type=integer(1, what="the TP size of the runs that will load it"),
         default=1,
         help="TP size of the runs that will load it (only checked: it must divide the multiple)",
     )
-    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    a.add_argument("--make-vocab-size-divisible-by", type=integer(1, what="e.g. 128"), default=128)
     a.add_argument(
         "--apply-layernorm-1p",
         action="store_true",
@@ -679,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         "every file read is checked against the checksums its save recorded, a damaged one refused",
     )
     b.add_argument("--load", required=True)
-    b.add_argument("--hf-dir", required=True)
+    b.add_argument("--hf-dir", type=output_dir, required=True)
     b.add_argument(
         "--overwrite",
         action="store_true",
@@ -692,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         "only (pretrain_gpt.py --load reads it whole: optimizer, position)",
     )
     c.add_argument("--load", required=True, help="Megatron-LM's --save directory, or one iter_XXXXXXX / release")
-    c.add_argument("--save", required=True)
+    c.add_argument("--save", type=output_dir, required=True)
     for name in TOKENIZER_FLAGS:
         b.add_argument(
             "--" + name.replace("_", "-"),
@@ -701,9 +711,6 @@ def main(argv: list[str] | None = None) -> int:
             "same tokenizer: checked against the checkpoint's record)",
         )
     args = parser.parse_args(argv)
-    from megatron_ext.cpu_platform import quiet_known_warnings
-
-    quiet_known_warnings()
     # torch DCP's note when it reads without a process group, which is what this tool means to do
     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
     if importlib.util.find_spec("safetensors") is None:  # checked before any work, not after the read

@@ -27,6 +27,7 @@ if ROOT not in sys.path:  # run as a script from any directory
     sys.path.insert(0, ROOT)
 
 from megatron_ext.arguments import build_parser  # noqa: E402
+from megatron_ext.cli_args import ToolParser, output_file  # noqa: E402
 from megatron_ext.config import SECTION_TYPES  # noqa: E402
 from megatron_ext.megatron_flags import BY_DEST as MEGATRON_FLAGS  # noqa: E402
 from megatron_ext.megatron_flags import STORE_TRUE  # noqa: E402
@@ -148,8 +149,10 @@ def render_flags_doc() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="Where to write (default: docs/flags.md).")
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--output", type=output_file, default=DEFAULT_OUTPUT, help="Where to write (default: docs/flags.md)."
+    )
     parser.add_argument("--check", action="store_true", help="Write nothing; exit 1 if --output is stale.")
     args = parser.parse_args(argv)
     text = render_flags_doc()

@@ -44,6 +44,7 @@ from megatron_ext.checkpoint.directory import resolve_load_path  # noqa: E402
 from megatron_ext.checkpoint.listing import describe_unmarked_iterations  # noqa: E402
 from megatron_ext.checkpoint.reader import NAMED_ERRORS, open_checkpoint  # noqa: E402
 from megatron_ext.checkpoint.state import load_full_tensors  # noqa: E402
+from megatron_ext.cli_args import ToolParser, integer, real  # noqa: E402
 from megatron_ext.config import ModelConfig, build_job_config  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 
@@ -187,16 +188,10 @@ def _join_one_process_world() -> bool:
     return True
 
 
-def load_model(
-    load: str, device: torch.device, log: Callable[[str], None] = print
-) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """(our model in eval mode on ``device``, the checkpoint's common record: args, tokenizer,
-    padded_vocab_size) from the newest complete checkpoint under ``load`` (or one iter_XXXXXXX);
-    needs a 1-rank world (``_join_one_process_world``). ValueError naming what is wrong."""
-    from megatron_ext.derived import resolve_config
-    from megatron_ext.model.gpt import build_model_chunks
-    from megatron_ext.parallel import build_parallel_context
-
+def open_saved_checkpoint(load: str, log: Callable[[str], None] = print) -> tuple[int, str, dict[str, Any]]:
+    """(iteration, directory, common record: args, tokenizer, padded_vocab_size) of the newest
+    complete checkpoint under ``load`` (or one iter_XXXXXXX), its coordinator files checked; the
+    tensors are not read. ValueError naming what is wrong."""
     found, warning = resolve_load_path(load)
     if warning:
         log(f"WARNING: {warning}")
@@ -212,6 +207,27 @@ def load_model(
     iteration, ckpt_dir = found
     try:
         common = open_checkpoint(ckpt_dir, warn=lambda message: log(f"WARNING: {message}"))[1]
+    except NAMED_ERRORS as err:
+        raise ValueError(f"--load {load}: {err}: give another checkpoint (e.g. an earlier iter_XXXXXXX)") from None
+    return iteration, ckpt_dir, common
+
+
+def load_model(
+    load: str,
+    device: torch.device,
+    log: Callable[[str], None] = print,
+    opened: tuple[int, str, dict[str, Any]] | None = None,
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """(our model in eval mode on ``device``, the checkpoint's common record: args, tokenizer,
+    padded_vocab_size) from the newest complete checkpoint under ``load`` (or one iter_XXXXXXX;
+    ``opened``: what ``open_saved_checkpoint`` returned for it); needs a 1-rank world
+    (``_join_one_process_world``). ValueError naming what is wrong."""
+    from megatron_ext.derived import resolve_config
+    from megatron_ext.model.gpt import build_model_chunks
+    from megatron_ext.parallel import build_parallel_context
+
+    iteration, ckpt_dir, common = opened or open_saved_checkpoint(load, log)
+    try:
         full = load_full_tensors(ckpt_dir, exclude=("optimizer.",))
     except NAMED_ERRORS as err:
         raise ValueError(f"--load {load}: {err}") from None
@@ -243,32 +259,80 @@ def build_saved_tokenizer(common: dict[str, Any]) -> Any:
 # ----------------------------------------------------------------------------- main
 
 
+def prompt_ids(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated token ids, each a whole number >= 0."""
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give token ids as whole numbers, comma-separated (1,2,3)"
+        ) from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text}: token ids are >= 0: give the ids the checkpoint's tokenizer makes")
+    return ids
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--load", required=True, help="a save directory (its newest checkpoint) or an iter_XXXXXXX")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, tokenized with the run's tokenizer")
-    prompt.add_argument("--prompt-ids", help="token ids, comma-separated")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    prompt.add_argument("--prompt-ids", type=prompt_ids, help="token ids, comma-separated")
+    parser.add_argument("--max-new-tokens", type=integer(1, what="tokens to generate"), default=32)
     parser.add_argument("--greedy", action="store_true", help="the most likely token each time (temperature 0)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: 1 keeps every token")
-    parser.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=real(0, what="0: greedy, 1: the model's distribution"), default=1.0)
+    parser.add_argument(
+        "--top-p",
+        type=real(0, 1, what="the probability mass kept", low_open=True),
+        default=1.0,
+        help="nucleus sampling: 1 keeps every token",
+    )
+    parser.add_argument("--top-k", type=integer(0, what="tokens kept; 0: all"), default=0, help="0 keeps every token")
+    parser.add_argument("--seed", type=integer(0, what="the sampler's seed"), default=0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
-    problems = []
-    if args.temperature < 0:
-        problems.append(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        problems.append(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0 or args.max_new_tokens < 1:
-        problems.append("--top-k must be >= 0 and --max-new-tokens >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
-        problems.append("--device cuda: no CUDA device here (use --device cpu)")
-    if problems:
-        parser.error("; ".join(problems))
+        parser.error("--device cuda: no CUDA device here (use --device cpu)")
     return args
+
+
+def get_position_limit(args: dict[str, Any]) -> tuple[int | None, str]:
+    """The longest sequence the checkpoint's model may run, and what sets it: a learned position
+    table's rows (beyond them the lookup fails), else the length it was trained at (RoPE runs past it
+    on positions it never saw: nonsense, silently); a converted model's Hugging Face context."""
+    if args.get("position_embedding_type", "learned_absolute") == "learned_absolute":
+        if args.get("max_position_embeddings"):
+            return args["max_position_embeddings"], "--max-position-embeddings (its learned position table)"
+        return args.get("seq_length"), "--seq-length (its learned position table)"
+    if args.get("seq_length"):
+        return args["seq_length"], "--seq-length (the length it was trained at)"
+    return args.get("max_position_embeddings"), "max_position_embeddings (its Hugging Face config)"
+
+
+def check_prompt(prompt: list[int], max_new_tokens: int, common: dict[str, Any], given: str) -> None:
+    """ValueError unless every id of ``prompt`` is in the checkpoint's vocabulary and the prompt with
+    ``max_new_tokens`` fits the model's positions (``given``: the flag the prompt came from)."""
+    vocab = (common.get("tokenizer") or {}).get("vocab_size") or common["padded_vocab_size"]
+    if not prompt:
+        raise ValueError(f"{given}: the prompt has no tokens: give some text or ids")
+    outside = sorted({t for t in prompt if not 0 <= t < vocab})
+    if outside:
+        raise ValueError(
+            f"{given}: ids {', '.join(map(str, outside[:5]))}{' ...' if len(outside) > 5 else ''} are outside the "
+            f"checkpoint's vocabulary of {vocab} (0..{vocab - 1}): give ids its tokenizer makes"
+        )
+    limit, what = get_position_limit(common["args"])
+    if limit is not None and len(prompt) + max_new_tokens > limit:
+        room = limit - len(prompt)
+        fix = f"give --max-new-tokens {room} or less" if room > 0 else f"give a prompt of at most {limit - 1} tokens"
+        raise ValueError(
+            f"{given}: the prompt's {len(prompt)} tokens and --max-new-tokens {max_new_tokens} make "
+            f"{len(prompt) + max_new_tokens} positions, beyond the model's {limit}, {what}: {fix}"
+        )
+
+
+def log_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,9 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
     own = _join_one_process_world()
     try:
-        model, common = load_model(args.load, torch.device(args.device), log=lambda s: print(s, file=sys.stderr))
+        opened = open_saved_checkpoint(args.load, log=log_to_stderr)
+        common = opened[2]
         tokenizer = build_saved_tokenizer(common) if args.prompt is not None else None
-        prompt = tokenizer.tokenize(args.prompt) if tokenizer else [int(t) for t in args.prompt_ids.split(",")]
+        prompt = tokenizer.tokenize(args.prompt) if tokenizer else args.prompt_ids
+        check_prompt(prompt, args.max_new_tokens, common, "--prompt" if tokenizer else "--prompt-ids")
+        model, common = load_model(args.load, torch.device(args.device), log=log_to_stderr, opened=opened)
         vocab = (common.get("tokenizer") or {}).get("vocab_size") or common["padded_vocab_size"]
         temperature = 0.0 if args.greedy else args.temperature
         ids = generate(model, prompt, args.max_new_tokens, vocab, temperature, args.top_p, args.top_k, args.seed)

@@ -8,7 +8,6 @@ and not shipped unless ``--keep-jsonl``; it is reproducible from the installed P
 torch (the README records their versions).
 """
 
-import argparse
 import os
 import platform
 import sys
@@ -16,9 +15,10 @@ import tempfile
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron_ext.cli_args import ToolParser, integer, output_dir  # noqa: E402
 from tools.build_default_corpus import DEFAULT_PACKAGES, build_default_corpus  # noqa: E402
 from tools.preprocess_data import preprocess_data  # noqa: E402
-from tools.train_tokenizer import train_tokenizer  # noqa: E402
+from tools.train_tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, train_tokenizer  # noqa: E402
 
 DEFAULT_MAX_BYTES = 4_000_000
 
@@ -119,11 +119,11 @@ def make_default_data(
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output-dir", default="data/default")
-    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES)
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--workers", type=int, default=2)
+    parser = ToolParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output-dir", type=output_dir, default="data/default")
+    parser.add_argument("--max-bytes", type=integer(1, what="bytes of corpus text"), default=DEFAULT_MAX_BYTES)
+    parser.add_argument("--vocab-size", type=integer(MIN_VOCAB_SIZE, MAX_VOCAB_SIZE, what="pieces"), default=8192)
+    parser.add_argument("--workers", type=integer(1, what="tokenizer processes"), default=2)
     parser.add_argument("--keep-jsonl", action="store_true")
     args = parser.parse_args(argv)
     make_default_data(args.output_dir, args.max_bytes, args.vocab_size, args.workers, args.keep_jsonl)

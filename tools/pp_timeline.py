@@ -18,13 +18,13 @@ and by uneven stages (e.g. the embedding / loss on the first / last stage).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron_ext.cli_args import ToolParser, integer, output_file  # noqa: E402
 from tools.timeline_analysis import (  # noqa: E402
     get_bubble_stats,
     get_model_bubbles,
@@ -168,10 +168,14 @@ def _fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace_dir", help="the --pp-timeline directory (rank<N>.jsonl files)")
-    parser.add_argument("--output", default="timeline.png", help="PNG to write (default: timeline.png)")
-    parser.add_argument("--step", type=int, default=None, help="step to draw (default: last complete)")
+    parser.add_argument(
+        "--output", type=output_file, default="timeline.png", help="PNG to write (default: timeline.png)"
+    )
+    parser.add_argument(
+        "--step", type=integer(0, what="a recorded step"), default=None, help="step to draw (default: last complete)"
+    )
     args = parser.parse_args(argv)
     # user errors are one line, before any work (a missing matplotlib used to fail after the table)
     if importlib.util.find_spec("matplotlib") is None:

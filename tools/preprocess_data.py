@@ -27,7 +27,6 @@ document then holds BOS, and EOD with ``--append-eod``). Other types' legacy cla
 reproduced: ``--legacy-tokenizer`` is refused with them.
 """
 
-import argparse
 import collections
 import contextlib
 import json
@@ -47,6 +46,7 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
 
 from megatron_ext.checkpoint.directory import fsync_path  # noqa: E402
+from megatron_ext.cli_args import ToolParser, integer  # noqa: E402
 from megatron_ext.data.indexed_check import TOKENIZER_RECORD_SUFFIX, build_tokenizer_record  # noqa: E402
 from megatron_ext.data.tokenizer_flags import LLAMA2_TYPES, REFUSED_TYPES, TOKENIZER_TYPES  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
@@ -410,8 +410,8 @@ def _check_not_empty(input_path: str, stats: PreprocessStats) -> None:
         )
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> ToolParser:
+    parser = ToolParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="JSONL file, one JSON object per line; gzipped (.jsonl.gz) too")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; each gets its own dataset")
@@ -423,10 +423,15 @@ def main(argv=None) -> None:
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     group.add_argument(
-        "--vocab-size", type=int, default=None, help="for NullTokenizer; TikTokenizer's whole vocabulary"
+        "--vocab-size",
+        type=integer(1, what="token ids"),
+        default=None,
+        help="for NullTokenizer; TikTokenizer's whole vocabulary",
     )
     group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"], help="TikTokenizer (default v2)")
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer")
+    group.add_argument(
+        "--tiktoken-num-special-tokens", type=integer(0, what="special ids"), default=1000, help="TikTokenizer"
+    )
     group.add_argument("--tiktoken-special-tokens", nargs="*", default=None, help="TikTokenizer")
     group.add_argument("--append-eod", action="store_true", help="end each document with EOD")
     group.add_argument(
@@ -437,10 +442,16 @@ def main(argv=None) -> None:
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    group.add_argument("--log-interval", type=int, default=10000, help="documents between logs")
+    group.add_argument("--workers", type=integer(1, what="tokenizer processes"), default=1, help="tokenizer processes")
+    group.add_argument(
+        "--log-interval", type=integer(0, what="documents; 0: none"), default=10000, help="documents between logs"
+    )
     group.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         stats = preprocess_data(
             args.input,

@@ -12,7 +12,6 @@ global ranks of its groups.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -28,8 +27,10 @@ from megatron_ext.cpu_platform import quiet_known_warnings  # noqa: E402
 
 quiet_known_warnings()  # before megatron-core's imports: no TE/Apex warnings before an error line
 
+from megatron_ext.cli_args import ToolParser, integer, output_dir  # noqa: E402
 from megatron_ext.config import ConfigError, build_job_config  # noqa: E402
 from megatron_ext.cpu_platform import select_device  # noqa: E402
+from megatron_ext.launch_env import check_launch_env  # noqa: E402
 from megatron_ext.parallel import (  # noqa: E402
     ParallelContext,
     build_parallel_context,
@@ -91,13 +92,14 @@ def write_topology(tp: int, pp: int, output_dir: str, cp: int = 1) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--context-parallel-size", type=int, default=1)
-    parser.add_argument("--output-dir", required=True, help="Where rank<N>.json files go.")
+    parser = ToolParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tensor-model-parallel-size", type=integer(1, what="the TP size"), default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=integer(1, what="the PP size"), default=1)
+    parser.add_argument("--context-parallel-size", type=integer(1, what="the CP size"), default=1)
+    parser.add_argument("--output-dir", type=output_dir, required=True, help="Where rank<N>.json files go.")
     args = parser.parse_args(argv)
     try:
+        check_launch_env(os.environ)  # torchrun's variables, read with int() below
         write_topology(
             args.tensor_model_parallel_size,
             args.pipeline_model_parallel_size,

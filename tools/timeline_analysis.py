@@ -9,23 +9,39 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 
 
 def read_timeline(trace_dir: str) -> dict[int, dict[int, list[dict]]]:
     """{step: {rank: [records]}} from every ``rank<N>.jsonl`` under ``trace_dir``."""
     out: dict[int, dict[int, list[dict]]] = {}
-    names = sorted(n for n in os.listdir(trace_dir) if n.startswith("rank") and n.endswith(".jsonl"))
+    names = sorted(n for n in os.listdir(trace_dir) if re.fullmatch(r"rank\d+\.jsonl", n))
     if not names:
         raise ValueError(f"{trace_dir}: no rank<N>.jsonl files (was the run started with --pp-timeline {trace_dir}?)")
     for name in names:
         rank = int(name[len("rank") : -len(".jsonl")])
-        with open(os.path.join(trace_dir, name)) as f:
-            for line in f:
+        with open(os.path.join(trace_dir, name), encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
                 if line.strip():
-                    rec = json.loads(line)
+                    rec = _parse_record(line, os.path.join(trace_dir, name), number)
                     out.setdefault(rec["step"], {}).setdefault(rank, []).append(rec)
     return out
+
+
+def _parse_record(line: str, path: str, number: int) -> dict:
+    """One JSON record with its step; ValueError naming the file and line for anything else."""
+    try:
+        rec = json.loads(line)
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            return rec
+        problem = "no integer 'step'"
+    except ValueError as err:
+        problem = str(err)
+    raise ValueError(
+        f"{path} line {number} is not a --pp-timeline record ({problem}): the file is damaged or not a trace; "
+        f"record the run again, or delete the file"
+    )
 
 
 # ---- analysis of recorded (or simulated) timelines: pure functions, no process group ----

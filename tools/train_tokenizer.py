@@ -13,7 +13,6 @@ how much text that was. ``--input`` may be gzipped (``corpus.jsonl.gz``, found b
 bytes, as for ``tools/preprocess_data.py``).
 """
 
-import argparse
 import contextlib
 import gzip
 import json
@@ -24,7 +23,13 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from megatron_ext.cli_args import ToolParser, integer  # noqa: E402
+
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+MIN_VOCAB_SIZE = 300  # 256 byte-fallback pieces, the special tokens and "\n" come first
+MAX_VOCAB_SIZE = 2**31 - 1  # sentencepiece's vocab_size is an int32
 MAX_SENTENCE_BYTES = 1 << 14  # sentencepiece's max_sentence_length, in bytes of UTF-8
 GZIP_MAGIC = b"\x1f\x8b"
 _WHITESPACE = (b" ", b"\t", b"\r", b"\x0b", b"\x0c")  # a line holds no b"\n"
@@ -33,7 +38,7 @@ _WHITESPACE = (b" ", b"\t", b"\r", b"\x0b", b"\x0c")  # a line holds no b"\n"
 def check_input_path(path: str) -> None:
     """ValueError unless ``--input`` names something readable that is not a directory."""
     if not os.path.exists(path):
-        raise ValueError(f"--input {path} does not exist")
+        raise ValueError(f"--input {path} does not exist: give a JSONL file (or a .jsonl.gz)")
     if os.path.isdir(path):
         raise ValueError(f"--input {path} is a directory: give a JSONL file (or a .jsonl.gz)")
 
@@ -88,7 +93,7 @@ def parse_jsonl_line(path: str, line_number: int, raw: bytes, json_keys: Sequenc
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{where}: malformed JSON ({exc})") from None
+        raise ValueError(f"{where}: malformed JSON ({exc}): give a JSONL file, one JSON object per line") from None
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     texts = {}
@@ -192,8 +197,10 @@ def train_tokenizer(
     how much text it was trained on."""
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"--model-type must be bpe or unigram, got {model_type!r}")
-    if vocab_size < 300:  # 256 byte-fallback pieces, the special tokens and "\n" come first
-        raise ValueError(f"--vocab-size {vocab_size} is too small: byte fallback alone takes 256 pieces; give >= 300")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small: byte fallback alone takes 256 pieces; give >= {MIN_VOCAB_SIZE}"
+        )
     check_input_path(input_path)
     stats = TrainingText()
     sentences = iter_training_sentences(input_path, json_keys, stats)
@@ -278,10 +285,14 @@ def _train(sentences, output_prefix: str, vocab_size: int, model_type: str) -> N
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input", required=True, help="JSONL file, or gzipped JSONL (.jsonl.gz)")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument(
+        "--vocab-size",
+        type=integer(MIN_VOCAB_SIZE, MAX_VOCAB_SIZE, what="pieces; 256 are byte fallback"),
+        default=8192,
+    )
     parser.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.model and OUTPUT_PREFIX.vocab")
     args = parser.parse_args(argv)

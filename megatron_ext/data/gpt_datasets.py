@@ -6,14 +6,23 @@ name the flag), then ``BlendedMegatronDatasetBuilder`` builds ``GPTDataset`` (or
 torch.distributed rank 0 builds (and caches) the indices first and the others load them after a
 barrier; without a process group it simply builds. Each sample is a window of
 ``sequence_length + 1`` tokens, returned as ``tokens = window[:-1]`` and ``labels = window[1:]``.
+
+Nothing in an index cache runs: megatron-core loads its caches (under ``--data-cache-path``, else
+beside the data) with ``numpy.load(allow_pickle=True)``, which unpickles any file that is not a
+NumPy array (a forged one runs its code). Its dataset modules see numpy with a ``load`` that
+never unpickles (``apply_pickle_free_index_loads``, compat.py "pickle-free-index-caches"): its
+caches are integer arrays, and a file holding Python objects is refused by name.
 """
 
 import contextlib
 import logging
 import math
 import os
+import types
 import warnings
 from collections.abc import Callable, Sequence
+
+import numpy
 
 from megatron_ext.config import ConfigError
 from megatron_ext.data import microbatch
@@ -298,11 +307,52 @@ def _resolve_blend(data_path: Sequence[str] | None, blend: Blend | None, split: 
     return blend
 
 
+def load_index_cache(file, mmap_mode: str | None = None, allow_pickle: bool = False, **kwargs) -> numpy.ndarray:
+    """``numpy.load`` for megatron-core's index caches, never unpickling whatever ``allow_pickle``
+    says: a file holding Python objects (a pickle, an object array) is a ConfigError saying it may
+    have been tampered with, a damaged one a ConfigError saying so; either is derived data that
+    megatron-core rebuilds once deleted."""
+    try:
+        return numpy.load(file, mmap_mode=mmap_mode, allow_pickle=False, **kwargs)
+    except (ValueError, OSError, EOFError) as err:
+        pickled = "pickle" in str(err) or "Python objects" in str(err) or "Object arrays" in str(err)
+        what = (
+            "holds Python objects, which megatron-core's index caches never hold: it may have been tampered with "
+            "(nothing in it ran); check who can write there, then"
+            if pickled
+            else f"cannot be read ({type(err).__name__}: {err}): it is damaged;"
+        )
+        raise ConfigError(
+            [f"the dataset index cache {file} {what} delete it (megatron-core rebuilds it from the data)"]
+        ) from None
+
+
+class _PickleFreeNumpy(types.ModuleType):
+    """numpy as megatron-core's dataset modules see it, with ``load_index_cache`` as ``load``."""
+
+    load = staticmethod(load_index_cache)
+
+    def __getattr__(self, name: str):
+        return getattr(numpy, name)
+
+
+def apply_pickle_free_index_loads() -> None:
+    """Make megatron-core's GPTDataset and BlendedDataset load their index caches with
+    ``load_index_cache`` (module docstring); idempotent."""
+    from megatron.core.datasets import blended_dataset, gpt_dataset
+
+    for module in (gpt_dataset, blended_dataset):
+        if not isinstance(module.numpy, _PickleFreeNumpy):
+            module.numpy = _PickleFreeNumpy("numpy")
+
+
 def _build_splits(dataset_cls, sizes, is_built_on_rank: Callable[[], bool] | None, config, path_to_cache: str | None):
     """megatron-core's builder run over ``config``: a process group's rank 0 first (see the module docstring)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
+
+    apply_pickle_free_index_loads()  # before any cache is read
 
     builder = BlendedMegatronDatasetBuilder(dataset_cls, sizes, is_built_on_rank or (lambda: True), config)
     with maybe_single_process_rank():

@@ -21,6 +21,11 @@ leaves the earlier export under ``.old`` alone. The publishing rank recovers it 
 and before --keep-last prunes (``recover_interrupted_publish``): an ``.old`` with no complete
 ``iter_XXXXXXX`` is renamed back (one log line), one beside a complete export is deleted.
 
+An export a killed run owed (started and never published, or due at its last checkpoint) is redone
+by the next start that resumes from that checkpoint in --save (``find_owed_export``: the loaded
+weights are the checkpoint's, so the export is the one the killed run would have written), and an
+abandoned export of another iteration is named with the command that redoes it.
+
 An export that fails to write (disk full, permissions) is a warning naming the directory and the
 command that redoes it from the checkpoint, not an error: the export runs after the iteration's
 torch_dist checkpoint was saved (or, under ``--async-save``, started), that checkpoint is what a resume needs and it is untouched, and
@@ -159,6 +164,39 @@ def should_export_hf(c: CheckpointConfig, iteration: int, last: bool) -> bool:
     if not c.save_hf:
         return False
     return last or bool(c.save_hf_interval) and iteration % c.save_hf_interval == 0
+
+
+def find_owed_export(c: CheckpointConfig, iteration: int, train_iters: int) -> str | None:
+    """Why the export of checkpoint ``iteration`` of --save (the one a run resumed from) is owed, or
+    None: it is not published (``<save>/hf/iter_XXXXXXX`` is no complete export) and either an export
+    of it was started (its ``.tmp_iter_XXXXXXX`` is left: the run was killed during it) or --save-hf
+    was due there (``should_export_hf``; killed between the save and the export). Call it after
+    ``recover_interrupted_publish``, on one rank (the export it asks for is collective)."""
+    if not c.save_hf or is_complete_export(get_hf_export_dir(c.save, iteration)):
+        return None
+    if os.path.isdir(os.path.join(c.save, HF_SUBDIR, f".tmp_iter_{iteration:07d}")):
+        return "an export of it was started and never published (the run stopped during it)"
+    if should_export_hf(c, iteration, last=iteration >= train_iters):
+        return "--save-hf was due there and no export was published (the run stopped before it)"
+    return None
+
+
+def describe_abandoned_exports(save: str, but: int | None = None) -> list[str]:
+    """A warning for each export started under ``<save>/hf`` and never published (a leftover
+    ``.tmp_iter_XXXXXXX``) other than iteration ``but``'s, with the command that redoes it."""
+    root = os.path.join(save, HF_SUBDIR)
+    found = sorted(
+        int(m.group(1))
+        for m in map(re.compile(r"\.tmp_iter_(\d{7})$").match, os.listdir(root) if os.path.isdir(root) else [])
+        if m
+    )
+    return [
+        f"WARNING: the Hugging Face export of iteration {it} was never published ({get_hf_export_dir(save, it)} is "
+        f"missing; an interrupted run left {os.path.join(root, f'.tmp_iter_{it:07d}')}): redo it with python "
+        f"tools/convert_checkpoint.py megatron-to-hf --load {os.path.join(save, f'iter_{it:07d}')} --hf-dir DIR"
+        for it in found
+        if it != but and not is_complete_export(get_hf_export_dir(save, it))
+    ]
 
 
 def join_tp_shards(shards: list[torch.Tensor], partition_dim: int, gated: bool) -> torch.Tensor:

@@ -61,6 +61,59 @@ def _dims(hf: dict[str, Any]) -> tuple[int, int, int]:
     return heads, groups, get_head_dim(hf)
 
 
+def get_hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of every tensor ``hf_to_megatron_tensors`` reads for the config ``hf``
+    (Qwen2's q/k/v biases and Qwen3's q/k norms as its ``model_type`` implies)."""
+    heads, groups, d = _dims(hf)
+    hidden, ffn, vocab = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    out = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not hf.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = (vocab, hidden)
+    for i in range(hf["num_hidden_layers"]):
+        src = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj.weight": (heads * d, hidden),
+            "self_attn.k_proj.weight": (groups * d, hidden),
+            "self_attn.v_proj.weight": (groups * d, hidden),
+            "self_attn.o_proj.weight": (hidden, heads * d),
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "mlp.gate_proj.weight": (ffn, hidden),
+            "mlp.up_proj.weight": (ffn, hidden),
+            "mlp.down_proj.weight": (hidden, ffn),
+        }
+        if hf.get("model_type") == "qwen2":
+            shapes.update(
+                {f"self_attn.{x}_proj.bias": (n * d,) for x, n in (("q", heads), ("k", groups), ("v", groups))}
+            )
+        if hf.get("model_type") == "qwen3":
+            shapes.update({theirs: (d,) for theirs, _ in QK_NORMS})
+        out.update({src + name: shape for name, shape in shapes.items()})
+    return out
+
+
+def check_hf_tensors(hf_state: dict[str, torch.Tensor], hf: dict[str, Any], where: str) -> None:
+    """ValueError unless ``hf_state`` holds every tensor of the model ``hf`` describes, each of its
+    shape: the missing ones (up to 5 named, then a count) and those of another shape, named with
+    ``where`` (the flag and directory)."""
+    expected = get_hf_shapes(hf)
+    missing = [name for name in expected if name not in hf_state]
+    problems = []
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        problems.append(f"no tensor {', '.join(missing[:5])}{more}")
+    problems += [
+        f"{name} is {tuple(hf_state[name].shape)}, config.json implies {shape}"
+        for name, shape in expected.items()
+        if name in hf_state and tuple(hf_state[name].shape) != shape
+    ][:5]
+    if problems:
+        raise ValueError(
+            f"{where}: its safetensors files are not the model its config.json describes: {'; '.join(problems)}: "
+            f"download or export it again"
+        )
+
+
 def hf_to_megatron_tensors(
     hf_state: dict[str, torch.Tensor], hf: dict[str, Any], padded_vocab: int, zero_centered_gamma: bool = False
 ) -> dict[str, torch.Tensor]:

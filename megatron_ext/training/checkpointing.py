@@ -14,10 +14,19 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from megatron_ext.checkpoint.directory import NonFiniteCheckpoint, select_checkpoints_to_delete
 from megatron_ext.checkpoint.parts import CheckpointMeta, CheckpointParts
 from megatron_ext.checkpoint.state import load_parts, save_parts, start_async_save
-from megatron_ext.hf.export import export_hf_model, recover_interrupted_publish, should_export_hf
+from megatron_ext.hf.export import (
+    HF_SUBDIR,
+    describe_abandoned_exports,
+    export_hf_model,
+    find_owed_export,
+    recover_interrupted_publish,
+    should_export_hf,
+)
 
 
 def get_checkpoint_parts(run: Any, meta: CheckpointMeta | None = None) -> CheckpointParts:
@@ -52,6 +61,37 @@ def maybe_export_hf(run: Any, last: bool) -> str | None:
     final = export_hf_model(run.model, run.ctx, run.cfg, meta.tokenizer, meta.padded_vocab_size, it, run.log)
     if final is not None:  # the publishing rank, after a published export
         prune_hf_exports(os.path.dirname(final), run.cfg.checkpoint.keep_last, run.log, keep=it)
+    return final
+
+
+def maybe_redo_hf_export(run: Any) -> str | None:
+    """At start-up, after the load: the --save-hf export a killed run owed for the checkpoint this
+    run resumed from in --save (``hf.export.find_owed_export``), written now from the loaded
+    weights; an abandoned export of another iteration is a warning with the command that redoes it.
+    Collective (one all-gather of the logging rank's finding). Returns the published directory on the
+    logging rank, else None."""
+    c, it = run.cfg.checkpoint, run.state.iteration
+    if not (c.save_hf and c.load) or os.path.abspath(c.load) != os.path.abspath(c.save):
+        return None
+    owed = None
+    if run.ctx.is_logging_rank:
+        recover_interrupted_publish(os.path.join(c.save, HF_SUBDIR), run.log)
+        owed = find_owed_export(c, it, run.cfg.training.train_iters)
+        for line in describe_abandoned_exports(c.save, but=it):
+            run.log(line)
+    findings = [None] * run.ctx.world_size
+    dist.all_gather_object(findings, owed)
+    owed = next((f for f in findings if f), None)
+    if owed is None:
+        return None
+    if run.ctx.is_logging_rank:
+        run.log(
+            f"> --save-hf: the export of iteration {it} is missing ({owed}): exporting it now from the loaded checkpoint"
+        )
+    meta = run.checkpoint_meta
+    final = export_hf_model(run.model, run.ctx, run.cfg, meta.tokenizer, meta.padded_vocab_size, it, run.log)
+    if final is not None:  # as after the killed run's own export
+        prune_hf_exports(os.path.dirname(final), c.keep_last, run.log, keep=it)
     return final
 
 

@@ -313,7 +313,9 @@ def test_conversions_never_write_over_checkpoints_or_models(tmp_path):
         convert_megatron_to_hf(str(save), str(out), log=lambda s: None)
     assert (out / "model.safetensors").read_bytes() == b"weights"
     (tmp_path / "file").write_text("x")
-    assert main(["megatron-to-hf", "--load", str(save), "--hf-dir", str(tmp_path / "file")]) == 2  # one error line
+    with pytest.raises(SystemExit) as refused:  # one error line, as argparse reads --hf-dir
+        main(["megatron-to-hf", "--load", str(save), "--hf-dir", str(tmp_path / "file")])
+    assert refused.value.code == 2
 
 
 def test_a_missing_safetensors_is_one_error_line_before_any_work(tmp_path, monkeypatch, capsys):

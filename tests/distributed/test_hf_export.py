@@ -14,16 +14,21 @@ run goes on and its checkpoint is complete and loads.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
+import shutil
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_ext.config import build_job_config
 from megatron_ext.data.microbatch import Microbatch
+from megatron_ext.hf.export import is_complete_export
 from megatron_ext.parallel import destroy_parallel_context
 from megatron_ext.testing import MarkovDataset, build_tiny_run, run_ranks, tiny_values
 from megatron_ext.training.checkpointing import load_checkpoint
@@ -223,3 +228,56 @@ def test_next_export_recovers_a_crashed_publish_and_logs_its_seconds(tmp_path):
     assert match, line
     # (a tiny model's export can round to 0.00 s: the unit test checks the value against a clock)
     assert 0.0 <= float(match.group(1)) <= out["seconds"], (line, out["seconds"])
+
+
+def _train_and_export(rank: int, world_size: int, save: str) -> None:
+    values = _values(save, "llama untied fp32") | dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    train(build_tiny_run(values, MarkovDataset(SEQ)))
+    destroy_parallel_context()
+
+
+def _start_from_save(rank: int, world_size: int, save: str) -> str:
+    """pretrain_gpt.py's start after a restart (--load = --save: the checkpoint of the last iteration,
+    nothing left to train); what it logged."""
+    import pretrain_gpt
+    from megatron_ext.checkpoint.exit_policy import build_exit_decider
+
+    values = _values(save, "llama untied fp32") | dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    cfg = build_job_config(values | dict(load=save))
+    out, decider = io.StringIO(), build_exit_decider(cfg)
+    try:
+        with contextlib.redirect_stdout(out):
+            pretrain_gpt._train(cfg, [], torch.device("cpu"), decider)
+    finally:
+        decider.close()
+    return out.getvalue()
+
+
+def test_an_export_a_killed_run_owed_is_redone_at_the_next_start(tmp_path):
+    """Issue 45: a run killed during (or just before) its --save-hf export left no export of its last
+    checkpoint, and nothing said so: the resumed run started where the checkpoint was and the export
+    was never written. The next start from --save exports the loaded checkpoint, saying why, and
+    names an abandoned export of another iteration with the command that redoes it."""
+    save = str(tmp_path / "ckpt")
+    hf = os.path.join(save, "hf")
+    final, tmp = os.path.join(hf, f"iter_{ITERS:07d}"), os.path.join(hf, f".tmp_iter_{ITERS:07d}")
+    run_ranks(_train_and_export, 1, save)
+    assert is_complete_export(final)
+    logs = {}
+    for kill, why in (
+        ("during the export", "an export of it was started and never published"),
+        ("before the export", "--save-hf was due there and no export was published"),
+    ):
+        if kill == "during the export":  # its shards half written: no config, no index, not renamed
+            os.rename(final, tmp)
+            os.remove(os.path.join(tmp, "config.json"))
+            os.makedirs(os.path.join(hf, ".tmp_iter_0000001"))  # an older one, abandoned
+        else:
+            shutil.rmtree(final)
+        log = logs[kill] = run_ranks(_start_from_save, 1, save)[0]
+        assert is_complete_export(final) and not os.path.exists(tmp), (kill, sorted(os.listdir(hf)), log)
+        assert f"> --save-hf: the export of iteration {ITERS} is missing ({why}" in log, log
+    (warning,) = [line for line in logs["during the export"].splitlines() if "iteration 1 was never published" in line]
+    assert f"convert_checkpoint.py megatron-to-hf --load {os.path.join(save, 'iter_0000001')}" in warning
+    # said once: the first start's export deleted the leftover
+    assert "iteration 1 was never published" not in logs["before the export"]

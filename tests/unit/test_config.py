@@ -291,7 +291,7 @@ def test_config_syntax_errors_name_the_file(tmp_path, suffix, text):
 
 
 def test_bad_flag_value_is_one_config_error_not_a_usage_dump():
-    with pytest.raises(ConfigError, match="argument --hidden-size: invalid int value: 'abc'"):
+    with pytest.raises(ConfigError, match="argument --hidden-size: 'abc' is not a whole number: give a whole number"):
         parse_args(["--hidden-size", "abc"])
 
 

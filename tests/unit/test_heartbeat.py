@@ -283,3 +283,28 @@ def test_in_a_large_world_only_the_first_ranks_to_time_out_read_every_heartbeat(
     assert f"the first {HeartbeatBoard.COLLECTORS} ranks to time out read every rank's heartbeat" in line
     small = HeartbeatBoard(publisher, server, 2, "rank 0", hosts_store=False).collect()
     assert "    rank 1: never published one" in small  # a small world: every rank reads them all
+
+
+def test_a_rank_that_stops_early_in_training_is_last_seen_in_training_not_start_up():
+    """Issue 45: NO HEARTBEAT named a rank frozen a few seconds into training "last seen in start-up":
+    its heartbeats came every interval (up to 10 s), the last one published before training began.
+    The publisher now publishes as soon as the training thread leaves start-up."""
+    server, client = _store_server()
+    identity = dict(rank=0, host="h", pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0)
+    progress = StepProgress()
+    publisher = HeartbeatPublisher(client, progress, identity, interval_s=30.0)  # a 10-hour step limit's
+    publisher.start()
+    assert read_heartbeats(server, 1)[0].phase == "starting"
+    time.sleep(0.2)  # start-up goes on: no publication needed yet
+    progress.enter("step", 1)
+    progress.record_microbatch(0, 0)
+    deadline = time.monotonic() + 5
+    while read_heartbeats(server, 1)[0].phase == "starting" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    last = read_heartbeats(server, 1)[0]
+    assert last.phase == "step" and last.iteration == 1, last
+    assert publisher.publishes == 2  # the first, and the one as start-up ended: not one per poll
+    # the rank then froze: what the report says of it (its heartbeat no longer moves)
+    lines = format_verdicts(classify({0: last}, {0: last}, 1, recent_s=1.0))
+    assert any("last seen in the training step of iteration 1" in line for line in lines), lines
+    publisher.close()

@@ -333,7 +333,7 @@ def test_no_restart_by_default_and_a_bad_max_restarts_is_one_error(tmp_path):
         rc, err, attempts = run_restarts(tmp_path / f"bad{i}", [DONE], bad)
         assert rc == 2 and attempts == [], (bad, rc, err)
         assert err.strip().splitlines() == [
-            f"error: MAX_RESTARTS={bad} is not a number: give how many times to "
+            f"error: MAX_RESTARTS={bad} is not a whole number from 0 to 1000000000: give how many times to "
             f"restart after a failure, e.g. MAX_RESTARTS=3 (0, the default: never)"
         ]
 
@@ -390,7 +390,11 @@ def test_a_clean_stop_before_the_end_exits_the_stopped_code(tmp_path):
     rc, err, attempts = run_restarts(tmp_path / "c", [DONE], "0", STOPPED_EXIT_CODE="75")
     assert rc == 0, (rc, err)
     rc, err, attempts = run_restarts(tmp_path / "d", [DONE], "0", STOPPED_EXIT_CODE="x")
-    assert rc == 2 and attempts == [] and "STOPPED_EXIT_CODE=x is not an exit code" in err, (rc, err)
+    assert (
+        rc == 2
+        and attempts == []
+        and "STOPPED_EXIT_CODE=x is not a whole number from 0 to 255: give an exit code" in err
+    ), (rc, err)
 
 
 def run_sbatch_ending(tmp_path, srun_rc: int, **extra: str) -> tuple[int, str, list[str], str]:
@@ -438,4 +442,4 @@ def test_sbatch_stops_requeueing_after_max_requeues(tmp_path):
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2 and "MAX_REQUEUES=many is not a number" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "MAX_REQUEUES=many is not a whole number" in proc.stderr, proc.stderr
