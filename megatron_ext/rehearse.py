@@ -51,9 +51,9 @@ from megatron_ext.model.param_count import ParameterCount, count_parameters
 from megatron_ext.model.v_placement import get_v_embedding_ranks
 from megatron_ext.planning.fit import describe_memory_overrun
 from megatron_ext.planning.memory import RankMemory, StateBytes, get_state_bytes
+from megatron_ext.planning.planner import check_job
 from megatron_ext.planning.predict import predict_memory
 from megatron_ext.planning.step_time import Cluster
-from megatron_ext.planning.validity import check_layout
 from megatron_ext.validation import check_data_tokenizer
 
 DEFAULT_RANKS_PER_NODE = 8
@@ -194,7 +194,6 @@ class Rehearsal:
     predicted: tuple[RankMemory, ...]  # per pipeline rank: the planner's memory model (planning/predict.py)
     first_step_samples: tuple[tuple[tuple[int, ...], ...], ...]  # [dp rank][micro-batch] -> global sample indices
     seconds: float
-    deferred: tuple[str, ...] = ()  # what a launch refuses until it is wired into training (planning/validity.py)
 
 
 def get_first_step_samples(cfg: JobConfig, world_size: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -215,19 +214,16 @@ def check_samples(samples: tuple[tuple[tuple[int, ...], ...], ...], global_batch
     return []
 
 
-def check_flags(cfg: JobConfig, world_size: int, ranks_per_node: int, source: str) -> tuple[str, ...]:
-    """The start-up checks at ``world_size`` and the nodes; ConfigError listing every problem, else
-    the refusals of what is not wired into training yet (``planning/validity.py``: rehearsed anyway)."""
+def check_flags(cfg: JobConfig, world_size: int, ranks_per_node: int, source: str) -> None:
+    """The start-up checks at ``world_size`` and the nodes; ConfigError listing every problem."""
     p = cfg.parallel
-    check = check_layout(cfg, world_size, cuda=p.device != "cpu")  # on GPUs unless --device cpu
-    problems = list(check.problems)
+    problems = list(check_job(cfg, world_size, cuda=p.device != "cpu"))  # on GPUs unless --device cpu
     if world_size % get_replica_size(cfg) == 0:  # else validate said it
         problems += check_nodes(world_size, ranks_per_node, source, p.tensor_model_parallel_size)
     if p.gpu_memory_gib is not None and p.gpu_memory_gib <= 0:
         problems.append(f"--gpu-memory-gib {p.gpu_memory_gib:g}: give the GPUs' memory in GiB (e.g. 80), > 0")
     if problems:
         raise ConfigError(problems)
-    return check.deferred
 
 
 def get_unrehearsed_notes(cfg: JobConfig) -> list[str]:
@@ -248,7 +244,7 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
     """Check and compute everything of the module docstring; ConfigError listing what fails."""
     start = time.perf_counter()
     ranks_per_node, source = get_ranks_per_node(env, world_size)
-    deferred = check_flags(cfg, world_size, ranks_per_node, source)
+    check_flags(cfg, world_size, ranks_per_node, source)
     p, d = cfg.parallel, cfg.data
     tokenizer = build_tokenizer(**get_tokenizer_args(d))
     check_data_tokenizer(d, tokenizer.identity())
@@ -285,7 +281,6 @@ def rehearse(cfg: JobConfig, world_size: int, env: Mapping[str, str]) -> Rehears
         predicted=tuple(predicted),
         first_step_samples=samples,
         seconds=time.perf_counter() - start,
-        deferred=deferred,
     )
 
 
@@ -349,7 +344,7 @@ def describe_rehearsal(cfg: JobConfig, r: Rehearsal) -> str:
     cp = p.context_parallel_size
     vpp = get_virtual_pipeline_size(cfg)
     schedule = get_schedule_name(cfg) or ("Interleaved1F1B" if vpp else "1F1B" if pp > 1 else "no pipeline")
-    lines = [f"note: {d} (a launch refuses it today; rehearsed anyway)" for d in r.deferred] + [
+    lines = [
         f"rehearsal: {r.world_size} ranks on {_count(r.world_size // r.ranks_per_node, 'node')} of {r.ranks_per_node} "
         f"({r.ranks_per_node_source}): TP {tp}{f' x CP {cp}' if cp > 1 else ''} x PP {pp}"
         f"{f' x VPP {vpp}' if vpp else ''} x DP {dp}, {schedule}"

@@ -138,7 +138,6 @@ def describe(
         lines.append("   and remove from the config: " + " ".join(remove))
     if c.problems:
         lines.append("   does not fit: " + "; ".join(c.problems))
-    lines += [f"   refused by a launch today: {note}" for note in c.deferred]
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ from megatron_ext.parallel import (  # noqa: E402
     destroy_parallel_context,
     init_distributed,
 )
-from megatron_ext.planning.validity import validate_for_planning  # noqa: E402
+from megatron_ext.validation import validate  # noqa: E402
 
 
 def get_rank_topology(ctx: ParallelContext, env: dict[str, str]) -> dict:
@@ -78,7 +78,7 @@ def write_topology(tp: int, pp: int, output_dir: str, cp: int = 1) -> dict:
         }
     )
     device = select_device()
-    validate_for_planning(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda=device.type == "cuda")
     init_distributed(device, cfg.parallel.distributed_timeout_minutes)
     ctx = build_parallel_context(cfg, device)
     record = get_rank_topology(ctx, dict(os.environ))

@@ -22,9 +22,8 @@ import warnings
 from megatron_ext.config import JobConfig
 from megatron_ext.derived import get_data_parallel_size
 from megatron_ext.planning.memory import GIB, RankMemory, get_recompute_kind
-from megatron_ext.planning.planner import RECOMPUTE, Candidate, get_head_layers, plan, price_job
+from megatron_ext.planning.planner import RECOMPUTE, Candidate, check_job, get_head_layers, plan, price_job
 from megatron_ext.planning.step_time import Cluster
-from megatron_ext.planning.validity import check_layout
 
 RECOMPUTE_FLAGS = {
     "selective": ("--recompute-granularity", "selective"),
@@ -106,7 +105,7 @@ def find_cheapest_change(cfg: JobConfig, cluster: Cluster, vocab_size: int) -> C
     head = get_head_layers(cfg, vocab_size, cfg.parallel.tensor_model_parallel_size)
     fits = []
     for flags, remove, job in get_variants(cfg, cluster.gpus):
-        if check_layout(job, cluster.gpus).problems:
+        if check_job(job, cluster.gpus):
             continue
         with quiet_recompute_advice():
             _, ranks, time = price_job(job, cluster, vocab_size, head)

@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import itertools
 
-from megatron_ext.config import JobConfig
+from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.context_parallel.rules import check_cp_comm_type, check_not_under_cp
 from megatron_ext.derived import (
     get_data_parallel_size,
@@ -42,8 +42,8 @@ from megatron_ext.derived import (
 from megatron_ext.planning.memory import GIB, RankMemory, get_recompute_kind, get_shape
 from megatron_ext.planning.predict import count_parts, get_schedule, get_stage_layers, predict_memory
 from megatron_ext.planning.step_time import Cluster, CPTraffic, StepTime, get_stage_costs, predict_step_time
-from megatron_ext.planning.validity import check_layout
 from megatron_ext.training.metrics import num_floating_point_operations
+from megatron_ext.validation import validate
 
 MAX_VPP = 8
 MAX_CP = 16
@@ -150,7 +150,6 @@ class Candidate:
     time: StepTime | None
     problems: tuple[str, ...]  # why it does not fit or is not valid (empty: it fits)
     even_memory: float | None = None  # a lighter first stage's: the fullest GPU's bytes with the even split
-    deferred: tuple[str, ...] = ()  # what a launch refuses until it is wired into training (planning/validity.py)
 
 
 def apply_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
@@ -331,10 +330,14 @@ def enumerate_layouts(cfg: JobConfig, cluster: Cluster, fixed: dict[str, str], v
     return out
 
 
-def get_problems(job: JobConfig, world_size: int) -> tuple[str, ...]:
-    """``validation.validate``'s problems (empty when valid), less what is not wired yet
-    (``planning/validity.py``)."""
-    return check_layout(job, world_size).problems
+def check_job(job: JobConfig, world_size: int, cuda: bool = True) -> tuple[str, ...]:
+    """``validation.validate(job, world_size, cuda)``'s problems, returned rather than raised (empty:
+    valid): the planning tools weigh many layouts and keep each one's reasons."""
+    try:
+        validate(job, world_size, cuda=cuda)
+    except ConfigError as err:
+        return tuple(err.problems)
+    return ()
 
 
 def price_job(
@@ -395,15 +398,14 @@ def evaluate(cfg: JobConfig, layout: Layout, cluster: Cluster, vocab_size: int, 
     key = dataclasses.replace(layout, recompute="none")
     cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = check_layout(job, cluster.gpus)
-    check = cache[key]
-    if check.problems:
-        return Candidate(layout, dp, None, None, None, check.problems)
+        cache[key] = check_job(job, cluster.gpus)
+    if cache[key]:
+        return Candidate(layout, dp, None, None, None, cache[key])
     if ("head", layout.tp) not in cache:
         cache[("head", layout.tp)] = get_head_layers(cfg, vocab_size, layout.tp)
     m, ranks, time = price_job(job, cluster, vocab_size, cache[("head", layout.tp)])
     worst = max(ranks, key=lambda r: r.total)
-    return Candidate(layout, dp, m, worst, time, get_memory_problems(ranks, cluster), deferred=check.deferred)
+    return Candidate(layout, dp, m, worst, time, get_memory_problems(ranks, cluster))
 
 
 def plan(cfg: JobConfig, cluster: Cluster, vocab_size: int, fixed: dict[str, str]) -> list[Candidate]:

@@ -16,7 +16,6 @@ from megatron_ext.derived import (
     get_replica_size,
     get_virtual_pipeline_size,
 )
-from megatron_ext.planning.validity import validate_for_planning
 from megatron_ext.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -236,8 +235,7 @@ def test_every_shipped_config_parses_and_validates(path, monkeypatch):
     cfg = parse_args(["--config", path])
     assert cfg.model.num_layers > 0 and (cfg.data.data_path or cfg.data.mock_data), path
     world = get_replica_size(cfg) * 2
-    # (a CP config is valid but for the launch's refusal of CP until it is wired: planning/validity.py)
-    validate_for_planning(cfg, int(os.environ.get("CONFIG_TEST_WORLD", world)), cuda=False)
+    validate(cfg, int(os.environ.get("CONFIG_TEST_WORLD", world)), cuda=False)
 
 
 # ----------------------------------------------------------------------------- typed config files

@@ -18,7 +18,7 @@ from megatron_ext.arguments import parse_args
 from megatron_ext.config import ConfigError
 from megatron_ext.derived import get_chunk_layer_counts, get_data_parallel_size, get_num_microbatches
 from megatron_ext.model.param_count import count_parameters
-from megatron_ext.planning.validity import validate_for_planning
+from megatron_ext.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,9 +75,7 @@ def closed_form(cfg, vocab: int) -> tuple[int, int]:
 def test_reference_config_is_valid_at_its_world_size(name):
     world, tp, pp, vpp, dp, _ = REFERENCE[name]
     cfg = load(name)
-    # pure: mock data, nothing built (a CP layout too: CP is wired into training, nothing is deferred)
-    deferred = validate_for_planning(cfg, world, cuda=False)
-    assert deferred == (), deferred
+    validate(cfg, world, cuda=False)  # pure: mock data, nothing built
     p = cfg.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, get_data_parallel_size(cfg, world)) == (
         tp,
@@ -90,7 +88,7 @@ def test_reference_config_is_valid_at_its_world_size(name):
     assert get_num_microbatches(cfg, world) == cfg.training.global_batch_size // dp
     # one rank more does not fit the layout or the batch: refused (the validation is not vacuous)
     with pytest.raises(ConfigError):
-        validate_for_planning(cfg, world + 1, cuda=False)
+        validate(cfg, world + 1, cuda=False)
     # a real corpus instead of the config's synthetic data, from the command line
     real = parse_args(["--config", os.path.join(ROOT, "configs", name), "--no-mock-data", "--data-path", "corpus"])
     assert real.data.mock_data is False and real.data.data_path == ["corpus"]
@@ -167,7 +165,7 @@ def test_each_config_states_its_predicted_peak_and_the_cheapest_flags_that_fit_8
     change = find_cheapest_change(cfg, Cluster(world, 8, 80.0), cfg.data.vocab_size)
     assert list(change.flags) == flags and not change.remove, change
     job = parse_args(["--config", os.path.join(ROOT, "configs", name), *flags])
-    validate_for_planning(job, world, cuda=False)
+    validate(job, world, cuda=False)
     assert round(max(r.total for r in predict_memory(job, world, job.data.vocab_size)) / GIB, 1) == fitted <= 80
 
 
