@@ -230,7 +230,7 @@ def test_next_export_recovers_a_crashed_publish_and_logs_its_seconds(tmp_path):
     assert 0.0 <= float(match.group(1)) <= out["seconds"], (line, out["seconds"])
 
 
-def _train_and_export(rank: int, world_size: int, save: str) -> None:
+def _train_one_rank_and_export(rank: int, world_size: int, save: str) -> None:
     values = _values(save, "llama untied fp32") | dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     train(build_tiny_run(values, MarkovDataset(SEQ)))
     destroy_parallel_context()
@@ -261,7 +261,7 @@ def test_an_export_a_killed_run_owed_is_redone_at_the_next_start(tmp_path):
     save = str(tmp_path / "ckpt")
     hf = os.path.join(save, "hf")
     final, tmp = os.path.join(hf, f"iter_{ITERS:07d}"), os.path.join(hf, f".tmp_iter_{ITERS:07d}")
-    run_ranks(_train_and_export, 1, save)
+    run_ranks(_train_one_rank_and_export, 1, save)
     assert is_complete_export(final)
     logs = {}
     for kill, why in (
