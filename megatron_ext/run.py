@@ -333,8 +333,9 @@ def describe_run(run: TrainingRun) -> str:
     """The start-up summary lines of the logging rank: layout, precision, attention kernels."""
     ctx, cfg, resolved = run.ctx, run.cfg, run.resolved
     local = sum(prm.numel() for chunk in run.model for prm in chunk.parameters())
+    cp = f" x CP {ctx.cp_size}" if ctx.cp_size > 1 else ""  # a run without CP logs the line it always did
     return (
-        f"> layout: world {ctx.world_size} = TP {ctx.tp_size} x CP {ctx.cp_size} x PP {ctx.pp_size} x DP {ctx.dp_size}"
+        f"> layout: world {ctx.world_size} = TP {ctx.tp_size}{cp} x PP {ctx.pp_size} x DP {ctx.dp_size}"
         f" | virtual stages per pipeline rank {ctx.vp_size or 1}"
         f" | distributed optimizer {cfg.parallel.use_distributed_optimizer} | device {ctx.device}"
         f" | {resolved.precision} | padded vocab {resolved.padded_vocab_size}"

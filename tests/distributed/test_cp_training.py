@@ -383,7 +383,7 @@ def test_the_layout_line_names_cp_and_dropout_streams_differ_per_cp_rank(four_ra
     first = eight_ranks[0]
     assert first["CP2 x TP2+SP x PP2"]["layout"].startswith("> layout: world 8 = TP 2 x CP 2 x PP 2 x DP 1 |")
     assert first["CP4 x PP2"]["layout"].startswith("> layout: world 8 = TP 1 x CP 4 x PP 2 x DP 1 |")
-    assert four_ranks[0]["resumed at CP1 x PP2 x DP2"]["layout"].startswith("> layout: world 4 = TP 1 x CP 1 x PP 2")
+    assert four_ranks[0]["resumed at CP1 x PP2 x DP2"]["layout"].startswith("> layout: world 4 = TP 1 x PP 2 x DP 2 |")
     seeds = {r["CP2 x TP2+SP x PP2"]["place"]: r["CP2 x TP2+SP x PP2"]["seeds"] for r in eight_ranks}
     for (cp, pp, tp, dp), (default, tracker) in seeds.items():
         assert default != seeds[(1 - cp, pp, tp, dp)][0] and tracker != seeds[(1 - cp, pp, tp, dp)][1]
