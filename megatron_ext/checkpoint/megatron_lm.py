@@ -42,9 +42,9 @@ from megatron_ext.checkpoint.listing import (
 from megatron_ext.checkpoint.reader import (
     COMMON_FILE,
     VerifyingFileSystemReader,
-    find_named_failure,
     load_torch_archive,
     read_common,
+    read_full_tensors,
 )
 from megatron_ext.checkpoint.unpickler import allowing
 from megatron_ext.config import ConfigError
@@ -331,19 +331,5 @@ def read_megatron_lm_weights(ckpt_dir: str) -> dict[str, torch.Tensor]:
     state), read whole in this process without a process group (for tools), through our reader
     (every shard's size checked: ``reader.VerifyingFileSystemReader``; Megatron-LM records no checksums).
     Layer-stacked keys (``decoder.layers.*``) have the global layer index as dimension 0."""
-    from torch.distributed import checkpoint as dcp
-
     reader = VerifyingFileSystemReader(ckpt_dir)
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in reader.read_metadata().state_dict_metadata.items()
-        if hasattr(md, "size") and not key.startswith(("optimizer.", "rng_state"))
-    }
-    try:
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    except BaseException as err:  # torch's CheckpointException (a BaseException) wraps the reader's
-        found = find_named_failure(err)
-        if found is None:
-            raise
-        raise found from None
-    return state
+    return read_full_tensors(reader, lambda key: not key.startswith(("optimizer.", "rng_state")))

@@ -534,3 +534,24 @@ def install_allowlisted_unpickling() -> None:
 
 
 install_allowlisted_unpickling()
+
+
+def read_full_tensors(reader: VerifyingFileSystemReader, keep) -> dict[str, torch.Tensor]:
+    """{checkpoint key: full unsharded tensor} of every stored tensor whose key ``keep(key)`` accepts,
+    read through ``reader`` in this process without a process group (tools and tests); a damaged or
+    unsafe file raises this module's named error, not torch's ``CheckpointException`` around it."""
+    from torch.distributed import checkpoint as dcp
+
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in reader.read_metadata().state_dict_metadata.items()
+        if hasattr(md, "size") and keep(key)
+    }
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except BaseException as err:  # torch's CheckpointException (a BaseException) wraps the reader's
+        found = find_named_failure(err)
+        if found is None:
+            raise
+        raise found from None
+    return state

@@ -67,6 +67,7 @@ from megatron_ext.checkpoint.reader import (
     VerifyingTorchDistLoadStrategy,
     find_named_failure,
     open_checkpoint,
+    read_full_tensors,
 )
 from megatron_ext.config import ConfigError, JobConfig
 from megatron_ext.optim import apply_flag_settings, get_scheduler_state, load_scheduler_state
@@ -300,24 +301,9 @@ def load_full_tensors(ckpt_dir: str, prefix: str = "", exclude: tuple[str, ...] 
     tests). Layer-stacked keys (``decoder.layers.*``) have the global layer index as dimension 0.
     Everything read is checked as ``--ckpt-verify`` checks a load (``reader.open_checkpoint``, then
     every item against the marker); a damaged or unsafe file raises ``reader``'s named error."""
-    from torch.distributed import checkpoint as dcp
-
     checksums, _ = open_checkpoint(ckpt_dir)  # every item checked, as --ckpt-verify does
     reader = VerifyingFileSystemReader(ckpt_dir, *((checksums["items"], checksums["algorithm"]) if checksums else ()))
-    metadata = reader.read_metadata()
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and not key.startswith(exclude) and hasattr(md, "size")
-    }
-    try:
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    except BaseException as err:  # torch's CheckpointException (a BaseException) wraps the reader's
-        found = find_named_failure(err)
-        if found is None:
-            raise
-        raise found from None
-    return state
+    return read_full_tensors(reader, lambda key: key.startswith(prefix) and not key.startswith(exclude))
 
 
 class CheckpointDamaged(Exception):
