@@ -93,14 +93,8 @@ def build_training_run(
         ensure_rng_tracker(cfg)
     resolve_train_iters(cfg, ctx.world_size)
     if tokenizer is None:
-        d = cfg.data
-        tokenizer = build_tokenizer(**get_tokenizer_args(d))
-    resolved = resolve_config(cfg, ctx.world_size, tokenizer.vocab_size)
-    if padded_vocab is not None:  # the model the checkpoint is (Megatron-LM pads by the multiple x its TP)
-        problem = check_padded_vocab(padded_vocab[0], tokenizer.vocab_size, ctx.tp_size)
-        if problem:
-            raise ConfigError([f"--load: {problem}"])
-        resolved = dataclasses.replace(resolved, padded_vocab_size=padded_vocab[0])
+        tokenizer = build_tokenizer(**get_tokenizer_args(cfg.data))
+    resolved = resolve_run_config(cfg, ctx, tokenizer.vocab_size, padded_vocab)
     global_batch_size = resolved.global_batch_size
     decrease = describe_batch_decrease(cfg, ctx.world_size)
     if decrease is not None and ctx.is_logging_rank:
@@ -156,6 +150,20 @@ def build_training_run(
         spike_guard=build_spike_guard(cfg.training),
         weight_hash=build_weight_hash_check(cfg.training),
     )
+
+
+def resolve_run_config(
+    cfg: JobConfig, ctx: ParallelContext, vocab_size: int, padded_vocab: tuple[int, str] | None
+) -> ResolvedConfig:
+    """``resolve_config`` for this world and tokenizer, with the padded vocabulary of the checkpoint
+    the run loads when it is not this run's (Megatron-LM pads by the multiple x its TP)."""
+    resolved = resolve_config(cfg, ctx.world_size, vocab_size)
+    if padded_vocab is None:
+        return resolved
+    problem = check_padded_vocab(padded_vocab[0], vocab_size, ctx.tp_size)
+    if problem:
+        raise ConfigError([f"--load: {problem}"])
+    return dataclasses.replace(resolved, padded_vocab_size=padded_vocab[0])
 
 
 def build_model_and_optimizer(

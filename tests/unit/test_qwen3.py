@@ -70,7 +70,10 @@ def test_head_dimension_rules_name_the_flags(values, needle):
 
 
 def test_hidden_size_need_not_divide_into_heads_with_kv_channels():
-    validate(build_job_config({**MOCK, "hidden_size": 66, "num_attention_heads": 4, "kv_channels": 16}), 1)
+    cfg = build_job_config({**MOCK, "hidden_size": 66, "num_attention_heads": 4, "kv_channels": 16})
+    assert validate(cfg, 1) is None  # accepted (a refusal raises ConfigError)
+    with pytest.raises(ConfigError):  # the same shape without --kv-channels is refused
+        validate(build_job_config({**MOCK, "hidden_size": 66, "num_attention_heads": 4}), 1)
 
 
 def test_qwen3_config_becomes_our_flags_without_biases():
